@@ -1,0 +1,51 @@
+// Topology of the job as seen from this PE: which PEs share the node, which are reachable by
+// P2P load/store, and the transport used for each PE. Built collectively at shmem init.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "mori/application/bootstrap/bootstrap.hpp"
+#include "mori/application/transport_types.hpp"
+
+namespace mori::application {
+
+struct PeerRecord {
+  char nodeId[64];   // MORI_NODE_ID, kernel boot_id or host name (truncated)
+  char busId[32];    // PCI bus id of the PE's GPU
+  int32_t pid;
+  int32_t device;    // the PE's device ordinal in its own process
+  int32_t syntheticNode;  // rank / MORI_GPU_PER_NODE when set, else -1
+};
+
+class Context {
+ public:
+  // Collective over `boot`. `device` is this PE's current GPU ordinal.
+  Context(BootstrapNetwork& boot, int device);
+
+  int Rank() const { return rank; }
+  int WorldSize() const { return worldSize; }
+  int LocalRank() const { return localRank; }    // index among same-node PEs
+  int LocalSize() const { return localSize; }    // number of same-node PEs
+  bool SameNode(int pe) const { return sameNode[pe]; }
+  bool CanP2P(int pe) const { return canP2P[pe]; }
+  TransportType Transport(int pe) const { return transport[pe]; }
+  const std::vector<TransportType>& Transports() const { return transport; }
+  const PeerRecord& Peer(int pe) const { return peers[pe]; }
+
+ private:
+  int rank;
+  int worldSize;
+  int localRank = 0;
+  int localSize = 0;
+  std::vector<PeerRecord> peers;
+  std::vector<bool> sameNode;
+  std::vector<bool> canP2P;
+  std::vector<TransportType> transport;
+};
+
+// This process's node identity: MORI_NODE_ID, else the kernel boot_id, else the host name.
+std::string LocalNodeId();
+
+}  // namespace mori::application

@@ -1,0 +1,51 @@
+// The symmetric heap: one device allocation per PE of the same size, mapped into every same-node
+// peer through IPC handles. Sub-allocations are offsets handed out by a HeapAllocator that every
+// PE drives with the same call sequence, so an object has the same offset on every PE and its
+// address on PE p is PeerBase(p) + offset.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "mori/application/bootstrap/bootstrap.hpp"
+#include "mori/application/context/context.hpp"
+#include "mori/application/memory/heap_allocator.hpp"
+
+namespace mori::application {
+
+class SymmetricHeap {
+ public:
+  // Collective. Allocates `bytes` on the current GPU (zeroed), exchanges IPC handles and opens
+  // them for every P2P peer.
+  SymmetricHeap(BootstrapNetwork& boot, const Context& context, uint64_t bytes);
+  // Not collective by itself: callers barrier before destroying (peers may still access it).
+  ~SymmetricHeap();
+  SymmetricHeap(const SymmetricHeap&) = delete;
+  SymmetricHeap& operator=(const SymmetricHeap&) = delete;
+
+  void* Base() const { return base; }
+  uint64_t Size() const { return size; }
+  bool Contains(const void* p, uint64_t bytes = 1) const {
+    auto a = reinterpret_cast<uintptr_t>(p), b = reinterpret_cast<uintptr_t>(base);
+    return a >= b && a - b <= size && bytes <= size - (a - b);
+  }
+  uint64_t OffsetOf(const void* p) const {
+    return reinterpret_cast<uintptr_t>(p) - reinterpret_cast<uintptr_t>(base);
+  }
+  // Base of PE pe's heap as mapped in this process; 0 when not load/store reachable.
+  uintptr_t PeerBase(int pe) const { return peerBases[pe]; }
+  const std::vector<uintptr_t>& PeerBases() const { return peerBases; }
+  HeapAllocator& Allocator() { return allocator; }
+  const HeapAllocator& Allocator() const { return allocator; }
+
+ private:
+  void Release();
+
+  void* base = nullptr;
+  uint64_t size = 0;
+  std::vector<uintptr_t> peerBases;
+  std::vector<void*> openedHandles;  // IPC mappings to close
+  HeapAllocator allocator;
+};
+
+}  // namespace mori::application

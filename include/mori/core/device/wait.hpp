@@ -1,0 +1,134 @@
+// The one bounded-wait primitive every device-side spin uses.
+//
+// Contract: WaitUntil returns true once `*addr <op> target` holds. If the condition does not hold
+// within the context's timeout, or another thread has already recorded an error (the abort flag),
+// it returns false. On its own timeout it records, once per error record, who waited (rank, block,
+// thread), on whom (peer), for what (label, address, comparison, expected value) and what it saw,
+// prints one line, and raises the abort flag so every other wait of every kernel sharing the record
+// bails out. Callers return from the kernel when a wait returns false; the host reads the record
+// (it lives in mapped host memory) and raises TimeoutError. No trap: the GPU context stays usable.
+#pragma once
+
+#include <cstdint>
+
+#include "mori/core/gpu.hpp"
+
+namespace mori::core {
+
+enum class CmpOp : int32_t { kEq = 0, kNe, kGt, kGe, kLt, kLe };
+
+inline const char* CmpOpName(CmpOp op) {
+  switch (op) {
+    case CmpOp::kEq: return "==";
+    case CmpOp::kNe: return "!=";
+    case CmpOp::kGt: return ">";
+    case CmpOp::kGe: return ">=";
+    case CmpOp::kLt: return "<";
+    case CmpOp::kLe: return "<=";
+  }
+  return "?";
+}
+
+constexpr int kDeviceErrorLabelLen = 48;
+
+// Shared by host and device; lives in host-pinned memory mapped into the GPU.
+struct DeviceErrorRecord {
+  uint32_t claimed;    // 0: no error; the first failing thread sets 1 and fills the fields
+  uint32_t abortFlag;  // nonzero: every bounded wait gives up at once
+  int32_t rank;
+  int32_t peer;        // -1 when the wait is not on one peer
+  int32_t block;
+  int32_t thread;
+  int32_t cmp;         // CmpOp
+  int32_t valueBytes;  // 4 or 8
+  uint64_t addr;
+  uint64_t expected;
+  uint64_t seen;
+  uint64_t elapsedNs;
+  char label[kDeviceErrorLabelLen];
+};
+
+// What a kernel needs to bound its waits; passed by value inside device contexts.
+struct WaitContext {
+  DeviceErrorRecord* err;  // device-visible pointer to the mapped record
+  uint64_t timeoutNs;
+  int32_t rank;
+};
+
+#if defined(__CUDACC__) || defined(__HIPCC__)
+
+template <typename T>
+MORI_DEVICE_INLINE bool CompareValues(T v, CmpOp op, T target) {
+  switch (op) {
+    case CmpOp::kEq: return v == target;
+    case CmpOp::kNe: return v != target;
+    case CmpOp::kGt: return v > target;
+    case CmpOp::kGe: return v >= target;
+    case CmpOp::kLt: return v < target;
+    case CmpOp::kLe: return v <= target;
+  }
+  return false;
+}
+
+MORI_DEVICE_INLINE bool DeviceAborted(const WaitContext& ctx) {
+  return ctx.err != nullptr && AtomicLoadRelaxedSystem(&ctx.err->abortFlag) != 0;
+}
+
+// Records an error (first caller wins) and raises the abort flag.
+template <typename T>
+__device__ __noinline__ void RecordWaitTimeout(const WaitContext& ctx, int peer, const char* label,
+                                               const T* addr, CmpOp op, T target, T seen,
+                                               uint64_t elapsedNs) {
+  DeviceErrorRecord* e = ctx.err;
+  if (e != nullptr && AtomicCasSystem<uint32_t>(&e->claimed, 0u, 1u) == 0u) {
+    e->rank = ctx.rank;
+    e->peer = peer;
+    e->block = static_cast<int32_t>(blockIdx.x);
+    e->thread = static_cast<int32_t>(threadIdx.x);
+    e->cmp = static_cast<int32_t>(op);
+    e->valueBytes = sizeof(T);
+    e->addr = reinterpret_cast<uint64_t>(addr);
+    e->expected = static_cast<uint64_t>(target);
+    e->seen = static_cast<uint64_t>(seen);
+    e->elapsedNs = elapsedNs;
+    int i = 0;
+    for (; label != nullptr && label[i] != '\0' && i < kDeviceErrorLabelLen - 1; i++)
+      e->label[i] = label[i];
+    e->label[i] = '\0';
+    FenceSystem();
+    AtomicStoreRelaxedSystem<uint32_t>(&e->abortFlag, 1u);
+    printf("[MORI device timeout] rank %d block %d thread %d: waited %llu ns for %s on peer %d: "
+           "*%p %s %llu, saw %llu\n",
+           ctx.rank, (int)blockIdx.x, (int)threadIdx.x, (unsigned long long)elapsedNs,
+           label ? label : "?", peer, (const void*)addr, CmpOpName(op),
+           (unsigned long long)target, (unsigned long long)seen);
+  } else if (e != nullptr) {
+    AtomicStoreRelaxedSystem<uint32_t>(&e->abortFlag, 1u);
+  }
+}
+
+// Spin with acquire loads until `*addr op target`. See the header comment for the contract.
+template <typename T>
+MORI_DEVICE_INLINE bool WaitUntil(const WaitContext& ctx, T* addr, CmpOp op, T target, int peer,
+                                  const char* label) {
+  T v = AtomicLoadAcquireSystem(addr);
+  if (CompareValues(v, op, target)) return true;
+  const uint64_t start = WallClockNs();
+  for (uint32_t iter = 1;; iter++) {
+    v = AtomicLoadAcquireSystem(addr);
+    if (CompareValues(v, op, target)) return true;
+    if ((iter & 63u) == 0) {
+      if (DeviceAborted(ctx)) return false;
+      uint64_t elapsed = WallClockNs() - start;
+      if (elapsed > ctx.timeoutNs) {
+        RecordWaitTimeout(ctx, peer, label, addr, op, target, v, elapsed);
+        return false;
+      }
+      SpinPause();
+    }
+  }
+}
+
+#endif  // __CUDACC__ || __HIPCC__
+
+}  // namespace mori::core

@@ -1,0 +1,78 @@
+// The one table of environment settings. Every MORI_* variable the library reads is declared here
+// (name, type, default, help), read once, printed by `mori-info` and documented in docs/env.md
+// (tests/core/env_doc_test checks that the doc lists exactly these names).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace mori::core {
+
+// X(field, NAME, Type, default-as-text, help)
+// Types: Bool (1/0/true/false/yes/no/on/off), Int (decimal), Size (bytes; K/M/G/T suffixes,
+// optional B or iB, powers of 1024), String.
+#define MORI_ENV_TABLE(X)                                                                          \
+  X(logLevel, MORI_LOG_LEVEL, String, "WARN",                                                     \
+    "Log threshold: NONE, ERROR, WARN, INFO, DEBUG, TRACE.")                                      \
+  X(logSubsys, MORI_LOG_SUBSYS, String, "ALL",                                                    \
+    "Comma list of subsystems to log (INIT,BOOTSTRAP,SHMEM,MEM,TOPO,RDMA,OPS,ENV or ALL); a "     \
+    "leading ^ logs all but these.")                                                              \
+  X(logFile, MORI_LOG_FILE, String, "",                                                           \
+    "Write logs to this file instead of stderr; %h expands to the host name, %p to the pid.")     \
+  X(bootstrapTimeoutSec, MORI_BOOTSTRAP_TIMEOUT, Int, "120",                                      \
+    "Seconds any bootstrap wait (connect, allgather, all-to-all, barrier) may take before it "    \
+    "fails naming the ranks that never arrived.")                                                 \
+  X(socketIfname, MORI_SOCKET_IFNAME, String, "",                                                 \
+    "Network interface whose IPv4 address the socket bootstrap's unique id carries; default: "    \
+    "the first non-loopback interface, else loopback.")                                           \
+  X(nodeId, MORI_NODE_ID, String, "",                                                             \
+    "Override this process's node identity (default: kernel boot_id, then host name).")           \
+  X(heapSize, MORI_SHMEM_HEAP_SIZE, Size, "4G",                                                   \
+    "Bytes of the symmetric heap allocated on every PE at init (e.g. 512M, 4G).")                  \
+  X(deviceTimeoutMs, MORI_DEVICE_TIMEOUT_MS, Int, "60000",                                        \
+    "Milliseconds a device-side wait may spin before it records an attributed timeout and the "   \
+    "kernel bails out.")                                                                          \
+  X(hostTimeoutMs, MORI_HOST_TIMEOUT_MS, Int, "120000",                                           \
+    "Milliseconds a host-side wait on device work (e.g. stream synchronisation in the shmem "     \
+    "host API) may take before it raises a timeout.")                                             \
+  X(disableP2P, MORI_DISABLE_P2P, Bool, "0",                                                      \
+    "Do not use load/store P2P between GPUs of one node (peers then need RDMA).")                 \
+  X(gpuPerNode, MORI_GPU_PER_NODE, Int, "0",                                                      \
+    "Treat every group of this many consecutive ranks as one node (0 = detect). 1 makes every "   \
+    "GPU its own node, for testing the RDMA path on one host.")
+
+enum class EnvType { kBool, kInt, kSize, kString };
+
+struct EnvValues {
+#define MORI_ENV_FIELD_Bool bool
+#define MORI_ENV_FIELD_Int int64_t
+#define MORI_ENV_FIELD_Size uint64_t
+#define MORI_ENV_FIELD_String std::string
+#define MORI_ENV_DECLARE_FIELD(field, name, type, def, help) MORI_ENV_FIELD_##type field{};
+  MORI_ENV_TABLE(MORI_ENV_DECLARE_FIELD)
+#undef MORI_ENV_DECLARE_FIELD
+};
+
+struct EnvEntry {
+  const char* name;
+  EnvType type;
+  const char* defaultText;
+  const char* help;
+  std::string valueText;  // the value in effect, normalised
+  bool fromEnvironment;   // false: the default
+};
+
+// The snapshot taken at first use. Bad values raise InvalidUsageError naming the variable.
+const EnvValues& Env();
+// Every entry with its value and source, in table order (for mori-info and docs).
+std::vector<EnvEntry> EnvEntries();
+// Re-read the environment (tests; shmem init calls it so a new init sees the current settings).
+void ReloadEnv();
+
+// Parsers, exposed for tests. All raise InvalidUsageError with `name` in the message.
+bool ParseEnvBool(const char* name, const std::string& text);
+int64_t ParseEnvInt(const char* name, const std::string& text);
+uint64_t ParseEnvSize(const char* name, const std::string& text);
+
+}  // namespace mori::core

@@ -1,0 +1,296 @@
+// The one portability header: everything that differs between CUDA and HIP lives here.
+// Kernels and host code use the gpu* runtime names and the mori::core device helpers below,
+// never #ifdef on the platform themselves.
+//
+// Backend selection: MORI_BACKEND_HIP / MORI_BACKEND_CUDA come from the build (cmake/MoriGpu.cmake);
+// a HIP compiler also implies HIP.
+#pragma once
+
+#include <cstdint>
+
+#if defined(MORI_BACKEND_HIP) || defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC__)
+#define MORI_HIP 1
+#include <hip/hip_runtime.h>
+#else
+#define MORI_CUDA 1
+#include <cuda_runtime.h>
+#if defined(__CUDACC__)
+#include <cuda/atomic>
+#endif
+#endif
+
+#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
+#define MORI_DEVICE_COMPILE 1
+#endif
+
+#define MORI_HOST_DEVICE __host__ __device__
+#define MORI_DEVICE __device__
+#define MORI_DEVICE_INLINE __device__ __forceinline__
+
+// ---------------------------------------------------------------------------------------------
+// Runtime API names
+// ---------------------------------------------------------------------------------------------
+#if MORI_HIP
+#define MORI_GPU_NAME(x) hip##x
+#define MORI_GPU_PLATFORM_NAME "HIP"
+#else
+#define MORI_GPU_NAME(x) cuda##x
+#define MORI_GPU_PLATFORM_NAME "CUDA"
+#endif
+
+using gpuError_t = MORI_GPU_NAME(Error_t);
+using gpuStream_t = MORI_GPU_NAME(Stream_t);
+using gpuEvent_t = MORI_GPU_NAME(Event_t);
+using gpuIpcMemHandle_t = MORI_GPU_NAME(IpcMemHandle_t);
+using gpuDeviceProp_t = MORI_GPU_NAME(DeviceProp);
+using gpuPointerAttributes_t = MORI_GPU_NAME(PointerAttributes);
+
+#define gpuSuccess MORI_GPU_NAME(Success)
+#define gpuErrorNotReady MORI_GPU_NAME(ErrorNotReady)
+#define gpuErrorPeerAccessAlreadyEnabled MORI_GPU_NAME(ErrorPeerAccessAlreadyEnabled)
+#define gpuGetErrorString MORI_GPU_NAME(GetErrorString)
+#define gpuGetErrorName MORI_GPU_NAME(GetErrorName)
+#define gpuGetLastError MORI_GPU_NAME(GetLastError)
+#define gpuPeekAtLastError MORI_GPU_NAME(PeekAtLastError)
+#define gpuGetDevice MORI_GPU_NAME(GetDevice)
+#define gpuSetDevice MORI_GPU_NAME(SetDevice)
+#define gpuGetDeviceCount MORI_GPU_NAME(GetDeviceCount)
+#define gpuGetDeviceProperties MORI_GPU_NAME(GetDeviceProperties)
+#define gpuDeviceGetAttribute MORI_GPU_NAME(DeviceGetAttribute)
+#define gpuDeviceGetPCIBusId MORI_GPU_NAME(DeviceGetPCIBusId)
+#define gpuDeviceCanAccessPeer MORI_GPU_NAME(DeviceCanAccessPeer)
+#define gpuDeviceGetByPCIBusId MORI_GPU_NAME(DeviceGetByPCIBusId)
+#define gpuDeviceEnablePeerAccess MORI_GPU_NAME(DeviceEnablePeerAccess)
+#define gpuDeviceSynchronize MORI_GPU_NAME(DeviceSynchronize)
+#define gpuDriverGetVersion MORI_GPU_NAME(DriverGetVersion)
+#define gpuRuntimeGetVersion MORI_GPU_NAME(RuntimeGetVersion)
+#define gpuMalloc MORI_GPU_NAME(Malloc)
+#define gpuFree MORI_GPU_NAME(Free)
+#define gpuHostAlloc MORI_GPU_NAME(HostAlloc)
+#define gpuFreeHost MORI_GPU_NAME(FreeHost)
+#define gpuHostGetDevicePointer MORI_GPU_NAME(HostGetDevicePointer)
+#define gpuMemGetInfo MORI_GPU_NAME(MemGetInfo)
+#define gpuMemcpy MORI_GPU_NAME(Memcpy)
+#define gpuMemcpyAsync MORI_GPU_NAME(MemcpyAsync)
+#define gpuMemcpyPeerAsync MORI_GPU_NAME(MemcpyPeerAsync)
+#define gpuMemset MORI_GPU_NAME(Memset)
+#define gpuMemsetAsync MORI_GPU_NAME(MemsetAsync)
+#define gpuMemcpyHostToDevice MORI_GPU_NAME(MemcpyHostToDevice)
+#define gpuMemcpyDeviceToHost MORI_GPU_NAME(MemcpyDeviceToHost)
+#define gpuMemcpyDeviceToDevice MORI_GPU_NAME(MemcpyDeviceToDevice)
+#define gpuMemcpyDefault MORI_GPU_NAME(MemcpyDefault)
+#define gpuPointerGetAttributes MORI_GPU_NAME(PointerGetAttributes)
+#define gpuIpcGetMemHandle MORI_GPU_NAME(IpcGetMemHandle)
+#define gpuIpcOpenMemHandle MORI_GPU_NAME(IpcOpenMemHandle)
+#define gpuIpcCloseMemHandle MORI_GPU_NAME(IpcCloseMemHandle)
+#define gpuIpcMemLazyEnablePeerAccess MORI_GPU_NAME(IpcMemLazyEnablePeerAccess)
+#define gpuStreamCreate MORI_GPU_NAME(StreamCreate)
+#define gpuStreamCreateWithFlags MORI_GPU_NAME(StreamCreateWithFlags)
+#define gpuStreamNonBlocking MORI_GPU_NAME(StreamNonBlocking)
+#define gpuStreamDestroy MORI_GPU_NAME(StreamDestroy)
+#define gpuStreamSynchronize MORI_GPU_NAME(StreamSynchronize)
+#define gpuStreamQuery MORI_GPU_NAME(StreamQuery)
+#define gpuEventCreate MORI_GPU_NAME(EventCreate)
+#define gpuEventCreateWithFlags MORI_GPU_NAME(EventCreateWithFlags)
+#define gpuEventDisableTiming MORI_GPU_NAME(EventDisableTiming)
+#define gpuEventDestroy MORI_GPU_NAME(EventDestroy)
+#define gpuEventRecord MORI_GPU_NAME(EventRecord)
+#define gpuEventQuery MORI_GPU_NAME(EventQuery)
+#define gpuEventSynchronize MORI_GPU_NAME(EventSynchronize)
+#define gpuEventElapsedTime MORI_GPU_NAME(EventElapsedTime)
+#define gpuFuncGetAttributes MORI_GPU_NAME(FuncGetAttributes)
+#define gpuFuncAttributes MORI_GPU_NAME(FuncAttributes)
+#define gpuOccupancyMaxActiveBlocksPerMultiprocessor \
+  MORI_GPU_NAME(OccupancyMaxActiveBlocksPerMultiprocessor)
+#define gpuHostAllocMapped MORI_GPU_NAME(HostAllocMapped)
+#define gpuHostAllocPortable MORI_GPU_NAME(HostAllocPortable)
+#define gpuDevAttrMultiProcessorCount MORI_GPU_NAME(DevAttrMultiProcessorCount)
+
+namespace mori::core {
+
+// Device memory whose atomics and stores are coherent with peer GPUs mapping it over P2P
+// (AMD needs fine-grained memory for that; on NVIDIA ordinary device memory already is).
+inline gpuError_t GpuMallocCoherent(void** ptr, size_t bytes) {
+#if MORI_HIP
+  return hipExtMallocWithFlags(ptr, bytes, hipDeviceMallocFinegrained);
+#else
+  return cudaMalloc(ptr, bytes);
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// Warp geometry. AMD CDNA wavefronts are 64 lanes; NVIDIA warps are 32.
+// ---------------------------------------------------------------------------------------------
+#if MORI_HIP
+constexpr int kWarpSize = 64;
+using LaneMask = uint64_t;
+#else
+constexpr int kWarpSize = 32;
+using LaneMask = uint32_t;
+#endif
+constexpr LaneMask kFullLaneMask = ~LaneMask(0);
+
+#if defined(__CUDACC__) || defined(__HIPCC__)
+
+MORI_DEVICE_INLINE int LaneId() { return static_cast<int>(threadIdx.x) & (kWarpSize - 1); }
+MORI_DEVICE_INLINE int WarpId() { return static_cast<int>(threadIdx.x) / kWarpSize; }
+MORI_DEVICE_INLINE int WarpsPerBlock() { return static_cast<int>(blockDim.x) / kWarpSize; }
+
+MORI_DEVICE_INLINE void WarpSync() {
+#if MORI_HIP
+  __builtin_amdgcn_wave_barrier();
+#else
+  __syncwarp();
+#endif
+}
+
+MORI_DEVICE_INLINE LaneMask WarpBallot(bool pred) {
+#if MORI_HIP
+  return __ballot(pred);
+#else
+  return __ballot_sync(kFullLaneMask, pred);
+#endif
+}
+
+template <typename T>
+MORI_DEVICE_INLINE T WarpShfl(T v, int srcLane) {
+#if MORI_HIP
+  return __shfl(v, srcLane, kWarpSize);
+#else
+  return __shfl_sync(kFullLaneMask, v, srcLane, kWarpSize);
+#endif
+}
+
+template <typename T>
+MORI_DEVICE_INLINE T WarpShflXor(T v, int laneMask) {
+#if MORI_HIP
+  return __shfl_xor(v, laneMask, kWarpSize);
+#else
+  return __shfl_xor_sync(kFullLaneMask, v, laneMask, kWarpSize);
+#endif
+}
+
+template <typename T>
+MORI_DEVICE_INLINE T WarpReduceSum(T v) {
+  for (int off = kWarpSize / 2; off > 0; off /= 2) v += WarpShflXor(v, off);
+  return v;
+}
+
+MORI_DEVICE_INLINE int PopCount(LaneMask m) {
+#if MORI_HIP
+  return __popcll(m);
+#else
+  return __popc(m);
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// Memory ordering and system-scope atomics (visible to peer GPUs and the host).
+// ---------------------------------------------------------------------------------------------
+MORI_DEVICE_INLINE void FenceSystem() { __threadfence_system(); }
+MORI_DEVICE_INLINE void FenceDevice() { __threadfence(); }
+MORI_DEVICE_INLINE void FenceBlock() { __threadfence_block(); }
+
+#if MORI_HIP
+#define MORI_SYS_SCOPE __HIP_MEMORY_SCOPE_SYSTEM
+template <typename T>
+MORI_DEVICE_INLINE T AtomicLoadRelaxedSystem(T* p) {
+  return __hip_atomic_load(p, __ATOMIC_RELAXED, MORI_SYS_SCOPE);
+}
+template <typename T>
+MORI_DEVICE_INLINE T AtomicLoadAcquireSystem(T* p) {
+  return __hip_atomic_load(p, __ATOMIC_ACQUIRE, MORI_SYS_SCOPE);
+}
+template <typename T>
+MORI_DEVICE_INLINE void AtomicStoreRelaxedSystem(T* p, T v) {
+  __hip_atomic_store(p, v, __ATOMIC_RELAXED, MORI_SYS_SCOPE);
+}
+template <typename T>
+MORI_DEVICE_INLINE void AtomicStoreReleaseSystem(T* p, T v) {
+  __hip_atomic_store(p, v, __ATOMIC_RELEASE, MORI_SYS_SCOPE);
+}
+template <typename T>
+MORI_DEVICE_INLINE T AtomicFetchAddSystem(T* p, T v) {
+  return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, MORI_SYS_SCOPE);
+}
+template <typename T>
+MORI_DEVICE_INLINE T AtomicFetchAddReleaseSystem(T* p, T v) {
+  return __hip_atomic_fetch_add(p, v, __ATOMIC_RELEASE, MORI_SYS_SCOPE);
+}
+template <typename T>
+MORI_DEVICE_INLINE T AtomicSwapSystem(T* p, T v) {
+  return __hip_atomic_exchange(p, v, __ATOMIC_RELAXED, MORI_SYS_SCOPE);
+}
+// Returns the value seen before the operation (== compare on success).
+template <typename T>
+MORI_DEVICE_INLINE T AtomicCasSystem(T* p, T compare, T v) {
+  __hip_atomic_compare_exchange_strong(p, &compare, v, __ATOMIC_RELAXED, __ATOMIC_RELAXED,
+                                       MORI_SYS_SCOPE);
+  return compare;
+}
+#undef MORI_SYS_SCOPE
+#else
+template <typename T>
+using SysAtomicRef = cuda::atomic_ref<T, cuda::thread_scope_system>;
+template <typename T>
+MORI_DEVICE_INLINE T AtomicLoadRelaxedSystem(T* p) {
+  return SysAtomicRef<T>(*p).load(cuda::memory_order_relaxed);
+}
+template <typename T>
+MORI_DEVICE_INLINE T AtomicLoadAcquireSystem(T* p) {
+  return SysAtomicRef<T>(*p).load(cuda::memory_order_acquire);
+}
+template <typename T>
+MORI_DEVICE_INLINE void AtomicStoreRelaxedSystem(T* p, T v) {
+  SysAtomicRef<T>(*p).store(v, cuda::memory_order_relaxed);
+}
+template <typename T>
+MORI_DEVICE_INLINE void AtomicStoreReleaseSystem(T* p, T v) {
+  SysAtomicRef<T>(*p).store(v, cuda::memory_order_release);
+}
+template <typename T>
+MORI_DEVICE_INLINE T AtomicFetchAddSystem(T* p, T v) {
+  return SysAtomicRef<T>(*p).fetch_add(v, cuda::memory_order_relaxed);
+}
+template <typename T>
+MORI_DEVICE_INLINE T AtomicFetchAddReleaseSystem(T* p, T v) {
+  return SysAtomicRef<T>(*p).fetch_add(v, cuda::memory_order_release);
+}
+template <typename T>
+MORI_DEVICE_INLINE T AtomicSwapSystem(T* p, T v) {
+  return SysAtomicRef<T>(*p).exchange(v, cuda::memory_order_relaxed);
+}
+template <typename T>
+MORI_DEVICE_INLINE T AtomicCasSystem(T* p, T compare, T v) {
+  SysAtomicRef<T>(*p).compare_exchange_strong(compare, v, cuda::memory_order_relaxed);
+  return compare;
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// Time and back-off.
+// ---------------------------------------------------------------------------------------------
+// A monotonic clock in nanoseconds, comparable across the threads of one GPU.
+MORI_DEVICE_INLINE uint64_t WallClockNs() {
+#if MORI_HIP
+  // s_memrealtime counts a constant 100 MHz clock on CDNA2/CDNA3.
+  return __builtin_amdgcn_s_memrealtime() * 10ull;
+#else
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+#endif
+}
+
+// Brief pause in spin loops; lets other warps of the SM make progress.
+MORI_DEVICE_INLINE void SpinPause() {
+#if MORI_HIP
+  __builtin_amdgcn_s_sleep(1);
+#else
+  __nanosleep(32);
+#endif
+}
+
+#endif  // __CUDACC__ || __HIPCC__
+
+}  // namespace mori::core

@@ -1,0 +1,65 @@
+// Shmem host API. Collective calls (init, finalize, malloc, free, barrier) must be made by every PE
+// in the same order. Errors are raised as mori::core::Error subclasses.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "mori/application/bootstrap/bootstrap.hpp"
+#include "mori/core/gpu.hpp"
+#include "mori/shmem/shmem_types.hpp"
+
+namespace mori::shmem {
+
+constexpr size_t kUniqueIdBytes = 128;
+struct UniqueId {
+  uint8_t bytes[kUniqueIdBytes];
+};
+
+// Init flags, numbered as MORI/NVSHMEM do.
+enum ShmemInitFlag : unsigned { kShmemInitWithMpiComm = 0, kShmemInitWithUniqueId = 1 };
+
+// --- init / finalize -----------------------------------------------------------------------
+// Binds to the calling thread's current GPU. Takes ownership of the bootstrap.
+void ShmemInit(std::unique_ptr<application::BootstrapNetwork> bootstrap);
+// Socket bootstrap: rank 0 calls ShmemGetUniqueId, the caller shares the bytes with every rank,
+// and every rank calls ShmemInitWithUniqueId(rank, nranks, id).
+UniqueId ShmemGetUniqueId();
+void ShmemInitWithUniqueId(int rank, int nranks, const UniqueId& id);
+// MPI bootstrap (only when built with MPI; otherwise raises InvalidUsageError). `comm` is an
+// MPI_Comm passed as a pointer to avoid exposing mpi.h here; nullptr = MPI_COMM_WORLD.
+void ShmemMpiInit(void* mpiComm);
+void ShmemFinalize();
+bool ShmemIsInitialized();
+
+// --- queries --------------------------------------------------------------------------------
+int ShmemMyPe();
+int ShmemNPes();
+TransportType ShmemTransportType(int pe);
+// The struct kernels take by value to use the device API.
+ShmemDeviceContext ShmemGetDeviceContext();
+
+// --- symmetric memory ------------------------------------------------------------------------
+// Collective. Same offset on every PE. Alignment is honoured for any power of two.
+void* ShmemMalloc(size_t size);
+void* ShmemMallocAlign(size_t alignment, size_t size);
+void ShmemFree(void* ptr);
+// Peer's address of a symmetric pointer as mapped in this process; nullptr if not P2P reachable.
+void* ShmemPtrP2p(const void* ptr, int pe);
+SymmMemObj ShmemQueryMemObj(const void* ptr);
+size_t ShmemHeapFreeBytes();
+
+// --- synchronisation ------------------------------------------------------------------------
+// Host barrier: waits for this PE's device work, then a bootstrap barrier.
+void ShmemBarrierAll();
+// Device barrier across all PEs, enqueued on `stream` (no host synchronisation).
+void ShmemBarrierOnStream(gpuStream_t stream);
+// Bounded host wait for `stream`; raises TimeoutError after MORI_HOST_TIMEOUT_MS and surfaces a
+// recorded device error (see ShmemCheckDeviceError).
+void ShmemStreamSynchronize(gpuStream_t stream);
+// Raises TimeoutError describing the first device-side wait that expired (rank, peer, address,
+// expected and seen values), then clears the record so the library stays usable.
+void ShmemCheckDeviceError();
+
+}  // namespace mori::shmem

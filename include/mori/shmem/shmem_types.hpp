@@ -1,0 +1,54 @@
+// Plain structs shared by the shmem host API and device API.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "mori/application/transport_types.hpp"
+#include "mori/core/device/wait.hpp"
+
+namespace mori::shmem {
+
+using application::TransportType;
+using application::TransportTypeName;
+
+// Slots of the internal synchronisation area (carved from the symmetric heap at init).
+constexpr int kSyncAreaWords = 64;  // uint64 words reserved at heap offset 0 for internal sync
+
+// Everything a kernel needs to use the shmem device API. Obtained on the host from
+// ShmemGetDeviceContext() and passed to kernels by value (it lives in kernel parameter space,
+// so no per-module global state has to be kept in sync). All pointers are device pointers.
+struct ShmemDeviceContext {
+  int32_t rank;
+  int32_t worldSize;
+  uintptr_t heapBase;        // this PE's heap base (local address)
+  uint64_t heapSize;
+  const uintptr_t* peerHeapBases;  // [worldSize]: base of PE p's heap as mapped here; 0 if not
+                                   // load/store reachable (RDMA-only or none)
+  const TransportType* transport;  // [worldSize]
+  uint64_t* syncArea;        // symmetric; internal barrier counters (kSyncAreaWords words)
+  uint64_t* barrierEpoch;    // local, non-symmetric: epoch of the last device barrier, per PE
+  core::WaitContext wait;    // timeout + error record for every bounded wait
+};
+
+// A symmetric allocation: same offset in every PE's heap.
+struct SymmMemObj {
+  void* localPtr;
+  size_t size;
+  uint64_t heapOffset;
+  const uintptr_t* peerHeapBases;  // as in ShmemDeviceContext
+
+  // Device only. Peer's copy of this object as mapped here (nullptr if PE p is not load/store
+  // reachable). On the host use ShmemPtrP2p.
+  template <typename T = void>
+  __device__ T* GetAs(int pe) const {
+    uintptr_t base = peerHeapBases[pe];
+    return base == 0 ? nullptr : reinterpret_cast<T*>(base + heapOffset);
+  }
+  template <typename T = void>
+  __host__ __device__ T* GetAs() const {
+    return reinterpret_cast<T*>(localPtr);
+  }
+};
+
+}  // namespace mori::shmem

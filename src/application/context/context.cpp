@@ -1,0 +1,91 @@
+#include "mori/application/context/context.hpp"
+
+#include <unistd.h>
+
+#include <cstring>
+#include <fstream>
+
+#include "mori/core/env.hpp"
+#include "mori/core/gpu_check.hpp"
+#include "mori/core/logging.hpp"
+
+namespace mori::application {
+
+std::string LocalNodeId() {
+  const std::string& forced = core::Env().nodeId;
+  if (!forced.empty()) return forced;
+  std::ifstream f("/proc/sys/kernel/random/boot_id");
+  std::string id;
+  if (f && std::getline(f, id) && !id.empty()) return id;
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  return host;
+}
+
+namespace {
+template <size_t N>
+void CopyTrunc(char (&dst)[N], const std::string& src) {
+  std::memset(dst, 0, N);
+  std::strncpy(dst, src.c_str(), N - 1);
+}
+}  // namespace
+
+Context::Context(BootstrapNetwork& boot, int device)
+    : rank(boot.Rank()), worldSize(boot.WorldSize()) {
+  PeerRecord self{};
+  CopyTrunc(self.nodeId, LocalNodeId());
+  MORI_CHECK_GPU(gpuDeviceGetPCIBusId(self.busId, sizeof(self.busId), device));
+  self.pid = static_cast<int32_t>(getpid());
+  self.device = device;
+  const int64_t gpuPerNode = core::Env().gpuPerNode;
+  MORI_ENSURE(gpuPerNode >= 0, InvalidUsageError, "MORI_GPU_PER_NODE must be >= 0, got %lld",
+              static_cast<long long>(gpuPerNode));
+  self.syntheticNode = gpuPerNode > 0 ? static_cast<int32_t>(rank / gpuPerNode) : -1;
+
+  peers.resize(worldSize);
+  boot.Allgather(&self, peers.data(), sizeof(PeerRecord));
+
+  sameNode.assign(worldSize, false);
+  canP2P.assign(worldSize, false);
+  transport.assign(worldSize, TransportType::kNone);
+  const bool disableP2P = core::Env().disableP2P;
+  for (int pe = 0; pe < worldSize; pe++) {
+    const PeerRecord& p = peers[pe];
+    bool same = std::strncmp(p.nodeId, self.nodeId, sizeof(self.nodeId)) == 0 &&
+                p.syntheticNode == self.syntheticNode;
+    sameNode[pe] = same;
+    if (same) {
+      if (pe < rank) localRank++;
+      localSize++;
+    }
+    if (pe == rank) {
+      canP2P[pe] = true;
+      transport[pe] = TransportType::kSelf;
+      continue;
+    }
+    if (same) {
+      int peerDevice = -1;
+      if (gpuDeviceGetByPCIBusId(&peerDevice, p.busId) == gpuSuccess) {
+        int can = 0;
+        if (peerDevice == device) {
+          can = 1;  // two PEs on one GPU (tests): plain device memory
+        } else {
+          MORI_CHECK_GPU(gpuDeviceCanAccessPeer(&can, device, peerDevice));
+        }
+        canP2P[pe] = can != 0;
+      } else {
+        (void)gpuGetLastError();  // peer GPU not visible to this process
+      }
+    }
+    if (canP2P[pe] && !disableP2P)
+      transport[pe] = TransportType::kP2P;
+    else
+      transport[pe] = TransportType::kRdma;
+    MORI_DEBUG(kLogTopo, "pe %d: node %s bus %s same-node %d p2p %d -> %s", pe, p.nodeId, p.busId,
+               (int)same, (int)canP2P[pe], TransportTypeName(transport[pe]));
+  }
+  MORI_INFO(kLogTopo, "rank %d/%d: local rank %d of %d on node %s, GPU %s", rank, worldSize,
+            localRank, localSize, self.nodeId, self.busId);
+}
+
+}  // namespace mori::application

@@ -1,0 +1,319 @@
+// Shmem host API: init/finalize, queries, symmetric allocation, host-side synchronisation and the
+// surfacing of device-side errors.
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "mori/application/bootstrap/socket_bootstrap.hpp"
+#include "mori/application/context/context.hpp"
+#include "mori/application/memory/symmetric_heap.hpp"
+#include "mori/core/env.hpp"
+#include "mori/core/gpu_check.hpp"
+#include "mori/core/logging.hpp"
+#include "mori/shmem/device/barrier_launch.hpp"
+#include "mori/shmem/shmem_api.hpp"
+#if MORI_WITH_MPI
+#include "mori/application/bootstrap/mpi_bootstrap.hpp"
+#endif
+
+namespace mori::shmem {
+
+static_assert(sizeof(application::SocketUniqueId) == kUniqueIdBytes,
+              "the socket bootstrap's unique id must fill UniqueId exactly");
+
+namespace {
+
+struct ShmemState {
+  int device = -1;
+  std::unique_ptr<application::BootstrapNetwork> boot;
+  std::unique_ptr<application::Context> context;
+  std::unique_ptr<application::SymmetricHeap> heap;
+  core::DeviceErrorRecord* errHost = nullptr;  // mapped pinned memory
+  core::DeviceErrorRecord* errDev = nullptr;
+  uintptr_t* peerBasesDev = nullptr;
+  TransportType* transportDev = nullptr;
+  uint64_t* barrierEpochDev = nullptr;
+  uint64_t syncAreaOffset = 0;
+  ShmemDeviceContext devCtx{};
+};
+
+std::mutex gMutex;
+std::unique_ptr<ShmemState> gState;
+
+ShmemState& State(const char* caller) {
+  if (!gState)
+    MORI_THROW(InvalidUsageError, "%s: shmem is not initialised (call an init function first)",
+               caller);
+  return *gState;
+}
+
+// Frees what init allocated; tolerant of partially initialised state.
+void DestroyState(ShmemState& s) {
+  if (s.heap) s.heap.reset();
+  if (s.peerBasesDev) (void)gpuFree(s.peerBasesDev);
+  if (s.transportDev) (void)gpuFree(s.transportDev);
+  if (s.barrierEpochDev) (void)gpuFree(s.barrierEpochDev);
+  if (s.errHost) (void)gpuFreeHost(s.errHost);
+  s.peerBasesDev = nullptr;
+  s.transportDev = nullptr;
+  s.barrierEpochDev = nullptr;
+  s.errHost = nullptr;
+  s.context.reset();
+  if (s.boot) s.boot->Finalize();
+  s.boot.reset();
+}
+
+template <typename T>
+T* DeviceCopyOf(const std::vector<T>& host) {
+  void* p = nullptr;
+  MORI_CHECK_GPU(gpuMalloc(&p, host.size() * sizeof(T)));
+  MORI_CHECK_GPU(gpuMemcpy(p, host.data(), host.size() * sizeof(T), gpuMemcpyHostToDevice));
+  return static_cast<T*>(p);
+}
+
+void BuildState(ShmemState& s) {
+  MORI_CHECK_GPU(gpuGetDevice(&s.device));
+  const int rank = s.boot->Rank(), worldSize = s.boot->WorldSize();
+  core::SetLogRank(rank);
+  s.context = std::make_unique<application::Context>(*s.boot, s.device);
+  s.heap = std::make_unique<application::SymmetricHeap>(*s.boot, *s.context, core::Env().heapSize);
+  // The internal sync area is the heap's first allocation: offset 0 on every PE, zeroed.
+  s.syncAreaOffset = s.heap->Allocator().Allocate(kSyncAreaWords * sizeof(uint64_t), 256);
+
+  void* rec = nullptr;
+  MORI_CHECK_GPU(gpuHostAlloc(&rec, sizeof(core::DeviceErrorRecord), gpuHostAllocMapped));
+  s.errHost = static_cast<core::DeviceErrorRecord*>(rec);
+  std::memset(s.errHost, 0, sizeof(core::DeviceErrorRecord));
+  void* recDev = nullptr;
+  MORI_CHECK_GPU(gpuHostGetDevicePointer(&recDev, rec, 0));
+  s.errDev = static_cast<core::DeviceErrorRecord*>(recDev);
+
+  s.peerBasesDev = DeviceCopyOf(s.heap->PeerBases());
+  s.transportDev = DeviceCopyOf(s.context->Transports());
+  s.barrierEpochDev = DeviceCopyOf(std::vector<uint64_t>{0});
+
+  ShmemDeviceContext& c = s.devCtx;
+  c.rank = rank;
+  c.worldSize = worldSize;
+  c.heapBase = reinterpret_cast<uintptr_t>(s.heap->Base());
+  c.heapSize = s.heap->Size();
+  c.peerHeapBases = s.peerBasesDev;
+  c.transport = s.transportDev;
+  c.syncArea = reinterpret_cast<uint64_t*>(c.heapBase + s.syncAreaOffset);
+  c.barrierEpoch = s.barrierEpochDev;
+  c.wait.err = s.errDev;
+  c.wait.timeoutNs = static_cast<uint64_t>(core::Env().deviceTimeoutMs) * 1000000ull;
+  c.wait.rank = rank;
+
+  int rdmaPeers = 0;
+  for (TransportType t : s.context->Transports()) rdmaPeers += t == TransportType::kRdma;
+  if (rdmaPeers > 0)
+    MORI_WARN(kLogInit,
+              "%d PEs are not P2P-reachable from rank %d and need RDMA, which this build does not "
+              "provide yet; device calls to them will fail with an attributed error",
+              rdmaPeers, rank);
+  s.boot->Barrier();  // every PE has mapped every heap before anyone uses it
+}
+
+std::string DescribeDeviceError(const core::DeviceErrorRecord& e) {
+  return core::StrFormat(
+      "device wait timed out on rank %d (block %d, thread %d): waited %.3f ms for '%s' on peer %d: "
+      "*0x%llx %s %llu (%d-byte value), last seen %llu",
+      e.rank, e.block, e.thread, e.elapsedNs / 1e6, e.label, e.peer,
+      static_cast<unsigned long long>(e.addr), core::CmpOpName(static_cast<core::CmpOp>(e.cmp)),
+      static_cast<unsigned long long>(e.expected), e.valueBytes,
+      static_cast<unsigned long long>(e.seen));
+}
+
+// Reads the mapped record; if set, clears it and raises.
+void RaiseIfDeviceError(ShmemState& s) {
+  volatile core::DeviceErrorRecord* v = s.errHost;
+  if (v->claimed == 0 && v->abortFlag == 0) return;
+  std::atomic_thread_fence(std::memory_order_acquire);
+  core::DeviceErrorRecord copy;
+  std::memcpy(&copy, s.errHost, sizeof(copy));
+  std::memset(s.errHost, 0, sizeof(core::DeviceErrorRecord));
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (copy.claimed == 0)
+    MORI_THROW(TimeoutError, "rank %d: device work was aborted (a host wait expired earlier)",
+               s.devCtx.rank);
+  throw core::TimeoutError(__FILE__, __LINE__, DescribeDeviceError(copy));
+}
+
+void InitWith(std::unique_ptr<application::BootstrapNetwork> boot) {
+  std::lock_guard<std::mutex> lock(gMutex);
+  MORI_ENSURE(!gState, InvalidUsageError, "shmem is already initialised; call shmem_finalize first");
+  MORI_ENSURE(boot != nullptr, InvalidUsageError, "ShmemInit: bootstrap is null");
+  auto s = std::make_unique<ShmemState>();
+  s->boot = std::move(boot);
+  try {
+    BuildState(*s);
+  } catch (...) {
+    DestroyState(*s);
+    throw;
+  }
+  gState = std::move(s);
+}
+
+void ReloadSettings() {
+  core::ReloadEnv();
+  core::ReloadLogSettings();
+}
+
+}  // namespace
+
+void ShmemInit(std::unique_ptr<application::BootstrapNetwork> bootstrap) {
+  ReloadSettings();
+  InitWith(std::move(bootstrap));
+}
+
+UniqueId ShmemGetUniqueId() {
+  ReloadSettings();
+  application::SocketUniqueId sid = application::SocketBootstrapNetwork::CreateUniqueId();
+  UniqueId id;
+  std::memcpy(id.bytes, &sid, kUniqueIdBytes);
+  return id;
+}
+
+void ShmemInitWithUniqueId(int rank, int nranks, const UniqueId& id) {
+  ReloadSettings();
+  MORI_ENSURE(nranks > 0 && rank >= 0 && rank < nranks, InvalidUsageError,
+              "rank %d / nranks %d out of range", rank, nranks);
+  application::SocketUniqueId sid;
+  std::memcpy(&sid, id.bytes, kUniqueIdBytes);
+  InitWith(std::make_unique<application::SocketBootstrapNetwork>(sid, rank, nranks));
+}
+
+void ShmemMpiInit(void* mpiComm) {
+#if MORI_WITH_MPI
+  ReloadSettings();
+  MPI_Comm comm = mpiComm ? *static_cast<MPI_Comm*>(mpiComm) : MPI_COMM_WORLD;
+  InitWith(std::make_unique<application::MpiBootstrapNetwork>(comm));
+#else
+  (void)mpiComm;
+  MORI_THROW(InvalidUsageError, "this build of mori has no MPI bootstrap (MPI was not found)");
+#endif
+}
+
+void ShmemFinalize() {
+  std::lock_guard<std::mutex> lock(gMutex);
+  if (!gState) return;
+  ShmemState& s = *gState;
+  // Peers may still read or write our heap until everyone has finished their device work.
+  gpuError_t e = gpuDeviceSynchronize();
+  if (e != gpuSuccess) MORI_WARN(kLogInit, "finalize: device synchronize failed: %s", gpuGetErrorString(e));
+  std::exception_ptr firstError;
+  try {
+    s.boot->Barrier();
+  } catch (...) {
+    firstError = std::current_exception();
+  }
+  DestroyState(s);
+  gState.reset();
+  if (firstError) std::rethrow_exception(firstError);
+}
+
+bool ShmemIsInitialized() {
+  std::lock_guard<std::mutex> lock(gMutex);
+  return gState != nullptr;
+}
+
+int ShmemMyPe() { return State("shmem_mype").devCtx.rank; }
+int ShmemNPes() { return State("shmem_npes").devCtx.worldSize; }
+
+TransportType ShmemTransportType(int pe) {
+  ShmemState& s = State("shmem_transport_type");
+  MORI_ENSURE(pe >= 0 && pe < s.devCtx.worldSize, InvalidUsageError, "pe %d out of range [0, %d)",
+              pe, s.devCtx.worldSize);
+  return s.context->Transport(pe);
+}
+
+ShmemDeviceContext ShmemGetDeviceContext() { return State("ShmemGetDeviceContext").devCtx; }
+
+void* ShmemMallocAlign(size_t alignment, size_t size) {
+  ShmemState& s = State("shmem_malloc");
+  MORI_ENSURE(size > 0, InvalidUsageError, "shmem_malloc: size must be positive");
+  if (alignment < 256) alignment = 256;
+  MORI_ENSURE((alignment & (alignment - 1)) == 0, InvalidUsageError,
+              "shmem_malloc_align: alignment %zu is not a power of two", alignment);
+  uint64_t off = s.heap->Allocator().Allocate(size, alignment);
+  return static_cast<char*>(s.heap->Base()) + off;
+}
+
+void* ShmemMalloc(size_t size) { return ShmemMallocAlign(256, size); }
+
+void ShmemFree(void* ptr) {
+  if (ptr == nullptr) return;
+  ShmemState& s = State("shmem_free");
+  MORI_ENSURE(s.heap->Contains(ptr), InvalidUsageError,
+              "shmem_free: %p is not inside the symmetric heap", ptr);
+  uint64_t off = s.heap->OffsetOf(ptr);
+  MORI_ENSURE(off != s.syncAreaOffset, InvalidUsageError,
+              "shmem_free: %p is the library's internal sync area", ptr);
+  s.heap->Allocator().Free(off);
+}
+
+void* ShmemPtrP2p(const void* ptr, int pe) {
+  ShmemState& s = State("shmem_ptr_p2p");
+  MORI_ENSURE(pe >= 0 && pe < s.devCtx.worldSize, InvalidUsageError, "pe %d out of range [0, %d)",
+              pe, s.devCtx.worldSize);
+  if (!s.heap->Contains(ptr)) return nullptr;
+  uintptr_t base = s.heap->PeerBase(pe);
+  return base == 0 ? nullptr : reinterpret_cast<void*>(base + s.heap->OffsetOf(ptr));
+}
+
+SymmMemObj ShmemQueryMemObj(const void* ptr) {
+  ShmemState& s = State("ShmemQueryMemObj");
+  MORI_ENSURE(s.heap->Contains(ptr), InvalidUsageError,
+              "ShmemQueryMemObj: %p is not inside the symmetric heap", ptr);
+  SymmMemObj o{};
+  o.localPtr = const_cast<void*>(ptr);
+  o.heapOffset = s.heap->OffsetOf(ptr);
+  o.size = s.heap->Size() - o.heapOffset;
+  o.peerHeapBases = s.peerBasesDev;
+  return o;
+}
+
+size_t ShmemHeapFreeBytes() { return State("shmem_heap_free_bytes").heap->Allocator().FreeBytes(); }
+
+void ShmemStreamSynchronize(gpuStream_t stream) {
+  ShmemState& s = State("shmem_stream_synchronize");
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::milliseconds(core::Env().hostTimeoutMs);
+  for (int spins = 0;; spins++) {
+    gpuError_t e = gpuStreamQuery(stream);
+    if (e == gpuSuccess) break;
+    if (e != gpuErrorNotReady) MORI_CHECK_GPU(e);
+    if (std::chrono::steady_clock::now() > deadline) {
+      // Make every bounded device wait give up so the stream drains, then report.
+      reinterpret_cast<volatile uint32_t*>(&s.errHost->abortFlag)[0] = 1;
+      MORI_THROW(TimeoutError,
+                 "rank %d: device work on stream %p did not finish within MORI_HOST_TIMEOUT_MS=%lld "
+                 "ms; device waits were told to abort",
+                 s.devCtx.rank, static_cast<void*>(stream),
+                 static_cast<long long>(core::Env().hostTimeoutMs));
+    }
+    if (spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+  RaiseIfDeviceError(s);
+}
+
+void ShmemCheckDeviceError() { RaiseIfDeviceError(State("shmem_check_device_error")); }
+
+void ShmemBarrierAll() {
+  ShmemState& s = State("shmem_barrier_all");
+  MORI_CHECK_GPU(gpuDeviceSynchronize());
+  RaiseIfDeviceError(s);
+  s.boot->Barrier();
+}
+
+void ShmemBarrierOnStream(gpuStream_t stream) {
+  ShmemState& s = State("shmem_barrier_on_stream");
+  LaunchDeviceBarrier(s.devCtx, stream);
+}
+
+}  // namespace mori::shmem

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Set-up and main job: installs what is missing (Debian/Ubuntu via apt-get when available),
+# builds mori, then runs the examples and the benchmarks on all local GPUs.
+# Usage: tools/setup_and_run.sh [build-dir]        (env: MORI_GPU_BACKEND, MORI_GPU_ARCHS)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build=${1:-build}
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+
+if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && ! [ -e /usr/include/gtest/gtest.h ]; then
+  bash tools/install_deps.sh
+fi
+
+py=${PYTHON:-python3}
+pybind_dir=$($py -m pybind11 --cmakedir 2>/dev/null || true)
+cmake -S . -B "$build" -G Ninja \
+  -DMORI_GPU_BACKEND="${MORI_GPU_BACKEND:-AUTO}" ${MORI_GPU_ARCHS:+-DMORI_GPU_ARCHS=$MORI_GPU_ARCHS} \
+  ${pybind_dir:+-Dpybind11_DIR=$pybind_dir} -DPython_EXECUTABLE="$(command -v $py)"
+cmake --build "$build" -j "$(nproc)"
+
+ngpu=$($py - <<'EOF' 2>/dev/null || echo 0
+import ctypes
+for lib in ("libcudart.so", "libcudart.so.13", "libcudart.so.12", "libamdhip64.so"):
+    try:
+        rt = ctypes.CDLL(lib)
+    except OSError:
+        continue
+    n = ctypes.c_int(0)
+    fn = rt.cudaGetDeviceCount if "cuda" in lib else rt.hipGetDeviceCount
+    print(n.value if fn(ctypes.byref(n)) == 0 else 0)
+    break
+else:
+    print(0)
+EOF
+)
+if [ "${ngpu:-0}" -lt 2 ]; then
+  echo "SKIPPED main job: it needs at least 2 local GPUs (found ${ngpu:-0}); the build succeeded."
+  exit 0
+fi
+
+export PYTHONPATH="$PWD/$build/python${PYTHONPATH:+:$PYTHONPATH}"
+echo "== C++ example (put/get ring on $ngpu GPUs)"
+"$build/examples/put_get"
+if [ -x "$build/tools/shmem_put_bench" ]; then
+  echo "== put bandwidth/latency between GPU 0 and 1"
+  "$build/tools/shmem_put_bench"
+fi
+if [ -f tools/bench/ep_bench.py ]; then
+  echo "== EP dispatch/combine benchmark on $ngpu GPUs"
+  torchrun --nproc-per-node="$ngpu" tools/bench/ep_bench.py
+fi
