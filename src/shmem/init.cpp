@@ -183,8 +183,7 @@ void ShmemInitWithUniqueId(int rank, int nranks, const UniqueId& id) {
   ReloadSettings();
   MORI_ENSURE(nranks > 0 && rank >= 0 && rank < nranks, InvalidUsageError,
               "rank %d / nranks %d out of range", rank, nranks);
-  application::SocketUniqueId sid;
-  std::memcpy(&sid, id.bytes, kUniqueIdBytes);
+  application::SocketUniqueId sid = application::SocketUniqueIdFromBytes(id.bytes, kUniqueIdBytes);
   InitWith(std::make_unique<application::SocketBootstrapNetwork>(sid, rank, nranks));
 }
 

@@ -42,8 +42,23 @@ using gpuError_t = MORI_GPU_NAME(Error_t);
 using gpuStream_t = MORI_GPU_NAME(Stream_t);
 using gpuEvent_t = MORI_GPU_NAME(Event_t);
 using gpuIpcMemHandle_t = MORI_GPU_NAME(IpcMemHandle_t);
-using gpuDeviceProp_t = MORI_GPU_NAME(DeviceProp);
-using gpuPointerAttributes_t = MORI_GPU_NAME(PointerAttributes);
+#if MORI_HIP
+using gpuDeviceProp_t = hipDeviceProp_t;
+using gpuPointerAttributes_t = hipPointerAttribute_t;
+#define gpuHostAlloc hipHostMalloc
+#define gpuFreeHost hipHostFree
+#define gpuHostAllocMapped hipHostMallocMapped
+#define gpuHostAllocPortable hipHostMallocPortable
+#define gpuDevAttrMultiProcessorCount hipDeviceAttributeMultiprocessorCount
+#else
+using gpuDeviceProp_t = cudaDeviceProp;
+using gpuPointerAttributes_t = cudaPointerAttributes;
+#define gpuHostAlloc cudaHostAlloc
+#define gpuFreeHost cudaFreeHost
+#define gpuHostAllocMapped cudaHostAllocMapped
+#define gpuHostAllocPortable cudaHostAllocPortable
+#define gpuDevAttrMultiProcessorCount cudaDevAttrMultiProcessorCount
+#endif
 
 #define gpuSuccess MORI_GPU_NAME(Success)
 #define gpuErrorNotReady MORI_GPU_NAME(ErrorNotReady)
@@ -66,8 +81,6 @@ using gpuPointerAttributes_t = MORI_GPU_NAME(PointerAttributes);
 #define gpuRuntimeGetVersion MORI_GPU_NAME(RuntimeGetVersion)
 #define gpuMalloc MORI_GPU_NAME(Malloc)
 #define gpuFree MORI_GPU_NAME(Free)
-#define gpuHostAlloc MORI_GPU_NAME(HostAlloc)
-#define gpuFreeHost MORI_GPU_NAME(FreeHost)
 #define gpuHostGetDevicePointer MORI_GPU_NAME(HostGetDevicePointer)
 #define gpuMemGetInfo MORI_GPU_NAME(MemGetInfo)
 #define gpuMemcpy MORI_GPU_NAME(Memcpy)
@@ -102,9 +115,6 @@ using gpuPointerAttributes_t = MORI_GPU_NAME(PointerAttributes);
 #define gpuFuncAttributes MORI_GPU_NAME(FuncAttributes)
 #define gpuOccupancyMaxActiveBlocksPerMultiprocessor \
   MORI_GPU_NAME(OccupancyMaxActiveBlocksPerMultiprocessor)
-#define gpuHostAllocMapped MORI_GPU_NAME(HostAllocMapped)
-#define gpuHostAllocPortable MORI_GPU_NAME(HostAllocPortable)
-#define gpuDevAttrMultiProcessorCount MORI_GPU_NAME(DevAttrMultiProcessorCount)
 
 namespace mori::core {
 

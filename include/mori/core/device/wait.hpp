@@ -17,7 +17,7 @@ namespace mori::core {
 
 enum class CmpOp : int32_t { kEq = 0, kNe, kGt, kGe, kLt, kLe };
 
-inline const char* CmpOpName(CmpOp op) {
+MORI_HOST_DEVICE inline const char* CmpOpName(CmpOp op) {
   switch (op) {
     case CmpOp::kEq: return "==";
     case CmpOp::kNe: return "!=";
