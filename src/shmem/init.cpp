@@ -119,7 +119,17 @@ void BuildState(ShmemState& s) {
   s.boot->Barrier();  // every PE has mapped every heap before anyone uses it
 }
 
+// Device API misuse (bad pe, address outside the heap, ...) is recorded with cmp == -1
+// (kDeviceErrorNotAWait), the detail value in `expected`, and the operation in the label.
+bool IsUsageRecord(const core::DeviceErrorRecord& e) { return e.cmp < 0; }
+
 std::string DescribeDeviceError(const core::DeviceErrorRecord& e) {
+  if (IsUsageRecord(e))
+    return core::StrFormat("device API error on rank %d (block %d, thread %d): %s (pe %d, "
+                           "address 0x%llx, detail %llu)",
+                           e.rank, e.block, e.thread, e.label, e.peer,
+                           static_cast<unsigned long long>(e.addr),
+                           static_cast<unsigned long long>(e.expected));
   return core::StrFormat(
       "device wait timed out on rank %d (block %d, thread %d): waited %.3f ms for '%s' on peer %d: "
       "*0x%llx %s %llu (%d-byte value), last seen %llu",
@@ -141,6 +151,7 @@ void RaiseIfDeviceError(ShmemState& s) {
   if (copy.claimed == 0)
     MORI_THROW(TimeoutError, "rank %d: device work was aborted (a host wait expired earlier)",
                s.devCtx.rank);
+  if (IsUsageRecord(copy)) throw core::InvalidUsageError(__FILE__, __LINE__, DescribeDeviceError(copy));
   throw core::TimeoutError(__FILE__, __LINE__, DescribeDeviceError(copy));
 }
 

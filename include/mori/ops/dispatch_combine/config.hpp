@@ -1,0 +1,80 @@
+// Configuration of an expert-parallel dispatch/combine group (MORI's field names).
+//
+// Plain host C++: no GPU runtime needed, so size hints and validation work anywhere.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace mori::ops {
+
+// Which kernel family moves the tokens. Only kIntraNode (every PE reachable by load/store over
+// NVLink/xGMI) is built; the others are reserved with MORI's numbering and rejected clearly.
+enum class EpDispatchCombineKernelType : int32_t {
+  kIntraNode = 0,
+  kInterNode = 1,
+  kInterNodeV1 = 2,
+  kInterNodeV1LL = 3,
+};
+const char* EpKernelTypeName(EpDispatchCombineKernelType type);
+
+// Token element type of one call. Dispatch moves bytes (any of these); combine sums in fp32 and
+// needs a floating type it can read (bf16, fp16, fp32).
+enum class EpDataType : int32_t {
+  kBFloat16 = 0,
+  kFloat16 = 1,
+  kFloat32 = 2,
+  kFp8E4M3Fn = 3,    // NVIDIA / OCP e4m3
+  kFp8E4M3Fnuz = 4,  // AMD gfx942 e4m3 (no negative zero, bias 8)
+};
+const char* EpDataTypeName(EpDataType type);
+int EpDataTypeSize(EpDataType type);
+bool EpDataTypeIsValid(int32_t value);
+
+// Element type of the top-k expert index tensor.
+enum class EpIndexType : int32_t { kInt32 = 0, kInt64 = 1 };
+const char* EpIndexTypeName(EpIndexType type);
+int EpIndexTypeSize(EpIndexType type);
+
+// Limits of this implementation (checked by Validate and at every call).
+constexpr int kEpMaxWorldSize = 32;           // PEs of one IntraNode group
+constexpr int kEpMaxTopK = 64;                // numExpertsPerToken
+constexpr int kEpMaxExpertsPerRank = 4096;    // numExpertsPerRank (shared-memory histogram)
+constexpr int kEpMaxTokensPerRank = 65536;    // maxNumInpTokenPerRank (shared-memory bitmap)
+constexpr int kEpMaxThreadsPerBlock = 512;    // kernels are compiled for at most this many
+constexpr int kEpRowAlignBytes = 16;          // token rows move as 16-byte vectors
+constexpr int kEpSmallBatchTokens = 128;      // small-batch launch defaults up to this many tokens
+
+struct EpDispatchCombineConfig {
+  int rank = 0;
+  int worldSize = 0;
+  int hiddenDim = 4096;              // largest hidden size of any call (a call may use less)
+  int scaleDim = 0;                  // per-token scale elements (0: no scales)
+  int scaleTypeSize = 0;             // bytes per scale element
+  int maxTokenTypeSize = 4;          // largest token element size of any call (sizes buffers)
+  int maxNumInpTokenPerRank = 128;   // most tokens one rank dispatches per call
+  int numExpertsPerRank = 1;
+  int numExpertsPerToken = 2;        // top-k
+  int warpNumPerBlock = 8;           // default warps per block (per-call override possible)
+  int blockNum = 80;                 // default blocks (per-call override possible)
+  bool useExternalInpBuf = true;     // combine input is a user tensor (copied) by default
+  EpDispatchCombineKernelType kernelType = EpDispatchCombineKernelType::kIntraNode;
+  int gpuPerNode = 8;                // inter-node kernels only
+  int rdmaBlockNum = 0;              // inter-node kernels only
+  int numQpPerPe = 1;                // inter-node kernels only
+
+  // Raises InvalidUsageError naming the first bad field, its value and the allowed range.
+  void Validate() const;
+
+  int NumExperts() const { return worldSize * numExpertsPerRank; }
+  // Receive capacity: every source token reaches a PE at most once.
+  int MaxNumRecvTokens() const { return worldSize * maxNumInpTokenPerRank; }
+  size_t MaxTokenRowBytes() const {
+    return static_cast<size_t>(hiddenDim) * static_cast<size_t>(maxTokenTypeSize);
+  }
+  size_t ScaleRowBytes() const {
+    return static_cast<size_t>(scaleDim) * static_cast<size_t>(scaleTypeSize);
+  }
+};
+
+}  // namespace mori::ops

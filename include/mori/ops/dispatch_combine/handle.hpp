@@ -1,0 +1,124 @@
+// EpDispatchCombineHandle: the host object of one expert-parallel group. Torch-free: calls take
+// device pointers, sizes and a stream.
+//
+// Semantics (MORI's):
+//  * Dispatch: token t of this PE goes once to every distinct PE owning one of its top-k experts
+//    (expert e lives on PE e / numExpertsPerRank; -1 or any id outside [0, numExperts) is no
+//    expert), with its weights row (float[K]), scales row (scaleDim x scaleTypeSize bytes) and
+//    indices row. Each receiver gets its rows compact and in a fixed order: by source PE, then by
+//    source token index. It also gets, per row, the source position srcPe *
+//    maxNumInpTokenPerRank + srcToken, the total row count (on the device) and the number of
+//    received tokens per local expert.
+//  * Combine: for each of this PE's tokens of the last dispatch, the rows its destination PEs
+//    return (same row slots as dispatch) are summed in fp32 in ascending PE order and written in
+//    the input dtype; weights rows likewise. Repeated runs are bitwise identical.
+//  * Both calls are collective (every PE calls them, in the same order, with the same dtype, row
+//    size and optional parts), launch one kernel on `stream` and never synchronise the host.
+//    Counters and flags are epoch-tagged or reset by the kernels themselves, so back-to-back
+//    calls and CUDA-graph replays need no host step.
+//  * Outputs live in the handle's buffers and stay valid until the next call of the same kind
+//    (dispatch outputs: until this PE's next dispatch starts).
+// After a device-side timeout (TimeoutError from ShmemStreamSynchronize/ShmemCheckDeviceError)
+// the PEs' epochs may disagree: destroy the handle on every PE and make a new one.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "mori/core/gpu.hpp"
+#include "mori/ops/dispatch_combine/config.hpp"
+#include "mori/ops/dispatch_combine/layout.hpp"
+#include "mori/shmem/shmem_types.hpp"
+
+namespace mori::ops {
+
+struct EpDispatchArgs {
+  const void* input = nullptr;        // [numTokens][hiddenDim] of dataType, 16-byte aligned
+  EpDataType dataType = EpDataType::kBFloat16;
+  int numTokens = 0;                  // 0 .. maxNumInpTokenPerRank
+  int hiddenDim = 0;                  // 1 .. config.hiddenDim; row bytes a multiple of 16
+  const float* weights = nullptr;     // [numTokens][K] or nullptr
+  const void* scales = nullptr;       // [numTokens][scaleDim] of scaleTypeSize bytes, or nullptr
+  const void* indices = nullptr;      // [numTokens][K] global expert ids
+  EpIndexType indexType = EpIndexType::kInt32;
+  int blockNum = -1;                  // -1: config (or the small-batch default)
+  int warpPerBlock = -1;              // -1: config (or the small-batch default)
+};
+
+struct EpCombineArgs {
+  // [inputRows][hiddenDim] rows in dispatch-output order. Three kinds are recognised by address:
+  // the registered buffer (CombineInputBuffer(): zero-copy), the dispatch output buffer
+  // (DispatchOutTokens(): read in place), anything else (copied into the registered buffer).
+  const void* input = nullptr;
+  EpDataType dataType = EpDataType::kBFloat16;  // bf16, fp16 or fp32
+  int hiddenDim = 0;
+  int64_t inputRows = 0;              // rows readable at `input` (checked on the device)
+  const float* weights = nullptr;     // [weightRows][K] or nullptr (then no output weights)
+  int64_t weightRows = 0;
+  int blockNum = -1;
+  int warpPerBlock = -1;
+};
+
+class EpDispatchCombineHandle {
+ public:
+  // Collective over the shmem PEs (allocates symmetric memory, zeroes it, barriers). Raises
+  // InvalidUsageError for a bad config, a kernel type that is not built, shmem not initialised,
+  // rank/worldSize not matching shmem, or a PE not reachable by load/store.
+  explicit EpDispatchCombineHandle(const EpDispatchCombineConfig& config);
+  ~EpDispatchCombineHandle();
+  EpDispatchCombineHandle(const EpDispatchCombineHandle&) = delete;
+  EpDispatchCombineHandle& operator=(const EpDispatchCombineHandle&) = delete;
+
+  void Dispatch(const EpDispatchArgs& args, gpuStream_t stream);
+  void Combine(const EpCombineArgs& args, gpuStream_t stream);
+  // Kept for MORI compatibility: the kernels reset their own state, so this does nothing.
+  void Reset(gpuStream_t stream);
+  // Frees the buffers now (waits for this device's work first). Idempotent; later calls raise.
+  void Release();
+
+  const EpDispatchCombineConfig& Config() const { return config; }
+  int Device() const { return device; }
+  size_t SymmetricBytes() const { return symmLayout.totalBytes; }
+  size_t LocalBytes() const { return localLayout.totalBytes; }
+
+  // Dispatch outputs (first *TotalRecvTokenNum() rows are valid).
+  void* DispatchOutTokens() const { return symmBase + symmLayout.dispatchOutTokens; }
+  float* DispatchOutWeights() const;
+  void* DispatchOutScales() const;  // nullptr when scaleDim == 0
+  void* DispatchOutIndices() const { return symmBase + symmLayout.dispatchOutIndices; }
+  int32_t* DispatchSrcTokenPos() const;
+  int32_t* TotalRecvTokenNum() const;
+  int32_t* LocalExpertCount() const;
+  // Zero-copy combine input (rows in dispatch-output order) and weights.
+  void* CombineInputBuffer() const { return symmBase + symmLayout.combineInTokens; }
+  float* CombineInputWeights() const;
+  // Combine outputs ([numTokens of the last dispatch] rows are valid).
+  void* CombineOutTokens() const { return localBase + localLayout.combineOutTokens; }
+  float* CombineOutWeights() const;
+
+  // Host view of the last dispatch call (-1 before the first).
+  int LastDispatchNumTokens() const { return lastNumTokens; }
+  int LastDispatchRowBytes() const { return static_cast<int>(lastRowBytes); }
+  // Launch shape a call would use for these overrides (after defaults and clamping).
+  void ResolveLaunch(int numTokens, int blockNum, int warpPerBlock, bool forDispatch,
+                     int* blocksOut, int* warpsOut) const;
+  int MultiProcessorCount() const { return numSms; }
+
+ private:
+  void CheckUsable(const char* what) const;
+
+  EpDispatchCombineConfig config;
+  EpSymmetricLayout symmLayout;
+  EpLocalLayout localLayout;
+  int device = -1;
+  int numSms = 0;
+  uint8_t* symmBase = nullptr;   // local address of the symmetric block
+  uint64_t symmHeapOffset = 0;   // its offset in every PE's heap
+  uint8_t* localBase = nullptr;
+  uintptr_t heapBaseAtInit = 0;  // to notice a finalize (+ re-init) under us
+  shmem::ShmemDeviceContext shmemCtx{};
+  int lastNumTokens = -1;
+  uint32_t lastRowBytes = 0;
+};
+
+}  // namespace mori::ops

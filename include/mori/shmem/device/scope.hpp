@@ -1,0 +1,40 @@
+// Execution scopes of the shmem device API: which threads cooperate on one call.
+//   ThreadScope: the calling thread alone.
+//   WarpScope:   all kWarpSize lanes of the calling warp (full warps only: blockDim.x*y*z must be a
+//                multiple of core::kWarpSize).
+//   BlockScope:  every thread of the calling block.
+// Rank()/Size() index the threads inside the scope; Sync() is the scope's barrier (it also orders
+// the scope's memory operations at block level, as __syncthreads/__syncwarp do).
+#pragma once
+
+#include "mori/core/gpu.hpp"
+
+namespace mori::shmem::detail {
+
+// Linear thread index inside the block (threads form warps in this order).
+MORI_DEVICE_INLINE int FlatThreadId() {
+  return static_cast<int>(threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z));
+}
+MORI_DEVICE_INLINE int BlockThreads() {
+  return static_cast<int>(blockDim.x * blockDim.y * blockDim.z);
+}
+
+struct ThreadScope {
+  MORI_DEVICE_INLINE static int Rank() { return 0; }
+  MORI_DEVICE_INLINE static int Size() { return 1; }
+  MORI_DEVICE_INLINE static void Sync() {}
+};
+
+struct WarpScope {
+  MORI_DEVICE_INLINE static int Rank() { return FlatThreadId() & (core::kWarpSize - 1); }
+  MORI_DEVICE_INLINE static int Size() { return core::kWarpSize; }
+  MORI_DEVICE_INLINE static void Sync() { core::WarpSync(); }
+};
+
+struct BlockScope {
+  MORI_DEVICE_INLINE static int Rank() { return FlatThreadId(); }
+  MORI_DEVICE_INLINE static int Size() { return BlockThreads(); }
+  MORI_DEVICE_INLINE static void Sync() { __syncthreads(); }
+};
+
+}  // namespace mori::shmem::detail

@@ -1,0 +1,477 @@
+// Shmem device API: one-sided put/get, put-with-signal, atomics, waits, quiet/fence and the device
+// barrier, called from kernels. Header-only; compiles for CUDA and HIP from this one source.
+//
+// Conventions (hold for every function below):
+//  * `ctx` is the ShmemDeviceContext the host got from ShmemGetDeviceContext() and passed to the
+//    kernel by value.
+//  * A "symmetric" address is a LOCAL address inside this PE's heap [heapBase, heapBase+heapSize)
+//    (e.g. a ShmemMalloc result); the call targets the same offset in PE `pe`'s heap. Addresses
+//    called "local" may be any device-accessible memory of this PE.
+//  * Scope suffix: Thread = the calling thread alone; Warp = every lane of the calling warp calls
+//    with the same arguments (full warps: block size a multiple of core::kWarpSize); Block = every
+//    thread of the block calls with the same arguments. Work is split across the scope's threads.
+//  * Transport: PEs reached by load/store (self, P2P over NVLink/xGMI) are served here. A call to a
+//    PE reached only by RDMA, an unreachable or out-of-range PE, or an address outside the heap
+//    records a device error (see device/resolve.hpp; the host raises it from
+//    ShmemCheckDeviceError / ShmemStreamSynchronize) and returns false / a zero value without
+//    touching memory. Every thread of the scope gets the same result.
+//  * Nbi ("non-blocking") puts are complete, i.e. visible to the target PE, after ShmemQuietThread
+//    by the issuing thread (or the end of the kernel). The source buffer may be reused as soon as
+//    the call returns. Blocking variants = Nbi + quiet + scope sync: when they return, the data of
+//    the whole scope is delivered (put) or in `dest` for every thread of the scope (get).
+//  * Ordering between puts to different PEs, and between puts and atomics, needs
+//    ShmemFenceThread/ShmemQuietThread; put-with-signal and the barrier order the data for you.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+#include "mori/core/device/wait.hpp"
+#include "mori/core/gpu.hpp"
+#include "mori/shmem/device/copy.hpp"
+#include "mori/shmem/device/resolve.hpp"
+#include "mori/shmem/device/scope.hpp"
+#include "mori/shmem/device/shmem_device_types.hpp"
+#include "mori/shmem/shmem_types.hpp"
+
+namespace mori::shmem {
+
+// =============================================================================================
+// Queries
+// =============================================================================================
+MORI_DEVICE_INLINE int ShmemMyPe(const ShmemDeviceContext& ctx) {
+  return ctx.rank;
+}
+MORI_DEVICE_INLINE int ShmemNPes(const ShmemDeviceContext& ctx) {
+  return ctx.worldSize;
+}
+
+// PE `pe`'s copy of the symmetric object at `addr`, usable with plain loads/stores from this
+// kernel; nullptr when `pe` is not load/store reachable or `addr` is not in the heap. No error is
+// recorded (this is a query).
+template <typename T>
+MORI_DEVICE_INLINE T* ShmemPtrP2p(const ShmemDeviceContext& ctx, T* addr, int pe) {
+  if (static_cast<unsigned>(pe) >= static_cast<unsigned>(ctx.worldSize)) return nullptr;
+  const TransportType t = ctx.transport[pe];
+  if (t != TransportType::kSelf && t != TransportType::kP2P) return nullptr;
+  detail::CallStatus st;
+  return reinterpret_cast<T*>(detail::ResolveSymmetric(ctx, addr, 0, pe, 1, st));
+}
+
+namespace detail {
+
+// ---------------------------------------------------------------------------------------------
+// Scope-generic implementations; the public functions below pick Scope and name the operation.
+// Each one switches on the route to `pe`: load/store (self, P2P) is served here; the RDMA transport
+// slots in at `case Route::kRdma`. Errors funnel into one ReportCallError per function, by the
+// scope's leader; the route and addresses are the same for every thread of the scope, so all of
+// them return the same result.
+// ---------------------------------------------------------------------------------------------
+template <class Scope>
+MORI_DEVICE_INLINE bool PutMemNbi(const ShmemDeviceContext& ctx, void* dest, const void* src,
+                                  size_t bytes, int pe, const char* op) {
+  CallStatus st;
+  switch (RouteTo(ctx, pe, st)) {
+    case Route::kLoadStore: {
+      const uintptr_t remote = ResolveSymmetric(ctx, dest, bytes, pe, 1, st);
+      if (remote == 0) break;
+      ScopedCopy<Scope>(reinterpret_cast<void*>(remote), src, bytes);
+      return true;
+    }
+    case Route::kRdma:
+      st.Set(CallError::kRdmaNotImplemented, reinterpret_cast<uintptr_t>(dest), pe);
+      break;
+    default:
+      break;
+  }
+  if (Scope::Rank() == 0) ReportCallError(ctx.wait, pe, op, st);
+  return false;
+}
+
+template <class Scope>
+MORI_DEVICE_INLINE bool GetMemNbi(const ShmemDeviceContext& ctx, void* dest, const void* src,
+                                  size_t bytes, int pe, const char* op) {
+  CallStatus st;
+  switch (RouteTo(ctx, pe, st)) {
+    case Route::kLoadStore: {
+      const uintptr_t remote = ResolveSymmetric(ctx, src, bytes, pe, 1, st);
+      if (remote == 0) break;
+      ScopedCopy<Scope>(dest, reinterpret_cast<const void*>(remote), bytes);
+      return true;
+    }
+    case Route::kRdma:
+      st.Set(CallError::kRdmaNotImplemented, reinterpret_cast<uintptr_t>(src), pe);
+      break;
+    default:
+      break;
+  }
+  if (Scope::Rank() == 0) ReportCallError(ctx.wait, pe, op, st);
+  return false;
+}
+
+MORI_DEVICE_INLINE void ApplySignal(uint64_t* remoteSig, uint64_t value, SignalOp sigOp) {
+  if (sigOp == SignalOp::kAdd) {
+    core::AtomicFetchAddReleaseSystem(remoteSig, value);
+  } else {
+    core::AtomicStoreReleaseSystem(remoteSig, value);
+  }
+}
+
+// Data by the whole scope, then every thread fences its own stores at system scope, the scope
+// syncs, and one thread updates the signal with release semantics: a PE that observes the signal
+// (acquire, e.g. ShmemSignalWaitUntil) then sees all of the data.
+template <class Scope>
+MORI_DEVICE_INLINE bool PutMemSignalNbi(const ShmemDeviceContext& ctx, void* dest, const void* src,
+                                        size_t bytes, uint64_t* sigAddr, uint64_t sigValue,
+                                        SignalOp sigOp, int pe, const char* op) {
+  CallStatus st;
+  switch (RouteTo(ctx, pe, st)) {
+    case Route::kLoadStore: {
+      if (sigOp != SignalOp::kSet && sigOp != SignalOp::kAdd) {
+        st.Set(CallError::kBadSignalOp, 0, static_cast<uint64_t>(sigOp));
+        break;
+      }
+      const uintptr_t remote = ResolveSymmetric(ctx, dest, bytes, pe, 1, st);
+      if (remote == 0) break;
+      const uintptr_t remoteSig =
+          ResolveSymmetric(ctx, sigAddr, sizeof(uint64_t), pe, sizeof(uint64_t), st);
+      if (remoteSig == 0) break;
+      ScopedCopy<Scope>(reinterpret_cast<void*>(remote), src, bytes);
+      core::FenceSystem();
+      Scope::Sync();
+      if (Scope::Rank() == 0) ApplySignal(reinterpret_cast<uint64_t*>(remoteSig), sigValue, sigOp);
+      return true;
+    }
+    case Route::kRdma:
+      st.Set(CallError::kRdmaNotImplemented, reinterpret_cast<uintptr_t>(dest), pe);
+      break;
+    default:
+      break;
+  }
+  if (Scope::Rank() == 0) ReportCallError(ctx.wait, pe, op, st);
+  return false;
+}
+
+// Target of a Thread-scope single-word operation (atomic or immediate) on PE `pe`: PE pe's copy
+// of `addr`, or nullptr after reporting an error.
+template <typename T>
+MORI_DEVICE_INLINE T* WordTarget(const ShmemDeviceContext& ctx, const T* addr, int pe,
+                                 const char* op) {
+  CallStatus st;
+  switch (RouteTo(ctx, pe, st)) {
+    case Route::kLoadStore: {
+      const uintptr_t remote = ResolveSymmetric(ctx, addr, sizeof(T), pe, alignof(T), st);
+      if (remote == 0) break;
+      return reinterpret_cast<T*>(remote);
+    }
+    case Route::kRdma:
+      st.Set(CallError::kRdmaNotImplemented, reinterpret_cast<uintptr_t>(addr), pe);
+      break;
+    default:
+      break;
+  }
+  ReportCallError(ctx.wait, pe, op, st);
+  return nullptr;
+}
+
+template <typename T>
+MORI_DEVICE_INLINE T* AtomicTarget(const ShmemDeviceContext& ctx, const T* addr, int pe,
+                                   const char* op) {
+  static_assert(std::is_same<T, uint32_t>::value || std::is_same<T, uint64_t>::value ||
+                    std::is_same<T, int32_t>::value || std::is_same<T, int64_t>::value,
+                "shmem atomics take uint32_t, uint64_t, int32_t or int64_t");
+  static_assert(alignof(T) == sizeof(T), "atomics need naturally aligned words");
+  return WordTarget(ctx, addr, pe, op);
+}
+
+template <typename T>
+MORI_DEVICE_INLINE T* ImmediateTarget(const ShmemDeviceContext& ctx, const T* addr, int pe,
+                                      const char* op) {
+  static_assert(std::is_arithmetic<T>::value, "typed put/get take arithmetic types");
+  return WordTarget(ctx, addr, pe, op);
+}
+
+// One arrival at PE p's device barrier counter.
+MORI_DEVICE_INLINE bool BarrierArrive(const ShmemDeviceContext& ctx, int p) {
+  uint64_t* word = ctx.syncArea + kSyncWordDeviceBarrier;
+  uint64_t* remote = WordTarget(ctx, word, p, "ShmemBarrierAll");
+  if (remote == nullptr) return false;
+  core::AtomicFetchAddReleaseSystem(remote, uint64_t{1});
+  return true;
+}
+
+// Every PE has arrived at epoch `epoch` once this PE's counter reaches epoch * worldSize: counters
+// only grow, and no PE passes epoch e before all PEs arrived at e, so no PE has contributed more
+// than `epoch` arrivals while this wait is pending.
+MORI_DEVICE_INLINE bool BarrierWait(const ShmemDeviceContext& ctx, uint64_t epoch) {
+  return core::WaitUntil(ctx.wait, ctx.syncArea + kSyncWordDeviceBarrier, core::CmpOp::kGe,
+                         epoch * static_cast<uint64_t>(ctx.worldSize), -1,
+                         "ShmemBarrierAll arrivals");
+}
+
+}  // namespace detail
+
+// =============================================================================================
+// Put: copy `bytes` from local `src` to symmetric `dest` on PE `pe`. Any size and alignment;
+// 16-byte vectors where dest and src agree modulo 16.
+// =============================================================================================
+MORI_DEVICE_INLINE bool ShmemPutMemNbiThread(const ShmemDeviceContext& ctx, void* dest,
+                                             const void* src, size_t bytes, int pe) {
+  return detail::PutMemNbi<detail::ThreadScope>(ctx, dest, src, bytes, pe, "ShmemPutMemNbiThread");
+}
+MORI_DEVICE_INLINE bool ShmemPutMemNbiWarp(const ShmemDeviceContext& ctx, void* dest,
+                                           const void* src, size_t bytes, int pe) {
+  return detail::PutMemNbi<detail::WarpScope>(ctx, dest, src, bytes, pe, "ShmemPutMemNbiWarp");
+}
+MORI_DEVICE_INLINE bool ShmemPutMemNbiBlock(const ShmemDeviceContext& ctx, void* dest,
+                                            const void* src, size_t bytes, int pe) {
+  return detail::PutMemNbi<detail::BlockScope>(ctx, dest, src, bytes, pe, "ShmemPutMemNbiBlock");
+}
+
+// Blocking: on return the scope's data is visible on PE `pe`.
+MORI_DEVICE_INLINE bool ShmemPutMemThread(const ShmemDeviceContext& ctx, void* dest,
+                                          const void* src, size_t bytes, int pe) {
+  const bool ok =
+      detail::PutMemNbi<detail::ThreadScope>(ctx, dest, src, bytes, pe, "ShmemPutMemThread");
+  core::FenceSystem();
+  return ok;
+}
+MORI_DEVICE_INLINE bool ShmemPutMemWarp(const ShmemDeviceContext& ctx, void* dest, const void* src,
+                                        size_t bytes, int pe) {
+  const bool ok =
+      detail::PutMemNbi<detail::WarpScope>(ctx, dest, src, bytes, pe, "ShmemPutMemWarp");
+  core::FenceSystem();
+  detail::WarpScope::Sync();
+  return ok;
+}
+MORI_DEVICE_INLINE bool ShmemPutMemBlock(const ShmemDeviceContext& ctx, void* dest, const void* src,
+                                         size_t bytes, int pe) {
+  const bool ok =
+      detail::PutMemNbi<detail::BlockScope>(ctx, dest, src, bytes, pe, "ShmemPutMemBlock");
+  core::FenceSystem();
+  detail::BlockScope::Sync();
+  return ok;
+}
+
+// Immediate put of one arithmetic value (a single store of sizeof(T) bytes) to symmetric `dest`
+// on PE `pe`; `dest` must be aligned to alignof(T).
+template <typename T>
+MORI_DEVICE_INLINE bool ShmemPutTypeNbiThread(const ShmemDeviceContext& ctx, T* dest,
+                                              detail::NonDeduced<T> value, int pe) {
+  T* p = detail::ImmediateTarget(ctx, dest, pe, "ShmemPutTypeNbiThread");
+  if (p == nullptr) return false;
+  *reinterpret_cast<volatile T*>(p) = value;
+  return true;
+}
+template <typename T>
+MORI_DEVICE_INLINE bool ShmemPutTypeThread(const ShmemDeviceContext& ctx, T* dest,
+                                           detail::NonDeduced<T> value, int pe) {
+  const bool ok = ShmemPutTypeNbiThread<T>(ctx, dest, value, pe);
+  core::FenceSystem();
+  return ok;
+}
+
+// =============================================================================================
+// Get: copy `bytes` from symmetric `src` on PE `pe` to local `dest`. The P2P transport reads the
+// peer directly, so the data is in `dest` for the calling thread when the Nbi call returns; the
+// blocking variants also sync the scope so every thread of it sees the whole result.
+// =============================================================================================
+MORI_DEVICE_INLINE bool ShmemGetMemNbiThread(const ShmemDeviceContext& ctx, void* dest,
+                                             const void* src, size_t bytes, int pe) {
+  return detail::GetMemNbi<detail::ThreadScope>(ctx, dest, src, bytes, pe, "ShmemGetMemNbiThread");
+}
+MORI_DEVICE_INLINE bool ShmemGetMemNbiWarp(const ShmemDeviceContext& ctx, void* dest,
+                                           const void* src, size_t bytes, int pe) {
+  return detail::GetMemNbi<detail::WarpScope>(ctx, dest, src, bytes, pe, "ShmemGetMemNbiWarp");
+}
+MORI_DEVICE_INLINE bool ShmemGetMemNbiBlock(const ShmemDeviceContext& ctx, void* dest,
+                                            const void* src, size_t bytes, int pe) {
+  return detail::GetMemNbi<detail::BlockScope>(ctx, dest, src, bytes, pe, "ShmemGetMemNbiBlock");
+}
+MORI_DEVICE_INLINE bool ShmemGetMemThread(const ShmemDeviceContext& ctx, void* dest,
+                                          const void* src, size_t bytes, int pe) {
+  const bool ok =
+      detail::GetMemNbi<detail::ThreadScope>(ctx, dest, src, bytes, pe, "ShmemGetMemThread");
+  core::FenceSystem();
+  return ok;
+}
+MORI_DEVICE_INLINE bool ShmemGetMemWarp(const ShmemDeviceContext& ctx, void* dest, const void* src,
+                                        size_t bytes, int pe) {
+  const bool ok =
+      detail::GetMemNbi<detail::WarpScope>(ctx, dest, src, bytes, pe, "ShmemGetMemWarp");
+  core::FenceSystem();
+  detail::WarpScope::Sync();
+  return ok;
+}
+MORI_DEVICE_INLINE bool ShmemGetMemBlock(const ShmemDeviceContext& ctx, void* dest, const void* src,
+                                         size_t bytes, int pe) {
+  const bool ok =
+      detail::GetMemNbi<detail::BlockScope>(ctx, dest, src, bytes, pe, "ShmemGetMemBlock");
+  core::FenceSystem();
+  detail::BlockScope::Sync();
+  return ok;
+}
+
+// Single load of one arithmetic value from symmetric `src` on PE `pe` (T{} on error).
+template <typename T>
+MORI_DEVICE_INLINE T ShmemGetType(const ShmemDeviceContext& ctx, const T* src, int pe) {
+  const T* p = detail::ImmediateTarget(ctx, src, pe, "ShmemGetType");
+  if (p == nullptr) return T{};
+  return *reinterpret_cast<const volatile T*>(p);
+}
+
+// =============================================================================================
+// Put with signal: put `bytes` to symmetric `dest` on PE `pe`, then update the symmetric signal
+// word `sigAddr` on PE `pe` (kSet: store `sigValue`; kAdd: add `sigValue`) so that a PE observing
+// the new signal value sees all of the data. One thread of the scope issues the signal after the
+// whole scope's data is written and fenced. `sigAddr` must be 8-byte aligned.
+// =============================================================================================
+MORI_DEVICE_INLINE bool ShmemPutMemSignalNbiThread(const ShmemDeviceContext& ctx, void* dest,
+                                                   const void* src, size_t bytes, uint64_t* sigAddr,
+                                                   uint64_t sigValue, SignalOp op, int pe) {
+  return detail::PutMemSignalNbi<detail::ThreadScope>(ctx, dest, src, bytes, sigAddr, sigValue, op,
+                                                      pe, "ShmemPutMemSignalNbiThread");
+}
+MORI_DEVICE_INLINE bool ShmemPutMemSignalNbiWarp(const ShmemDeviceContext& ctx, void* dest,
+                                                 const void* src, size_t bytes, uint64_t* sigAddr,
+                                                 uint64_t sigValue, SignalOp op, int pe) {
+  return detail::PutMemSignalNbi<detail::WarpScope>(ctx, dest, src, bytes, sigAddr, sigValue, op,
+                                                    pe, "ShmemPutMemSignalNbiWarp");
+}
+MORI_DEVICE_INLINE bool ShmemPutMemSignalNbiBlock(const ShmemDeviceContext& ctx, void* dest,
+                                                  const void* src, size_t bytes, uint64_t* sigAddr,
+                                                  uint64_t sigValue, SignalOp op, int pe) {
+  return detail::PutMemSignalNbi<detail::BlockScope>(ctx, dest, src, bytes, sigAddr, sigValue, op,
+                                                     pe, "ShmemPutMemSignalNbiBlock");
+}
+
+// Signal only (Thread scope): update `sigAddr` on PE `pe` with release semantics, ordered after
+// this thread's earlier puts.
+MORI_DEVICE_INLINE bool ShmemSignalThread(const ShmemDeviceContext& ctx, uint64_t* sigAddr,
+                                          uint64_t sigValue, SignalOp op, int pe) {
+  return detail::PutMemSignalNbi<detail::ThreadScope>(ctx, sigAddr, nullptr, 0, sigAddr, sigValue,
+                                                      op, pe, "ShmemSignalThread");
+}
+
+// =============================================================================================
+// Atomics (Thread scope, system-scope atomics on PE `pe`'s copy of symmetric `dest`).
+// T: uint32_t, uint64_t, int32_t, int64_t; `dest` aligned to sizeof(T). FetchAdd, Add,
+// CompareSwap and Swap are relaxed (order them with ShmemFenceThread); Fetch is an acquire load,
+// Set a release store. On error they return 0 / false (error recorded).
+// =============================================================================================
+template <typename T>
+MORI_DEVICE_INLINE T ShmemAtomicFetchAdd(const ShmemDeviceContext& ctx, T* dest,
+                                         detail::NonDeduced<T> value, int pe) {
+  T* p = detail::AtomicTarget(ctx, dest, pe, "ShmemAtomicFetchAdd");
+  return p == nullptr ? T{} : core::AtomicFetchAddSystem(p, value);
+}
+template <typename T>
+MORI_DEVICE_INLINE bool ShmemAtomicAdd(const ShmemDeviceContext& ctx, T* dest,
+                                       detail::NonDeduced<T> value, int pe) {
+  T* p = detail::AtomicTarget(ctx, dest, pe, "ShmemAtomicAdd");
+  if (p == nullptr) return false;
+  core::AtomicFetchAddSystem(p, value);
+  return true;
+}
+// Stores `value` if the current value equals `compare`; returns the value seen before.
+template <typename T>
+MORI_DEVICE_INLINE T ShmemAtomicCompareSwap(const ShmemDeviceContext& ctx, T* dest,
+                                            detail::NonDeduced<T> compare,
+                                            detail::NonDeduced<T> value, int pe) {
+  T* p = detail::AtomicTarget(ctx, dest, pe, "ShmemAtomicCompareSwap");
+  return p == nullptr ? T{} : core::AtomicCasSystem(p, compare, value);
+}
+template <typename T>
+MORI_DEVICE_INLINE T ShmemAtomicSwap(const ShmemDeviceContext& ctx, T* dest,
+                                     detail::NonDeduced<T> value, int pe) {
+  T* p = detail::AtomicTarget(ctx, dest, pe, "ShmemAtomicSwap");
+  return p == nullptr ? T{} : core::AtomicSwapSystem(p, value);
+}
+template <typename T>
+MORI_DEVICE_INLINE T ShmemAtomicFetch(const ShmemDeviceContext& ctx, const T* src, int pe) {
+  T* p = detail::AtomicTarget(ctx, src, pe, "ShmemAtomicFetch");
+  return p == nullptr ? T{} : core::AtomicLoadAcquireSystem(p);
+}
+template <typename T>
+MORI_DEVICE_INLINE bool ShmemAtomicSet(const ShmemDeviceContext& ctx, T* dest,
+                                       detail::NonDeduced<T> value, int pe) {
+  T* p = detail::AtomicTarget(ctx, dest, pe, "ShmemAtomicSet");
+  if (p == nullptr) return false;
+  core::AtomicStoreReleaseSystem(p, value);
+  return true;
+}
+
+// =============================================================================================
+// Waits on LOCAL memory (typically a symmetric word peers write). Thin wrappers of
+// core::WaitUntil: true once `*addr op value` holds (acquire: data the writer put before its
+// release is visible); false on timeout (MORI_DEVICE_TIMEOUT_MS; error recorded with rank, `peer`,
+// label, address, expected and seen values) or when another wait of this PE already failed. The
+// kernel should return promptly on false. `peer` (the PE expected to write; -1 if unknown) and
+// `label` only attribute a timeout.
+// =============================================================================================
+template <typename T>
+MORI_DEVICE_INLINE bool ShmemWaitUntil(const ShmemDeviceContext& ctx, T* addr, core::CmpOp op,
+                                       detail::NonDeduced<T> value, int peer = -1,
+                                       const char* label = "ShmemWaitUntil") {
+  return core::WaitUntil(ctx.wait, addr, op, value, peer, label);
+}
+MORI_DEVICE_INLINE bool ShmemSignalWaitUntil(const ShmemDeviceContext& ctx, uint64_t* sigAddr,
+                                             core::CmpOp op, uint64_t value, int peer = -1,
+                                             const char* label = "ShmemSignalWaitUntil") {
+  return core::WaitUntil(ctx.wait, sigAddr, op, value, peer, label);
+}
+
+// =============================================================================================
+// Quiet / fence (Thread scope). P2P stores complete through the memory system, so both are a
+// system-scope fence:
+//   ShmemQuietThread: every put/atomic this thread issued before is complete and visible on its
+//                     target PE (and the source buffers are reusable).
+//   ShmemFenceThread: puts/atomics this thread issued before are ordered before those it issues
+//                     after, per target PE.
+// =============================================================================================
+MORI_DEVICE_INLINE void ShmemQuietThread(const ShmemDeviceContext&) {
+  core::FenceSystem();
+}
+MORI_DEVICE_INLINE void ShmemFenceThread(const ShmemDeviceContext&) {
+  core::FenceSystem();
+}
+
+// =============================================================================================
+// Device barrier across all PEs. Returns true when every PE has arrived; false on timeout (error
+// "ShmemBarrierAll arrivals" recorded with the expected and seen arrival counts) or when a PE
+// cannot be reached by load/store (error recorded). On true, all puts the caller(s) issued before
+// the barrier are visible on their targets.
+//   ShmemBarrierAllThread: exactly one thread per PE calls it (covers that thread's puts).
+//   ShmemBarrierAllBlock:  every thread of exactly one block per PE calls it (covers the block's
+//                          puts); every thread gets the result.
+// Uses syncArea[kSyncWordDeviceBarrier] (monotonic arrival counter) and *barrierEpoch (this PE's
+// count of device barriers, persists across kernels): device barriers of one PE (these and
+// ShmemBarrierOnStream) must not run concurrently with each other, e.g. keep them on one stream.
+// =============================================================================================
+MORI_DEVICE_INLINE bool ShmemBarrierAllThread(const ShmemDeviceContext& ctx) {
+  core::FenceSystem();
+  const uint64_t epoch = *ctx.barrierEpoch + 1;
+  *ctx.barrierEpoch = epoch;
+  bool ok = true;
+  for (int p = 0; p < ctx.worldSize; p++) ok = detail::BarrierArrive(ctx, p) && ok;
+  return ok && detail::BarrierWait(ctx, epoch);
+}
+
+MORI_DEVICE_INLINE bool ShmemBarrierAllBlock(const ShmemDeviceContext& ctx) {
+  const int tid = detail::FlatThreadId();
+  const int nthreads = detail::BlockThreads();
+  core::FenceSystem();  // each thread's puts, before any arrival (ordered by the __syncthreads)
+  const uint64_t epoch = *ctx.barrierEpoch + 1;
+  __syncthreads();
+  bool ok = true;
+  for (int p = tid; p < ctx.worldSize; p += nthreads) ok = detail::BarrierArrive(ctx, p) && ok;
+  ok = __syncthreads_and(ok) != 0;
+  if (tid == 0) {
+    *ctx.barrierEpoch = epoch;
+    if (ok) ok = detail::BarrierWait(ctx, epoch);
+  }
+  return __syncthreads_and(tid != 0 || ok) != 0;
+}
+
+}  // namespace mori::shmem

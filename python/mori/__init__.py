@@ -1,0 +1,72 @@
+"""mori: GPU communication for MoE expert parallelism.
+
+``import mori`` loads the native module ``mori._C`` (which links libmori, never libtorch) and
+nothing else: torch is imported only by the helpers that need it, on first use.
+
+Submodules (imported on first attribute access):
+  mori.shmem  symmetric memory: init (unique id, MPI, torch process group), malloc, barriers
+  mori.ops    expert-parallel dispatch/combine (EpDispatchCombineConfig, EpDispatchCombineOp)
+  mori.info   the ``mori-info`` report
+
+Errors raised by the library are ``mori.MoriError`` subclasses (see ``help(mori.MoriError)``):
+InvalidUsageError (also a ValueError), TimeoutError (also the builtin TimeoutError), SystemError
+(an OSError, not the builtin SystemError), GpuRuntimeError, RemoteError, InternalError. Each
+carries ``kind``, ``file``, ``line`` and ``detail``; ``str(e)`` is "file:line: kind: detail".
+"""
+
+import importlib as _importlib
+
+try:
+    from . import _C
+except ImportError as _e:  # pragma: no cover - exercised only on broken setups
+    raise ImportError(
+        f"mori: cannot load the native module mori._C from {__path__[0]!r} ({_e}). Install with "
+        "`pip install --no-build-isolation .`, or build with CMake and put <build>/python on "
+        "PYTHONPATH (the source tree's python/ has no native module)."
+    ) from _e
+
+from ._C import (  # noqa: F401  (re-exported)
+    GpuRuntimeError,
+    InternalError,
+    InvalidUsageError,
+    MoriError,
+    RemoteError,
+    SystemError,
+    TimeoutError,
+    backend,
+    device_info,
+    env_entries,
+    rdma_devices,
+)
+
+__version__ = _C.version()
+
+_SUBMODULES = ("shmem", "ops", "info")
+
+__all__ = [
+    "__version__",
+    "MoriError",
+    "InvalidUsageError",
+    "TimeoutError",
+    "SystemError",
+    "GpuRuntimeError",
+    "RemoteError",
+    "InternalError",
+    "backend",
+    "device_info",
+    "env_entries",
+    "rdma_devices",
+    *_SUBMODULES,
+]
+
+
+def __getattr__(name):
+    if name in _SUBMODULES:
+        module = _importlib.import_module(f".{name}", __name__)
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module 'mori' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_SUBMODULES))

@@ -1,0 +1,103 @@
+"""`mori-info` / `python -m mori.info`: what this mori build sees. Prints the version and backend,
+the GPUs with their P2P matrix, RDMA devices, and every MORI_* setting with its value and source.
+Runs on machines without a GPU (it says why none is listed)."""
+
+import argparse
+import json
+import sys
+
+from . import _C
+
+
+def _runtime_version_text(backend, v):
+    if not v:
+        return "none"
+    if backend == "HIP":  # major * 10^7 + minor * 10^5 + patch
+        return f"{v // 10_000_000}.{(v // 100_000) % 100}.{v % 100_000}"
+    return f"{v // 1000}.{(v % 1000) // 10}"  # CUDA: major * 1000 + minor * 10
+
+
+def _size_text(n):
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def collect():
+    """Everything the report shows, as plain data. 'env_error' is set (and 'env' empty) when a
+    MORI_* value does not parse."""
+    report = {
+        "version": _C.version(),
+        "backend": _C.backend(),
+        "module": _C.__file__,
+        "devices": _C.device_info(),
+        "rdma_devices": list(_C.rdma_devices()),
+        "env": [],
+        "env_error": None,
+    }
+    try:
+        report["env"] = list(_C.env_entries())
+    except _C.MoriError as e:
+        report["env_error"] = str(e)
+    return report
+
+
+def format_report(report):
+    lines = []
+    d = report["devices"]
+    b = report["backend"]
+    lines.append(f"mori {report['version']} ({b} backend)")
+    lines.append(f"  module: {report['module']}")
+    lines.append(
+        f"  {b} runtime {_runtime_version_text(b, d['runtime_version'])}, "
+        f"driver {_runtime_version_text(b, d['driver_version'])}"
+    )
+    if d["count"] == 0:
+        lines.append(f"GPUs: none ({d['error'] or 'no device visible'})")
+    else:
+        lines.append(f"GPUs: {d['count']}")
+        for dev in d["devices"]:
+            lines.append(
+                f"  [{dev['index']}] {dev.get('name', '?')}  {dev.get('arch', '?')}  "
+                f"pci {dev['pci_bus_id'] or '?'}  {_size_text(dev.get('total_memory', 0))}  "
+                f"{dev.get('multiprocessors', '?')} SMs/CUs"
+            )
+        lines.append("P2P access (row GPU can access column GPU):")
+        lines.append("       " + " ".join(f"{j:>3}" for j in range(d["count"])))
+        for i, row in enumerate(d["p2p"]):
+            cells = ("  -" if i == j else ("  Y" if ok else "  N") for j, ok in enumerate(row))
+            lines.append(f"  {i:>3}  " + " ".join(cells))
+    rdma = report["rdma_devices"]
+    lines.append("RDMA devices: " + (", ".join(map(str, rdma)) if rdma else "none"))
+    lines.append("Environment (value in effect, source):")
+    if report["env_error"]:
+        lines.append(f"  error: {report['env_error']}")
+    width = max((len(e["name"]) for e in report["env"]), default=0)
+    for e in report["env"]:
+        value = e["value"] if e["value"] != "" else "(empty)"
+        lines.append(f"  {e['name']:<{width}} = {value}  [{e['source']}]")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="mori-info", description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--help-env", action="store_true", help="also print each setting's help")
+    args = parser.parse_args(argv)
+    report = collect()
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_report(report))
+        if args.help_env:
+            print("\nSettings:")
+            for e in report["env"]:
+                default = e["default"] if e["default"] != "" else "(empty)"
+                print(f"  {e['name']} ({e['type']}, default {default})\n      {e['help']}")
+    return 1 if report["env_error"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,506 @@
+"""EpDispatchCombineOp: MORI's Python API over the torch-free native handle (mori._C.ops).
+
+Every argument is checked here, before anything is launched, and a bad one raises
+mori.InvalidUsageError (a ValueError); the op stays usable. Returned tensors are views of the
+op's buffers: valid until the next call of the same kind (pass copy=True for private copies).
+"""
+
+import dataclasses
+import enum
+
+from .. import _C
+
+
+def _native():
+    ops = getattr(_C, "ops", None)
+    if ops is None:
+        raise ImportError(
+            "mori._C has no 'ops' submodule: this build of mori lacks the dispatch/combine bindings "
+            "(src/pybind/ops_bindings.cpp, RegisterOpsBindings)"
+        )
+    return ops
+
+
+def _usage(msg):
+    return _C.InvalidUsageError(msg)
+
+
+class EpDispatchCombineKernelType(enum.IntEnum):
+    IntraNode = 0
+    InterNode = 1
+    InterNodeV1 = 2
+    InterNodeV1LL = 3
+
+
+@dataclasses.dataclass
+class EpDispatchCombineConfig:
+    """MORI's field names. `hidden_dim` and `max_token_type_size` size the buffers (a call may
+    use a smaller hidden size or element type); `max_num_inp_token_per_rank` bounds the tokens of
+    one call. `data_type` is accepted for MORI compatibility and ignored (the dtype comes from
+    the tensors)."""
+
+    rank: int
+    world_size: int
+    hidden_dim: int
+    scale_dim: int
+    scale_type_size: int
+    max_token_type_size: int
+    max_num_inp_token_per_rank: int
+    num_experts_per_rank: int
+    num_experts_per_token: int
+    warp_num_per_block: int = 8
+    block_num: int = 80
+    use_external_inp_buf: bool = True
+    kernel_type: EpDispatchCombineKernelType = EpDispatchCombineKernelType.IntraNode
+    gpu_per_node: int = 8
+    rdma_block_num: int = 0
+    num_qp_per_pe: int = 1
+    data_type: object = None
+
+    def to_native(self):
+        def as_int(name):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                if name == "kernel_type" and isinstance(v, enum.Enum):
+                    return int(v.value)
+                try:
+                    import numbers
+
+                    if isinstance(v, numbers.Integral) and not isinstance(v, bool):
+                        return int(v)
+                except ImportError:  # pragma: no cover
+                    pass
+                raise _usage(f"EpDispatchCombineConfig.{name} must be an int, got {v!r}")
+            return int(v)
+
+        kt = self.kernel_type
+        if isinstance(kt, str):
+            try:
+                kt = EpDispatchCombineKernelType[kt]
+            except KeyError:
+                raise _usage(f"EpDispatchCombineConfig.kernel_type {kt!r} is not a kernel type") from None
+        kernel_type = int(kt.value) if isinstance(kt, enum.Enum) else as_int("kernel_type")
+        return _native().EpDispatchCombineConfig(
+            rank=as_int("rank"),
+            world_size=as_int("world_size"),
+            hidden_dim=as_int("hidden_dim"),
+            scale_dim=as_int("scale_dim"),
+            scale_type_size=as_int("scale_type_size"),
+            max_token_type_size=as_int("max_token_type_size"),
+            max_num_inp_token_per_rank=as_int("max_num_inp_token_per_rank"),
+            num_experts_per_rank=as_int("num_experts_per_rank"),
+            num_experts_per_token=as_int("num_experts_per_token"),
+            warp_num_per_block=as_int("warp_num_per_block"),
+            block_num=as_int("block_num"),
+            use_external_inp_buf=bool(self.use_external_inp_buf),
+            kernel_type=kernel_type,
+            gpu_per_node=as_int("gpu_per_node"),
+            rdma_block_num=as_int("rdma_block_num"),
+            num_qp_per_pe=as_int("num_qp_per_pe"),
+        )
+
+    def validate(self):
+        """Raise mori.InvalidUsageError naming the first bad field."""
+        self.to_native().validate()
+
+    @property
+    def num_experts(self):
+        return self.world_size * self.num_experts_per_rank
+
+    @property
+    def max_num_recv_tokens(self):
+        return self.world_size * self.max_num_inp_token_per_rank
+
+
+def ep_symmetric_bytes(config):
+    """Bytes of symmetric heap (MORI_SHMEM_HEAP_SIZE) an op for `config` allocates per rank."""
+    return _native().ep_symmetric_bytes(config.to_native())
+
+
+def ep_local_bytes(config):
+    """Bytes of ordinary device memory an op for `config` allocates per rank."""
+    return _native().ep_local_bytes(config.to_native())
+
+
+def ep_layout(config):
+    """Offsets of every buffer (see docs/ep.md)."""
+    return _native().ep_layout(config.to_native())
+
+
+# --- torch helpers ------------------------------------------------------------------------------
+def _torch():
+    import torch
+
+    return torch
+
+
+_DTYPE_CODES = None
+
+
+def _dtype_codes(torch):
+    global _DTYPE_CODES
+    if _DTYPE_CODES is None:
+        codes = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+        if hasattr(torch, "float8_e4m3fn"):
+            codes[torch.float8_e4m3fn] = 3
+        if hasattr(torch, "float8_e4m3fnuz"):
+            codes[torch.float8_e4m3fnuz] = 4
+        _DTYPE_CODES = codes
+    return _DTYPE_CODES
+
+
+def _tensor_from_ptr(ptr, shape, dtype, device_index):
+    from ..shmem import tensor_from_ptr
+
+    return tensor_from_ptr(ptr, shape, dtype, device_index)
+
+
+class EpDispatchCombineOp:
+    """One expert-parallel group (collective: create it on every rank, after shmem init).
+
+    dispatch(input, weights, scales, indices) sends each token once to every distinct rank that
+    owns one of its top-k experts and returns, on each rank, the received rows (ordered by source
+    rank, then source token): (out_tokens, out_weights, out_scales, out_indices, total_recv).
+    combine(input, weights, indices) sums, for each token of the last dispatch, the rows its
+    destination ranks return (rows in dispatch-output order) in fp32, ascending rank order
+    (bitwise reproducible), and returns (out_tokens [num_tokens, hidden], out_weights).
+    """
+
+    def __init__(self, config, check_inputs=True):
+        """check_inputs: also check expert ids are in [-1, num_experts) before dispatch; this
+        reads the indices on the host (one synchronisation; skipped during CUDA graph capture)."""
+        torch = _torch()
+        if not isinstance(config, EpDispatchCombineConfig):
+            raise _usage(f"EpDispatchCombineOp needs an EpDispatchCombineConfig, got {type(config).__name__}")
+        native_cfg = config.to_native()
+        native_cfg.validate()
+        self.config = config
+        self.check_inputs = bool(check_inputs)
+        self._handle = _native().EpDispatchCombineHandle(native_cfg)
+        self._device_index = self._handle.device
+        self.device = torch.device("cuda", self._device_index)
+        self._K = config.num_experts_per_token
+        self._M = config.max_num_inp_token_per_rank
+        self._rmax = config.max_num_recv_tokens
+        self._num_experts = config.num_experts
+        self._views = {}
+        self._last = None  # (num_tokens, dtype, hidden, index dtype, scales dtype, has weights)
+
+    # --- lifecycle ------------------------------------------------------------------------------
+    def close(self):
+        """Free the buffers now (waits for this GPU's work). Later calls raise."""
+        if self._handle is not None:
+            self._handle.release()
+            self._handle = None
+            self._views.clear()
+
+    def _h(self):
+        if self._handle is None:
+            raise _usage("EpDispatchCombineOp: the op was closed")
+        return self._handle
+
+    @property
+    def symmetric_bytes(self):
+        return self._h().symmetric_bytes
+
+    @property
+    def local_bytes(self):
+        return self._h().local_bytes
+
+    def resolve_launch(self, num_tokens, block_num=-1, warp_per_block=-1, for_dispatch=True):
+        """(blocks, warps per block) a call would use."""
+        return self._h().resolve_launch(int(num_tokens), int(block_num), int(warp_per_block), bool(for_dispatch))
+
+    # --- views ----------------------------------------------------------------------------------
+    def _view(self, name, ptr_attr, shape, dtype):
+        key = (name, shape, dtype)
+        t = self._views.get(key)
+        if t is None:
+            ptr = getattr(self._h(), ptr_attr)
+            t = _tensor_from_ptr(ptr, shape, dtype, self._device_index)
+            self._views[key] = t
+        return t
+
+    def _total_recv_view(self):
+        return self._view("total", "total_recv_token_num", (1,), _torch().int32)
+
+    # --- checks ---------------------------------------------------------------------------------
+    def _check_tensor(self, name, t, ndim):
+        torch = _torch()
+        if not isinstance(t, torch.Tensor):
+            raise _usage(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device.type != "cuda" or t.device.index != self._device_index:
+            raise _usage(f"{name} is on {t.device}, but the op lives on cuda:{self._device_index}")
+        if t.dim() != ndim:
+            raise _usage(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+        if not t.is_contiguous():
+            raise _usage(f"{name} must be contiguous (shape {tuple(t.shape)}, strides {t.stride()})")
+
+    def _stream(self, stream):
+        torch = _torch()
+        if stream is None:
+            return torch.cuda.current_stream(self.device).cuda_stream
+        if isinstance(stream, int):
+            return stream
+        return int(stream.cuda_stream)
+
+    def _check_indices(self, indices, num_tokens, what):
+        torch = _torch()
+        self._check_tensor(f"{what}: indices", indices, 2)
+        if indices.dtype not in (torch.int32, torch.int64):
+            raise _usage(f"{what}: indices must be int32 or int64, got {indices.dtype}")
+        if tuple(indices.shape) != (num_tokens, self._K):
+            raise _usage(
+                f"{what}: indices must have shape [{num_tokens}, {self._K}] (tokens, num_experts_per_token), "
+                f"got {tuple(indices.shape)}"
+            )
+
+    # --- dispatch -------------------------------------------------------------------------------
+    def dispatch(self, input, weights, scales, indices, block_num=-1, warp_per_block=-1, *, copy=False, stream=None):
+        """Returns (out_tokens [R, hidden], out_weights [R, K] float32 or None, out_scales
+        [R, scale_dim] or None, out_indices [R, K], total_recv_token_num [1] int32 on the GPU),
+        R = world_size * max_num_inp_token_per_rank; rows [0, total_recv) are valid. copy=True
+        synchronises and returns private copies of the valid rows."""
+        torch = _torch()
+        h = self._h()
+        cfg = self.config
+        self._check_tensor("dispatch: input", input, 2)
+        codes = _dtype_codes(torch)
+        code = codes.get(input.dtype)
+        if code is None:
+            raise _usage(
+                f"dispatch: input dtype {input.dtype} is not supported (bfloat16, float16, float32, "
+                "float8_e4m3fn, float8_e4m3fnuz)"
+            )
+        num_tokens, hidden = int(input.shape[0]), int(input.shape[1])
+        if num_tokens > self._M:
+            raise _usage(f"dispatch: {num_tokens} tokens, but max_num_inp_token_per_rank is {self._M}")
+        if hidden > cfg.hidden_dim:
+            raise _usage(f"dispatch: hidden size {hidden} is larger than the config's hidden_dim {cfg.hidden_dim}")
+        esize = input.element_size()
+        if esize > cfg.max_token_type_size:
+            raise _usage(
+                f"dispatch: {input.dtype} has {esize}-byte elements but max_token_type_size is "
+                f"{cfg.max_token_type_size}"
+            )
+        if (hidden * esize) % 16 != 0:
+            raise _usage(f"dispatch: a token row is {hidden * esize} bytes; it must be a multiple of 16")
+        if num_tokens > 0 and input.data_ptr() % 16 != 0:
+            raise _usage("dispatch: input data must be 16-byte aligned")
+        self._check_indices(indices, num_tokens, "dispatch")
+        if weights is not None:
+            self._check_tensor("dispatch: weights", weights, 2)
+            if weights.dtype != torch.float32:
+                raise _usage(f"dispatch: weights must be float32, got {weights.dtype}")
+            if tuple(weights.shape) != (num_tokens, self._K):
+                raise _usage(f"dispatch: weights must have shape [{num_tokens}, {self._K}], got {tuple(weights.shape)}")
+        if scales is not None:
+            if cfg.scale_dim == 0:
+                raise _usage("dispatch: scales were given but the config has scale_dim = 0")
+            self._check_tensor("dispatch: scales", scales, 2)
+            if tuple(scales.shape) != (num_tokens, cfg.scale_dim):
+                raise _usage(f"dispatch: scales must have shape [{num_tokens}, {cfg.scale_dim}], got {tuple(scales.shape)}")
+            if scales.element_size() != cfg.scale_type_size:
+                raise _usage(
+                    f"dispatch: scales have {scales.element_size()}-byte elements ({scales.dtype}) but "
+                    f"scale_type_size is {cfg.scale_type_size}"
+                )
+        if self.check_inputs and num_tokens > 0 and not torch.cuda.is_current_stream_capturing():
+            bad = ((indices < -1) | (indices >= self._num_experts)).any()
+            if bool(bad.item()):
+                lo, hi = int(indices.min().item()), int(indices.max().item())
+                raise _usage(
+                    f"dispatch: expert ids must be in [-1, {self._num_experts}); got values in [{lo}, {hi}]"
+                )
+        index_code = 1 if indices.dtype == torch.int64 else 0
+        h.dispatch(
+            input.data_ptr() if num_tokens > 0 else 0,
+            code,
+            num_tokens,
+            hidden,
+            weights.data_ptr() if (weights is not None and num_tokens > 0) else 0,
+            scales.data_ptr() if (scales is not None and num_tokens > 0) else 0,
+            indices.data_ptr() if num_tokens > 0 else 0,
+            index_code,
+            int(block_num),
+            int(warp_per_block),
+            self._stream(stream),
+        )
+        self._last = (num_tokens, input.dtype, hidden, indices.dtype, None if scales is None else scales.dtype, weights is not None)
+        out = self._view("dispatch_tokens", "dispatch_out_tokens", (self._rmax, hidden), input.dtype)
+        out_w = self._view("dispatch_weights", "dispatch_out_weights", (self._rmax, self._K), torch.float32) if weights is not None else None
+        out_s = (
+            self._view("dispatch_scales", "dispatch_out_scales", (self._rmax, cfg.scale_dim), scales.dtype)
+            if scales is not None
+            else None
+        )
+        out_i = self._view("dispatch_indices", "dispatch_out_indices", (self._rmax, self._K), indices.dtype)
+        total = self._total_recv_view()
+        if copy:
+            n = int(total.item())
+            return (
+                out[:n].clone(),
+                None if out_w is None else out_w[:n].clone(),
+                None if out_s is None else out_s[:n].clone(),
+                out_i[:n].clone(),
+                total.clone(),
+            )
+        return out, out_w, out_s, out_i, total
+
+    # --- combine --------------------------------------------------------------------------------
+    def combine(self, input, weights, indices, block_num=-1, warp_per_block=-1, call_reset=False, *, copy=False, stream=None):
+        """input: rows in dispatch-output order ([>= total_recv, hidden] bf16/fp16/fp32): the
+        registered buffer (get_registered_combine_input_buffer: zero-copy), the dispatch output
+        itself (read in place), or any tensor (copied into the registered buffer first).
+        weights: [>= total_recv, K] float32 or None. indices: this rank's own [num_tokens, K]
+        routing of the last dispatch (checked for shape; None allowed).
+        Returns (out_tokens [num_tokens, hidden], out_weights [num_tokens, K] or None)."""
+        torch = _torch()
+        h = self._h()
+        cfg = self.config
+        if self._last is None:
+            raise _usage("combine: no dispatch yet (combine returns the tokens of the last dispatch)")
+        num_tokens = self._last[0]
+        self._check_tensor("combine: input", input, 2)
+        if input.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise _usage(
+                f"combine: input dtype {input.dtype} is not supported; combine sums bfloat16, float16 or "
+                "float32 rows (fp8 combine is not built)"
+            )
+        rows, hidden = int(input.shape[0]), int(input.shape[1])
+        if hidden > cfg.hidden_dim:
+            raise _usage(f"combine: hidden size {hidden} is larger than the config's hidden_dim {cfg.hidden_dim}")
+        esize = input.element_size()
+        if esize > cfg.max_token_type_size:
+            raise _usage(
+                f"combine: {input.dtype} has {esize}-byte elements but max_token_type_size is {cfg.max_token_type_size}"
+            )
+        if (hidden * esize) % 16 != 0:
+            raise _usage(f"combine: a token row is {hidden * esize} bytes; it must be a multiple of 16")
+        if input.data_ptr() % 16 != 0:
+            raise _usage("combine: input data must be 16-byte aligned")
+        weight_rows = 0
+        if weights is not None:
+            self._check_tensor("combine: weights", weights, 2)
+            if weights.dtype != torch.float32:
+                raise _usage(f"combine: weights must be float32, got {weights.dtype}")
+            if int(weights.shape[1]) != self._K:
+                raise _usage(f"combine: weights must have {self._K} columns, got shape {tuple(weights.shape)}")
+            weight_rows = int(weights.shape[0])
+        if indices is not None:
+            self._check_indices(indices, num_tokens, "combine")
+        if call_reset:
+            self.reset()
+        # An empty tensor may have no address: pass any other valid one (the kernel copies 0 rows,
+        # and reports an error if the last dispatch received more rows than the tensor has).
+        input_ptr = input.data_ptr() if rows > 0 else h.combine_out_tokens
+        weights_ptr = 0
+        if weights is not None:
+            weights_ptr = weights.data_ptr() if weight_rows > 0 else h.combine_out_weights
+        h.combine(
+            input_ptr,
+            _dtype_codes(torch)[input.dtype],
+            hidden,
+            rows,
+            weights_ptr,
+            weight_rows,
+            int(block_num),
+            int(warp_per_block),
+            self._stream(stream),
+        )
+        out = self._view("combine_tokens", "combine_out_tokens", (self._M, hidden), input.dtype)[:num_tokens]
+        out_w = None
+        if weights is not None:
+            out_w = self._view("combine_weights", "combine_out_weights", (self._M, self._K), torch.float32)[:num_tokens]
+        if copy:
+            return out.clone(), None if out_w is None else out_w.clone()
+        return out, out_w
+
+    def reset(self, stream=None):
+        """MORI compatibility: the kernels reset their own counters, so this does nothing."""
+        self._h().reset(0)
+
+    # --- buffers --------------------------------------------------------------------------------
+    def get_registered_combine_input_buffer(self, dtype, hidden_dim=None):
+        """[world_size * max_num_inp_token_per_rank, hidden] view of the zero-copy combine input:
+        write expert outputs into rows [0, total_recv) (dispatch-output order) and pass it to
+        combine. Valid while the op lives."""
+        torch = _torch()
+        hidden = self.config.hidden_dim if hidden_dim is None or hidden_dim < 0 else int(hidden_dim)
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise _usage(f"get_registered_combine_input_buffer: dtype {dtype} cannot be combined")
+        esize = torch.empty((), dtype=dtype).element_size()
+        if hidden > self.config.hidden_dim or esize > self.config.max_token_type_size:
+            raise _usage(
+                f"get_registered_combine_input_buffer: {hidden} x {dtype} exceeds the config "
+                f"(hidden_dim {self.config.hidden_dim}, max_token_type_size {self.config.max_token_type_size})"
+            )
+        return self._view("combine_in", "combine_input_buffer", (self._rmax, hidden), dtype)
+
+    def get_registered_combine_weights_buffer(self):
+        """[world_size * max_num_inp_token_per_rank, K] float32 view of the zero-copy combine weights."""
+        return self._view("combine_in_w", "combine_input_weights", (self._rmax, self._K), _torch().float32)
+
+    def get_dispatch_src_token_pos(self, sync=True):
+        """Source position (src_rank * max_num_inp_token_per_rank + src_token) of each received
+        row of the last dispatch: synchronises the current stream and returns the valid rows, or
+        with sync=False the whole [world_size * max_num_inp_token_per_rank] view."""
+        torch = _torch()
+        pos = self._view("src_pos", "dispatch_src_token_pos", (self._rmax,), torch.int32)
+        if not sync:
+            return pos
+        torch.cuda.current_stream(self.device).synchronize()
+        n = int(self._total_recv_view().item())
+        return pos[:n]
+
+    @property
+    def total_recv_token_num(self):
+        """[1] int32 on the GPU: rows received by the last dispatch."""
+        return self._total_recv_view()
+
+    def get_local_expert_count(self):
+        """[num_experts_per_rank] int32 on the GPU: tokens received by the last dispatch per local
+        expert (a token counts once per local expert in its top-k)."""
+        return self._view("expert_count", "local_expert_count", (self.config.num_experts_per_rank,), _torch().int32)
+
+    @property
+    def local_expert_count(self):
+        return self.get_local_expert_count()
+
+    def debug_fill_buffers(self, value=0xFF):
+        """Test helper: fill every output buffer (dispatch outputs, source positions, counts,
+        combine outputs) with the byte `value`, on the current stream. Only while no rank is
+        inside a call of this op (e.g. after a host barrier): peers write and read these buffers
+        during calls."""
+        torch = _torch()
+        cfg = self.config
+        h = self._h()
+        row = cfg.hidden_dim * cfg.max_token_type_size
+        regions = [
+            ("dispatch_out_tokens", self._rmax * row),
+            ("dispatch_out_weights", self._rmax * self._K * 4),
+            ("dispatch_out_indices", self._rmax * self._K * 8),
+            ("dispatch_src_token_pos", self._rmax * 4),
+            ("total_recv_token_num", 4),
+            ("local_expert_count", cfg.num_experts_per_rank * 4),
+            ("combine_out_tokens", self._M * row),
+            ("combine_out_weights", self._M * self._K * 4),
+        ]
+        if cfg.scale_dim > 0:
+            regions.append(("dispatch_out_scales", self._rmax * cfg.scale_dim * cfg.scale_type_size))
+        for attr, nbytes in regions:
+            _tensor_from_ptr(getattr(h, attr), (nbytes,), torch.uint8, self._device_index).fill_(value & 0xFF)
+
+    def check_device_error(self):
+        """Raise mori.TimeoutError if a device-side wait expired (e.g. a peer never called)."""
+        _C.shmem_check_device_error()
+
+
+__all__ = [
+    "EpDispatchCombineConfig",
+    "EpDispatchCombineKernelType",
+    "EpDispatchCombineOp",
+    "ep_layout",
+    "ep_local_bytes",
+    "ep_symmetric_bytes",
+]

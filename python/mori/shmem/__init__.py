@@ -1,0 +1,58 @@
+"""Symmetric memory (shmem) host API with MORI's Python names.
+
+Init (collective, once per process, binds to the current GPU):
+  shmem_torch_process_group_init(group)       over a torch.distributed group
+  shmem_init_attr(MORI_SHMEM_INIT_WITH_UNIQUEID, rank, nranks, uid)   uid from shmem_get_unique_id()
+  shmem_mpi_init()                            MPI_COMM_WORLD (MPI builds only)
+Pointers are ints (device addresses); streams are ints, torch streams or None (the current torch
+stream when torch is loaded, else the default stream). tensor_from_ptr() views device memory as a
+torch tensor.
+"""
+
+from .api import (  # noqa: F401
+    MORI_SHMEM_INIT_WITH_MPI_COMM,
+    MORI_SHMEM_INIT_WITH_UNIQUEID,
+    shmem_barrier_all,
+    shmem_barrier_on_stream,
+    shmem_check_device_error,
+    shmem_finalize,
+    shmem_free,
+    shmem_get_unique_id,
+    shmem_heap_free_bytes,
+    shmem_init_attr,
+    shmem_is_initialized,
+    shmem_malloc,
+    shmem_malloc_align,
+    shmem_mpi_init,
+    shmem_mype,
+    shmem_npes,
+    shmem_ptr_p2p,
+    shmem_stream_synchronize,
+    shmem_torch_process_group_init,
+    shmem_transport_type,
+)
+from .tensor import tensor_from_ptr  # noqa: F401
+
+__all__ = [
+    "MORI_SHMEM_INIT_WITH_MPI_COMM",
+    "MORI_SHMEM_INIT_WITH_UNIQUEID",
+    "shmem_barrier_all",
+    "shmem_barrier_on_stream",
+    "shmem_check_device_error",
+    "shmem_finalize",
+    "shmem_free",
+    "shmem_get_unique_id",
+    "shmem_heap_free_bytes",
+    "shmem_init_attr",
+    "shmem_is_initialized",
+    "shmem_malloc",
+    "shmem_malloc_align",
+    "shmem_mpi_init",
+    "shmem_mype",
+    "shmem_npes",
+    "shmem_ptr_p2p",
+    "shmem_stream_synchronize",
+    "shmem_torch_process_group_init",
+    "shmem_transport_type",
+    "tensor_from_ptr",
+]

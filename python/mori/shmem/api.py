@@ -1,0 +1,144 @@
+"""Thin Python layer over mori._C's shmem bindings: argument normalisation only (pointers, streams,
+unique ids); every rule is enforced, and every error raised, by the C++ library."""
+
+import sys
+
+from .. import _C
+from .._C import MORI_SHMEM_INIT_WITH_MPI_COMM, MORI_SHMEM_INIT_WITH_UNIQUEID  # noqa: F401
+
+
+def _as_ptr(ptr):
+    """An int device address from an int or anything with data_ptr() (a torch tensor)."""
+    if isinstance(ptr, int):
+        return ptr
+    data_ptr = getattr(ptr, "data_ptr", None)
+    if callable(data_ptr):
+        return int(data_ptr())
+    raise _C.InvalidUsageError(f"expected a device address (int) or a tensor, got {type(ptr).__name__}")
+
+
+def _stream_handle(stream):
+    """The raw stream handle as an int.
+
+    Accepts an int, an object with ``cuda_stream`` (torch.cuda.Stream), or one implementing the
+    ``__cuda_stream__`` protocol. None means torch's current stream when torch is already imported
+    and CUDA is initialised there, else the legacy default stream (0).
+    """
+    if stream is None:
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            return int(torch.cuda.current_stream().cuda_stream)
+        return 0
+    if isinstance(stream, int):
+        return stream
+    handle = getattr(stream, "cuda_stream", None)
+    if handle is not None:
+        return int(handle)
+    protocol = getattr(stream, "__cuda_stream__", None)
+    if callable(protocol):
+        return int(protocol()[1])
+    raise _C.InvalidUsageError(f"expected a stream (int, torch stream or None), got {type(stream).__name__}")
+
+
+# --- init / finalize ------------------------------------------------------------------------
+def shmem_get_unique_id() -> bytes:
+    """128 bytes naming a socket bootstrap; create on one rank, share with every rank."""
+    return _C.shmem_get_unique_id()
+
+
+def shmem_init_attr(flags: int, rank: int = -1, nranks: int = -1, unique_id=None) -> None:
+    """Initialise shmem. flags=MORI_SHMEM_INIT_WITH_UNIQUEID needs rank, nranks and the unique id
+    (bytes-like or a uint8 tensor); MORI_SHMEM_INIT_WITH_MPI_COMM uses MPI_COMM_WORLD."""
+    if unique_id is not None and not isinstance(unique_id, bytes):
+        if hasattr(unique_id, "cpu") and hasattr(unique_id, "tolist"):  # a torch tensor
+            unique_id = bytes(unique_id.cpu().tolist())
+        else:
+            unique_id = bytes(unique_id)
+    _C.shmem_init_attr(flags, rank, nranks, unique_id)
+
+
+def shmem_mpi_init() -> None:
+    """Initialise shmem over MPI_COMM_WORLD (needs a build with MPI)."""
+    _C.shmem_init_attr(MORI_SHMEM_INIT_WITH_MPI_COMM)
+
+
+def shmem_torch_process_group_init(group_name="default") -> None:
+    """Initialise shmem over a torch.distributed process group.
+
+    group_name: "default" or "" for the default (WORLD) group unless a group was registered under
+    that name; a name registered with torch._C._distributed_c10d._register_process_group or
+    assigned by torch (ProcessGroup.group_name); or a ProcessGroup object. Bootstrap traffic goes
+    through the group's collectives (CPU tensors on gloo, the current CUDA device on NCCL). Call
+    torch.cuda.set_device(local_rank) first: shmem binds to the current GPU.
+    """
+    from ._torch_bootstrap import init_from_process_group
+
+    init_from_process_group(group_name)
+
+
+def shmem_finalize() -> None:
+    _C.shmem_finalize()
+
+
+def shmem_is_initialized() -> bool:
+    return _C.shmem_is_initialized()
+
+
+# --- queries ---------------------------------------------------------------------------------
+def shmem_mype() -> int:
+    return _C.shmem_mype()
+
+
+def shmem_npes() -> int:
+    return _C.shmem_npes()
+
+
+def shmem_transport_type(pe: int) -> str:
+    """'self', 'p2p', 'rdma' or 'none'."""
+    return _C.shmem_transport_type(pe)
+
+
+# --- symmetric memory ------------------------------------------------------------------------
+def shmem_malloc(size: int) -> int:
+    """Collective: every PE allocates `size` bytes at the same heap offset. Returns the address."""
+    return _C.shmem_malloc(size)
+
+
+def shmem_malloc_align(alignment: int, size: int) -> int:
+    return _C.shmem_malloc_align(alignment, size)
+
+
+def shmem_free(ptr) -> None:
+    """Collective. ptr: an address from shmem_malloc (or a tensor over one)."""
+    _C.shmem_free(_as_ptr(ptr))
+
+
+def shmem_ptr_p2p(dest_ptr, my_pe: int, dest_pe: int) -> int:
+    """dest_pe's copy of the symmetric address dest_ptr, as mapped in this process (0 if dest_pe
+    is not load/store reachable). my_pe must be this PE (MORI's signature)."""
+    return _C.shmem_ptr_p2p(_as_ptr(dest_ptr), my_pe, dest_pe)
+
+
+def shmem_heap_free_bytes() -> int:
+    return _C.shmem_heap_free_bytes()
+
+
+# --- synchronisation -------------------------------------------------------------------------
+def shmem_barrier_all() -> None:
+    """Host barrier: waits for this PE's device work, then for every PE."""
+    _C.shmem_barrier_all()
+
+
+def shmem_barrier_on_stream(stream=None) -> None:
+    """Device barrier across all PEs, enqueued on `stream` (no host wait)."""
+    _C.shmem_barrier_on_stream(_stream_handle(stream))
+
+
+def shmem_stream_synchronize(stream=None) -> None:
+    """Bounded host wait for `stream` (MORI_HOST_TIMEOUT_MS); surfaces device-side timeouts."""
+    _C.shmem_stream_synchronize(_stream_handle(stream))
+
+
+def shmem_check_device_error() -> None:
+    """Raise mori.TimeoutError describing a recorded device-side wait timeout, if any."""
+    _C.shmem_check_device_error()

@@ -1,0 +1,348 @@
+// EpDispatchCombineHandle: allocation, argument checks and launches (no host synchronisation in
+// Dispatch/Combine).
+#include "mori/ops/dispatch_combine/handle.hpp"
+
+#include <algorithm>
+#include <cstring>
+
+#include "intranode.hpp"
+#include "mori/core/errors.hpp"
+#include "mori/core/gpu_check.hpp"
+#include "mori/core/logging.hpp"
+#include "mori/shmem/shmem_api.hpp"
+
+namespace mori::ops {
+
+namespace {
+
+bool Aligned(const void* p, size_t a) { return (reinterpret_cast<uintptr_t>(p) % a) == 0; }
+
+}  // namespace
+
+EpDispatchCombineHandle::EpDispatchCombineHandle(const EpDispatchCombineConfig& cfg) : config(cfg) {
+  config.Validate();
+  MORI_ENSURE(shmem::ShmemIsInitialized(), InvalidUsageError,
+              "EpDispatchCombineHandle: shmem is not initialised (call shmem init, e.g. "
+              "mori.shmem.shmem_torch_process_group_init, before creating the op)");
+  const int pe = shmem::ShmemMyPe();
+  const int npes = shmem::ShmemNPes();
+  MORI_ENSURE(config.rank == pe && config.worldSize == npes, InvalidUsageError,
+              "EpDispatchCombineHandle: config rank/world_size = %d/%d but shmem has PE %d of %d",
+              config.rank, config.worldSize, pe, npes);
+  for (int p = 0; p < npes; p++) {
+    shmem::TransportType t = shmem::ShmemTransportType(p);
+    MORI_ENSURE(t == shmem::TransportType::kSelf || t == shmem::TransportType::kP2P,
+                InvalidUsageError,
+                "EpDispatchCombineHandle: kernel_type IntraNode needs load/store (P2P over "
+                "NVLink/xGMI) access to every PE, but PE %d is reached by '%s' from PE %d",
+                p, shmem::TransportTypeName(t), pe);
+  }
+  MORI_CHECK_GPU(gpuGetDevice(&device));
+  MORI_CHECK_GPU(gpuDeviceGetAttribute(&numSms, gpuDevAttrMultiProcessorCount, device));
+
+  symmLayout = MakeEpSymmetricLayout(config);
+  localLayout = MakeEpLocalLayout(config);
+  const size_t freeBytes = shmem::ShmemHeapFreeBytes();
+  MORI_ENSURE(symmLayout.totalBytes <= freeBytes, InvalidUsageError,
+              "EpDispatchCombineHandle needs %zu bytes (%.1f MiB) of symmetric heap but only %zu "
+              "are free; raise MORI_SHMEM_HEAP_SIZE or lower max_num_inp_token_per_rank / "
+              "hidden_dim / max_token_type_size",
+              symmLayout.totalBytes, symmLayout.totalBytes / 1048576.0, freeBytes);
+
+  // Every PE must be done with whatever used this heap range before (a previous handle's calls).
+  shmem::ShmemBarrierAll();
+  symmBase = static_cast<uint8_t*>(shmem::ShmemMallocAlign(kEpBufferAlign, symmLayout.totalBytes));
+  try {
+    void* local = nullptr;
+    MORI_CHECK_GPU(gpuMalloc(&local, localLayout.totalBytes));
+    localBase = static_cast<uint8_t*>(local);
+    MORI_CHECK_GPU(gpuMemset(symmBase, 0, symmLayout.totalBytes));
+    MORI_CHECK_GPU(gpuMemset(localBase, 0, localLayout.totalBytes));
+    MORI_CHECK_GPU(gpuDeviceSynchronize());
+    symmHeapOffset = shmem::ShmemQueryMemObj(symmBase).heapOffset;
+    shmemCtx = shmem::ShmemGetDeviceContext();
+    heapBaseAtInit = shmemCtx.heapBase;
+    for (int p = 0; p < npes; p++) {
+      MORI_ENSURE(shmem::ShmemPtrP2p(symmBase, p) != nullptr, InvalidUsageError,
+                  "EpDispatchCombineHandle: PE %d's symmetric heap is not mapped on PE %d", p, pe);
+    }
+    // No PE may write into our buffers before they are zeroed.
+    shmem::ShmemBarrierAll();
+  } catch (...) {
+    if (localBase != nullptr) (void)gpuFree(localBase);
+    localBase = nullptr;
+    shmem::ShmemFree(symmBase);
+    symmBase = nullptr;
+    throw;
+  }
+  MORI_INFO(kLogOps,
+            "EP handle: PE %d/%d hidden %d x %d B, max %d tokens/PE, %d experts/PE, top-%d: "
+            "%zu B symmetric, %zu B local",
+            pe, npes, config.hiddenDim, config.maxTokenTypeSize, config.maxNumInpTokenPerRank,
+            config.numExpertsPerRank, config.numExpertsPerToken, symmLayout.totalBytes,
+            localLayout.totalBytes);
+}
+
+EpDispatchCombineHandle::~EpDispatchCombineHandle() {
+  try {
+    Release();
+  } catch (const std::exception& e) {
+    MORI_WARN(kLogOps, "EP handle: releasing buffers failed: %s", e.what());
+  } catch (...) {
+  }
+}
+
+void EpDispatchCombineHandle::Release() {
+  if (symmBase == nullptr && localBase == nullptr) return;
+  // Our own kernels may still run; peers' kernels touching our buffers belong to calls we made
+  // too (they are collective), so once ours finished, theirs have passed our buffers.
+  (void)gpuDeviceSynchronize();
+  if (localBase != nullptr) (void)gpuFree(localBase);
+  localBase = nullptr;
+  if (symmBase != nullptr && shmem::ShmemIsInitialized() &&
+      shmem::ShmemGetDeviceContext().heapBase == heapBaseAtInit) {
+    shmem::ShmemFree(symmBase);
+  }
+  symmBase = nullptr;
+}
+
+void EpDispatchCombineHandle::CheckUsable(const char* what) const {
+  MORI_ENSURE(symmBase != nullptr, InvalidUsageError, "EP %s: the op was released", what);
+  MORI_ENSURE(shmem::ShmemIsInitialized(), InvalidUsageError,
+              "EP %s: shmem was finalized; this op's buffers are gone (create a new op after "
+              "re-initialising shmem)",
+              what);
+  MORI_ENSURE(shmem::ShmemGetDeviceContext().heapBase == heapBaseAtInit, InvalidUsageError,
+              "EP %s: shmem was re-initialised since this op was created; create a new op", what);
+  int dev = -1;
+  MORI_CHECK_GPU(gpuGetDevice(&dev));
+  MORI_ENSURE(dev == device, InvalidUsageError,
+              "EP %s: current device is %d but the op was created on device %d", what, dev, device);
+}
+
+float* EpDispatchCombineHandle::DispatchOutWeights() const {
+  return reinterpret_cast<float*>(symmBase + symmLayout.dispatchOutWeights);
+}
+void* EpDispatchCombineHandle::DispatchOutScales() const {
+  return config.ScaleRowBytes() > 0 ? symmBase + symmLayout.dispatchOutScales : nullptr;
+}
+int32_t* EpDispatchCombineHandle::DispatchSrcTokenPos() const {
+  return reinterpret_cast<int32_t*>(symmBase + symmLayout.dispatchOutSrcPos);
+}
+int32_t* EpDispatchCombineHandle::TotalRecvTokenNum() const {
+  return reinterpret_cast<int32_t*>(localBase + localLayout.totalRecv);
+}
+int32_t* EpDispatchCombineHandle::LocalExpertCount() const {
+  return reinterpret_cast<int32_t*>(localBase + localLayout.localExpertCount);
+}
+float* EpDispatchCombineHandle::CombineInputWeights() const {
+  return reinterpret_cast<float*>(symmBase + symmLayout.combineInWeights);
+}
+float* EpDispatchCombineHandle::CombineOutWeights() const {
+  return reinterpret_cast<float*>(localBase + localLayout.combineOutWeights);
+}
+
+void EpDispatchCombineHandle::ResolveLaunch(int numTokens, int blockNum, int warpPerBlock,
+                                            bool forDispatch, int* blocksOut,
+                                            int* warpsOut) const {
+  const int maxWarps = kEpMaxThreadsPerBlock / core::kWarpSize;
+  int blocks = blockNum;
+  int warps = warpPerBlock;
+  if (blocks <= 0) {
+    blocks = config.blockNum;
+    // Small batches are latency-bound: spread them over more SMs by default.
+    if (numTokens <= kEpSmallBatchTokens) blocks = std::max(blocks, std::min(numSms, 64));
+  }
+  if (warps <= 0) warps = config.warpNumPerBlock;
+  MORI_ENSURE(warps >= 1 && warps <= maxWarps, InvalidUsageError,
+              "EP %s: warp_per_block = %d is out of range [1, %d] (block size %d threads at most, "
+              "warp size %d)",
+              forDispatch ? "dispatch" : "combine", warps, maxWarps, kEpMaxThreadsPerBlock,
+              core::kWarpSize);
+  blocks = std::min(blocks, numSms);  // every block must be resident (they wait on each other)
+  if (forDispatch) {
+    MORI_ENSURE(config.worldSize <= numSms, InvalidUsageError,
+                "EP dispatch: needs at least world_size = %d blocks but the GPU has %d SMs",
+                config.worldSize, numSms);
+    blocks = std::max(blocks, config.worldSize);  // at least one block per destination
+  }
+  MORI_ENSURE(blocks >= 1, InvalidUsageError, "EP: block_num must be positive");
+  *blocksOut = blocks;
+  *warpsOut = warps;
+}
+
+void EpDispatchCombineHandle::Reset(gpuStream_t) {}
+
+void EpDispatchCombineHandle::Dispatch(const EpDispatchArgs& args, gpuStream_t stream) {
+  CheckUsable("dispatch");
+  const EpDispatchCombineConfig& c = config;
+  MORI_ENSURE(EpDataTypeIsValid(static_cast<int32_t>(args.dataType)), InvalidUsageError,
+              "EP dispatch: unknown dtype code %d", static_cast<int>(args.dataType));
+  MORI_ENSURE(args.indexType == EpIndexType::kInt32 || args.indexType == EpIndexType::kInt64,
+              InvalidUsageError, "EP dispatch: unknown index type code %d",
+              static_cast<int>(args.indexType));
+  MORI_ENSURE(args.numTokens >= 0 && args.numTokens <= c.maxNumInpTokenPerRank, InvalidUsageError,
+              "EP dispatch: %d tokens, but max_num_inp_token_per_rank is %d", args.numTokens,
+              c.maxNumInpTokenPerRank);
+  MORI_ENSURE(args.hiddenDim >= 1 && args.hiddenDim <= c.hiddenDim, InvalidUsageError,
+              "EP dispatch: hidden size %d is out of range [1, %d] (config hidden_dim)",
+              args.hiddenDim, c.hiddenDim);
+  const int esize = EpDataTypeSize(args.dataType);
+  MORI_ENSURE(esize <= c.maxTokenTypeSize, InvalidUsageError,
+              "EP dispatch: dtype %s has %d-byte elements but max_token_type_size is %d",
+              EpDataTypeName(args.dataType), esize, c.maxTokenTypeSize);
+  const size_t rowBytes = static_cast<size_t>(args.hiddenDim) * esize;
+  MORI_ENSURE(rowBytes % kEpRowAlignBytes == 0, InvalidUsageError,
+              "EP dispatch: a token row is %zu bytes (hidden %d x %d B); it must be a multiple of "
+              "%d bytes",
+              rowBytes, args.hiddenDim, esize, kEpRowAlignBytes);
+  if (args.numTokens > 0) {
+    MORI_ENSURE(args.input != nullptr && args.indices != nullptr, InvalidUsageError,
+                "EP dispatch: input and indices are required when there are tokens");
+    MORI_ENSURE(Aligned(args.input, kEpRowAlignBytes), InvalidUsageError,
+                "EP dispatch: input %p is not %d-byte aligned", args.input, kEpRowAlignBytes);
+    MORI_ENSURE(Aligned(args.indices, EpIndexTypeSize(args.indexType)), InvalidUsageError,
+                "EP dispatch: indices %p are not aligned to their element size", args.indices);
+    MORI_ENSURE(args.weights == nullptr || Aligned(args.weights, 4), InvalidUsageError,
+                "EP dispatch: weights %p are not 4-byte aligned", static_cast<const void*>(args.weights));
+  }
+  const size_t scaleBytes = c.ScaleRowBytes();
+  MORI_ENSURE(args.scales == nullptr || scaleBytes > 0, InvalidUsageError,
+              "EP dispatch: scales were given but the config has scale_dim = 0");
+
+  int blocks = 0, warps = 0;
+  ResolveLaunch(args.numTokens, args.blockNum, args.warpPerBlock, true, &blocks, &warps);
+
+  EpDispatchKernelArgs k{};
+  k.c.rank = c.rank;
+  k.c.worldSize = c.worldSize;
+  k.c.maxTokensPerRank = c.maxNumInpTokenPerRank;
+  k.c.numExpertsPerRank = c.numExpertsPerRank;
+  k.c.numExperts = c.NumExperts();
+  k.c.topK = c.numExpertsPerToken;
+  k.c.peerHeapBases = shmemCtx.peerHeapBases;
+  k.c.symmHeapOffset = symmHeapOffset;
+  k.c.symm = symmLayout;
+  k.c.symmLocal = symmBase;
+  k.c.state = reinterpret_cast<EpDeviceState*>(localBase + localLayout.state);
+  k.c.tokenSlot = reinterpret_cast<int32_t*>(localBase + localLayout.tokenSlot);
+  k.c.totalRecv = TotalRecvTokenNum();
+  k.c.localExpertCount = LocalExpertCount();
+  k.c.wait = shmemCtx.wait;
+  k.inTokens = static_cast<const uint8_t*>(args.input);
+  k.inWeights = args.weights;
+  k.inScales = static_cast<const uint8_t*>(args.scales);
+  k.inIndices = args.indices;
+  k.numTokens = args.numTokens;
+  k.rowBytes = static_cast<uint32_t>(rowBytes);
+  k.scaleBytes = static_cast<uint32_t>(scaleBytes);
+  if (args.scales == nullptr) {
+    k.scaleCopy = EpScaleCopy::kNone;
+  } else if (scaleBytes % 4 == 0 && Aligned(args.scales, 4)) {
+    k.scaleCopy = EpScaleCopy::kWords;
+  } else {
+    k.scaleCopy = EpScaleCopy::kBytes;
+  }
+  k.format = EpDispatchFormat(k.rowBytes, static_cast<int>(args.dataType),
+                              static_cast<int>(args.indexType));
+
+  const size_t smem = EpDispatchSmemBytes(c, core::kWarpSize);
+  LaunchEpDispatchIntraNode(k, args.indexType, blocks, warps * core::kWarpSize, smem, stream);
+  lastNumTokens = args.numTokens;
+  lastRowBytes = k.rowBytes;
+}
+
+void EpDispatchCombineHandle::Combine(const EpCombineArgs& args, gpuStream_t stream) {
+  CheckUsable("combine");
+  const EpDispatchCombineConfig& c = config;
+  MORI_ENSURE(lastNumTokens >= 0, InvalidUsageError,
+              "EP combine: no dispatch yet (combine returns the rows of the last dispatch)");
+  MORI_ENSURE(args.dataType == EpDataType::kBFloat16 || args.dataType == EpDataType::kFloat16 ||
+                  args.dataType == EpDataType::kFloat32,
+              InvalidUsageError,
+              "EP combine: dtype %s is not supported (combine sums bf16, fp16 or fp32; fp8 combine "
+              "is not built)",
+              EpDataTypeIsValid(static_cast<int32_t>(args.dataType)) ? EpDataTypeName(args.dataType)
+                                                                    : "unknown");
+  MORI_ENSURE(args.hiddenDim >= 1 && args.hiddenDim <= c.hiddenDim, InvalidUsageError,
+              "EP combine: hidden size %d is out of range [1, %d] (config hidden_dim)",
+              args.hiddenDim, c.hiddenDim);
+  const int esize = EpDataTypeSize(args.dataType);
+  MORI_ENSURE(esize <= c.maxTokenTypeSize, InvalidUsageError,
+              "EP combine: dtype %s has %d-byte elements but max_token_type_size is %d",
+              EpDataTypeName(args.dataType), esize, c.maxTokenTypeSize);
+  const size_t rowBytes = static_cast<size_t>(args.hiddenDim) * esize;
+  MORI_ENSURE(rowBytes % kEpRowAlignBytes == 0, InvalidUsageError,
+              "EP combine: a token row is %zu bytes (hidden %d x %d B); it must be a multiple of "
+              "%d bytes",
+              rowBytes, args.hiddenDim, esize, kEpRowAlignBytes);
+  MORI_ENSURE(args.input != nullptr && Aligned(args.input, kEpRowAlignBytes), InvalidUsageError,
+              "EP combine: input %p is null or not %d-byte aligned", args.input, kEpRowAlignBytes);
+  MORI_ENSURE(args.inputRows >= 0 && args.weightRows >= 0, InvalidUsageError,
+              "EP combine: negative row counts");
+  MORI_ENSURE(args.weights == nullptr || Aligned(args.weights, 4), InvalidUsageError,
+              "EP combine: weights are not 4-byte aligned");
+
+  EpCombineKernelArgs k{};
+  k.c.rank = c.rank;
+  k.c.worldSize = c.worldSize;
+  k.c.maxTokensPerRank = c.maxNumInpTokenPerRank;
+  k.c.numExpertsPerRank = c.numExpertsPerRank;
+  k.c.numExperts = c.NumExperts();
+  k.c.topK = c.numExpertsPerToken;
+  k.c.peerHeapBases = shmemCtx.peerHeapBases;
+  k.c.symmHeapOffset = symmHeapOffset;
+  k.c.symm = symmLayout;
+  k.c.symmLocal = symmBase;
+  k.c.state = reinterpret_cast<EpDeviceState*>(localBase + localLayout.state);
+  k.c.tokenSlot = reinterpret_cast<int32_t*>(localBase + localLayout.tokenSlot);
+  k.c.totalRecv = TotalRecvTokenNum();
+  k.c.localExpertCount = LocalExpertCount();
+  k.c.wait = shmemCtx.wait;
+
+  if (args.input == CombineInputBuffer()) {
+    k.tokenSource = EpCombineSource::kRegistered;
+  } else if (args.input == DispatchOutTokens()) {
+    MORI_ENSURE(rowBytes == lastRowBytes, InvalidUsageError,
+                "EP combine: the input is the dispatch output buffer, whose rows are %u bytes, "
+                "but combine rows are %zu bytes (hidden %d x %s)",
+                lastRowBytes, rowBytes, args.hiddenDim, EpDataTypeName(args.dataType));
+    k.tokenSource = EpCombineSource::kDispatchOut;
+  } else {
+    k.tokenSource = EpCombineSource::kRegistered;
+    k.copyTokens = 1;
+    k.inTokens = static_cast<const uint8_t*>(args.input);
+    k.inRows = args.inputRows;
+  }
+  if (args.weights == nullptr) {
+    k.weightSource = EpCombineSource::kNone;
+  } else if (args.weights == CombineInputWeights()) {
+    k.weightSource = EpCombineSource::kRegistered;
+  } else if (args.weights == DispatchOutWeights()) {
+    k.weightSource = EpCombineSource::kDispatchOut;
+  } else {
+    k.weightSource = EpCombineSource::kRegistered;
+    k.copyWeights = 1;
+    k.inWeights = args.weights;
+    k.inWeightRows = args.weightRows;
+  }
+  k.outTokens = static_cast<uint8_t*>(CombineOutTokens());
+  k.outWeights = args.weights != nullptr ? CombineOutWeights() : nullptr;
+  k.numTokens = lastNumTokens;
+  k.rowBytes = static_cast<uint32_t>(rowBytes);
+  k.dataType = static_cast<int32_t>(args.dataType);
+
+  int blocks = 0, warps = 0;
+  ResolveLaunch(lastNumTokens, args.blockNum, args.warpPerBlock, false, &blocks, &warps);
+  const int vecs = static_cast<int>(rowBytes / 16);
+  const int totalWarps = blocks * warps;
+  int parts = 1;
+  if (lastNumTokens > 0 && lastNumTokens < totalWarps) {
+    parts = (totalWarps + lastNumTokens - 1) / lastNumTokens;
+    parts = std::min(parts, std::max(1, vecs / (2 * core::kWarpSize)));
+  }
+  k.partsPerToken = parts;
+  LaunchEpCombineIntraNode(k, args.dataType, blocks, warps * core::kWarpSize, stream);
+}
+
+}  // namespace mori::ops

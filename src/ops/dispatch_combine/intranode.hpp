@@ -1,0 +1,73 @@
+// IntraNode dispatch/combine: kernel argument structs and launchers (internal to src/ops).
+// Kernels: intranode_dispatch.cpp, intranode_combine.cpp. Protocol: docs/ep.md.
+#pragma once
+
+#include <cstdint>
+
+#include "mori/core/device/wait.hpp"
+#include "mori/core/gpu.hpp"
+#include "mori/ops/dispatch_combine/config.hpp"
+#include "mori/ops/dispatch_combine/layout.hpp"
+
+namespace mori::ops {
+
+// What both kernels need about the group and the handle's buffers.
+struct EpIntraNodeCommon {
+  int32_t rank;
+  int32_t worldSize;
+  int32_t maxTokensPerRank;   // M
+  int32_t numExpertsPerRank;  // Epr
+  int32_t numExperts;
+  int32_t topK;               // K
+  const uintptr_t* peerHeapBases;  // [worldSize]: PE p's heap as mapped here
+  uint64_t symmHeapOffset;         // offset of the handle's symmetric block in every heap
+  EpSymmetricLayout symm;          // offsets inside that block
+  uint8_t* symmLocal;              // this PE's symmetric block
+  EpDeviceState* state;
+  int32_t* tokenSlot;              // [M][W]
+  int32_t* totalRecv;
+  int32_t* localExpertCount;       // [Epr]
+  core::WaitContext wait;
+};
+
+// How a scales row is copied: 4-byte words when its size and both bases allow, else bytes.
+enum class EpScaleCopy : int32_t { kNone = 0, kWords = 1, kBytes = 2 };
+
+struct EpDispatchKernelArgs {
+  EpIntraNodeCommon c;
+  const uint8_t* inTokens;    // [T][rowBytes]
+  const float* inWeights;     // [T][K] or nullptr
+  const uint8_t* inScales;    // [T][scaleBytes] or nullptr
+  const void* inIndices;      // [T][K] IndexT
+  int32_t numTokens;          // T
+  uint32_t rowBytes;          // multiple of 16
+  uint32_t scaleBytes;
+  EpScaleCopy scaleCopy;
+  uint64_t format;            // EpDispatchFormat(...) of this call
+};
+
+struct EpCombineKernelArgs {
+  EpIntraNodeCommon c;
+  const uint8_t* inTokens;         // source of the copy when tokenSource == kCopy
+  int64_t inRows;                  // rows readable at inTokens (copy only)
+  const float* inWeights;          // source of the weights copy when weightCopy
+  int64_t inWeightRows;
+  EpCombineSource tokenSource;     // announced to peers (kRegistered or kDispatchOut)
+  EpCombineSource weightSource;    // kNone, kRegistered or kDispatchOut
+  int32_t copyTokens;              // 1: copy inTokens into combineInTokens first
+  int32_t copyWeights;             // 1: copy inWeights into combineInWeights first
+  uint8_t* outTokens;              // [T][rowBytes], local
+  float* outWeights;               // [T][K], local; nullptr: no output weights
+  int32_t numTokens;               // T of the last dispatch
+  uint32_t rowBytes;
+  int32_t dataType;                // EpDataType, for the cross-PE format check
+  int32_t partsPerToken;           // warps sharing one token's row (small batches)
+};
+
+// Launchers (kernel instantiations live next to the kernels).
+void LaunchEpDispatchIntraNode(const EpDispatchKernelArgs& args, EpIndexType indexType, int blocks,
+                               int threads, size_t smemBytes, gpuStream_t stream);
+void LaunchEpCombineIntraNode(const EpCombineKernelArgs& args, EpDataType dataType, int blocks,
+                              int threads, gpuStream_t stream);
+
+}  // namespace mori::ops

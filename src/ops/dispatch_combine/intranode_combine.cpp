@@ -1,0 +1,274 @@
+// IntraNode combine: pull-based, deterministic. Protocol: docs/ep.md; buffers: layout.hpp.
+//   1. Input in place (zero-copy registered buffer, or the dispatch output itself): block 0
+//      signals "ready" to every PE at once. External input: every block copies a share of it into
+//      the registered buffer (after every PE finished reading that buffer in the last combine);
+//      the last block to finish signals "ready". The ready signal says where our rows are.
+//   2. Every block waits for every PE's ready signal (epoch-tagged, parity-double-buffered).
+//   3. For each of this PE's tokens of the last dispatch, a warp (or, for small batches, several
+//      warps on slices of the row) loads the rows from the token's destination PEs, at the slots
+//      dispatch recorded, with several 16-byte loads from several PEs in flight, and sums them in
+//      fp32 in ascending PE order: bitwise reproducible. Weights rows likewise.
+//   4. The last block to finish tells every PE "done reading your buffers" (doneInbox) and bumps
+//      the combine epoch. Nobody waits for that here: the next dispatch (before it lets anyone
+//      write our dispatch output) and the next combine (before it overwrites our registered
+//      buffer) wait for it.
+#include "intranode.hpp"
+#include "intranode_device.hpp"
+#include "mori/core/gpu_check.hpp"
+
+namespace mori::ops {
+namespace detail {
+
+using core::CmpOp;
+
+constexpr int kCombineMaxWarps = kEpMaxThreadsPerBlock / kWarpSize;
+constexpr int kCombineVecUnroll = 2;   // vectors per lane per step
+constexpr int kCombinePeerBatch = 4;   // source rows loaded together (all in flight)
+
+// out[v] = sum over members j (in order) of rows[j][v], for v in [vb, ve) of this warp's lanes.
+template <typename Elem>
+MORI_DEVICE_INLINE void WarpReduceRows(uint4* __restrict__ out, const uint8_t* const* rows, int n,
+                                       int vb, int ve) {
+  constexpr int kU = kCombineVecUnroll;
+  constexpr int kB = kCombinePeerBatch;
+  const int lane = core::LaneId();
+  for (int v0 = vb + lane; v0 < ve; v0 += kU * kWarpSize) {
+    float acc[kU][Elem::kPerVec];
+#pragma unroll
+    for (int u = 0; u < kU; u++) {
+#pragma unroll
+      for (int i = 0; i < Elem::kPerVec; i++) acc[u][i] = 0.0f;
+    }
+    for (int jb = 0; jb < n; jb += kB) {
+      uint4 r[kB][kU];
+#pragma unroll
+      for (int j = 0; j < kB; j++) {
+        if (jb + j < n) {
+          const uint4* src = reinterpret_cast<const uint4*>(rows[jb + j]);
+#pragma unroll
+          for (int u = 0; u < kU; u++) {
+            if (v0 + u * kWarpSize < ve) r[j][u] = src[v0 + u * kWarpSize];
+          }
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kB; j++) {
+        if (jb + j < n) {
+#pragma unroll
+          for (int u = 0; u < kU; u++) {
+            if (v0 + u * kWarpSize < ve) Elem::Accumulate(acc[u], r[j][u]);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kU; u++) {
+      if (v0 + u * kWarpSize < ve) out[v0 + u * kWarpSize] = Elem::Pack(acc[u]);
+    }
+  }
+}
+
+template <typename Elem>
+__global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
+    EpCombineIntraNodeKernel(const EpCombineKernelArgs a) {
+  __shared__ const uint8_t* sTok[kEpMaxWorldSize];
+  __shared__ const float* sW[kEpMaxWorldSize];
+  __shared__ const uint8_t* sRows[kCombineMaxWarps][kEpMaxWorldSize];
+  __shared__ int sPeer[kCombineMaxWarps][kEpMaxWorldSize];
+  __shared__ int sSlot[kCombineMaxWarps][kEpMaxWorldSize];
+  __shared__ int sFailed;
+
+  const EpIntraNodeCommon& c = a.c;
+  // A private copy: the (rare) error path takes its address, which must not pull the whole
+  // kernel parameter block into local memory.
+  const core::WaitContext wait = c.wait;
+  const int W = c.worldSize;
+  const int me = c.rank;
+  const int T = a.numTokens;
+  const int K = c.topK;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int nThreads = static_cast<int>(blockDim.x);
+  const int lane = core::LaneId();
+  const int warp = core::WarpId();
+  const int nWarps = core::WarpsPerBlock();
+  const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(&c.state->combineEpoch) + 1;
+  const int parity = static_cast<int>(epoch & 1);
+  const uint64_t ready = EpPackReady(a.tokenSource, a.weightSource, a.dataType, a.rowBytes);
+
+  if (tid == 0) sFailed = 0;
+  __syncthreads();
+
+  // ---- 1. input in place, or copied into the registered buffer ---------------------------------
+  if (a.copyTokens != 0 || a.copyWeights != 0) {
+    const int R = *reinterpret_cast<volatile int32_t*>(c.totalRecv);
+    EpSignal* done = At<EpSignal>(c.symmLocal, c.symm.doneInbox);
+    for (int p = tid; p < W; p += nThreads) {
+      if (!core::WaitUntil(wait, &done[p].tag, CmpOp::kGe, epoch - 1, p,
+                           "EP combine: peer done reading (last combine)"))
+        sFailed = 1;
+    }
+    if (tid == 0) {
+      if (a.copyTokens != 0 && R > a.inRows) {
+        ReportError(wait, -1, "EP combine: input has fewer rows than dispatch received",
+                    static_cast<const uint64_t*>(nullptr), static_cast<uint64_t>(R),
+                    static_cast<uint64_t>(a.inRows));
+        sFailed = 1;
+      }
+      if (a.copyWeights != 0 && R > a.inWeightRows) {
+        ReportError(wait, -1, "EP combine: weights have fewer rows than dispatch received",
+                    static_cast<const uint64_t*>(nullptr), static_cast<uint64_t>(R),
+                    static_cast<uint64_t>(a.inWeightRows));
+        sFailed = 1;
+      }
+    }
+    __syncthreads();
+    if (sFailed == 0 && R > 0) {
+      if (a.copyTokens != 0)
+        GridCopy16(c.symmLocal + c.symm.combineInTokens, a.inTokens,
+                   static_cast<size_t>(R) * a.rowBytes);
+      if (a.copyWeights != 0)
+        GridCopy4(At<uint32_t>(c.symmLocal, c.symm.combineInWeights),
+                  reinterpret_cast<const uint32_t*>(a.inWeights), static_cast<size_t>(R) * K);
+    }
+    core::FenceSystem();
+    __syncthreads();
+    if (tid == 0) {
+      core::FenceSystem();  // cumulative: covers the block's copy observed through the barrier
+      const unsigned old = atomicAdd(&c.state->combineCopyBlocksDone, 1u);
+      if (old == gridDim.x - 1) {
+        c.state->combineCopyBlocksDone = 0;
+        core::FenceSystem();
+        if (!core::DeviceAborted(wait)) {
+          for (int p = 0; p < W; p++)
+            SignalStore(At<EpSignal>(PeerBlock(c, p), c.symm.readyInbox) +
+                            EpReadyInboxIndex(parity, me, W),
+                        ready, epoch);
+        }
+      }
+    }
+  } else if (blockIdx.x == 0) {
+    for (int p = tid; p < W; p += nThreads)
+      SignalStore(At<EpSignal>(PeerBlock(c, p), c.symm.readyInbox) +
+                      EpReadyInboxIndex(parity, me, W),
+                  ready, epoch);
+  }
+
+  // ---- 2. every PE's rows are ready ------------------------------------------------------------
+  if (sFailed == 0) {
+    EpSignal* inbox = At<EpSignal>(c.symmLocal, c.symm.readyInbox);
+    const uint64_t myFormat = EpReadyFormat(ready);
+    for (int p = tid; p < W; p += nThreads) {
+      uint64_t v = 0;
+      if (!SignalWait(wait, inbox + EpReadyInboxIndex(parity, p, W), epoch, p,
+                      "EP combine: peer input ready", &v)) {
+        sFailed = 1;
+        continue;
+      }
+      if (EpReadyFormat(v) != myFormat) {
+        ReportError(wait, p, "EP combine: PEs called combine with different dtype/hidden",
+                    &inbox->value, myFormat, EpReadyFormat(v));
+        sFailed = 1;
+        continue;
+      }
+      const EpCombineSource ts = EpReadyTokens(v);
+      const EpCombineSource ws = EpReadyWeights(v);
+      uint8_t* pb = PeerBlock(c, p);
+      sTok[p] = pb + (ts == EpCombineSource::kDispatchOut ? c.symm.dispatchOutTokens
+                                                          : c.symm.combineInTokens);
+      sW[p] = ws == EpCombineSource::kNone
+                  ? nullptr
+                  : At<const float>(pb, ws == EpCombineSource::kDispatchOut
+                                            ? c.symm.dispatchOutWeights
+                                            : c.symm.combineInWeights);
+    }
+  }
+  __syncthreads();
+
+  // ---- 3. reduce ------------------------------------------------------------------------------
+  if (sFailed == 0) {
+    const int vecs = static_cast<int>(a.rowBytes / 16);
+    const int P = a.partsPerToken;
+    const long long items = static_cast<long long>(T) * P;
+    const long long stride = static_cast<long long>(gridDim.x) * nWarps;
+    for (long long item = static_cast<long long>(blockIdx.x) * nWarps + warp; item < items;
+         item += stride) {
+      const int t = static_cast<int>(item / P);
+      const int part = static_cast<int>(item - static_cast<long long>(t) * P);
+      const int slot = lane < W ? c.tokenSlot[static_cast<size_t>(t) * W + lane] : -1;
+      const LaneMask members = core::WarpBallot(slot >= 0);
+      const int n = core::PopCount(members);
+      if (slot >= 0) {
+        const int j = core::PopCount(members & LowerLanesMask(lane));  // ascending PE order
+        sRows[warp][j] = sTok[lane] + static_cast<size_t>(slot) * a.rowBytes;
+        sPeer[warp][j] = lane;
+        sSlot[warp][j] = slot;
+      }
+      core::WarpSync();
+      const int vb = static_cast<int>(static_cast<long long>(vecs) * part / P);
+      const int ve = static_cast<int>(static_cast<long long>(vecs) * (part + 1) / P);
+      WarpReduceRows<Elem>(
+          reinterpret_cast<uint4*>(a.outTokens + static_cast<size_t>(t) * a.rowBytes),
+          sRows[warp], n, vb, ve);
+      if (part == 0 && a.outWeights != nullptr) {
+        for (int k = lane; k < K; k += kWarpSize) {
+          float acc = 0.0f;
+          for (int j = 0; j < n; j++) {
+            const float* src = sW[sPeer[warp][j]];
+            if (src == nullptr) {  // that PE returned rows but no weights
+              ReportError(wait, sPeer[warp][j],
+                          "EP combine: a PE passed no weights, this PE asked for weights",
+                          static_cast<const uint64_t*>(nullptr), static_cast<uint64_t>(1),
+                          static_cast<uint64_t>(0));
+              break;
+            }
+            acc += src[static_cast<size_t>(sSlot[warp][j]) * K + k];
+          }
+          a.outWeights[static_cast<size_t>(t) * K + k] = acc;
+        }
+      }
+      core::WarpSync();  // the next item rewrites this warp's member lists
+    }
+  }
+
+  // ---- 4. done reading; epoch ----------------------------------------------------------------
+  core::FenceSystem();
+  __syncthreads();
+  if (tid == 0) {
+    core::FenceSystem();
+    const unsigned old = atomicAdd(&c.state->combineBlocksDone, 1u);
+    if (old == gridDim.x - 1) {
+      c.state->combineBlocksDone = 0;
+      core::FenceSystem();
+      if (!core::DeviceAborted(wait)) {
+        for (int p = 0; p < W; p++)
+          SignalStore(At<EpSignal>(PeerBlock(c, p), c.symm.doneInbox) + me, 0, epoch);
+      }
+      c.state->combineEpoch = epoch;
+      __threadfence();
+    }
+  }
+}
+
+}  // namespace detail
+
+// The kernel's instantiations: one per token type combine can sum.
+void LaunchEpCombineIntraNode(const EpCombineKernelArgs& args, EpDataType dataType, int blocks,
+                              int threads, gpuStream_t stream) {
+  switch (dataType) {
+    case EpDataType::kBFloat16:
+      detail::EpCombineIntraNodeKernel<detail::EpBf16Elem><<<blocks, threads, 0, stream>>>(args);
+      break;
+    case EpDataType::kFloat16:
+      detail::EpCombineIntraNodeKernel<detail::EpFp16Elem><<<blocks, threads, 0, stream>>>(args);
+      break;
+    case EpDataType::kFloat32:
+      detail::EpCombineIntraNodeKernel<detail::EpFp32Elem><<<blocks, threads, 0, stream>>>(args);
+      break;
+    default:
+      MORI_THROW(InvalidUsageError, "EP combine: no kernel for dtype %s (fp8 combine is not built)",
+                 EpDataTypeName(dataType));
+  }
+  MORI_CHECK_LAUNCH();
+}
+
+}  // namespace mori::ops

@@ -1,0 +1,217 @@
+// Device helpers shared by the IntraNode dispatch and combine kernels: signals, peer addressing,
+// warp scans, 16-byte row copies and the fp32 accumulation of token vectors.
+#pragma once
+
+#include <cstdint>
+
+#include "mori/core/device/wait.hpp"
+#include "mori/core/gpu.hpp"
+#include "mori/ops/dispatch_combine/layout.hpp"
+#include "intranode.hpp"
+
+#if MORI_HIP
+#include <hip/hip_fp16.h>
+#else
+#include <cuda_fp16.h>
+#endif
+
+namespace mori::ops::detail {
+
+using core::kWarpSize;
+using core::LaneMask;
+
+// ---------------------------------------------------------------------------------------------
+// Addressing
+// ---------------------------------------------------------------------------------------------
+// Base of PE `pe`'s symmetric block as mapped here (the host checked every PE is mapped).
+MORI_DEVICE_INLINE uint8_t* PeerBlock(const EpIntraNodeCommon& c, int pe) {
+  return reinterpret_cast<uint8_t*>(c.peerHeapBases[pe] + c.symmHeapOffset);
+}
+
+template <typename T>
+MORI_DEVICE_INLINE T* At(uint8_t* block, size_t offset) {
+  return reinterpret_cast<T*>(block + offset);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Signals: value first, then the epoch tag with release order (see EpSignal).
+// ---------------------------------------------------------------------------------------------
+MORI_DEVICE_INLINE void SignalStore(EpSignal* s, uint64_t value, uint64_t epoch) {
+  core::AtomicStoreRelaxedSystem(&s->value, value);
+  core::AtomicStoreReleaseSystem(&s->tag, epoch);
+}
+
+// Records a protocol violation in the shared device error record (the host raises it) without a
+// wait having expired.
+template <typename T>
+MORI_DEVICE_INLINE void ReportError(const core::WaitContext& ctx, int peer, const char* label,
+                                    const T* addr, T expected, T seen) {
+  core::RecordWaitTimeout(ctx, peer, label, addr, core::CmpOp::kEq, expected, seen, 0ull);
+}
+
+// Waits until `s` carries `epoch`; returns false on timeout/abort or if it carries a later epoch
+// (a protocol violation, recorded). On success *value is the payload.
+MORI_DEVICE_INLINE bool SignalWait(const core::WaitContext& ctx, EpSignal* s, uint64_t epoch,
+                                   int peer, const char* label, uint64_t* value) {
+  if (!core::WaitUntil(ctx, &s->tag, core::CmpOp::kGe, epoch, peer, label)) return false;
+  uint64_t seen = core::AtomicLoadAcquireSystem(&s->tag);
+  if (seen != epoch) {
+    ReportError(ctx, peer, "EP signal from a later call (PEs out of step)", &s->tag, epoch, seen);
+    return false;
+  }
+  *value = core::AtomicLoadRelaxedSystem(&s->value);
+  return true;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Warp helpers
+// ---------------------------------------------------------------------------------------------
+MORI_DEVICE_INLINE LaneMask LowerLanesMask(int lane) {
+  return (static_cast<LaneMask>(1) << lane) - static_cast<LaneMask>(1);
+}
+
+// 1-based index of the lowest set bit, 0 if none.
+MORI_DEVICE_INLINE int FindFirstSet(LaneMask m) {
+  if constexpr (sizeof(LaneMask) == 8) {
+    return __ffsll(static_cast<unsigned long long>(m));
+  } else {
+    return __ffs(static_cast<unsigned int>(m));
+  }
+}
+
+MORI_DEVICE_INLINE int WarpInclusiveScan(int v) {
+  const int lane = core::LaneId();
+  for (int off = 1; off < kWarpSize; off <<= 1) {
+    int n = core::WarpShfl(v, lane >= off ? lane - off : lane);
+    if (lane >= off) v += n;
+  }
+  return v;
+}
+
+// Position (0-based) of the n-th set bit of `word` (n < popcount(word)); warp-uniform inputs.
+MORI_DEVICE_INLINE int WarpNthSetBit(LaneMask word, int n) {
+  const int lane = core::LaneId();
+  const bool set = ((word >> lane) & static_cast<LaneMask>(1)) != 0;
+  const bool hit = set && core::PopCount(word & LowerLanesMask(lane)) == n;
+  return FindFirstSet(core::WarpBallot(hit)) - 1;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Row copies. A warp copies vectors [vBegin, vEnd) of a row; each lane keeps kUnroll 16-byte loads
+// in flight before it stores them.
+// ---------------------------------------------------------------------------------------------
+template <int kUnroll>
+MORI_DEVICE_INLINE void WarpCopyVectors(uint4* __restrict__ dst, const uint4* __restrict__ src,
+                                        int vBegin, int vEnd) {
+  const int lane = core::LaneId();
+  int v = vBegin + lane;
+  for (; v + (kUnroll - 1) * kWarpSize < vEnd; v += kUnroll * kWarpSize) {
+    uint4 r[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; u++) r[u] = src[v + u * kWarpSize];
+#pragma unroll
+    for (int u = 0; u < kUnroll; u++) dst[v + u * kWarpSize] = r[u];
+  }
+  uint4 r[kUnroll];
+#pragma unroll
+  for (int u = 0; u < kUnroll; u++) {
+    if (v + u * kWarpSize < vEnd) r[u] = src[v + u * kWarpSize];
+  }
+#pragma unroll
+  for (int u = 0; u < kUnroll; u++) {
+    if (v + u * kWarpSize < vEnd) dst[v + u * kWarpSize] = r[u];
+  }
+}
+
+// Grid-wide copy of `bytes` (a multiple of 16, both pointers 16-byte aligned).
+MORI_DEVICE_INLINE void GridCopy16(uint8_t* dst, const uint8_t* src, size_t bytes) {
+  const size_t n = bytes / 16;
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  const uint4* s = reinterpret_cast<const uint4*>(src);
+  uint4* d = reinterpret_cast<uint4*>(dst);
+  size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  constexpr int kU = 4;
+  for (; i + (kU - 1) * stride < n; i += kU * stride) {
+    uint4 r[kU];
+#pragma unroll
+    for (int u = 0; u < kU; u++) r[u] = s[i + u * stride];
+#pragma unroll
+    for (int u = 0; u < kU; u++) d[i + u * stride] = r[u];
+  }
+  for (; i < n; i += stride) d[i] = s[i];
+}
+
+// Grid-wide copy of `n` 4-byte words.
+MORI_DEVICE_INLINE void GridCopy4(uint32_t* dst, const uint32_t* src, size_t n) {
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
+    dst[i] = src[i];
+}
+
+// ---------------------------------------------------------------------------------------------
+// Token element types for combine: a 16-byte vector of kPerVec elements, accumulated in fp32
+// (one add per element, in the caller's order) and packed back with round-to-nearest-even.
+// ---------------------------------------------------------------------------------------------
+struct EpBf16Elem {
+  static constexpr int kPerVec = 8;
+  MORI_DEVICE_INLINE static void Accumulate(float (&acc)[kPerVec], const uint4& v) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      acc[2 * i] += __uint_as_float(w[i] << 16);
+      acc[2 * i + 1] += __uint_as_float(w[i] & 0xFFFF0000u);
+    }
+  }
+  MORI_DEVICE_INLINE static uint32_t ToBits(float f) {
+    uint32_t u = __float_as_uint(f);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0u;  // NaN
+    u += 0x7FFFu + ((u >> 16) & 1u);                       // round to nearest even
+    return u >> 16;
+  }
+  MORI_DEVICE_INLINE static uint4 Pack(const float (&acc)[kPerVec]) {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) w[i] = ToBits(acc[2 * i]) | (ToBits(acc[2 * i + 1]) << 16);
+    return make_uint4(w[0], w[1], w[2], w[3]);
+  }
+};
+
+struct EpFp16Elem {
+  static constexpr int kPerVec = 8;
+  MORI_DEVICE_INLINE static float ToFloat(uint32_t bits16) {
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(bits16)));
+  }
+  MORI_DEVICE_INLINE static uint32_t ToBits(float f) {
+    return static_cast<uint32_t>(__half_as_ushort(__float2half_rn(f)));
+  }
+  MORI_DEVICE_INLINE static void Accumulate(float (&acc)[kPerVec], const uint4& v) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      acc[2 * i] += ToFloat(w[i] & 0xFFFFu);
+      acc[2 * i + 1] += ToFloat(w[i] >> 16);
+    }
+  }
+  MORI_DEVICE_INLINE static uint4 Pack(const float (&acc)[kPerVec]) {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) w[i] = ToBits(acc[2 * i]) | (ToBits(acc[2 * i + 1]) << 16);
+    return make_uint4(w[0], w[1], w[2], w[3]);
+  }
+};
+
+struct EpFp32Elem {
+  static constexpr int kPerVec = 4;
+  MORI_DEVICE_INLINE static void Accumulate(float (&acc)[kPerVec], const uint4& v) {
+    acc[0] += __uint_as_float(v.x);
+    acc[1] += __uint_as_float(v.y);
+    acc[2] += __uint_as_float(v.z);
+    acc[3] += __uint_as_float(v.w);
+  }
+  MORI_DEVICE_INLINE static uint4 Pack(const float (&acc)[kPerVec]) {
+    return make_uint4(__float_as_uint(acc[0]), __float_as_uint(acc[1]), __float_as_uint(acc[2]),
+                      __float_as_uint(acc[3]));
+  }
+};
+
+}  // namespace mori::ops::detail

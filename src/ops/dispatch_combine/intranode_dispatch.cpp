@@ -1,0 +1,362 @@
+// IntraNode dispatch: one kernel, one count exchange, rows written straight into the receivers'
+// output buffers over P2P. Protocol and layout: docs/ep.md; buffers: layout.hpp.
+//
+// Block b serves destination PE d = (b + rank) % W; the blocks serving d (group index g of G)
+// split d's token list evenly, so every block streams contiguous rows to ONE peer.
+//   1. Every block scans all tokens' top-k ids once and builds, in shared memory, the bitmap of
+//      tokens that go to d (a token goes once per distinct destination) and its prefix counts.
+//      The list position of a token is its rank in that bitmap.
+//   2. The group leader (g == 0) announces count(rank -> d) to every PE and, to d, the per-local-
+//      expert histogram, in epoch-tagged signals (countInbox/expertInbox, parity-double-buffered).
+//      Block 0 first waits until every PE finished reading our buffers in the last combine; its
+//      announcement count(rank -> rank) therefore also says "our buffers may be written".
+//   3. A block with rows for d waits for count(s -> d) of every s < rank (its rows start at their
+//      sum on d: receivers see rows ordered by source PE, then token) and for count(d -> d) (d has
+//      started this call, so its output buffers are free).
+//   4. It records the slot of each of its tokens on d (for combine), copies the rows (token,
+//      weights, indices, scales, source position) with 16-byte vectors, fences, and adds its row
+//      count to d's arrived[rank].
+//   5. Block 0 waits for every source's count and then for arrived[s] to reach it, resets
+//      arrived[s], and writes the received total and the per-local-expert counts. The kernel ends
+//      only then, so the next kernel on the stream sees every received row.
+//   6. The last block to finish bumps the dispatch epoch and resets the grid counter.
+#include "intranode.hpp"
+#include "intranode_device.hpp"
+#include "mori/core/gpu_check.hpp"
+
+namespace mori::ops {
+namespace detail {
+
+using core::CmpOp;
+
+constexpr int kDispatchCopyUnroll = 8;  // 16-byte loads in flight per lane
+
+MORI_DEVICE_INLINE size_t AlignUp16(size_t v) { return (v + 15) & ~static_cast<size_t>(15); }
+
+template <typename IndexT>
+__global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
+    EpDispatchIntraNodeKernel(const EpDispatchKernelArgs a) {
+  extern __shared__ __align__(16) uint8_t smemDyn[];
+  __shared__ int sFailed;
+  __shared__ int sSendBase;
+  __shared__ int sTotal;
+
+  const EpIntraNodeCommon& c = a.c;
+  // A private copy: the (rare) error path takes its address, which must not pull the whole
+  // kernel parameter block into local memory.
+  const core::WaitContext wait = c.wait;
+  const int W = c.worldSize;
+  const int me = c.rank;
+  const int T = a.numTokens;
+  const int K = c.topK;
+  const int Epr = c.numExpertsPerRank;
+  const int numExperts = c.numExperts;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int nThreads = static_cast<int>(blockDim.x);
+  const int lane = core::LaneId();
+  const int warp = core::WarpId();
+  const int nWarps = core::WarpsPerBlock();
+  const int b = static_cast<int>(blockIdx.x);
+  const int dest = (b + me) % W;
+  const int g = b / W;
+  const int G = (static_cast<int>(gridDim.x) - 1 - (b % W)) / W + 1;
+  const bool leader = g == 0;
+  const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(&c.state->dispatchEpoch) + 1;
+  const int parity = static_cast<int>(epoch & 1);
+
+  // Shared memory: membership bitmap of the destination, exclusive prefix counts per word, and
+  // (leaders) the histogram over the destination's local experts. Sized by EpDispatchSmemBytes.
+  const int nWordsMax = (c.maxTokensPerRank + kWarpSize - 1) / kWarpSize;
+  LaneMask* words = reinterpret_cast<LaneMask*>(smemDyn);
+  int* prefix = reinterpret_cast<int*>(smemDyn + AlignUp16(nWordsMax * sizeof(LaneMask)));
+  int* hist = reinterpret_cast<int*>(reinterpret_cast<uint8_t*>(prefix) +
+                                     AlignUp16((nWordsMax + 1) * sizeof(int)));
+
+  const IndexT* idx = static_cast<const IndexT*>(a.inIndices);
+  const int nWords = (T + kWarpSize - 1) / kWarpSize;
+  int nRows = 0;
+
+  if (tid == 0) {
+    sFailed = 0;
+    sSendBase = 0;
+    sTotal = 0;
+  }
+  if (leader) {
+    for (int e = tid; e < Epr; e += nThreads) hist[e] = 0;
+  }
+  __syncthreads();
+
+  // ---- 1. membership of destination `dest` ------------------------------------------------
+  for (int w = warp; w < nWords; w += nWarps) {
+    const int t = w * kWarpSize + lane;
+    bool member = false;
+    if (t < T) {
+      const IndexT* row = idx + static_cast<size_t>(t) * K;
+      for (int k = 0; k < K; k++) {
+        const long long e = static_cast<long long>(row[k]);
+        if (e < 0 || e >= numExperts) continue;  // -1 (or an out-of-range id): no expert
+        const int ei = static_cast<int>(e);
+        if (ei / Epr != dest) continue;
+        member = true;
+        if (leader) {
+          bool dup = false;
+          for (int j = 0; j < k; j++) dup = dup || static_cast<long long>(row[j]) == e;
+          if (!dup) atomicAdd(&hist[ei - dest * Epr], 1);
+        }
+      }
+    }
+    const LaneMask m = core::WarpBallot(member);
+    if (lane == 0) words[w] = m;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    int carry = 0;
+    for (int base = 0; base < nWords; base += kWarpSize) {
+      const int w = base + lane;
+      const int cnt = w < nWords ? core::PopCount(words[w]) : 0;
+      const int incl = WarpInclusiveScan(cnt);
+      if (w < nWords) prefix[w] = carry + incl - cnt;
+      carry += core::WarpShfl(incl, kWarpSize - 1);
+    }
+    if (lane == 0) prefix[nWords] = carry;
+  }
+  __syncthreads();
+  const int countD = prefix[nWords];
+
+  // ---- 2. announce ------------------------------------------------------------------------
+  if (b == 0) {
+    // Our count(rank -> rank) tells every sender that our buffers are free: wait until every PE
+    // finished reading them in the last combine.
+    const uint64_t prevCombine = *reinterpret_cast<volatile uint64_t*>(&c.state->combineEpoch);
+    EpSignal* done = At<EpSignal>(c.symmLocal, c.symm.doneInbox);
+    for (int p = tid; p < W; p += nThreads) {
+      if (!core::WaitUntil(wait, &done[p].tag, CmpOp::kGe, prevCombine, p,
+                           "EP dispatch: peer done reading (last combine)"))
+        sFailed = 1;
+    }
+    __syncthreads();
+  }
+  if (leader && sFailed == 0) {
+    core::FenceSystem();
+    const uint64_t packed = EpPackCount(static_cast<uint32_t>(countD), a.format);
+    for (int p = tid; p < W; p += nThreads) {
+      EpSignal* s = At<EpSignal>(PeerBlock(c, p), c.symm.countInbox) +
+                    EpCountInboxIndex(parity, me, dest, W);
+      SignalStore(s, packed, epoch);
+    }
+    EpSignal* ex = At<EpSignal>(PeerBlock(c, dest), c.symm.expertInbox);
+    for (int e = tid; e < Epr; e += nThreads)
+      SignalStore(ex + EpExpertInboxIndex(parity, me, e, W, Epr), static_cast<uint64_t>(hist[e]),
+                  epoch);
+  }
+  __syncthreads();  // every thread has seen sFailed before phase 3 may change it
+
+  // ---- 3. where our rows go on `dest`, and may we write there -----------------------------
+  if (countD > 0 && sFailed == 0) {
+    EpSignal* inbox = At<EpSignal>(c.symmLocal, c.symm.countInbox);
+    for (int s = tid; s < W; s += nThreads) {
+      if (s >= me && s != dest) continue;
+      uint64_t v = 0;
+      if (!SignalWait(wait, inbox + EpCountInboxIndex(parity, s, dest, W), epoch, s,
+                      "EP dispatch: token count of a lower PE", &v)) {
+        sFailed = 1;
+        continue;
+      }
+      if (EpFormatOf(v) != a.format) {
+        ReportError(wait, s, "EP dispatch: PEs called dispatch with different dtype/hidden/"
+                    "index type", &inbox->value, a.format, EpFormatOf(v));
+        sFailed = 1;
+        continue;
+      }
+      if (s < me) atomicAdd(&sSendBase, static_cast<int>(EpCountOf(v)));
+    }
+  }
+  __syncthreads();
+
+  if (sFailed == 0) {
+    const int sendBase = sSendBase;
+    if (countD > 0 && tid == 0 &&
+        static_cast<long long>(sendBase) + countD >
+            static_cast<long long>(W) * c.maxTokensPerRank) {
+      ReportError(wait, dest, "EP dispatch: receive buffer overflow (inconsistent counts)",
+                  &sSendBase, W * c.maxTokensPerRank, sendBase + countD);
+      sFailed = 1;
+    }
+    __syncthreads();
+  }
+
+  if (sFailed == 0) {
+    const int sendBase = sSendBase;
+    // ---- 4a. slots of our tokens on `dest` (combine reads them) ---------------------------
+    {
+      const int t0 = static_cast<int>(static_cast<long long>(T) * g / G);
+      const int t1 = static_cast<int>(static_cast<long long>(T) * (g + 1) / G);
+      for (int t = t0 + tid; t < t1; t += nThreads) {
+        const int w = t / kWarpSize;
+        const int bit = t - w * kWarpSize;
+        const LaneMask word = words[w];
+        int slot = -1;
+        if (((word >> bit) & static_cast<LaneMask>(1)) != 0)
+          slot = sendBase + prefix[w] + core::PopCount(word & LowerLanesMask(bit));
+        c.tokenSlot[static_cast<size_t>(t) * W + dest] = slot;
+      }
+    }
+
+    // ---- 4b. rows [i0, i1) of dest's list -------------------------------------------------
+    const int i0 = static_cast<int>(static_cast<long long>(countD) * g / G);
+    const int i1 = static_cast<int>(static_cast<long long>(countD) * (g + 1) / G);
+    nRows = i1 - i0;
+    if (nRows > 0) {
+      const int vecs = static_cast<int>(a.rowBytes / 16);
+      // Few rows (small batches): several warps share a row so every warp has work.
+      int parts = 1;
+      if (nRows < nWarps) {
+        parts = (nWarps + nRows - 1) / nRows;
+        const int maxParts = vecs / (2 * kWarpSize) > 1 ? vecs / (2 * kWarpSize) : 1;
+        parts = parts < maxParts ? parts : maxParts;
+      }
+      uint8_t* db = PeerBlock(c, dest);
+      uint8_t* outTok = db + c.symm.dispatchOutTokens;
+      float* outW = At<float>(db, c.symm.dispatchOutWeights);
+      uint8_t* outS = db + c.symm.dispatchOutScales;
+      IndexT* outIdx = At<IndexT>(db, c.symm.dispatchOutIndices);
+      int32_t* outPos = At<int32_t>(db, c.symm.dispatchOutSrcPos);
+      const int items = nRows * parts;
+      for (int item = warp; item < items; item += nWarps) {
+        const int r = item / parts;
+        const int part = item - r * parts;
+        const int p = i0 + r;
+        // The word holding list position p: the last word whose prefix is <= p.
+        int lo = 0, hi = nWords - 1;
+        while (lo < hi) {
+          const int mid = (lo + hi + 1) >> 1;
+          if (prefix[mid] <= p) {
+            lo = mid;
+          } else {
+            hi = mid - 1;
+          }
+        }
+        const int t = lo * kWarpSize + WarpNthSetBit(words[lo], p - prefix[lo]);
+        const size_t slot = static_cast<size_t>(sendBase) + p;
+        const int vb = static_cast<int>(static_cast<long long>(vecs) * part / parts);
+        const int ve = static_cast<int>(static_cast<long long>(vecs) * (part + 1) / parts);
+        WarpCopyVectors<kDispatchCopyUnroll>(
+            reinterpret_cast<uint4*>(outTok + slot * a.rowBytes),
+            reinterpret_cast<const uint4*>(a.inTokens + static_cast<size_t>(t) * a.rowBytes), vb,
+            ve);
+        if (part == 0) {
+          for (int k = lane; k < K; k += kWarpSize) {
+            if (a.inWeights != nullptr)
+              outW[slot * K + k] = a.inWeights[static_cast<size_t>(t) * K + k];
+            outIdx[slot * K + k] = idx[static_cast<size_t>(t) * K + k];
+          }
+          if (a.scaleCopy == EpScaleCopy::kWords) {
+            const int n = static_cast<int>(a.scaleBytes / 4);
+            const uint32_t* src =
+                reinterpret_cast<const uint32_t*>(a.inScales + static_cast<size_t>(t) * a.scaleBytes);
+            uint32_t* dst = reinterpret_cast<uint32_t*>(outS + slot * a.scaleBytes);
+            for (int i = lane; i < n; i += kWarpSize) dst[i] = src[i];
+          } else if (a.scaleCopy == EpScaleCopy::kBytes) {
+            const int n = static_cast<int>(a.scaleBytes);
+            const uint8_t* src = a.inScales + static_cast<size_t>(t) * a.scaleBytes;
+            uint8_t* dst = outS + slot * a.scaleBytes;
+            for (int i = lane; i < n; i += kWarpSize) dst[i] = src[i];
+          }
+          if (lane == 0) outPos[slot] = me * c.maxTokensPerRank + t;
+        }
+      }
+    }
+  }
+
+  // ---- 4c. publish our rows ------------------------------------------------------------------
+  core::FenceSystem();
+  __syncthreads();
+  if (tid == 0 && nRows > 0 && sFailed == 0) {
+    core::FenceSystem();  // cumulative: covers the block's stores observed through the barrier
+    core::AtomicFetchAddSystem(At<uint64_t>(PeerBlock(c, dest), c.symm.arrived) + me,
+                               static_cast<uint64_t>(nRows));
+  }
+
+  // ---- 5. receive side (block 0) -------------------------------------------------------------
+  if (b == 0 && sFailed == 0) {
+    EpSignal* inbox = At<EpSignal>(c.symmLocal, c.symm.countInbox);
+    uint64_t* arrived = At<uint64_t>(c.symmLocal, c.symm.arrived);
+    for (int s = tid; s < W; s += nThreads) {
+      uint64_t v = 0;
+      if (!SignalWait(wait, inbox + EpCountInboxIndex(parity, s, me, W), epoch, s,
+                      "EP dispatch: token count for this PE", &v)) {
+        sFailed = 1;
+        continue;
+      }
+      if (EpFormatOf(v) != a.format) {
+        ReportError(wait, s, "EP dispatch: PEs called dispatch with different dtype/hidden/"
+                    "index type", &inbox->value, a.format, EpFormatOf(v));
+        sFailed = 1;
+        continue;
+      }
+      const uint64_t cnt = EpCountOf(v);
+      if (cnt > 0) {
+        if (!core::WaitUntil(wait, arrived + s, CmpOp::kGe, cnt, s,
+                             "EP dispatch: rows arrived from PE")) {
+          sFailed = 1;
+          continue;
+        }
+        const uint64_t got = core::AtomicLoadAcquireSystem(arrived + s);
+        if (got != cnt) {
+          ReportError(wait, s, "EP dispatch: more rows arrived than announced", arrived + s, cnt,
+                      got);
+          sFailed = 1;
+          continue;
+        }
+        core::AtomicStoreRelaxedSystem(arrived + s, static_cast<uint64_t>(0));
+      }
+      atomicAdd(&sTotal, static_cast<int>(cnt));
+    }
+    __syncthreads();
+    if (tid == 0) *c.totalRecv = sTotal;
+    EpSignal* einbox = At<EpSignal>(c.symmLocal, c.symm.expertInbox);
+    for (int e = tid; e < Epr; e += nThreads) {
+      int sum = 0;
+      for (int s = 0; s < W; s++) {
+        uint64_t v = 0;
+        if (!SignalWait(wait, einbox + EpExpertInboxIndex(parity, s, e, W, Epr), epoch, s,
+                        "EP dispatch: expert counts", &v)) {
+          sFailed = 1;
+          break;
+        }
+        sum += static_cast<int>(v);
+      }
+      c.localExpertCount[e] = sum;
+    }
+  }
+
+  // ---- 6. epoch ------------------------------------------------------------------------------
+  __syncthreads();
+  if (tid == 0) {
+    __threadfence();
+    const unsigned old = atomicAdd(&c.state->dispatchBlocksDone, 1u);
+    if (old == gridDim.x - 1) {
+      c.state->dispatchBlocksDone = 0;
+      c.state->dispatchEpoch = epoch;
+      __threadfence();
+    }
+  }
+}
+
+}  // namespace detail
+
+// The kernel's instantiations: one per index type.
+void LaunchEpDispatchIntraNode(const EpDispatchKernelArgs& args, EpIndexType indexType, int blocks,
+                               int threads, size_t smemBytes, gpuStream_t stream) {
+  switch (indexType) {
+    case EpIndexType::kInt32:
+      detail::EpDispatchIntraNodeKernel<int32_t><<<blocks, threads, smemBytes, stream>>>(args);
+      break;
+    case EpIndexType::kInt64:
+      detail::EpDispatchIntraNodeKernel<int64_t><<<blocks, threads, smemBytes, stream>>>(args);
+      break;
+  }
+  MORI_CHECK_LAUNCH();
+}
+
+}  // namespace mori::ops

@@ -1,0 +1,253 @@
+// mori._C.ops: the dispatch/combine handle, torch-free. Pointers and streams cross as Python ints;
+// python/mori/ops wraps the handle's buffers into torch tensors and checks tensors before calling
+// in. Called from the module init as RegisterOpsBindings(m).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <string>
+
+#include "mori/core/errors.hpp"
+#include "mori/ops/dispatch_combine.hpp"
+
+namespace mori::pybind {
+
+namespace py = pybind11;
+
+namespace {
+
+using ops::EpDataType;
+using ops::EpDispatchCombineConfig;
+using ops::EpDispatchCombineHandle;
+using ops::EpDispatchCombineKernelType;
+using ops::EpIndexType;
+
+template <typename T>
+T* Ptr(uintptr_t p) {
+  return reinterpret_cast<T*>(p);
+}
+uintptr_t Int(const void* p) { return reinterpret_cast<uintptr_t>(p); }
+
+EpDataType DataTypeFromInt(int code, const char* what) {
+  MORI_ENSURE(ops::EpDataTypeIsValid(code), InvalidUsageError, "%s: unknown dtype code %d", what,
+              code);
+  return static_cast<EpDataType>(code);
+}
+
+EpIndexType IndexTypeFromInt(int code) {
+  MORI_ENSURE(code == 0 || code == 1, InvalidUsageError,
+              "dispatch: unknown index type code %d (0 int32, 1 int64)", code);
+  return static_cast<EpIndexType>(code);
+}
+
+py::dict LayoutDict(const EpDispatchCombineConfig& c) {
+  c.Validate();
+  ops::EpSymmetricLayout s = ops::MakeEpSymmetricLayout(c);
+  ops::EpLocalLayout l = ops::MakeEpLocalLayout(c);
+  py::dict symm, local, d;
+  symm["count_inbox"] = s.countInbox;
+  symm["expert_inbox"] = s.expertInbox;
+  symm["ready_inbox"] = s.readyInbox;
+  symm["done_inbox"] = s.doneInbox;
+  symm["arrived"] = s.arrived;
+  symm["dispatch_out_tokens"] = s.dispatchOutTokens;
+  symm["dispatch_out_weights"] = s.dispatchOutWeights;
+  symm["dispatch_out_scales"] = s.dispatchOutScales;
+  symm["dispatch_out_indices"] = s.dispatchOutIndices;
+  symm["dispatch_out_src_pos"] = s.dispatchOutSrcPos;
+  symm["combine_in_tokens"] = s.combineInTokens;
+  symm["combine_in_weights"] = s.combineInWeights;
+  symm["total_bytes"] = s.totalBytes;
+  local["state"] = l.state;
+  local["total_recv"] = l.totalRecv;
+  local["local_expert_count"] = l.localExpertCount;
+  local["token_slot"] = l.tokenSlot;
+  local["combine_out_weights"] = l.combineOutWeights;
+  local["combine_out_tokens"] = l.combineOutTokens;
+  local["total_bytes"] = l.totalBytes;
+  d["symmetric"] = symm;
+  d["local"] = local;
+  return d;
+}
+
+}  // namespace
+
+void RegisterOpsBindings(py::module_& m) {
+  py::module_ o = m.def_submodule("ops", "Expert-parallel dispatch/combine (use mori.ops)");
+
+  py::enum_<EpDispatchCombineKernelType>(o, "EpDispatchCombineKernelType")
+      .value("IntraNode", EpDispatchCombineKernelType::kIntraNode)
+      .value("InterNode", EpDispatchCombineKernelType::kInterNode)
+      .value("InterNodeV1", EpDispatchCombineKernelType::kInterNodeV1)
+      .value("InterNodeV1LL", EpDispatchCombineKernelType::kInterNodeV1LL);
+
+  o.attr("MAX_WORLD_SIZE") = ops::kEpMaxWorldSize;
+  o.attr("MAX_TOPK") = ops::kEpMaxTopK;
+  o.attr("MAX_EXPERTS_PER_RANK") = ops::kEpMaxExpertsPerRank;
+  o.attr("MAX_TOKENS_PER_RANK") = ops::kEpMaxTokensPerRank;
+  o.attr("MAX_THREADS_PER_BLOCK") = ops::kEpMaxThreadsPerBlock;
+  o.attr("ROW_ALIGN_BYTES") = ops::kEpRowAlignBytes;
+  o.attr("SMALL_BATCH_TOKENS") = ops::kEpSmallBatchTokens;
+  o.attr("WARP_SIZE") = core::kWarpSize;
+
+  py::class_<EpDispatchCombineConfig>(o, "EpDispatchCombineConfig")
+      .def(py::init([](int rank, int worldSize, int hiddenDim, int scaleDim, int scaleTypeSize,
+                       int maxTokenTypeSize, int maxNumInpTokenPerRank, int numExpertsPerRank,
+                       int numExpertsPerToken, int warpNumPerBlock, int blockNum,
+                       bool useExternalInpBuf, int kernelType, int gpuPerNode, int rdmaBlockNum,
+                       int numQpPerPe) {
+             EpDispatchCombineConfig c;
+             c.rank = rank;
+             c.worldSize = worldSize;
+             c.hiddenDim = hiddenDim;
+             c.scaleDim = scaleDim;
+             c.scaleTypeSize = scaleTypeSize;
+             c.maxTokenTypeSize = maxTokenTypeSize;
+             c.maxNumInpTokenPerRank = maxNumInpTokenPerRank;
+             c.numExpertsPerRank = numExpertsPerRank;
+             c.numExpertsPerToken = numExpertsPerToken;
+             c.warpNumPerBlock = warpNumPerBlock;
+             c.blockNum = blockNum;
+             c.useExternalInpBuf = useExternalInpBuf;
+             c.kernelType = static_cast<EpDispatchCombineKernelType>(kernelType);
+             c.gpuPerNode = gpuPerNode;
+             c.rdmaBlockNum = rdmaBlockNum;
+             c.numQpPerPe = numQpPerPe;
+             return c;
+           }),
+           py::arg("rank"), py::arg("world_size"), py::arg("hidden_dim"), py::arg("scale_dim"),
+           py::arg("scale_type_size"), py::arg("max_token_type_size"),
+           py::arg("max_num_inp_token_per_rank"), py::arg("num_experts_per_rank"),
+           py::arg("num_experts_per_token"), py::arg("warp_num_per_block") = 8,
+           py::arg("block_num") = 80, py::arg("use_external_inp_buf") = true,
+           py::arg("kernel_type") = 0, py::arg("gpu_per_node") = 8, py::arg("rdma_block_num") = 0,
+           py::arg("num_qp_per_pe") = 1)
+      .def_readonly("rank", &EpDispatchCombineConfig::rank)
+      .def_readonly("world_size", &EpDispatchCombineConfig::worldSize)
+      .def_readonly("hidden_dim", &EpDispatchCombineConfig::hiddenDim)
+      .def_readonly("scale_dim", &EpDispatchCombineConfig::scaleDim)
+      .def_readonly("scale_type_size", &EpDispatchCombineConfig::scaleTypeSize)
+      .def_readonly("max_token_type_size", &EpDispatchCombineConfig::maxTokenTypeSize)
+      .def_readonly("max_num_inp_token_per_rank", &EpDispatchCombineConfig::maxNumInpTokenPerRank)
+      .def_readonly("num_experts_per_rank", &EpDispatchCombineConfig::numExpertsPerRank)
+      .def_readonly("num_experts_per_token", &EpDispatchCombineConfig::numExpertsPerToken)
+      .def_readonly("warp_num_per_block", &EpDispatchCombineConfig::warpNumPerBlock)
+      .def_readonly("block_num", &EpDispatchCombineConfig::blockNum)
+      .def_readonly("use_external_inp_buf", &EpDispatchCombineConfig::useExternalInpBuf)
+      .def_property_readonly("kernel_type",
+                             [](const EpDispatchCombineConfig& c) {
+                               return static_cast<int>(c.kernelType);
+                             })
+      .def_readonly("gpu_per_node", &EpDispatchCombineConfig::gpuPerNode)
+      .def_readonly("rdma_block_num", &EpDispatchCombineConfig::rdmaBlockNum)
+      .def_readonly("num_qp_per_pe", &EpDispatchCombineConfig::numQpPerPe)
+      .def("validate", &EpDispatchCombineConfig::Validate,
+           "Raise InvalidUsageError naming the first bad field")
+      .def("max_num_recv_tokens", &EpDispatchCombineConfig::MaxNumRecvTokens)
+      .def("max_token_row_bytes", &EpDispatchCombineConfig::MaxTokenRowBytes);
+
+  o.def("ep_symmetric_bytes", &ops::EpSymmetricBytes, py::arg("config"),
+        "Bytes of symmetric heap a handle for `config` allocates (validates the config)");
+  o.def("ep_local_bytes", &ops::EpLocalBytes, py::arg("config"),
+        "Bytes of ordinary device memory a handle for `config` allocates");
+  o.def("ep_layout", &LayoutDict, py::arg("config"),
+        "Offsets of every buffer in the symmetric and local blocks (see docs/ep.md)");
+  o.def(
+      "ep_dispatch_smem_bytes",
+      [](const EpDispatchCombineConfig& c, int warpSize) {
+        return ops::EpDispatchSmemBytes(c, warpSize);
+      },
+      py::arg("config"), py::arg("warp_size") = core::kWarpSize);
+
+  py::class_<EpDispatchCombineHandle>(o, "EpDispatchCombineHandle")
+      .def(py::init<const EpDispatchCombineConfig&>(), py::arg("config"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Collective: allocate and zero the buffers on every PE (needs shmem initialised)")
+      .def(
+          "dispatch",
+          [](EpDispatchCombineHandle& h, uintptr_t input, int dataType, int numTokens,
+             int hiddenDim, uintptr_t weights, uintptr_t scales, uintptr_t indices, int indexType,
+             int blockNum, int warpPerBlock, uintptr_t stream) {
+            ops::EpDispatchArgs a;
+            a.input = Ptr<const void>(input);
+            a.dataType = DataTypeFromInt(dataType, "dispatch");
+            a.numTokens = numTokens;
+            a.hiddenDim = hiddenDim;
+            a.weights = Ptr<const float>(weights);
+            a.scales = Ptr<const void>(scales);
+            a.indices = Ptr<const void>(indices);
+            a.indexType = IndexTypeFromInt(indexType);
+            a.blockNum = blockNum;
+            a.warpPerBlock = warpPerBlock;
+            h.Dispatch(a, reinterpret_cast<gpuStream_t>(stream));
+          },
+          py::arg("input"), py::arg("data_type"), py::arg("num_tokens"), py::arg("hidden_dim"),
+          py::arg("weights"), py::arg("scales"), py::arg("indices"), py::arg("index_type"),
+          py::arg("block_num"), py::arg("warp_per_block"), py::arg("stream"))
+      .def(
+          "combine",
+          [](EpDispatchCombineHandle& h, uintptr_t input, int dataType, int hiddenDim,
+             int64_t inputRows, uintptr_t weights, int64_t weightRows, int blockNum,
+             int warpPerBlock, uintptr_t stream) {
+            ops::EpCombineArgs a;
+            a.input = Ptr<const void>(input);
+            a.dataType = DataTypeFromInt(dataType, "combine");
+            a.hiddenDim = hiddenDim;
+            a.inputRows = inputRows;
+            a.weights = Ptr<const float>(weights);
+            a.weightRows = weightRows;
+            a.blockNum = blockNum;
+            a.warpPerBlock = warpPerBlock;
+            h.Combine(a, reinterpret_cast<gpuStream_t>(stream));
+          },
+          py::arg("input"), py::arg("data_type"), py::arg("hidden_dim"), py::arg("input_rows"),
+          py::arg("weights"), py::arg("weight_rows"), py::arg("block_num"),
+          py::arg("warp_per_block"), py::arg("stream"))
+      .def(
+          "reset", [](EpDispatchCombineHandle& h, uintptr_t stream) {
+            h.Reset(reinterpret_cast<gpuStream_t>(stream));
+          },
+          py::arg("stream") = 0)
+      .def("release", &EpDispatchCombineHandle::Release, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "resolve_launch",
+          [](const EpDispatchCombineHandle& h, int numTokens, int blockNum, int warpPerBlock,
+             bool forDispatch) {
+            int blocks = 0, warps = 0;
+            h.ResolveLaunch(numTokens, blockNum, warpPerBlock, forDispatch, &blocks, &warps);
+            return py::make_tuple(blocks, warps);
+          },
+          py::arg("num_tokens"), py::arg("block_num"), py::arg("warp_per_block"),
+          py::arg("for_dispatch"))
+      .def_property_readonly("device", &EpDispatchCombineHandle::Device)
+      .def_property_readonly("multi_processor_count",
+                             &EpDispatchCombineHandle::MultiProcessorCount)
+      .def_property_readonly("symmetric_bytes", &EpDispatchCombineHandle::SymmetricBytes)
+      .def_property_readonly("local_bytes", &EpDispatchCombineHandle::LocalBytes)
+      .def_property_readonly("last_num_tokens", &EpDispatchCombineHandle::LastDispatchNumTokens)
+      .def_property_readonly("last_row_bytes", &EpDispatchCombineHandle::LastDispatchRowBytes)
+      .def_property_readonly("dispatch_out_tokens",
+                             [](const EpDispatchCombineHandle& h) { return Int(h.DispatchOutTokens()); })
+      .def_property_readonly("dispatch_out_weights",
+                             [](const EpDispatchCombineHandle& h) { return Int(h.DispatchOutWeights()); })
+      .def_property_readonly("dispatch_out_scales",
+                             [](const EpDispatchCombineHandle& h) { return Int(h.DispatchOutScales()); })
+      .def_property_readonly("dispatch_out_indices",
+                             [](const EpDispatchCombineHandle& h) { return Int(h.DispatchOutIndices()); })
+      .def_property_readonly("dispatch_src_token_pos",
+                             [](const EpDispatchCombineHandle& h) { return Int(h.DispatchSrcTokenPos()); })
+      .def_property_readonly("total_recv_token_num",
+                             [](const EpDispatchCombineHandle& h) { return Int(h.TotalRecvTokenNum()); })
+      .def_property_readonly("local_expert_count",
+                             [](const EpDispatchCombineHandle& h) { return Int(h.LocalExpertCount()); })
+      .def_property_readonly("combine_input_buffer",
+                             [](const EpDispatchCombineHandle& h) { return Int(h.CombineInputBuffer()); })
+      .def_property_readonly("combine_input_weights",
+                             [](const EpDispatchCombineHandle& h) { return Int(h.CombineInputWeights()); })
+      .def_property_readonly("combine_out_tokens",
+                             [](const EpDispatchCombineHandle& h) { return Int(h.CombineOutTokens()); })
+      .def_property_readonly("combine_out_weights",
+                             [](const EpDispatchCombineHandle& h) { return Int(h.CombineOutWeights()); });
+}
+
+}  // namespace mori::pybind

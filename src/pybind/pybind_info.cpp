@@ -1,0 +1,209 @@
+// Introspection for `mori-info` and users: version, backend, GPUs, env settings; plus the DLPack
+// capsule the Python side turns into tensor views of raw device pointers.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "mori/core/env.hpp"
+#include "mori/core/gpu_check.hpp"
+#include "pybind_common.hpp"
+
+#ifndef MORI_VERSION_STRING
+#error "MORI_VERSION_STRING must come from the build (src/pybind/CMakeLists.txt)"
+#endif
+
+namespace mori::pybind {
+namespace {
+
+const char* EnvTypeName(core::EnvType t) {
+  switch (t) {
+    case core::EnvType::kBool:
+      return "bool";
+    case core::EnvType::kInt:
+      return "int";
+    case core::EnvType::kSize:
+      return "size";
+    case core::EnvType::kString:
+      return "string";
+  }
+  return "?";
+}
+
+py::list EnvEntriesList() {
+  py::list out;
+  for (const core::EnvEntry& e : core::EnvEntries()) {
+    py::dict d;
+    d["name"] = e.name;
+    d["type"] = EnvTypeName(e.type);
+    d["value"] = e.valueText;
+    d["default"] = e.defaultText;
+    d["source"] = e.fromEnvironment ? "env" : "default";
+    d["help"] = e.help;
+    out.append(d);
+  }
+  return out;
+}
+
+std::string GpuErrorText(gpuError_t err) {
+  return std::string(gpuGetErrorName(err)) + ": " + gpuGetErrorString(err);
+}
+
+// Never raises: on a machine without a GPU (or driver) it reports why in "error".
+py::dict DeviceInfo() {
+  py::dict info;
+  info["backend"] = MORI_GPU_PLATFORM_NAME;
+  int runtimeVersion = 0, driverVersion = 0;
+  (void)gpuRuntimeGetVersion(&runtimeVersion);
+  (void)gpuDriverGetVersion(&driverVersion);
+  info["runtime_version"] = runtimeVersion;
+  info["driver_version"] = driverVersion;
+  info["error"] = py::none();
+  py::list devices, p2p;
+  int count = 0;
+  gpuError_t err = gpuGetDeviceCount(&count);
+  if (err != gpuSuccess) {
+    (void)gpuGetLastError();
+    info["error"] = GpuErrorText(err);
+    count = 0;
+  }
+  for (int d = 0; d < count; d++) {
+    py::dict dev;
+    dev["index"] = d;
+    gpuDeviceProp_t prop{};
+    if (gpuGetDeviceProperties(&prop, d) == gpuSuccess) {
+      dev["name"] = std::string(prop.name);
+      dev["total_memory"] = static_cast<uint64_t>(prop.totalGlobalMem);
+      dev["multiprocessors"] = prop.multiProcessorCount;
+#if MORI_HIP
+      dev["arch"] = std::string(prop.gcnArchName);
+#else
+      dev["arch"] = "sm_" + std::to_string(prop.major) + std::to_string(prop.minor);
+#endif
+    } else {
+      (void)gpuGetLastError();
+    }
+    char bus[64] = {0};
+    dev["pci_bus_id"] = gpuDeviceGetPCIBusId(bus, sizeof(bus), d) == gpuSuccess ? bus : "";
+    devices.append(dev);
+
+    py::list row;
+    for (int peer = 0; peer < count; peer++) {
+      int can = 0;
+      if (peer == d) {
+        can = 1;
+      } else if (gpuDeviceCanAccessPeer(&can, d, peer) != gpuSuccess) {
+        (void)gpuGetLastError();
+        can = 0;
+      }
+      row.append(can != 0);
+    }
+    p2p.append(row);
+  }
+  info["count"] = count;
+  info["devices"] = devices;
+  info["p2p"] = p2p;
+  return info;
+}
+
+// --- DLPack (ABI of dlpack.h v0.8, the layout every consumer accepts as "dltensor") -----------
+struct DLDevice {
+  int32_t deviceType;
+  int32_t deviceId;
+};
+struct DLDataType {
+  uint8_t code;
+  uint8_t bits;
+  uint16_t lanes;
+};
+struct DLTensor {
+  void* data;
+  DLDevice device;
+  int32_t ndim;
+  DLDataType dtype;
+  int64_t* shape;
+  int64_t* strides;
+  uint64_t byteOffset;
+};
+struct DLManagedTensor {
+  DLTensor dlTensor;
+  void* managerCtx;
+  void (*deleter)(DLManagedTensor* self);
+};
+#if MORI_HIP
+constexpr int32_t kDLThisGpu = 10;  // kDLROCM
+#else
+constexpr int32_t kDLThisGpu = 2;  // kDLCUDA
+#endif
+constexpr uint8_t kDLUInt = 1;
+
+// One allocation holds the managed tensor and its shape; nothing else is owned: the memory
+// stays the symmetric heap's.
+struct ByteView {
+  DLManagedTensor managed;
+  int64_t shape[1];
+  int64_t strides[1];
+};
+
+// A 1-D uint8 DLPack capsule over [ptr, ptr + nbytes) on device `deviceId` (-1: current device).
+// The device is stated, not derived from the pointer, so a peer's P2P mapping is seen as memory
+// of this GPU (which is how this process accesses it).
+py::capsule DlpackBytes(uintptr_t ptr, int64_t nbytes, int deviceId) {
+  MORI_ENSURE(nbytes >= 0, InvalidUsageError, "nbytes must be >= 0, got %lld",
+              static_cast<long long>(nbytes));
+  MORI_ENSURE(ptr != 0 || nbytes == 0, InvalidUsageError, "null pointer for %lld bytes",
+              static_cast<long long>(nbytes));
+  if (deviceId < 0) MORI_CHECK_GPU(gpuGetDevice(&deviceId));
+  auto* view = new ByteView{};
+  view->shape[0] = nbytes;
+  view->strides[0] = 1;
+  DLTensor& t = view->managed.dlTensor;
+  t.data = reinterpret_cast<void*>(ptr);
+  t.device = DLDevice{kDLThisGpu, deviceId};
+  t.ndim = 1;
+  t.dtype = DLDataType{kDLUInt, 8, 1};
+  t.shape = view->shape;
+  t.strides = view->strides;
+  t.byteOffset = 0;
+  view->managed.managerCtx = view;
+  view->managed.deleter = [](DLManagedTensor* self) {
+    delete static_cast<ByteView*>(self->managerCtx);
+  };
+  // A consumer renames the capsule to "used_dltensor" and takes over calling the deleter.
+  PyObject* cap = PyCapsule_New(&view->managed, "dltensor", [](PyObject* self) {
+    if (PyCapsule_IsValid(self, "dltensor")) {
+      auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(self, "dltensor"));
+      managed->deleter(managed);
+    }
+  });
+  if (cap == nullptr) {
+    delete view;
+    throw py::error_already_set();
+  }
+  return py::reinterpret_steal<py::capsule>(cap);
+}
+
+}  // namespace
+
+void RegisterInfo(py::module_& m) {
+  m.def(
+      "version", [] { return std::string(MORI_VERSION_STRING); },
+      "mori version (from the top-level CMake project).");
+  m.def(
+      "backend", [] { return std::string(MORI_GPU_PLATFORM_NAME); },
+      "GPU backend this build targets: 'CUDA' or 'HIP'.");
+  m.def("env_entries", &EnvEntriesList,
+        "Every MORI_* setting: list of dicts with name, type, value, default, source "
+        "('env' or 'default') and help. Raises InvalidUsageError if a set value does not parse.");
+  m.def("device_info", &DeviceInfo,
+        "GPUs visible to this process: count, devices (index, name, arch, pci_bus_id, "
+        "total_memory, multiprocessors), p2p matrix, runtime/driver versions; 'error' explains an "
+        "empty list. Never raises.");
+  m.def(
+      "rdma_devices", [] { return py::list(); },
+      "RDMA devices mori would use (none yet: the RDMA layer is not built).");
+  m.def("_dlpack_bytes", &DlpackBytes, py::arg("ptr"), py::arg("nbytes"), py::arg("device_id") = -1,
+        "DLPack capsule of a uint8 vector over device memory [ptr, ptr+nbytes) on device_id "
+        "(-1: current). The capsule does not own the memory.");
+}
+
+}  // namespace mori::pybind

@@ -1,0 +1,806 @@
+#!/usr/bin/env python3
+"""GPU correctness suite of mori.ops IntraNode dispatch/combine (2-8 GPUs of one node).
+
+    torchrun --nproc_per_node=4 tests/ops/ep_intranode_test.py          # or
+    python3 tests/ops/ep_intranode_test.py --nproc 4 [-k substring] [--list]
+    MORI_EP_STRESS_ITERS=10000 torchrun --nproc_per_node=4 tests/ops/ep_intranode_test.py -k stress
+
+mori is imported from an installation, $MORI_BUILD_DIR/python, or <repo>/build*/python.
+
+Every rank generates every rank's inputs from fixed seeds, so references need no communication:
+  dispatch: received rows bit-exact (tokens, weights, scales, indices) in the documented order
+            (source rank, then source token), source positions, total count and per-local-expert
+            counts exact; rows past the total stay poisoned (never written).
+  combine:  "experts" on rank d return (x * (1 + d/8)) in the combine dtype (weights * (d + 1));
+            the result must equal, bitwise, the fp32 sum of those rows in ascending rank order,
+            and match a float64 sum within the dtype's rounding; untouched rows stay poisoned.
+Checks run on the GPU without host synchronisation (so back-to-back loops stay back to back) and
+are read once per case. Output ends with "N passed, M failed"; the exit code is 1 on failure.
+"""
+
+import argparse
+import os
+import random
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ep_test_utils as U  # noqa: E402
+
+DTYPE_NAMES = ("bf16", "fp16", "fp32", "fp8")
+
+
+class CaseFailure(Exception):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Environment of one rank
+# ---------------------------------------------------------------------------------------------
+class Env:
+    def __init__(self, rank, world, local_rank, args):
+        import torch
+        import torch.distributed as dist
+
+        self.torch = torch
+        self.dist = dist
+        self.rank = rank
+        self.W = world
+        self.dev = torch.device("cuda", local_rank)
+        self.args = args
+        self.ops = []
+        self.mori = None
+
+    def dt(self, name):
+        t = self.torch
+        if name == "fp8":
+            d = U.fp8_dtype(t)
+            if d is None:
+                raise CaseFailure("this torch has no float8_e4m3fn/float8_e4m3fnuz")
+            return d
+        return {"bf16": t.bfloat16, "fp16": t.float16, "fp32": t.float32}[name]
+
+    def new_op(self, cfg, **kw):
+        op = self.mori.ops.EpDispatchCombineOp(cfg, **kw)
+        self.ops.append(op)
+        return op
+
+    def close_ops(self):
+        for op in self.ops:
+            try:
+                op.close()
+            except Exception as e:  # noqa: BLE001
+                print(f"[rank {self.rank}] closing an op failed: {e}", flush=True)
+        self.ops = []
+
+    def barrier(self):
+        self.torch.cuda.synchronize()
+        self.dist.barrier()
+
+
+# ---------------------------------------------------------------------------------------------
+# Specs and data
+# ---------------------------------------------------------------------------------------------
+class Spec:
+    """One round-trip scenario. Fields that may vary per iteration are functions of `it`."""
+
+    def __init__(self, H=2048, K=8, Epr=8, M=256, dtype="bf16", cdtype=None, idx="int32", scale=None,
+                 weights=True, routing="random_neg", t_mode="random", mode="zero_copy", wmode="external",
+                 iters=1, seed=0, d_launch=(-1, -1), c_launch=(-1, -1), poison=True, cfg_H=None,
+                 cfg_tts=None, cfg_launch=None, check_every=0):
+        self.H = H if callable(H) else (lambda it, v=H: v)
+        self.dtype = dtype if callable(dtype) else (lambda it, v=dtype: v)
+        self.mode = mode if callable(mode) else (lambda it, v=mode: v)
+        self.routing = routing if callable(routing) else (lambda it, v=routing: v)
+        self.d_launch = d_launch if callable(d_launch) else (lambda it, v=d_launch: v)
+        self.c_launch = c_launch if callable(c_launch) else (lambda it, v=c_launch: v)
+        self.cdtype = cdtype
+        self.K, self.Epr, self.M = K, Epr, M
+        self.idx, self.scale, self.weights, self.t_mode = idx, scale, weights, t_mode
+        self.wmode, self.iters, self.seed, self.poison = wmode, iters, seed, poison
+        self.cfg_H, self.cfg_tts, self.cfg_launch = cfg_H, cfg_tts, cfg_launch
+        self.check_every = check_every
+
+    def combine_dtype(self, it):
+        if self.cdtype is not None:
+            return self.cdtype
+        d = self.dtype(it)
+        return "bf16" if d == "fp8" else d
+
+
+def token_counts(spec, W, rnd):
+    M = spec.M
+    out = []
+    for s in range(W):
+        m = spec.t_mode
+        if m == "random":
+            t = rnd.randint(M // 2, M)
+        elif m == "max":
+            t = M
+        elif m == "zero_rank":
+            t = 0 if s == 1 % W else rnd.randint(M // 2, M)
+        elif m == "all_zero":
+            t = 0
+        elif m == "small":
+            t = rnd.randint(1, min(M, 128))
+        elif m == "vary":
+            t = rnd.choice([0, 1, rnd.randint(0, M), M]) if rnd.random() < 0.3 else rnd.randint(0, M)
+        elif isinstance(m, int):
+            t = m
+        else:
+            raise ValueError(m)
+        out.append(t)
+    return out
+
+
+def make_data(env, spec, it, seed):
+    """All ranks' inputs for iteration `it`: X [W,M,H], IDX [W,M,K] (-1 padded), WT [W,M,K],
+    SC [W,M,S] or None, Ts."""
+    torch = env.torch
+    W, M, K, Epr, dev = env.W, spec.M, spec.K, spec.Epr, env.dev
+    H = spec.H(it)
+    dt = env.dt(spec.dtype(it))
+    rnd = random.Random(seed * 1000003 + it * 7919 + 17)
+    Ts = token_counts(spec, W, rnd)
+    E = W * Epr
+    X = torch.zeros((W, M, H * torch.empty((), dtype=dt).element_size()), dtype=torch.uint8, device=dev).view(dt)
+    IDX = torch.full((W, M, K), -1, dtype=torch.int64, device=dev)
+    WT = torch.zeros((W, M, K), dtype=torch.float32, device=dev)
+    SC = None
+    if spec.scale is not None:
+        sdim, sname = spec.scale
+        sdt = {"f32": torch.float32, "u8": torch.uint8}[sname]
+        SC = torch.zeros((W, M, sdim), dtype=sdt, device=dev)
+    routing = spec.routing(it)
+    for s in range(W):
+        T = Ts[s]
+        if T == 0:
+            continue
+        g = torch.Generator(device=dev)
+        g.manual_seed(seed * 1000003 + it * 131 + s * 7 + 1)
+        x = torch.randn((T, H), generator=g, device=dev)
+        if spec.dtype(it) == "fp8":
+            x = x.clamp(-8, 8)
+        X[s, :T] = x.to(dt)
+        IDX[s, :T] = U.gen_routing(torch, g, dev, T, E, K, Epr, W, routing)
+        WT[s, :T] = torch.rand((T, K), generator=g, device=dev)
+        if SC is not None:
+            if SC.dtype == torch.uint8:
+                SC[s, :T] = torch.randint(0, 256, (T, SC.shape[2]), generator=g, device=dev, dtype=torch.uint8)
+            else:
+                SC[s, :T] = torch.rand((T, SC.shape[2]), generator=g, device=dev)
+    if spec.idx == "int32":
+        IDX = IDX.to(torch.int32)
+    return X, IDX, WT, SC, Ts
+
+
+def expert_fn(x, d, cdt):
+    """What rank d's "experts" return for rows x (any dtype): (x * (1 + d/8)) in cdt."""
+    return (x.float() * (1.0 + 0.125 * d)).to(cdt)
+
+
+# Device-side counters (int64), read once per case.
+C_TOTAL, C_SRC, C_TOK, C_W, C_IDX, C_SC, C_POISON, C_EXPERT, C_COMB, C_COMB64, C_COMBW, C_CPOISON = range(12)
+C_NAMES = ["total_recv", "src_pos", "tokens", "weights", "indices", "scales", "dispatch_poison",
+           "expert_count", "combine_bitwise", "combine_vs_fp64", "combine_weights", "combine_poison"]
+
+
+def verify_dispatch(env, spec, op, outs, data, cnt, poisoned, it):
+    torch = env.torch
+    X, IDX, WT, SC, Ts = data
+    W, M, K, Epr, r = env.W, spec.M, spec.K, spec.Epr, env.rank
+    E = W * Epr
+    H = spec.H(it)
+    rmax = W * M
+    out_tok, out_w, out_s, out_i, total = outs
+    idx64 = IDX.long()
+    dest = torch.where((idx64 >= 0) & (idx64 < E), idx64 // Epr, torch.full_like(idx64, -1))
+    flat = (dest == r).any(-1).view(-1)  # [W*M]: token (s, t) comes to us
+    exp_total = flat.sum()
+    pos = torch.cumsum(flat.long(), 0) - 1
+    exp_src = torch.full((rmax + 1,), -1, dtype=torch.int64, device=env.dev)
+    exp_src.scatter_(0, torch.where(flat, pos, torch.full_like(pos, rmax)), torch.arange(W * M, device=env.dev))
+    exp_src = exp_src[:rmax]
+    ar = torch.arange(rmax, device=env.dev)
+    valid = ar < exp_total
+    cnt[C_TOTAL] += (total[0].long() != exp_total).long()
+    src = op.get_dispatch_src_token_pos(sync=False).long()
+    cnt[C_SRC] += ((src != exp_src) & valid).sum()
+    gi = exp_src.clamp(min=0)
+    got = out_tok.view(torch.uint8)
+    exp = X.view(torch.uint8).view(W * M, -1)[gi]  # gather bytes (fp8 indexing is not everywhere)
+    cnt[C_TOK] += ((got != exp).any(1) & valid).sum()
+    if out_w is not None:
+        cnt[C_W] += ((out_w.view(torch.int32) != WT.view(W * M, K)[gi].view(torch.int32)).any(1) & valid).sum()
+    cnt[C_IDX] += ((out_i.long() != idx64.view(W * M, K)[gi]).any(1) & valid).sum()
+    if out_s is not None:
+        cnt[C_SC] += ((out_s.view(torch.uint8) != SC.view(W * M, -1)[gi].view(torch.uint8)).any(1) & valid).sum()
+    if poisoned:
+        cnt[C_POISON] += ((got != 0xFF).any(1) & ~valid).sum()
+    local = r * Epr + torch.arange(Epr, device=env.dev)
+    hit = (idx64.view(W * M, K, 1) == local.view(1, 1, Epr)).any(1) & flat[:, None]
+    cnt[C_EXPERT] += (op.get_local_expert_count().long() != hit.long().sum(0)).sum()
+
+
+def verify_combine(env, spec, op, out, out_w, data, cnt, poisoned, it, cdt):
+    torch = env.torch
+    X, IDX, WT, SC, Ts = data
+    W, M, K, Epr, r = env.W, spec.M, spec.K, spec.Epr, env.rank
+    E = W * Epr
+    H = spec.H(it)
+    T = Ts[r]
+    x = X[r, :T]
+    idx64 = IDX[r, :T].long()
+    dest = torch.where((idx64 >= 0) & (idx64 < E), idx64 // Epr, torch.full_like(idx64, -1))
+    acc = torch.zeros((T, H), dtype=torch.float32, device=env.dev)
+    acc64 = torch.zeros((T, H), dtype=torch.float64, device=env.dev)
+    accw = torch.zeros((T, K), dtype=torch.float32, device=env.dev)
+    for d in range(W):
+        m = (dest == d).any(1, keepdim=True)
+        y = expert_fn(x, d, cdt)
+        acc = acc + torch.where(m, y.float(), 0.0)  # +0.0 for non-members leaves acc unchanged
+        acc64 = acc64 + torch.where(m, y.double(), 0.0)
+        accw = accw + torch.where(m, WT[r, :T] * float(d + 1), 0.0)
+    ref = acc.to(cdt)
+    iview = torch.int32 if cdt == torch.float32 else torch.int16
+    cnt[C_COMB] += (out.view(iview) != ref.view(iview)).any(1).sum()
+    rtol = {torch.float32: 1e-5, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}[cdt]
+    cnt[C_COMB64] += (~torch.isclose(out.double(), acc64, rtol=rtol, atol=1e-3)).any(1).sum()
+    if out_w is not None:
+        cnt[C_COMBW] += (out_w.view(torch.int32) != accw.view(torch.int32)).any(1).sum()
+    if poisoned:
+        full = op._view("combine_tokens", "combine_out_tokens", (M, H), cdt)  # same cached view
+        cnt[C_CPOISON] += (full[T:].view(torch.uint8) != 0xFF).any(1).sum()
+
+
+def describe_failure(env, spec, op, outs, data, it):
+    """Host-side details of the first mismatches (slow path, after a failure)."""
+    torch = env.torch
+    try:
+        out_tok, out_w, out_s, out_i, total = outs
+        n = int(total.item())
+        src = op.get_dispatch_src_token_pos(sync=False)[: max(n, 0)].tolist()[:8]
+        return f"rank {env.rank} it {it}: total_recv={n}, Ts={data[4]}, first src_pos={src}"
+    except Exception as e:  # noqa: BLE001
+        return f"(no details: {e})"
+
+
+def roundtrip(env, spec, op=None, label=""):
+    """Runs spec.iters dispatch+combine round trips and checks them; raises CaseFailure."""
+    torch = env.torch
+    mori = env.mori
+    W, r = env.W, env.rank
+    dtypes = {spec.dtype(i) for i in range(min(spec.iters, 8))} | {spec.combine_dtype(i) for i in range(min(spec.iters, 8))}
+    tts = spec.cfg_tts or max(torch.empty((), dtype=env.dt(d)).element_size() for d in dtypes)
+    if op is None:
+        sdim, stsz = 0, 0
+        if spec.scale is not None:
+            sdim = spec.scale[0]
+            stsz = 4 if spec.scale[1] == "f32" else 1
+        launch = spec.cfg_launch or (80, 8)
+        cfg = mori.ops.EpDispatchCombineConfig(
+            rank=r, world_size=W, hidden_dim=spec.cfg_H or spec.H(0), scale_dim=sdim, scale_type_size=stsz,
+            max_token_type_size=tts, max_num_inp_token_per_rank=spec.M, num_experts_per_rank=spec.Epr,
+            num_experts_per_token=spec.K, block_num=launch[0], warp_num_per_block=launch[1],
+            use_external_inp_buf=(spec.mode(0) != "zero_copy"))
+        op = env.new_op(cfg, check_inputs=False)
+    cnt = torch.zeros(len(C_NAMES), dtype=torch.int64, device=env.dev)
+    last = None
+    for it in range(spec.iters):
+        data = make_data(env, spec, it, spec.seed)
+        X, IDX, WT, SC, Ts = data
+        T = Ts[r]
+        poisoned = spec.poison
+        if poisoned:
+            env.barrier()  # nobody is inside a call of this op now
+            op.debug_fill_buffers(0xFF)
+            env.barrier()
+        x = X[r, :T].contiguous()
+        idx = IDX[r, :T].contiguous()
+        w = WT[r, :T].contiguous() if spec.weights else None
+        sc = SC[r, :T].contiguous() if SC is not None else None
+        db, dw = spec.d_launch(it)
+        outs = op.dispatch(x, w, sc, idx, block_num=db, warp_per_block=dw)
+        verify_dispatch(env, spec, op, outs, data, cnt, poisoned, it)
+        # "experts" on this rank
+        cdt = env.dt(spec.combine_dtype(it))
+        out_tok, out_w, _, _, total = outs
+        mode = spec.mode(it)
+        if mode == "direct" and out_tok.dtype != cdt:
+            mode = "zero_copy"
+        y = expert_fn(out_tok, r, cdt)  # all rows; rows past total are don't-care
+        if mode == "zero_copy":
+            cin = op.get_registered_combine_input_buffer(cdt, spec.H(it))
+            cin.copy_(y)
+        elif mode == "external":
+            cin = y
+        elif mode == "external_exact":
+            cin = y[: int(total.item())].clone()
+        elif mode == "direct":
+            out_tok.copy_(y)
+            cin = out_tok
+        else:
+            raise ValueError(mode)
+        cw = None
+        if spec.weights and spec.wmode is not None:
+            wmode = spec.wmode
+            if wmode == "external":
+                cw = out_w * float(r + 1)
+            elif wmode == "registered":
+                cw = op.get_registered_combine_weights_buffer()
+                cw.copy_(out_w * float(r + 1))
+            elif wmode == "direct":
+                out_w.mul_(float(r + 1))
+                cw = out_w
+            else:
+                raise ValueError(wmode)
+        cb, cwp = spec.c_launch(it)
+        out, out_w2 = op.combine(cin, cw, idx, block_num=cb, warp_per_block=cwp)
+        verify_combine(env, spec, op, out, out_w2, data, cnt, poisoned, it, cdt)
+        last = (outs, data, it)
+        if spec.check_every and (it + 1) % spec.check_every == 0:
+            _raise_on_counters(env, spec, op, cnt, last, label, upto=it + 1)
+    _raise_on_counters(env, spec, op, cnt, last, label, upto=spec.iters)
+    return op
+
+
+def _raise_on_counters(env, spec, op, cnt, last, label, upto):
+    env.torch.cuda.synchronize()
+    env.mori.shmem.shmem_check_device_error()
+    c = cnt.tolist()
+    if any(c):
+        bad = ", ".join(f"{C_NAMES[i]}={v}" for i, v in enumerate(c) if v)
+        detail = describe_failure(env, spec, op, last[0], last[1], last[2]) if last else ""
+        raise CaseFailure(f"{label} mismatches after {upto} iterations: {bad}; {detail}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Cases
+# ---------------------------------------------------------------------------------------------
+def case_random_seeds(env):
+    for seed in (0, 1, 2):
+        roundtrip(env, Spec(H=7168, K=8, Epr=8, M=256, scale=(56, "f32"), seed=seed), label=f"seed {seed}")
+        env.close_ops()
+
+
+def case_dtypes(env):
+    roundtrip(env, Spec(H=4096, dtype="fp16", idx="int64", mode="external", wmode="external", seed=3), label="fp16/int64/external")
+    env.close_ops()
+    roundtrip(env, Spec(H=2048, dtype="fp32", mode="direct", wmode="direct", seed=4), label="fp32/direct")
+    env.close_ops()
+    roundtrip(env, Spec(H=7168, dtype="fp8", cdtype="bf16", scale=(56, "f32"), mode="zero_copy", wmode="registered", seed=5),
+              label="fp8 dispatch + bf16 combine")
+    env.close_ops()
+    roundtrip(env, Spec(H=2048, dtype="bf16", scale=(7, "u8"), mode="external_exact", wmode="external", seed=6),
+              label="byte scales, exact-size external input")
+
+
+def case_all_to_one_rank(env):
+    roundtrip(env, Spec(H=2048, K=6, Epr=8, routing="one_rank", seed=7), label="all tokens to rank 0")
+
+
+def case_zero_tokens(env):
+    roundtrip(env, Spec(H=2048, t_mode="zero_rank", seed=8), label="rank 1 has no tokens")
+    roundtrip(env, Spec(H=2048, t_mode="all_zero", seed=9), op=env.ops[-1], label="no tokens anywhere")
+
+
+def case_negative_and_duplicates(env):
+    roundtrip(env, Spec(H=2048, routing="random_neg", seed=10), label="-1 entries")
+    roundtrip(env, Spec(H=2048, routing="duplicates", seed=11), op=env.ops[-1], label="duplicate expert ids")
+
+
+def case_same_rank_experts(env):
+    roundtrip(env, Spec(H=2048, K=8, Epr=8, routing="two_ranks", seed=12), label="top-k on <= 2 ranks")
+
+
+def case_topk(env):
+    W = env.W
+    for K, Epr in ((1, 4), (9, max(8, (9 + W - 1) // W)), (16, max(8, (16 + W - 1) // W))):
+        roundtrip(env, Spec(H=2048, K=K, Epr=Epr, routing="random", seed=13 + K), label=f"top-{K}")
+        env.close_ops()
+
+
+def case_hidden_sizes(env):
+    for H in (2048, 4096, 7168, 2056):  # 2056 bf16 = 4112 B = 257 x 16 B
+        roundtrip(env, Spec(H=H, M=192, seed=20 + H), label=f"hidden {H}")
+        env.close_ops()
+    # a config hidden larger than the call's
+    roundtrip(env, Spec(H=1024, cfg_H=4096, M=128, seed=31), label="call hidden < config hidden")
+
+
+def case_max_tokens(env):
+    roundtrip(env, Spec(H=7168, M=1024, t_mode="max", seed=32, scale=(56, "f32")), label="max tokens")
+
+
+def case_small_batch(env):
+    # <= 128 tokens with the small-batch launch defaults (many blocks, warps split rows)
+    roundtrip(env, Spec(H=7168, M=128, t_mode="small", dtype="fp8", cdtype="bf16", scale=(56, "f32"),
+                        iters=5, poison=True, seed=33), label="small batch fp8")
+
+
+def max_warps(env):
+    o = env.mori._C.ops
+    return o.MAX_THREADS_PER_BLOCK // o.WARP_SIZE
+
+
+def case_launch_shapes(env):
+    W = env.W
+    mw = max_warps(env)
+    shapes = [(W, 1), (W, mw), (3 * W + 1, 4), (2 * W + 1, 2), (132, mw), (1, 1)]
+
+    def dl(it):
+        return shapes[it % len(shapes)]
+
+    def cl(it):
+        return shapes[(it + 2) % len(shapes)]
+
+    roundtrip(env, Spec(H=2048, M=160, iters=len(shapes) * 2, d_launch=dl, c_launch=cl, poison=True, seed=34),
+              label="block/warp overrides")
+
+
+def case_back_to_back(env):
+    modes = ["zero_copy", "external", "direct"]
+    shapes = [(-1, -1), (env.W, 4), (2 * env.W + 3, max_warps(env)), (64, 8)]
+    spec = Spec(H=1024, K=8, Epr=4, M=128, t_mode="vary", routing=lambda it: ("random_neg", "random", "two_ranks")[it % 3],
+                mode=lambda it: modes[it % 3], wmode="external", iters=env.args.b2b_iters, poison=False,
+                d_launch=lambda it: shapes[it % 4], c_launch=lambda it: shapes[(it + 1) % 4], seed=35)
+    roundtrip(env, spec, label="back-to-back")
+
+
+def case_dispatch_only_loop(env):
+    """Many dispatches without combine, then one checked round trip; then many combines."""
+    torch = env.torch
+    spec = Spec(H=2048, M=128, iters=1, seed=36, poison=False)
+    op = roundtrip(env, spec, label="warm-up")
+    data = make_data(env, spec, 0, 36)
+    X, IDX, WT, SC, Ts = data
+    r = env.rank
+    for _ in range(50):
+        op.dispatch(X[r, : Ts[r]].contiguous(), WT[r, : Ts[r]].contiguous(), None, IDX[r, : Ts[r]].contiguous())
+    roundtrip(env, spec, op=op, label="after 50 dispatches")
+    # 30 combines of the same rows: each must give the same (reference) result
+    spec2 = Spec(H=2048, M=128, iters=1, seed=37, poison=False, mode="external")
+    roundtrip(env, spec2, op=op, label="before combine loop")
+    data = make_data(env, spec2, 0, 37)
+    cdt = torch.bfloat16
+    env.barrier()  # peers may still read our registered buffer in the last combine
+    outs_tok = op.get_registered_combine_input_buffer(cdt, 2048)
+    cnt = torch.zeros(len(C_NAMES), dtype=torch.int64, device=env.dev)
+    # rows of the last dispatch are still in the dispatch output: rebuild the expert output
+    out_tok = op._view("dispatch_tokens", "dispatch_out_tokens", (env.W * spec2.M, 2048), cdt)
+    outs_tok.copy_(expert_fn(out_tok, r, cdt))
+    out_w = op._view("dispatch_weights", "dispatch_out_weights", (env.W * spec2.M, spec2.K), torch.float32)
+    cw = out_w * float(r + 1)
+    for _ in range(30):
+        out, ow = op.combine(outs_tok, cw, IDX[r, : data[4][r]].contiguous())
+        verify_combine(env, spec2, op, out, ow, data, cnt, False, 0, cdt)
+    _raise_on_counters(env, spec2, op, cnt, None, "combine loop", 30)
+
+
+def case_cuda_graph(env):
+    torch = env.torch
+    mori = env.mori
+    r, W = env.rank, env.W
+    T = 100
+    spec = Spec(H=2048, K=8, Epr=8, M=128, t_mode=T, routing="random_neg", poison=False, seed=40)
+    cfg = mori.ops.EpDispatchCombineConfig(rank=r, world_size=W, hidden_dim=2048, scale_dim=0, scale_type_size=0,
+                                           max_token_type_size=2, max_num_inp_token_per_rank=128,
+                                           num_experts_per_rank=8, num_experts_per_token=8, use_external_inp_buf=False)
+    op = env.new_op(cfg)  # check_inputs=True: skipped automatically while capturing
+    cdt = torch.bfloat16
+    sx = torch.zeros((T, 2048), dtype=cdt, device=env.dev)
+    sidx = torch.full((T, 8), -1, dtype=torch.int32, device=env.dev)
+    sw = torch.zeros((T, 8), dtype=torch.float32, device=env.dev)
+    buf = op.get_registered_combine_input_buffer(cdt, 2048)
+
+    def body():
+        outs = op.dispatch(sx, sw, None, sidx)
+        buf.copy_(expert_fn(outs[0], r, cdt))
+        out, ow = op.combine(buf, outs[1] * float(r + 1), sidx)
+        return outs, out, ow
+
+    def load(it):
+        data = make_data(env, spec, it, 40)
+        X, IDX, WT, SC, Ts = data
+        sx.copy_(X[r, :T])
+        sidx.copy_(IDX[r, :T])
+        sw.copy_(WT[r, :T])
+        return data
+
+    load(0)
+    s = torch.cuda.Stream(device=env.dev)
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        body()  # warm-up outside the graph
+    torch.cuda.current_stream().wait_stream(s)
+    env.barrier()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs, out, ow = body()
+    env.barrier()
+    cnt = torch.zeros(len(C_NAMES), dtype=torch.int64, device=env.dev)
+    last = None
+    for it in range(1, 6):
+        data = load(it)
+        env.barrier()
+        g.replay()
+        verify_dispatch(env, spec, op, outs, data, cnt, False, it)
+        verify_combine(env, spec, op, out, ow, data, cnt, False, it, cdt)
+        last = (outs, data, it)
+    _raise_on_counters(env, spec, op, cnt, last, "graph replay", 5)
+    del g
+
+
+def case_bad_inputs(env):
+    """Each bad call raises InvalidUsageError (a ValueError) before launching; the op stays usable."""
+    torch = env.torch
+    mori = env.mori
+    r, W = env.rank, env.W
+    H, K, Epr, M = 256, 4, 2, 64
+    mk = lambda **kw: mori.ops.EpDispatchCombineConfig(**{**dict(  # noqa: E731
+        rank=r, world_size=W, hidden_dim=H, scale_dim=0, scale_type_size=0, max_token_type_size=2,
+        max_num_inp_token_per_rank=M, num_experts_per_rank=Epr, num_experts_per_token=K), **kw})
+    errors = []
+
+    def expect(what, fn):
+        try:
+            fn()
+        except mori.InvalidUsageError:
+            return
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"{what}: raised {type(e).__name__}: {e}")
+            return
+        errors.append(f"{what}: no error")
+
+    # config errors (raised before any collective step)
+    expect("kernel_type InterNode", lambda: env.new_op(mk(kernel_type=mori.ops.EpDispatchCombineKernelType.InterNode)))
+    expect("world_size mismatch", lambda: env.new_op(mk(world_size=W + 1)))
+    expect("top-k 0", lambda: env.new_op(mk(num_experts_per_token=0)))
+    op = env.new_op(mk())
+    T = 32
+    dev = env.dev
+    x = torch.randn((T, H), device=dev).to(torch.bfloat16)
+    idx = torch.randint(0, W * Epr, (T, K), device=dev, dtype=torch.int32)
+    w = torch.rand((T, K), device=dev)
+    expect("combine before dispatch", lambda: op.combine(x, None, idx))
+    expect("int32 tokens", lambda: op.dispatch(x.to(torch.int32), w, None, idx))
+    expect("CPU tokens", lambda: op.dispatch(x.cpu(), w, None, idx))
+    expect("non-contiguous tokens", lambda: op.dispatch(torch.randn((H, T), device=dev).to(torch.bfloat16).t(), w, None, idx))
+    expect("3-D tokens", lambda: op.dispatch(x.view(T, 2, H // 2), w, None, idx))
+    expect("too many tokens", lambda: op.dispatch(torch.zeros((M + 1, H), device=dev, dtype=torch.bfloat16), None, None,
+                                                   torch.zeros((M + 1, K), device=dev, dtype=torch.int32)))
+    expect("hidden too large", lambda: op.dispatch(torch.zeros((T, 2 * H), device=dev, dtype=torch.bfloat16), w, None, idx))
+    expect("fp32 tokens with max_token_type_size 2", lambda: op.dispatch(x.float(), w, None, idx))
+    expect("row not a multiple of 16 B", lambda: op.dispatch(x[:, :12].contiguous(), w, None, idx))
+    expect("expert id >= num_experts", lambda: op.dispatch(x, w, None, torch.full_like(idx, W * Epr)))
+    expect("expert id < -1", lambda: op.dispatch(x, w, None, torch.full_like(idx, -2)))
+    expect("indices shape", lambda: op.dispatch(x, w, None, idx[:, :-1].contiguous()))
+    expect("indices dtype", lambda: op.dispatch(x, w, None, idx.float()))
+    expect("weights shape", lambda: op.dispatch(x, w[:, :-1].contiguous(), None, idx))
+    expect("weights dtype", lambda: op.dispatch(x, w.half(), None, idx))
+    expect("scales with scale_dim 0", lambda: op.dispatch(x, w, torch.zeros((T, 4), device=dev), idx))
+    expect("tokens/indices row mismatch", lambda: op.dispatch(x[:T - 1].contiguous(), w, None, idx))
+    # a good round trip (collective) proves the op is still usable
+    outs = op.dispatch(x, w, None, idx)
+    torch.cuda.synchronize()
+    if U.fp8_dtype(torch) is not None:
+        expect("fp8 combine", lambda: op.combine(torch.zeros((W * M, H), device=dev, dtype=torch.uint8).view(U.fp8_dtype(torch)), None, idx))
+    expect("combine int input", lambda: op.combine(torch.zeros((W * M, H), device=dev, dtype=torch.int16), None, idx))
+    expect("combine hidden too large", lambda: op.combine(torch.zeros((W * M, 2 * H), device=dev, dtype=torch.bfloat16), None, idx))
+    expect("combine weights columns", lambda: op.combine(outs[0], torch.zeros((W * M, K + 1), device=dev), idx))
+    expect("combine indices shape", lambda: op.combine(outs[0], None, idx[:5].contiguous()))
+    expect("combine input on CPU", lambda: op.combine(outs[0].cpu(), None, idx))
+    buf = op.get_registered_combine_input_buffer(torch.bfloat16, H)
+    buf.copy_(expert_fn(outs[0], r, torch.bfloat16))
+    out, ow = op.combine(buf, outs[1] * float(r + 1), idx)
+    torch.cuda.synchronize()
+    mori.shmem.shmem_check_device_error()
+    # compare with the reference
+    E = W * Epr
+    dest = torch.where((idx >= 0) & (idx < E), idx.long() // Epr, -1)
+    acc = torch.zeros((T, H), device=dev)
+    for d in range(W):
+        m = (dest == d).any(1, keepdim=True)
+        acc = acc + torch.where(m, expert_fn(x, d, torch.bfloat16).float(), 0.0)
+    if not torch.equal(out.view(torch.int16), acc.to(torch.bfloat16).view(torch.int16)):
+        errors.append("round trip after bad calls: combine mismatch")
+    op.close()
+    expect("dispatch after close", lambda: op.dispatch(x, w, None, idx))
+    if errors:
+        raise CaseFailure("; ".join(errors))
+
+
+def case_stress(env):
+    iters = int(os.environ.get("MORI_EP_STRESS_ITERS", "0") or 0)
+    if iters <= 0:
+        raise SkipCase("set MORI_EP_STRESS_ITERS=N to run N randomized iterations")
+    W = env.W
+    dts = ["bf16", "fp16", "fp32", "fp8"]
+    Hs = [2048, 1040, 512]
+    modes = ["zero_copy", "external", "direct"]
+    shapes = [(-1, -1), (W, 4), (2 * W + 3, max_warps(env)), (64, 8), (W + 1, 1)]
+    spec = Spec(H=lambda it: Hs[(it // 4) % 3], dtype=lambda it: dts[it % 4], cdtype=None, K=8, Epr=4, M=128,
+                t_mode="vary", routing=lambda it: ("random_neg", "random", "two_ranks", "duplicates")[(it // 2) % 4],
+                mode=lambda it: modes[(it // 3) % 3], wmode="external", iters=iters, poison=False,
+                d_launch=lambda it: shapes[it % 5], c_launch=lambda it: shapes[(it + 3) % 5], cfg_H=2048, cfg_tts=4,
+                check_every=500, seed=99)
+    # fp8 iterations combine in bf16
+    spec.combine_dtype = lambda it: "bf16" if dts[it % 4] == "fp8" else dts[it % 4]
+    roundtrip(env, spec, label="stress")
+
+
+class SkipCase(Exception):
+    pass
+
+
+CASES = [
+    ("random_topk_seeds", case_random_seeds),
+    ("dtypes_and_combine_modes", case_dtypes),
+    ("all_tokens_to_one_rank", case_all_to_one_rank),
+    ("zero_tokens", case_zero_tokens),
+    ("negative_and_duplicate_ids", case_negative_and_duplicates),
+    ("several_experts_same_rank", case_same_rank_experts),
+    ("topk_1_9_16", case_topk),
+    ("hidden_sizes", case_hidden_sizes),
+    ("max_tokens_exactly", case_max_tokens),
+    ("small_batch_path", case_small_batch),
+    ("launch_shapes", case_launch_shapes),
+    ("dispatch_only_and_combine_only_loops", case_dispatch_only_loop),
+    ("cuda_graph_replay", case_cuda_graph),
+    ("bad_inputs", case_bad_inputs),
+    ("back_to_back_iterations", case_back_to_back),
+    ("stress", case_stress),
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Driver
+# ---------------------------------------------------------------------------------------------
+def worker(rank, world, local_rank, args):
+    os.environ.setdefault("MORI_DEVICE_TIMEOUT_MS", "30000")
+    os.environ.setdefault("MORI_SHMEM_HEAP_SIZE", "6G")
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    env = Env(rank, world, local_rank, args)
+    mori = U.import_mori()
+    env.mori = mori
+    results = []  # (name, status, message, seconds)
+
+    def record(name, status, msg, secs):
+        results.append((name, status, msg, secs))
+        if rank == 0:
+            line = f"[{status}] {name} ({secs:.1f} s)"
+            if msg:
+                line += f": {msg}"
+            print(line, flush=True)
+
+    selected = [(n, f) for n, f in CASES if not args.k or any(k in n for k in args.k)]
+
+    # --- use before shmem init (local) ---
+    if not args.k or any(k in "use_before_shmem_init" for k in args.k):
+        t0 = time.time()
+        msg = None
+        try:
+            cfg = mori.ops.EpDispatchCombineConfig(rank=rank, world_size=world, hidden_dim=256, scale_dim=0,
+                                                   scale_type_size=0, max_token_type_size=2,
+                                                   max_num_inp_token_per_rank=8, num_experts_per_rank=1,
+                                                   num_experts_per_token=1)
+            try:
+                mori.ops.EpDispatchCombineOp(cfg)
+                msg = "no error"
+            except mori.InvalidUsageError:
+                pass
+        except Exception as e:  # noqa: BLE001
+            msg = f"{type(e).__name__}: {e}"
+        _collect(env, record, "use_before_shmem_init", msg, time.time() - t0)
+
+    mori.shmem.shmem_torch_process_group_init("default")
+    if rank == 0:
+        print(f"mori EP IntraNode suite: {world} ranks, {torch.cuda.get_device_name(local_rank)}, "
+              f"backend {mori.backend() if callable(getattr(mori, 'backend', None)) else '?'}", flush=True)
+
+    for name, fn in selected:
+        t0 = time.time()
+        msg = None
+        skip = None
+        try:
+            fn(env)
+        except SkipCase as e:
+            skip = str(e)
+        except CaseFailure as e:
+            msg = str(e)
+        except Exception as e:  # noqa: BLE001
+            msg = f"{type(e).__name__}: {e}"
+            if args.verbose:
+                traceback.print_exc()
+        try:
+            torch.cuda.synchronize()
+            mori.shmem.shmem_check_device_error()
+        except Exception as e:  # noqa: BLE001
+            msg = msg or f"device error: {type(e).__name__}: {e}"
+        env.close_ops()
+        if skip is not None:
+            skips = [None] * world
+            dist.all_gather_object(skips, skip)
+            if rank == 0:
+                print(f"[SKIP] {name}: {skip}", flush=True)
+            results.append((name, "SKIP", skip, 0.0))
+            continue
+        _collect(env, record, name, msg, time.time() - t0)
+
+    # --- use after finalize ---
+    if not args.k or any(k in "use_after_finalize" for k in args.k):
+        t0 = time.time()
+        msg = None
+        try:
+            cfg = mori.ops.EpDispatchCombineConfig(rank=rank, world_size=world, hidden_dim=256, scale_dim=0,
+                                                   scale_type_size=0, max_token_type_size=2,
+                                                   max_num_inp_token_per_rank=8, num_experts_per_rank=1,
+                                                   num_experts_per_token=1)
+            op = mori.ops.EpDispatchCombineOp(cfg)
+            torch.cuda.synchronize()
+            dist.barrier()
+            mori.shmem.shmem_finalize()
+            x = torch.zeros((4, 256), dtype=torch.bfloat16, device=env.dev)
+            idx = torch.zeros((4, 1), dtype=torch.int32, device=env.dev)
+            try:
+                op.dispatch(x, None, None, idx)
+                msg = "no error"
+            except mori.InvalidUsageError:
+                pass
+            del op
+        except Exception as e:  # noqa: BLE001
+            msg = f"{type(e).__name__}: {e}"
+        _collect(env, record, "use_after_finalize", msg, time.time() - t0)
+    elif mori.shmem.shmem_is_initialized():
+        mori.shmem.shmem_finalize()
+
+    passed = sum(1 for r_ in results if r_[1] == "PASS")
+    failed = sum(1 for r_ in results if r_[1] == "FAIL")
+    skipped = sum(1 for r_ in results if r_[1] == "SKIP")
+    if rank == 0:
+        if skipped:
+            print(f"({skipped} skipped)", flush=True)
+        print(f"{passed} passed, {failed} failed", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 1 if failed else 0
+
+
+def _collect(env, record, name, msg, secs):
+    msgs = [None] * env.W
+    env.dist.all_gather_object(msgs, msg)
+    bad = [f"rank {i}: {m}" for i, m in enumerate(msgs) if m]
+    record(name, "FAIL" if bad else "PASS", " | ".join(bad), secs)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=0, help="spawn this many ranks (default: all GPUs) when not under torchrun")
+    p.add_argument("-k", action="append", default=[], help="run cases whose name contains this (repeatable)")
+    p.add_argument("--b2b-iters", type=int, default=1000, help="iterations of back_to_back_iterations")
+    p.add_argument("--list", action="store_true")
+    p.add_argument("-v", "--verbose", action="store_true")
+    args = p.parse_args()
+    if args.list:
+        for n, _ in CASES:
+            print(n)
+        return 0
+    nproc = args.nproc
+    if nproc <= 0 and "LOCAL_RANK" not in os.environ:
+        import torch
+
+        nproc = torch.cuda.device_count()
+        if nproc < 2:
+            print(f"SKIP: needs at least 2 GPUs, found {nproc}")
+            print("0 passed, 0 failed")
+            return 0
+    return U.launch(worker, nproc, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

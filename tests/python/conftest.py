@@ -1,0 +1,93 @@
+"""Makes `import mori` work from a CMake build tree when mori is not installed.
+
+The build tree's python/ directory holds a complete package (the .py files are symlinked there
+and _C*.so is built next to them, see src/pybind/CMakeLists.txt). The build directory is
+$MORI_BUILD_DIR, default build-cuda, relative to the repository root unless absolute. An
+installed mori (one whose package directory has the native module) is used as is.
+"""
+
+import glob
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+
+
+def _has_native_module(spec):
+    return any(glob.glob(os.path.join(loc, "_C*.so")) for loc in (spec.submodule_search_locations or []))
+
+
+def _build_dir():
+    build = os.environ.get("MORI_BUILD_DIR", "build-cuda")
+    return build if os.path.isabs(build) else os.path.join(REPO_ROOT, build)
+
+
+def _setup_import_path():
+    spec = importlib.util.find_spec("mori")
+    if spec is not None and _has_native_module(spec):
+        return os.path.dirname(os.path.dirname(spec.origin))
+    path = os.path.join(_build_dir(), "python")
+    if not glob.glob(os.path.join(path, "mori", "_C*.so")):
+        raise RuntimeError(
+            f"tests/python: mori is not installed and {path}/mori has no native module. Build it "
+            "(cmake --build <build> --target mori_python) and set MORI_BUILD_DIR=<build>, or "
+            "pip install --no-build-isolation ."
+        )
+    sys.path.insert(0, path)
+    for name in [m for m in sys.modules if m == "mori" or m.startswith("mori.")]:
+        del sys.modules[name]
+    return path
+
+
+MORI_PYTHON_PATH = _setup_import_path()
+
+
+@pytest.fixture
+def subprocess_env():
+    """Environment for child Python processes: the same mori first on PYTHONPATH, no MORI_*."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MORI_")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (MORI_PYTHON_PATH, os.environ.get("PYTHONPATH")) if p)
+    return env
+
+
+@pytest.fixture
+def run_python(subprocess_env):
+    """run_python(code, env_overrides=None) -> CompletedProcess (text, captured)."""
+
+    def run(code, env_overrides=None, timeout=120):
+        env = dict(subprocess_env)
+        env.update(env_overrides or {})
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+
+    return run
+
+
+def _gpu_missing_reason():
+    import mori
+
+    info = mori.device_info()
+    if info["count"] == 0:
+        return f"NEEDS GPU: none visible here ({info['error'] or 'no device'})"
+    return None
+
+
+def _torch_missing_reason():
+    if importlib.util.find_spec("torch") is None:
+        return "NEEDS TORCH: torch is not installed for " + sys.executable
+    return None
+
+
+# Markers for tests that need hardware or torch: they skip with the reason shown by -rs (never a
+# silent pass), reported at the test's own location.
+needs_gpu = pytest.mark.skipif(_gpu_missing_reason() is not None, reason=str(_gpu_missing_reason()))
+needs_torch = pytest.mark.skipif(_torch_missing_reason() is not None, reason=str(_torch_missing_reason()))
+
+
+def cpp_mori_info():
+    """Path of the C++ mori-info built in the build tree, or None."""
+    path = os.path.join(_build_dir(), "tools", "mori-info")
+    return path if os.access(path, os.X_OK) else None

@@ -1,0 +1,134 @@
+"""EP dispatch/combine config validation, size hints and layout: no GPU or torch needed."""
+
+import pytest
+
+import mori
+from mori import _C
+import mori.ops as ops
+
+
+def make(**kw):
+    base = dict(rank=0, world_size=4, hidden_dim=7168, scale_dim=56, scale_type_size=4, max_token_type_size=2,
+                max_num_inp_token_per_rank=4096, num_experts_per_rank=64, num_experts_per_token=8)
+    base.update(kw)
+    return ops.EpDispatchCombineConfig(**base)
+
+
+def test_native_module_has_ops():
+    assert hasattr(_C, "ops"), "mori._C.ops missing: RegisterOpsBindings is not called by the module"
+
+
+def test_valid_config_and_derived_values():
+    c = make()
+    c.validate()
+    assert c.num_experts == 256
+    assert c.max_num_recv_tokens == 4 * 4096
+    n = c.to_native()
+    assert (n.rank, n.world_size, n.hidden_dim, n.num_experts_per_token) == (0, 4, 7168, 8)
+    assert n.kernel_type == 0
+
+
+@pytest.mark.parametrize(
+    "field,value,needle",
+    [
+        ("world_size", 0, "world_size"),
+        ("world_size", 33, "world_size"),
+        ("rank", 4, "rank"),
+        ("rank", -1, "rank"),
+        ("hidden_dim", 0, "hidden_dim"),
+        ("max_token_type_size", 0, "max_token_type_size"),
+        ("max_token_type_size", 16, "max_token_type_size"),
+        ("num_experts_per_token", 0, "num_experts_per_token"),
+        ("num_experts_per_token", 65, "num_experts_per_token"),
+        ("num_experts_per_rank", 0, "num_experts_per_rank"),
+        ("max_num_inp_token_per_rank", 0, "max_num_inp_token_per_rank"),
+        ("max_num_inp_token_per_rank", 1 << 20, "max_num_inp_token_per_rank"),
+        ("scale_type_size", 3, "scale_type_size"),
+        ("warp_num_per_block", 0, "warp_num_per_block"),
+        ("warp_num_per_block", 17, "warp_num_per_block"),
+        ("block_num", 0, "block_num"),
+        ("num_qp_per_pe", 0, "num_qp_per_pe"),
+        ("rdma_block_num", -1, "rdma_block_num"),
+        ("gpu_per_node", 0, "gpu_per_node"),
+    ],
+)
+def test_bad_field_names_the_field(field, value, needle):
+    with pytest.raises(mori.InvalidUsageError) as e:
+        make(**{field: value}).validate()
+    assert needle in str(e.value)
+    assert isinstance(e.value, ValueError)
+
+
+def test_row_smaller_than_a_vector():
+    with pytest.raises(mori.InvalidUsageError, match="16-byte"):
+        make(hidden_dim=4, max_token_type_size=2).validate()
+
+
+def test_non_int_field():
+    with pytest.raises(mori.InvalidUsageError, match="hidden_dim"):
+        make(hidden_dim="7168").validate()
+
+
+@pytest.mark.parametrize("kt", ["InterNode", "InterNodeV1", "InterNodeV1LL"])
+def test_other_kernel_types_not_built(kt):
+    with pytest.raises(mori.InvalidUsageError, match="not built yet"):
+        make(kernel_type=ops.EpDispatchCombineKernelType[kt]).validate()
+    with pytest.raises(mori.InvalidUsageError, match="not built yet"):
+        make(kernel_type=kt).validate()  # names work too
+
+
+def test_size_hints_ht_config_under_1gib():
+    # high-throughput benchmark config: 4 ranks, 4096 tokens, hidden 7168, bf16/fp8 + fp32 scales
+    c = make()
+    symm = ops.ep_symmetric_bytes(c)
+    assert symm < (1 << 30), f"{symm / 2**20:.1f} MiB"
+    rmax = 4 * 4096
+    row = 7168 * 2
+    assert symm >= 2 * rmax * row  # dispatch output + registered combine input
+    assert ops.ep_local_bytes(c) >= 4096 * row
+
+
+def test_size_hint_validates():
+    with pytest.raises(mori.InvalidUsageError):
+        ops.ep_symmetric_bytes(make(world_size=0))
+
+
+def test_layout_is_ordered_aligned_and_disjoint():
+    c = make(scale_dim=7, scale_type_size=1, num_experts_per_token=9, world_size=3, rank=2)
+    lay = ops.ep_layout(c)
+    for part in ("symmetric", "local"):
+        d = dict(lay[part])
+        total = d.pop("total_bytes")
+        offs = sorted(d.items(), key=lambda kv: kv[1])
+        for name, off in offs:
+            assert off % 256 == 0, (part, name, off)
+            assert off < total
+        assert len({o for _, o in offs}) == len(offs), f"{part}: overlapping regions {offs}"
+    s = lay["symmetric"]
+    rmax = 3 * 4096
+    assert s["dispatch_out_weights"] - s["dispatch_out_tokens"] >= rmax * 7168 * 2
+    assert s["dispatch_out_indices"] - s["dispatch_out_scales"] >= rmax * 7
+    assert s["dispatch_out_src_pos"] - s["dispatch_out_indices"] >= rmax * 9 * 8
+    assert s["total_bytes"] == ops.ep_symmetric_bytes(c)
+
+
+def test_dispatch_smem_within_limit_for_extremes():
+    c = make(max_num_inp_token_per_rank=65536, num_experts_per_rank=4096)
+    c.validate()
+    for ws in (32, 64):
+        assert _C.ops.ep_dispatch_smem_bytes(c.to_native(), ws) <= 40 * 1024
+
+
+def test_handle_before_shmem_init_is_invalid_usage():
+    if mori.shmem.shmem_is_initialized():
+        pytest.skip("shmem is initialised in this process")
+    with pytest.raises(mori.InvalidUsageError, match="shmem is not initialised"):
+        _C.ops.EpDispatchCombineHandle(make().to_native())
+
+
+def test_constants():
+    o = _C.ops
+    assert o.MAX_WORLD_SIZE == 32
+    assert o.ROW_ALIGN_BYTES == 16
+    assert o.SMALL_BATCH_TOKENS == 128
+    assert o.MAX_THREADS_PER_BLOCK // o.WARP_SIZE >= 8

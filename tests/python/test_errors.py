@@ -1,0 +1,93 @@
+"""C++ errors arrive as the matching mori exception class, message (file:line) intact."""
+
+import builtins
+import re
+
+import pytest
+
+import mori
+from mori import _C
+
+KINDS = {
+    "invalid_usage": mori.InvalidUsageError,
+    "timeout": mori.TimeoutError,
+    "system": mori.SystemError,
+    "gpu_runtime": mori.GpuRuntimeError,
+    "remote": mori.RemoteError,
+    "internal": mori.InternalError,
+}
+
+
+def test_hierarchy():
+    assert issubclass(mori.MoriError, RuntimeError)
+    for cls in KINDS.values():
+        assert issubclass(cls, mori.MoriError)
+    assert issubclass(mori.InvalidUsageError, ValueError)
+    assert issubclass(mori.TimeoutError, builtins.TimeoutError)
+    assert issubclass(mori.SystemError, OSError)
+    assert not issubclass(mori.SystemError, builtins.SystemError)
+    assert mori.TimeoutError is not builtins.TimeoutError
+    for cls in (mori.MoriError, *KINDS.values()):
+        assert cls.__module__ == "mori"
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_translation_keeps_message(kind):
+    with pytest.raises(KINDS[kind]) as info:
+        _C._raise_for_test(kind, f"boom {kind}")
+    e = info.value
+    assert type(e) is KINDS[kind]
+    assert e.kind == kind
+    assert e.file == "pybind_errors.cpp"
+    assert isinstance(e.line, int) and e.line > 0
+    assert e.detail == f"boom {kind}"
+    assert re.match(rf"pybind_errors\.cpp:{e.line}: .+: boom {kind}$", str(e)), str(e)
+
+
+def test_builtin_except_clauses_catch_mori_errors():
+    with pytest.raises(ValueError):
+        _C._raise_for_test("invalid_usage", "x")
+    with pytest.raises(builtins.TimeoutError):
+        _C._raise_for_test("timeout", "x")
+    with pytest.raises(RuntimeError):
+        _C._raise_for_test("remote", "x")
+
+
+def test_python_raised_instances_have_fields():
+    e = mori.InvalidUsageError("from python")
+    assert e.kind == "invalid_usage" and e.file is None and e.line is None
+    assert str(e) == "from python"
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: mori.shmem.shmem_malloc(1024),
+        lambda: mori.shmem.shmem_mype(),
+        lambda: mori.shmem.shmem_npes(),
+        lambda: mori.shmem.shmem_free(4096),
+        lambda: mori.shmem.shmem_barrier_all(),
+        lambda: mori.shmem.shmem_ptr_p2p(0, 0, 0),
+        lambda: mori.shmem.shmem_heap_free_bytes(),
+    ],
+    ids=["malloc", "mype", "npes", "free", "barrier_all", "ptr_p2p", "heap_free_bytes"],
+)
+def test_shmem_before_init_is_invalid_usage(call):
+    assert not mori.shmem.shmem_is_initialized()
+    with pytest.raises(mori.InvalidUsageError) as info:
+        call()
+    msg = str(info.value)
+    assert "not initialised" in msg, msg
+    assert re.match(r"[\w.]+\.(cpp|hpp):\d+: ", msg), f"file:line prefix lost: {msg}"
+    assert info.value.file and info.value.line
+
+
+def test_bad_init_arguments():
+    with pytest.raises(mori.InvalidUsageError, match="unknown flags"):
+        mori.shmem.shmem_init_attr(7, 0, 1, b"\0" * 128)
+    with pytest.raises(mori.InvalidUsageError, match="128 bytes"):
+        mori.shmem.shmem_init_attr(mori.shmem.MORI_SHMEM_INIT_WITH_UNIQUEID, 0, 1, b"short")
+    with pytest.raises(mori.InvalidUsageError, match="needs unique_id"):
+        mori.shmem.shmem_init_attr(mori.shmem.MORI_SHMEM_INIT_WITH_UNIQUEID, 0, 1)
+    with pytest.raises(mori.InvalidUsageError):
+        mori.shmem.shmem_barrier_on_stream("not a stream")

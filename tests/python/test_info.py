@@ -1,0 +1,88 @@
+"""mori-info (Python console script, `python -m mori.info`, and the C++ tool) run everywhere,
+GPU or not, and print every env setting with its value and source."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import mori
+from conftest import cpp_mori_info
+
+
+def _env_names():
+    return [e["name"] for e in mori.env_entries()]
+
+
+def _check_report(text, env_from_environment=()):
+    assert f"mori {mori.__version__}" in text
+    assert "GPUs:" in text
+    assert "RDMA devices: none" in text
+    for name in _env_names():
+        assert name in text, f"{name} missing from report"
+    for name in env_from_environment:
+        line = next(l for l in text.splitlines() if l.strip().startswith(name))
+        assert "[env]" in line, line
+
+
+def test_device_info_never_raises():
+    info = mori.device_info()
+    assert info["backend"] == mori.backend()
+    assert info["count"] == len(info["devices"]) == len(info["p2p"])
+    if info["count"] == 0:
+        assert info["error"], "no GPU but no explanation"
+    for row in info["p2p"]:
+        assert len(row) == info["count"]
+
+
+def test_rdma_devices_empty():
+    assert mori.rdma_devices() == []
+
+
+def test_python_module_report(subprocess_env):
+    env = dict(subprocess_env, MORI_LOG_LEVEL="DEBUG")
+    r = subprocess.run([sys.executable, "-m", "mori.info"], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    _check_report(r.stdout, env_from_environment=["MORI_LOG_LEVEL"])
+    if mori.device_info()["count"] == 0:
+        assert "GPUs: none (" in r.stdout
+
+
+def test_python_module_json(subprocess_env):
+    r = subprocess.run(
+        [sys.executable, "-m", "mori.info", "--json"], env=subprocess_env, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["version"] == mori.__version__
+    assert [e["name"] for e in report["env"]] == _env_names()
+
+
+def test_python_module_bad_env_value_fails(subprocess_env):
+    env = dict(subprocess_env, MORI_DEVICE_TIMEOUT_MS="soon")
+    r = subprocess.run([sys.executable, "-m", "mori.info"], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert "MORI_DEVICE_TIMEOUT_MS" in r.stdout
+
+
+def test_console_script(subprocess_env):
+    exe = shutil.which("mori-info", path=subprocess_env.get("PATH"))
+    if exe is None:
+        pytest.skip("mori-info console script not on PATH (mori is not pip-installed here)")
+    r = subprocess.run([exe], env=subprocess_env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    _check_report(r.stdout)
+
+
+def test_cpp_tool(subprocess_env):
+    exe = cpp_mori_info()
+    if exe is None:
+        pytest.skip("C++ mori-info not built in $MORI_BUILD_DIR/tools (MORI_BUILD_TOOLS=OFF?)")
+    env = dict(subprocess_env, MORI_SHMEM_HEAP_SIZE="1G")
+    r = subprocess.run([exe, "--help-env"], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    _check_report(r.stdout, env_from_environment=["MORI_SHMEM_HEAP_SIZE"])
+    if mori.device_info()["count"] == 0:
+        assert "GPUs: none (" in r.stdout

@@ -1,0 +1,340 @@
+#!/usr/bin/env python3
+"""Benchmark of mori.ops IntraNode dispatch/combine against a torch.distributed baseline.
+
+    torchrun --nproc_per_node=4 tools/bench/ep_bench.py            # all local GPUs
+    python3 tools/bench/ep_bench.py --nproc 2 [--configs ht,ll] [--max-sms 24] [--quick]
+
+mori is imported from an installation, $MORI_BUILD_DIR/python, or <repo>/build*/python.
+
+Configs (DeepSeek-V3-like): HT = 4096 tokens/rank, hidden 7168, top-8 of 256 experts, BF16 and
+FP8 (+56 fp32 scales per token) dispatch, BF16 combine; LL = 128 tokens/rank, FP8 dispatch, BF16
+combine. Routing: top-k of random scores (as DeepEP's tests). Times come from CUDA graphs of
+back-to-back calls (no host overhead), per rank; GB/s are per rank:
+  logical  = received rows x row bytes (FP8: + scale bytes) / time   (DeepEP's and MORI's metric)
+  physical = rows received from other ranks (crossed a link) x row bytes / time
+Combine moves the same rows back, so it uses the same byte counts. A block/warp sweep keeps the
+fastest setting per phase; "SMs" = blocks (one block per SM). The baseline is what users write
+without us: count exchange, permutation, all_to_all_single of rows, and back with index_add_.
+The result table is printed last.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tests", "ops"))
+import ep_test_utils as U  # noqa: E402
+
+HIDDEN, TOPK, EXPERTS, SCALE_DIM = 7168, 8, 256, 56
+
+
+def log(rank, *a):
+    if rank == 0:
+        print(*a, flush=True)
+
+
+class Bench:
+    def __init__(self, rank, world, local_rank, args):
+        import torch
+        import torch.distributed as dist
+
+        self.torch, self.dist = torch, dist
+        self.rank, self.W, self.args = rank, world, args
+        self.dev = torch.device("cuda", local_rank)
+        self.mori = U.import_mori()
+        self.fp8 = U.fp8_dtype(torch)
+        self.rows = []  # result table
+
+    # --- timing ---------------------------------------------------------------------------------
+    def time_calls(self, fn, n_inner, n_rep):
+        """Seconds per call of fn(): CUDA graph of n_inner calls, replayed n_rep times (median).
+        Falls back to eager launches if capture fails."""
+        torch, dist = self.torch, self.dist
+        fn()  # warm-up (also creates cached views outside the graph)
+        torch.cuda.synchronize()
+        dist.barrier()
+        graph = None
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(n_inner):
+                    fn()
+            torch.cuda.synchronize()
+            dist.barrier()
+        except Exception as e:  # noqa: BLE001
+            log(self.rank, f"  (graph capture failed: {e}; timing eager launches)")
+            graph = None
+            torch.cuda.synchronize()
+            dist.barrier()
+        times = []
+        for _ in range(n_rep):
+            dist.barrier()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            if graph is not None:
+                graph.replay()
+            else:
+                for _ in range(n_inner):
+                    fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3 / n_inner)
+        self.mori.shmem.shmem_check_device_error()
+        return statistics.median(times)
+
+    def allgather(self, v):
+        out = [None] * self.W
+        self.dist.all_gather_object(out, v)
+        return out
+
+    # --- data -----------------------------------------------------------------------------------
+    def make_inputs(self, T, seed):
+        torch = self.torch
+        g = torch.Generator(device=self.dev)
+        g.manual_seed(seed * 1000 + self.rank)
+        x = torch.randn((T, HIDDEN), generator=g, device=self.dev).to(torch.bfloat16)
+        scores = torch.randn((T, EXPERTS), generator=g, device=self.dev).abs() + 1
+        idx = torch.topk(scores, TOPK, dim=-1, largest=True, sorted=False)[1].to(torch.int32)
+        w = torch.rand((T, TOPK), generator=g, device=self.dev)
+        scales = torch.rand((T, SCALE_DIM), generator=g, device=self.dev)
+        x8 = x.float().clamp(-448, 448).to(self.fp8) if self.fp8 is not None else None
+        return x, x8, scales, idx, w
+
+    def row_counts(self, idx):
+        """(rows this rank receives, rows it receives from other ranks) for everyone's routing."""
+        torch = self.torch
+        epr = EXPERTS // self.W
+        dest = (idx.long() // epr)
+        mask = torch.zeros((idx.shape[0], self.W), dtype=torch.bool, device=self.dev)
+        mask.scatter_(1, dest, True)
+        sent = mask.sum(0).tolist()  # rows this rank sends to each rank
+        allsent = self.allgather(sent)
+        recv = sum(allsent[s][self.rank] for s in range(self.W))
+        recv_remote = recv - allsent[self.rank][self.rank]
+        return recv, recv_remote, mask
+
+    # --- ours -----------------------------------------------------------------------------------
+    def make_op(self, T):
+        cfg = self.mori.ops.EpDispatchCombineConfig(
+            rank=self.rank, world_size=self.W, hidden_dim=HIDDEN, scale_dim=SCALE_DIM, scale_type_size=4,
+            max_token_type_size=2, max_num_inp_token_per_rank=T, num_experts_per_rank=EXPERTS // self.W,
+            num_experts_per_token=TOPK, use_external_inp_buf=False)
+        return self.mori.ops.EpDispatchCombineOp(cfg, check_inputs=False)
+
+    def sweep(self, label, T, launches, fn_factory, n_inner, n_rep):
+        """fn_factory(blocks, warps) -> callable; returns (best seconds, (blocks, warps), all)."""
+        best = None
+        results = []
+        for b, w in launches:
+            secs = self.time_calls(fn_factory(b, w), n_inner, n_rep)
+            worst = max(self.allgather(secs))  # a collective is as slow as its slowest rank
+            results.append(((b, w), worst))
+            if best is None or worst < best[0]:
+                best = (worst, (b, w))
+            log(self.rank, f"  {label:<22} blocks {b:>3} x warps {w:>2}: {worst * 1e6:9.1f} us")
+        return best[0], best[1], results
+
+    def run_config(self, name, T, dispatch_kinds, launches):
+        torch = self.torch
+        op = self.make_op(T)
+        symm_mib = op.symmetric_bytes / 2**20
+        x, x8, scales, idx, w = self.make_inputs(T, seed=1)
+        recv, recv_remote, mask = self.row_counts(idx)
+        n_inner, n_rep = (5, 3) if self.args.quick else ((10, 5) if T > 1024 else (50, 5))
+        log(self.rank, f"== {name}: {T} tokens/rank, hidden {HIDDEN}, top-{TOPK} of {EXPERTS}, {self.W} ranks; "
+                       f"symmetric memory {symm_mib:.1f} MiB/rank, local {op.local_bytes / 2**20:.1f} MiB/rank")
+        row_bf16 = HIDDEN * 2
+        row_fp8 = HIDDEN + SCALE_DIM * 4
+        for kind in dispatch_kinds:
+            if kind == "FP8" and x8 is None:
+                log(self.rank, "  FP8 skipped: torch has no float8 e4m3 dtype")
+                continue
+            inp, sc, rb = (x, None, row_bf16) if kind == "BF16" else (x8, scales, row_fp8)
+
+            def fac(b, wp, inp=inp, sc=sc):
+                return lambda: op.dispatch(inp, w, sc, idx, block_num=b, warp_per_block=wp)
+
+            secs, lw, _ = self.sweep(f"dispatch {kind}", T, launches, fac, n_inner, n_rep)
+            self.record(f"{name} dispatch {kind}", secs, recv * rb, recv_remote * rb, lw)
+        # combine (BF16, zero-copy): expert output = the dispatched BF16 rows
+        outs = op.dispatch(x, w, None, idx)
+        buf = op.get_registered_combine_input_buffer(torch.bfloat16, HIDDEN)
+        buf.copy_(outs[0])
+        wbuf = op.get_registered_combine_weights_buffer()
+        wbuf.copy_(outs[1])
+        torch.cuda.synchronize()
+        self.dist.barrier()
+
+        def cfac(b, wp):
+            return lambda: op.combine(buf, wbuf, idx, block_num=b, warp_per_block=wp)
+
+        secs, lw, _ = self.sweep("combine BF16", T, launches, cfac, n_inner, n_rep)
+        self.record(f"{name} combine BF16", secs, recv * row_bf16, recv_remote * row_bf16, lw)
+        # correctness spot check: combine of unchanged rows = x * (number of destination ranks)
+        out, _ = op.combine(buf, wbuf, idx)
+        ndest = mask.sum(1, keepdim=True).float()
+        ok = torch.allclose(out.float(), (x.float() * ndest).to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2)
+        oks = self.allgather(bool(ok))
+        log(self.rank, f"  check: combine(dispatch(x)) == x * n_dest on all ranks: {all(oks)}")
+        # external (copied) input, best launch of the zero-copy run
+        ext = outs[0][:recv].clone() if recv > 0 else outs[0][:1].clone()
+        secs_ext = self.time_calls(lambda: op.combine(ext, None, idx, block_num=lw[0], warp_per_block=lw[1]), n_inner, n_rep)
+        secs_ext = max(self.allgather(secs_ext))
+        self.record(f"{name} combine BF16 (external input)", secs_ext, recv * row_bf16, recv_remote * row_bf16, lw)
+        if not self.args.no_baseline:
+            self.baseline(name, x, x8, scales, idx, w, recv, recv_remote, dispatch_kinds)
+        op.close()
+        return symm_mib
+
+    def record(self, label, secs, logical, physical, launch):
+        gl = [b / secs / 1e9 for b in self.allgather(logical)]
+        gp = [b / secs / 1e9 for b in self.allgather(physical)]
+        self.rows.append(dict(label=label, us=secs * 1e6, gl_mean=statistics.mean(gl), gl_min=min(gl),
+                              gp_mean=statistics.mean(gp), launch=launch))
+
+    # --- torch baseline -------------------------------------------------------------------------
+    def baseline(self, name, x, x8, scales, idx, w, recv, recv_remote, kinds):
+        torch, dist = self.torch, self.dist
+        W = self.W
+        epr = EXPERTS // W
+
+        def layout():
+            dest = idx.long() // epr
+            mask = torch.zeros((idx.shape[0], W), dtype=torch.bool, device=self.dev)
+            mask.scatter_(1, dest, True)
+            send_counts = mask.sum(0)
+            recv_counts = torch.empty_like(send_counts)
+            dist.all_to_all_single(recv_counts, send_counts)
+            order = mask.t().nonzero()[:, 1]  # tokens grouped by destination rank
+            return order, send_counts.tolist(), recv_counts.tolist()
+
+        def dispatch(src):
+            order, sc_, rc_ = layout()
+            send = src[order]
+            out = torch.empty((sum(rc_),) + tuple(src.shape[1:]), dtype=src.dtype, device=self.dev)
+            dist.all_to_all_single(out, send, rc_, sc_)
+            return out, order, sc_, rc_
+
+        def combine(state):
+            rows, order, sc_, rc_ = state
+            back = torch.empty((sum(sc_), HIDDEN), dtype=torch.bfloat16, device=self.dev)
+            dist.all_to_all_single(back, rows, sc_, rc_)
+            out = torch.zeros((x.shape[0], HIDDEN), dtype=torch.float32, device=self.dev)
+            out.index_add_(0, order, back.float())
+            return out.to(torch.bfloat16)
+
+        n_inner, n_rep = (3, 3) if self.args.quick else (5, 5)
+        for kind in kinds:
+            if kind == "FP8" and x8 is None:
+                continue
+            if kind == "BF16":
+                fn = lambda: dispatch(x)  # noqa: E731
+                rb = HIDDEN * 2
+            else:
+                xs = torch.cat([x8.view(torch.uint8), scales.view(torch.uint8)], dim=1)
+                fn = lambda xs=xs: dispatch(xs)  # noqa: E731
+                rb = HIDDEN + SCALE_DIM * 4
+            secs = max(self.allgather(self.time_eager(fn, n_inner, n_rep)))
+            self.rows.append(dict(label=f"{name} dispatch {kind} [torch]", us=secs * 1e6,
+                                  gl_mean=statistics.mean(b / secs / 1e9 for b in self.allgather(recv * rb)),
+                                  gl_min=min(b / secs / 1e9 for b in self.allgather(recv * rb)),
+                                  gp_mean=statistics.mean(b / secs / 1e9 for b in self.allgather(recv_remote * rb)),
+                                  launch=None))
+        state = dispatch(x)
+        secs = max(self.allgather(self.time_eager(lambda: combine(state), n_inner, n_rep)))
+        rb = HIDDEN * 2
+        self.rows.append(dict(label=f"{name} combine BF16 [torch]", us=secs * 1e6,
+                              gl_mean=statistics.mean(b / secs / 1e9 for b in self.allgather(recv * rb)),
+                              gl_min=min(b / secs / 1e9 for b in self.allgather(recv * rb)),
+                              gp_mean=statistics.mean(b / secs / 1e9 for b in self.allgather(recv_remote * rb)),
+                              launch=None))
+
+    def time_eager(self, fn, n_inner, n_rep):
+        torch, dist = self.torch, self.dist
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(n_rep):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(n_inner):
+                fn()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) / n_inner)
+        return statistics.median(times)
+
+
+def launch_grid(kind, world, max_sms, sm_count, max_warps):
+    if kind == "ht":
+        blocks = sorted({b for b in (world * 2, 8, 12, 16, 20, 24, max_sms) if world <= b <= min(max_sms, sm_count)})
+        warps = [w for w in (8, 16) if w <= max_warps]
+    else:
+        blocks = sorted({b for b in (32, 64, 96, sm_count) if world <= b <= sm_count})
+        warps = [w for w in (4, 8, 16) if w <= max_warps]
+    return [(b, w) for b in blocks for w in warps]
+
+
+def worker(rank, world, local_rank, args):
+    os.environ.setdefault("MORI_SHMEM_HEAP_SIZE", "4G")
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group(backend="cpu:gloo,cuda:nccl", rank=rank, world_size=world)
+    b = Bench(rank, world, local_rank, args)
+    mori = b.mori
+    mori.shmem.shmem_torch_process_group_init("default")
+    sm_count = torch.cuda.get_device_properties(local_rank).multi_processor_count
+    o = mori._C.ops
+    max_warps = o.MAX_THREADS_PER_BLOCK // o.WARP_SIZE
+    log(rank, f"mori EP benchmark: {world} x {torch.cuda.get_device_name(local_rank)} ({sm_count} SMs), "
+              f"torch {torch.__version__}, HT SM cap {args.max_sms}")
+    symm = {}
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    if "ht" in configs:
+        symm["HT"] = b.run_config("HT", 4096, ["BF16", "FP8"], launch_grid("ht", world, args.max_sms, sm_count, max_warps))
+    if "ll" in configs:
+        symm["LL"] = b.run_config("LL", 128, ["FP8"], launch_grid("ll", world, args.max_sms, sm_count, max_warps))
+    mori.shmem.shmem_finalize()
+    if rank == 0:
+        print()
+        print(f"Results: {world} ranks, {torch.cuda.get_device_name(local_rank)}; per-rank GB/s (mean / min over ranks); "
+              "time = slowest rank, CUDA-graph replays")
+        hdr = f"| {'phase':<34} | {'time us':>9} | {'logical GB/s':>15} | {'physical GB/s':>13} | {'blocks x warps (SMs)':>20} | {'vs torch':>8} |"
+        print(hdr)
+        print("|" + "|".join("-" * (len(c)) for c in hdr.split("|")[1:-1]) + "|")
+        torch_us = {r["label"].replace(" [torch]", ""): r["us"] for r in b.rows if r["label"].endswith("[torch]")}
+        for r in b.rows:
+            lw = f"{r['launch'][0]} x {r['launch'][1]} ({r['launch'][0]})" if r["launch"] else "-"
+            base = torch_us.get(r["label"].replace(" (external input)", ""))
+            sp = f"{base / r['us']:.1f}x" if base and not r["label"].endswith("[torch]") else ""
+            print(f"| {r['label']:<34} | {r['us']:>9.1f} | {r['gl_mean']:>7.1f} / {r['gl_min']:>5.1f} | {r['gp_mean']:>13.1f} | {lw:>20} | {sp:>8} |")
+        for k, v in symm.items():
+            print(f"symmetric memory per rank, {k} config: {v:.1f} MiB")
+        print("targets (4x H200): HT dispatch BF16 >= 380 GB/s, FP8 >= 350, combine >= 425 with <= 24 SMs; "
+              "LL dispatch <= 20 us, combine <= 25 us; >= 3x torch; HT symmetric memory <= 1024 MiB")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=0, help="ranks to spawn when not under torchrun (default: all GPUs)")
+    p.add_argument("--configs", default="ht,ll")
+    p.add_argument("--max-sms", type=int, default=24, help="largest block count tried for HT")
+    p.add_argument("--quick", action="store_true", help="fewer repetitions")
+    p.add_argument("--no-baseline", action="store_true")
+    args = p.parse_args()
+    nproc = args.nproc
+    if nproc <= 0 and "LOCAL_RANK" not in os.environ:
+        import torch
+
+        nproc = torch.cuda.device_count()
+    return U.launch(worker, nproc, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

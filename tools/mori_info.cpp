@@ -1,0 +1,151 @@
+// mori-info: what this mori build sees, from the C++ side (the Python package has the same report
+// as `mori-info` / `python -m mori.info`). Version and backend, GPUs with their P2P matrix, RDMA
+// devices, and every MORI_* setting with its value and source. Runs without a GPU.
+//   mori-info [--help-env]
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "mori/core/env.hpp"
+#include "mori/core/errors.hpp"
+#include "mori/core/gpu.hpp"
+
+#ifndef MORI_VERSION_STRING
+#error "MORI_VERSION_STRING must come from the build (tools/CMakeLists.txt)"
+#endif
+
+namespace {
+
+std::string VersionText(int v) {
+  if (v == 0) return "none";
+#if MORI_HIP
+  return std::to_string(v / 10000000) + "." + std::to_string((v / 100000) % 100) + "." +
+         std::to_string(v % 100000);
+#else
+  return std::to_string(v / 1000) + "." + std::to_string((v % 1000) / 10);
+#endif
+}
+
+void PrintGpus() {
+  int runtimeVersion = 0, driverVersion = 0;
+  (void)gpuRuntimeGetVersion(&runtimeVersion);
+  (void)gpuDriverGetVersion(&driverVersion);
+  std::printf("  %s runtime %s, driver %s\n", MORI_GPU_PLATFORM_NAME,
+              VersionText(runtimeVersion).c_str(), VersionText(driverVersion).c_str());
+
+  int count = 0;
+  gpuError_t err = gpuGetDeviceCount(&count);
+  if (err != gpuSuccess || count == 0) {
+    if (err != gpuSuccess) (void)gpuGetLastError();
+    std::printf("GPUs: none (%s)\n",
+                err != gpuSuccess
+                    ? (std::string(gpuGetErrorName(err)) + ": " + gpuGetErrorString(err)).c_str()
+                    : "no device visible");
+    return;
+  }
+  std::printf("GPUs: %d\n", count);
+  for (int d = 0; d < count; d++) {
+    gpuDeviceProp_t prop{};
+    std::string name = "?", arch = "?";
+    double gib = 0;
+    int sms = 0;
+    if (gpuGetDeviceProperties(&prop, d) == gpuSuccess) {
+      name = prop.name;
+#if MORI_HIP
+      arch = prop.gcnArchName;
+#else
+      arch = "sm_" + std::to_string(prop.major) + std::to_string(prop.minor);
+#endif
+      gib = static_cast<double>(prop.totalGlobalMem) / (1024.0 * 1024.0 * 1024.0);
+      sms = prop.multiProcessorCount;
+    } else {
+      (void)gpuGetLastError();
+    }
+    char bus[64] = "?";
+    if (gpuDeviceGetPCIBusId(bus, sizeof(bus), d) != gpuSuccess) {
+      (void)gpuGetLastError();
+      std::strcpy(bus, "?");
+    }
+    std::printf("  [%d] %s  %s  pci %s  %.1f GiB  %d SMs/CUs\n", d, name.c_str(), arch.c_str(), bus,
+                gib, sms);
+  }
+  std::printf("P2P access (row GPU can access column GPU):\n       ");
+  for (int j = 0; j < count; j++) std::printf(" %3d", j);
+  std::printf("\n");
+  for (int i = 0; i < count; i++) {
+    std::printf("  %3d  ", i);
+    for (int j = 0; j < count; j++) {
+      int can = 0;
+      if (i != j && gpuDeviceCanAccessPeer(&can, i, j) != gpuSuccess) {
+        (void)gpuGetLastError();
+        can = 0;
+      }
+      std::printf(" %3s", i == j ? "-" : (can ? "Y" : "N"));
+    }
+    std::printf("\n");
+  }
+}
+
+const char* TypeName(mori::core::EnvType t) {
+  switch (t) {
+    case mori::core::EnvType::kBool:
+      return "bool";
+    case mori::core::EnvType::kInt:
+      return "int";
+    case mori::core::EnvType::kSize:
+      return "size";
+    case mori::core::EnvType::kString:
+      return "string";
+  }
+  return "?";
+}
+
+// Returns false if a set value does not parse.
+bool PrintEnv(bool withHelp) {
+  std::printf("Environment (value in effect, source):\n");
+  std::vector<mori::core::EnvEntry> entries;
+  try {
+    entries = mori::core::EnvEntries();
+  } catch (const mori::core::Error& e) {
+    std::printf("  error: %s\n", e.what());
+    return false;
+  }
+  size_t width = 0;
+  for (const auto& e : entries) width = std::max(width, std::strlen(e.name));
+  for (const auto& e : entries) {
+    std::printf("  %-*s = %s  [%s]\n", static_cast<int>(width), e.name,
+                e.valueText.empty() ? "(empty)" : e.valueText.c_str(),
+                e.fromEnvironment ? "env" : "default");
+  }
+  if (withHelp) {
+    std::printf("\nSettings:\n");
+    for (const auto& e : entries) {
+      std::printf("  %s (%s, default %s)\n      %s\n", e.name, TypeName(e.type),
+                  e.defaultText[0] ? e.defaultText : "(empty)", e.help);
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool withHelp = false;
+  for (int i = 1; i < argc; i++) {
+    if (std::strcmp(argv[i], "--help-env") == 0) {
+      withHelp = true;
+    } else {
+      std::fprintf(stderr,
+                   "usage: %s [--help-env]\n  Prints mori's version, backend, GPUs, P2P matrix, "
+                   "RDMA devices and every MORI_* setting.\n",
+                   argv[0]);
+      return std::strcmp(argv[i], "--help") == 0 || std::strcmp(argv[i], "-h") == 0 ? 0 : 2;
+    }
+  }
+  std::printf("mori %s (%s backend)\n", MORI_VERSION_STRING, MORI_GPU_PLATFORM_NAME);
+  PrintGpus();
+  std::printf("RDMA devices: none\n");
+  return PrintEnv(withHelp) ? 0 : 1;
+}
