@@ -79,7 +79,8 @@ done
 run put_get_cpp "$build/examples/put_get"
 
 if [[ -f examples/python/put_get.py ]]; then
-  export PYTHONPATH="$PWD/python:$PWD/$build/python:$PWD/$build${PYTHONPATH:+:$PYTHONPATH}"
+  # The build tree holds the whole package (sources mirrored next to _C); the source tree has no _C.
+  export PYTHONPATH="$PWD/$build/python${PYTHONPATH:+:$PYTHONPATH}"
   if ! command -v torchrun >/dev/null 2>&1 || ! $py -c 'import torch, mori' >/dev/null 2>&1; then
     rows+=("$(printf '%-26s | %-9s | %-26s | %5ds | %s' put_get_python SKIPPED "torch/torchrun or mori missing" 0 -)")
   elif [[ $ngpu -lt 2 ]]; then

@@ -11,6 +11,12 @@ if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && ! [ -e /usr/inclu
   bash tools/install_deps.sh
 fi
 
+# The interpreter the Python module is built for: the first that has pybind11.
+if [ -z "${PYTHON:-}" ]; then
+  for cand in python3 /usr/bin/python3; do
+    if "$cand" -c 'import pybind11' >/dev/null 2>&1; then PYTHON=$cand; break; fi
+  done
+fi
 py=${PYTHON:-python3}
 pybind_dir=$($py -m pybind11 --cmakedir 2>/dev/null || true)
 cmake -S . -B "$build" -G Ninja \

@@ -197,7 +197,20 @@ MORI_DEVICE_INLINE int PopCount(LaneMask m) {
 // ---------------------------------------------------------------------------------------------
 // Memory ordering and system-scope atomics (visible to peer GPUs and the host).
 // ---------------------------------------------------------------------------------------------
+// Sequentially consistent system fence (fence.sc.sys on NVIDIA). Expensive: executed by every
+// thread of a large grid it serialises GPU-wide. Prefer the pattern "scope barrier, then one
+// thread FenceAcqRelSystem, then the release/signal store": fences are cumulative, so one thread's
+// fence covers the stores of every thread that synchronised with it through the barrier.
 MORI_DEVICE_INLINE void FenceSystem() { __threadfence_system(); }
+// Release/acquire system fence: orders this thread's (and, cumulatively, its synchronised
+// peers') prior loads and stores before its later ones, as seen by peer GPUs and the host.
+MORI_DEVICE_INLINE void FenceAcqRelSystem() {
+#if MORI_HIP
+  __builtin_amdgcn_fence(__ATOMIC_ACQ_REL, "");
+#else
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
+#endif
+}
 MORI_DEVICE_INLINE void FenceDevice() { __threadfence(); }
 MORI_DEVICE_INLINE void FenceBlock() { __threadfence_block(); }
 
