@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "mori/application/rdma/rdma_devices.hpp"
 #include "mori/core/env.hpp"
 #include "mori/core/errors.hpp"
 #include "mori/core/gpu.hpp"
@@ -88,6 +89,37 @@ void PrintGpus() {
   }
 }
 
+// RDMA devices mori would use (MORI_RDMA_DEVICES applied): ports, link layer, MTU, LID, GIDs;
+// or why there are none. Never fails the tool: an unparsable env value is reported by PrintEnv.
+void PrintRdmaDevices() {
+  std::string why;
+  std::vector<mori::application::RdmaDeviceInfo> devices;
+  try {
+    devices = mori::application::DiscoverRdmaDevices(&why);
+  } catch (const mori::core::Error& e) {
+    why = e.what();
+  }
+  if (devices.empty()) {
+    std::printf("RDMA devices: none (%s)\n", why.c_str());
+    return;
+  }
+  std::printf("RDMA devices: %zu\n", devices.size());
+  for (const auto& d : devices) {
+    std::printf("  %s  pci %s  numa %d  vendor 0x%04x part %u  fw %s\n", d.name.c_str(),
+                d.pciBusId.empty() ? "?" : d.pciBusId.c_str(), d.numaNode, d.vendorId,
+                d.vendorPartId, d.firmware.empty() ? "?" : d.firmware.c_str());
+    for (const auto& p : d.ports) {
+      std::printf("    port %d  %s  %s  mtu %d  lid %u  gids %zu/%d\n", p.port,
+                  p.stateName.c_str(), mori::application::RdmaLinkLayerName(p.linkLayer),
+                  p.activeMtu, static_cast<unsigned>(p.lid), p.gids.size(), p.gidTableLen);
+      for (const auto& g : p.gids) {
+        std::printf("      gid[%d] %s%s%s\n", g.index, g.text.c_str(), g.type.empty() ? "" : "  ",
+                    g.type.c_str());
+      }
+    }
+  }
+}
+
 const char* TypeName(mori::core::EnvType t) {
   switch (t) {
     case mori::core::EnvType::kBool:
@@ -146,6 +178,6 @@ int main(int argc, char** argv) {
   }
   std::printf("mori %s (%s backend)\n", MORI_VERSION_STRING, MORI_GPU_PLATFORM_NAME);
   PrintGpus();
-  std::printf("RDMA devices: none\n");
+  PrintRdmaDevices();
   return PrintEnv(withHelp) ? 0 : 1;
 }

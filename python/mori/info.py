@@ -25,6 +25,15 @@ def _size_text(n):
     return str(n)
 
 
+def _rdma_discovery():
+    # Discovery reads MORI_RDMA_DEVICES through the env table, so a bad MORI_* value raises here;
+    # the report shows that error in its environment section instead.
+    try:
+        return dict(_C.rdma_discovery())
+    except _C.MoriError as e:
+        return {"devices": [], "reason": "not probed: %s" % e}
+
+
 def collect():
     """Everything the report shows, as plain data. 'env_error' is set (and 'env' empty) when a
     MORI_* value does not parse."""
@@ -33,7 +42,7 @@ def collect():
         "backend": _C.backend(),
         "module": _C.__file__,
         "devices": _C.device_info(),
-        "rdma_devices": list(_C.rdma_devices()),
+        "rdma": _rdma_discovery(),
         "env": [],
         "env_error": None,
     }
@@ -69,8 +78,19 @@ def format_report(report):
         for i, row in enumerate(d["p2p"]):
             cells = ("  -" if i == j else ("  Y" if ok else "  N") for j, ok in enumerate(row))
             lines.append(f"  {i:>3}  " + " ".join(cells))
-    rdma = report["rdma_devices"]
-    lines.append("RDMA devices: " + (", ".join(map(str, rdma)) if rdma else "none"))
+    rdma = report["rdma"]
+    if not rdma["devices"]:
+        lines.append("RDMA devices: none (%s)" % (rdma.get("reason") or "no device with an active port"))
+    else:
+        lines.append("RDMA devices:")
+        for d in rdma["devices"]:
+            lines.append("  %s  pci %s  numa %s  fw %s" % (d["name"], d.get("pci_bus_id"),
+                                                        d.get("numa_node"), d.get("firmware")))
+            for p in d.get("ports", []):
+                gids = ", ".join("%d:%s(%s)" % (g["index"], g["gid"], g["type"])
+                                 for g in p.get("gids", []))
+                lines.append("    port %s %s %s mtu %s lid %s gids [%s]" % (
+                    p["port"], p["state"], p["link_layer"], p["active_mtu"], p["lid"], gids))
     lines.append("Environment (value in effect, source):")
     if report["env_error"]:
         lines.append(f"  error: {report['env_error']}")

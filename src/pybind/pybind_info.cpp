@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "mori/application/rdma/rdma_devices.hpp"
 #include "mori/core/env.hpp"
 #include "mori/core/gpu_check.hpp"
 #include "pybind_common.hpp"
@@ -105,6 +106,50 @@ py::dict DeviceInfo() {
   return info;
 }
 
+// RDMA devices mori would use (MORI_RDMA_DEVICES applied), as a dict: "devices" (list of dicts
+// with name, pci_bus_id, numa_node, vendor_id, vendor_part_id, firmware, ports) and "reason"
+// (why the list is empty, else None). Raises only InvalidUsageError for an unparsable env value.
+py::dict RdmaDevicesInfo() {
+  std::string why;
+  std::vector<application::RdmaDeviceInfo> found = application::DiscoverRdmaDevices(&why);
+  py::list devices;
+  for (const auto& d : found) {
+    py::list ports;
+    for (const auto& p : d.ports) {
+      py::list gids;
+      for (const auto& g : p.gids) {
+        py::dict gd;
+        gd["index"] = g.index;
+        gd["gid"] = g.text;
+        gd["type"] = g.type;
+        gids.append(gd);
+      }
+      py::dict pd;
+      pd["port"] = p.port;
+      pd["state"] = p.stateName;
+      pd["link_layer"] = application::RdmaLinkLayerName(p.linkLayer);
+      pd["active_mtu"] = p.activeMtu;
+      pd["lid"] = p.lid;
+      pd["gid_table_len"] = p.gidTableLen;
+      pd["gids"] = gids;
+      ports.append(pd);
+    }
+    py::dict dd;
+    dd["name"] = d.name;
+    dd["pci_bus_id"] = d.pciBusId;
+    dd["numa_node"] = d.numaNode;
+    dd["vendor_id"] = d.vendorId;
+    dd["vendor_part_id"] = d.vendorPartId;
+    dd["firmware"] = d.firmware;
+    dd["ports"] = ports;
+    devices.append(dd);
+  }
+  py::dict out;
+  out["devices"] = devices;
+  out["reason"] = found.empty() ? py::object(py::str(why)) : py::object(py::none());
+  return out;
+}
+
 // --- DLPack (ABI of dlpack.h v0.8, the layout every consumer accepts as "dltensor") -----------
 struct DLDevice {
   int32_t deviceType;
@@ -199,8 +244,15 @@ void RegisterInfo(py::module_& m) {
         "total_memory, multiprocessors), p2p matrix, runtime/driver versions; 'error' explains an "
         "empty list. Never raises.");
   m.def(
-      "rdma_devices", [] { return py::list(); },
-      "RDMA devices mori would use (none yet: the RDMA layer is not built).");
+      "rdma_devices", [] { return py::list(RdmaDevicesInfo()["devices"]); },
+      "RDMA devices mori would use, MORI_RDMA_DEVICES applied (devices with an ACTIVE port): list "
+      "of dicts (name, pci_bus_id, numa_node, vendor_id, vendor_part_id, firmware, ports: port, "
+      "state, link_layer, active_mtu, lid, gid_table_len, gids: index, gid, type). Empty without "
+      "libibverbs or devices; rdma_discovery() also says why.");
+  m.def("rdma_discovery", &RdmaDevicesInfo,
+        "RDMA device discovery: dict with 'devices' (as rdma_devices()) and 'reason' (why the list "
+        "is empty, else None). libibverbs is loaded lazily; its absence is a reason, not an "
+        "error.");
   m.def("_dlpack_bytes", &DlpackBytes, py::arg("ptr"), py::arg("nbytes"), py::arg("device_id") = -1,
         "DLPack capsule of a uint8 vector over device memory [ptr, ptr+nbytes) on device_id "
         "(-1: current). The capsule does not own the memory.");

@@ -40,7 +40,15 @@ namespace mori::core {
     "Do not use load/store P2P between GPUs of one node (peers then need RDMA).")                 \
   X(gpuPerNode, MORI_GPU_PER_NODE, Int, "0",                                                      \
     "Treat every group of this many consecutive ranks as one node (0 = detect). 1 makes every "   \
-    "GPU its own node, for testing the RDMA path on one host.")
+    "GPU its own node, for testing the RDMA path on one host.")                                   \
+  X(rdmaDevices, MORI_RDMA_DEVICES, String, "",                                                   \
+    "RDMA devices to use: unset = every device with an active port; mlx5_0,mlx5_1 = only "        \
+    "these, in this order; ^mlx5_2,mlx5_3 = all but these. Names are trimmed and exact.")         \
+  X(numQpPerPe, MORI_NUM_QP_PER_PE, Int, "1",                                                     \
+    "RC queue pairs (each with its own CQ) per remote PE reached through RDMA.")                  \
+  X(rdmaGidIndex, MORI_RDMA_GID_INDEX, Int, "-1",                                                 \
+    "GID table index used for RoCE addressing; -1 = choose automatically (RoCE v2, "              \
+    "IPv4-mapped preferred).")
 
 enum class EnvType { kBool, kInt, kSize, kString };
 
