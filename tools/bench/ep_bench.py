@@ -266,13 +266,27 @@ class Bench:
         return statistics.median(times)
 
 
-def launch_grid(kind, world, max_sms, sm_count, max_warps):
+def parse_grid(spec):
+    """"b1,b2,...:w1,w2,..." -> (blocks, warps); an empty side keeps the default."""
+    bs, _, ws = spec.partition(":")
+    return ([int(v) for v in bs.split(",") if v.strip()], [int(v) for v in ws.split(",") if v.strip()])
+
+
+def launch_grid(kind, world, max_sms, sm_count, max_warps, override=""):
     if kind == "ht":
-        blocks = sorted({b for b in (world * 2, 8, 12, 16, 20, 24, max_sms) if world <= b <= min(max_sms, sm_count)})
-        warps = [w for w in (8, 16) if w <= max_warps]
+        # <= 24 SMs (the target); from 3 blocks per destination on, the local copy gets only
+        # blocks / (2 x world) of them (EpDispatchBlockRole), so 12..24 are the interesting counts.
+        blocks = (world * 2, 8, 12, 16, 20, 24, max_sms)
+        warps = (8, 12, 16)
+        cap = min(max_sms, sm_count)
     else:
-        blocks = sorted({b for b in (32, 64, 96, sm_count) if world <= b <= sm_count})
-        warps = [w for w in (4, 8, 16) if w <= max_warps]
+        # latency-bound: up to the whole GPU (the per-block cost of per-thread system fences is gone)
+        blocks = (16, 32, 48, 64, 96, sm_count)
+        warps = (4, 8, 16)
+        cap = sm_count
+    ob, ow = parse_grid(override) if override else ([], [])
+    blocks = sorted({b for b in (ob or blocks) if world <= b <= cap})
+    warps = sorted({w for w in (ow or warps) if 1 <= w <= max_warps})
     return [(b, w) for b in blocks for w in warps]
 
 
@@ -294,9 +308,11 @@ def worker(rank, world, local_rank, args):
     symm = {}
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     if "ht" in configs:
-        symm["HT"] = b.run_config("HT", 4096, ["BF16", "FP8"], launch_grid("ht", world, args.max_sms, sm_count, max_warps))
+        symm["HT"] = b.run_config("HT", 4096, ["BF16", "FP8"],
+                                  launch_grid("ht", world, args.max_sms, sm_count, max_warps, args.ht_grid))
     if "ll" in configs:
-        symm["LL"] = b.run_config("LL", 128, ["FP8"], launch_grid("ll", world, args.max_sms, sm_count, max_warps))
+        symm["LL"] = b.run_config("LL", 128, ["FP8"],
+                                  launch_grid("ll", world, args.max_sms, sm_count, max_warps, args.ll_grid))
     mori.shmem.shmem_finalize()
     if rank == 0:
         print()
@@ -326,6 +342,8 @@ def main():
     p.add_argument("--configs", default="ht,ll")
     p.add_argument("--max-sms", type=int, default=24, help="largest block count tried for HT")
     p.add_argument("--quick", action="store_true", help="fewer repetitions")
+    p.add_argument("--ht-grid", default="", help='HT sweep "blocks,...:warps,..." (e.g. "20,24:16")')
+    p.add_argument("--ll-grid", default="", help='LL sweep "blocks,...:warps,..." (e.g. "64,132:4,8")')
     p.add_argument("--no-baseline", action="store_true")
     args = p.parse_args()
     nproc = args.nproc

@@ -130,14 +130,15 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
         GridCopy4(At<uint32_t>(c.symmLocal, c.symm.combineInWeights),
                   reinterpret_cast<const uint32_t*>(a.inWeights), static_cast<size_t>(R) * K);
     }
-    core::FenceSystem();
+    // One fence per block, not per thread (fence.sc.sys in every thread serialises GPU-wide): the
+    // barrier orders the block's copy before thread 0's cumulative release fence and counter add.
     __syncthreads();
     if (tid == 0) {
-      core::FenceSystem();  // cumulative: covers the block's copy observed through the barrier
+      core::FenceAcqRelSystem();
       const unsigned old = atomicAdd(&c.state->combineCopyBlocksDone, 1u);
       if (old == gridDim.x - 1) {
         c.state->combineCopyBlocksDone = 0;
-        core::FenceSystem();
+        core::FenceAcqRelSystem();  // acquire: every block's copy (seen through the counter)
         if (!core::DeviceAborted(wait)) {
           for (int p = 0; p < W; p++)
             SignalStore(At<EpSignal>(PeerBlock(c, p), c.symm.readyInbox) +
@@ -190,11 +191,17 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
     const int P = a.partsPerToken;
     const long long items = static_cast<long long>(T) * P;
     const long long stride = static_cast<long long>(gridDim.x) * nWarps;
-    for (long long item = static_cast<long long>(blockIdx.x) * nWarps + warp; item < items;
-         item += stride) {
+    long long item = static_cast<long long>(blockIdx.x) * nWarps + warp;
+    // The slot table entry of the next item is loaded while the current one is reduced.
+    int nextSlot = -1;
+    if (item < items && lane < W)
+      nextSlot = c.tokenSlot[static_cast<size_t>(item / P) * W + lane];
+    for (; item < items; item += stride) {
       const int t = static_cast<int>(item / P);
       const int part = static_cast<int>(item - static_cast<long long>(t) * P);
-      const int slot = lane < W ? c.tokenSlot[static_cast<size_t>(t) * W + lane] : -1;
+      const int slot = nextSlot;
+      if (item + stride < items && lane < W)
+        nextSlot = c.tokenSlot[static_cast<size_t>((item + stride) / P) * W + lane];
       const LaneMask members = core::WarpBallot(slot >= 0);
       const int n = core::PopCount(members);
       if (slot >= 0) {
@@ -206,22 +213,53 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
       core::WarpSync();
       const int vb = static_cast<int>(static_cast<long long>(vecs) * part / P);
       const int ve = static_cast<int>(static_cast<long long>(vecs) * (part + 1) / P);
+      // Weights (part 0): the first kCombinePeerBatch rows' values for k = lane are loaded before
+      // the token rows, so their peer latency overlaps the row reduction; a PE that returned rows
+      // without weights contributes 0 and is reported.
+      const bool doW = part == 0 && a.outWeights != nullptr;
+      float wPre[kCombinePeerBatch];
+#pragma unroll
+      for (int j = 0; j < kCombinePeerBatch; j++) {
+        wPre[j] = 0.0f;
+        if (doW && j < n && lane < K) {
+          const float* src = sW[sPeer[warp][j]];
+          if (src != nullptr) wPre[j] = src[static_cast<size_t>(sSlot[warp][j]) * K + lane];
+        }
+      }
       WarpReduceRows<Elem>(
           reinterpret_cast<uint4*>(a.outTokens + static_cast<size_t>(t) * a.rowBytes),
           sRows[warp], n, vb, ve);
-      if (part == 0 && a.outWeights != nullptr) {
-        for (int k = lane; k < K; k += kWarpSize) {
-          float acc = 0.0f;
+      if (doW) {
+        if (lane == 0) {
           for (int j = 0; j < n; j++) {
-            const float* src = sW[sPeer[warp][j]];
-            if (src == nullptr) {  // that PE returned rows but no weights
+            if (sW[sPeer[warp][j]] == nullptr)  // that PE returned rows but no weights
               ReportError(wait, sPeer[warp][j],
                           "EP combine: a PE passed no weights, this PE asked for weights",
                           static_cast<const uint64_t*>(nullptr), static_cast<uint64_t>(1),
                           static_cast<uint64_t>(0));
-              break;
+          }
+        }
+        for (int k = lane; k < K; k += kWarpSize) {
+          float acc = 0.0f;
+          for (int jb = 0; jb < n; jb += kCombinePeerBatch) {
+            float v[kCombinePeerBatch];
+#pragma unroll
+            for (int j = 0; j < kCombinePeerBatch; j++) {
+              v[j] = 0.0f;
+              if (jb + j < n) {
+                if (jb == 0 && k == lane) {
+                  v[j] = wPre[j];
+                } else {
+                  const float* src = sW[sPeer[warp][jb + j]];
+                  if (src != nullptr)
+                    v[j] = src[static_cast<size_t>(sSlot[warp][jb + j]) * K + k];
+                }
+              }
             }
-            acc += src[static_cast<size_t>(sSlot[warp][j]) * K + k];
+#pragma unroll
+            for (int j = 0; j < kCombinePeerBatch; j++) {
+              if (jb + j < n) acc += v[j];  // ascending PE order, as the rows
+            }
           }
           a.outWeights[static_cast<size_t>(t) * K + k] = acc;
         }
@@ -231,14 +269,15 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
   }
 
   // ---- 4. done reading; epoch ----------------------------------------------------------------
-  core::FenceSystem();
+  // One fence per block (see step 1): the barrier orders the block's peer loads before thread 0's
+  // cumulative release fence; the last block acquires them all through the counter, then signals.
   __syncthreads();
   if (tid == 0) {
-    core::FenceSystem();
+    core::FenceAcqRelSystem();
     const unsigned old = atomicAdd(&c.state->combineBlocksDone, 1u);
     if (old == gridDim.x - 1) {
       c.state->combineBlocksDone = 0;
-      core::FenceSystem();
+      core::FenceAcqRelSystem();
       if (!core::DeviceAborted(wait)) {
         for (int p = 0; p < W; p++)
           SignalStore(At<EpSignal>(PeerBlock(c, p), c.symm.doneInbox) + me, 0, epoch);

@@ -64,6 +64,38 @@ MORI_DEVICE_INLINE bool SignalWait(const core::WaitContext& ctx, EpSignal* s, ui
 }
 
 // ---------------------------------------------------------------------------------------------
+// Dispatch block roles. Block b serves destination *dest as member *g of a group of *G blocks;
+// block 0 always leads the local destination (dest == rank), every destination has exactly one
+// leader (g == 0). With at least 3 blocks per destination the local destination (a copy inside our
+// own HBM, several times faster than a link) gets only nb / (2W) blocks (at least 1), so more SMs
+// stream to peers; the remaining blocks are dealt round-robin over the W - 1 peers.
+// Mirrored by tests/python/test_ep_kernel_model.py (block_role).
+// ---------------------------------------------------------------------------------------------
+MORI_HOST_DEVICE inline void EpDispatchBlockRole(int b, int nb, int W, int me, int* dest, int* g,
+                                                 int* G) {
+  if (W <= 1 || nb < 3 * W) {
+    *dest = (b + me) % W;
+    *g = b / W;
+    *G = (nb - 1 - (b % W)) / W + 1;
+    return;
+  }
+  int nLocal = nb / (2 * W);
+  if (nLocal < 1) nLocal = 1;
+  if (b < nLocal) {
+    *dest = me;
+    *g = b;
+    *G = nLocal;
+    return;
+  }
+  const int r = b - nLocal;
+  const int nRemote = nb - nLocal;
+  const int q = r % (W - 1);
+  *dest = (me + 1 + q) % W;
+  *g = r / (W - 1);
+  *G = (nRemote - 1 - q) / (W - 1) + 1;
+}
+
+// ---------------------------------------------------------------------------------------------
 // Warp helpers
 // ---------------------------------------------------------------------------------------------
 MORI_DEVICE_INLINE LaneMask LowerLanesMask(int lane) {

@@ -1,8 +1,10 @@
 // IntraNode dispatch: one kernel, one count exchange, rows written straight into the receivers'
 // output buffers over P2P. Protocol and layout: docs/ep.md; buffers: layout.hpp.
 //
-// Block b serves destination PE d = (b + rank) % W; the blocks serving d (group index g of G)
-// split d's token list evenly, so every block streams contiguous rows to ONE peer.
+// Block b serves destination PE d with group index g of G (EpDispatchBlockRole: round-robin, or
+// with >= 3 blocks per destination only nb / (2W) blocks on the local copy and the rest on the
+// peers); the G blocks serving d split d's token list evenly, so every block streams contiguous
+// rows to ONE peer.
 //   1. Every block scans all tokens' top-k ids once and builds, in shared memory, the bitmap of
 //      tokens that go to d (a token goes once per distinct destination) and its prefix counts.
 //      The list position of a token is its rank in that bitmap.
@@ -14,8 +16,10 @@
 //      sum on d: receivers see rows ordered by source PE, then token) and for count(d -> d) (d has
 //      started this call, so its output buffers are free).
 //   4. It records the slot of each of its tokens on d (for combine), copies the rows (token,
-//      weights, indices, scales, source position) with 16-byte vectors, fences, and adds its row
-//      count to d's arrived[rank].
+//      weights, indices, scales, source position) with 16-byte vectors (a row's small metadata is
+//      loaded before its token vectors, so its latency overlaps them), then ONE thread fences
+//      (release, system scope, after the block barrier) and adds the block's row count to d's
+//      arrived[rank].
 //   5. Block 0 waits for every source's count and then for arrived[s] to reach it, resets
 //      arrived[s], and writes the received total and the per-local-expert counts. The kernel ends
 //      only then, so the next kernel on the stream sees every received row.
@@ -30,6 +34,7 @@ namespace detail {
 using core::CmpOp;
 
 constexpr int kDispatchCopyUnroll = 8;  // 16-byte loads in flight per lane
+constexpr int kDispatchScanBatch = 8;   // top-k ids loaded together per token in the scan
 
 MORI_DEVICE_INLINE size_t AlignUp16(size_t v) { return (v + 15) & ~static_cast<size_t>(15); }
 
@@ -57,9 +62,8 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
   const int warp = core::WarpId();
   const int nWarps = core::WarpsPerBlock();
   const int b = static_cast<int>(blockIdx.x);
-  const int dest = (b + me) % W;
-  const int g = b / W;
-  const int G = (static_cast<int>(gridDim.x) - 1 - (b % W)) / W + 1;
+  int dest = 0, g = 0, G = 1;
+  EpDispatchBlockRole(b, static_cast<int>(gridDim.x), W, me, &dest, &g, &G);
   const bool leader = g == 0;
   const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(&c.state->dispatchEpoch) + 1;
   const int parity = static_cast<int>(epoch & 1);
@@ -92,16 +96,23 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
     bool member = false;
     if (t < T) {
       const IndexT* row = idx + static_cast<size_t>(t) * K;
-      for (int k = 0; k < K; k++) {
-        const long long e = static_cast<long long>(row[k]);
-        if (e < 0 || e >= numExperts) continue;  // -1 (or an out-of-range id): no expert
-        const int ei = static_cast<int>(e);
-        if (ei / Epr != dest) continue;
-        member = true;
-        if (leader) {
-          bool dup = false;
-          for (int j = 0; j < k; j++) dup = dup || static_cast<long long>(row[j]) == e;
-          if (!dup) atomicAdd(&hist[ei - dest * Epr], 1);
+      for (int k0 = 0; k0 < K; k0 += kDispatchScanBatch) {
+        long long ids[kDispatchScanBatch];  // loaded together: one memory latency per batch
+#pragma unroll
+        for (int u = 0; u < kDispatchScanBatch; u++)
+          ids[u] = k0 + u < K ? static_cast<long long>(row[k0 + u]) : -1;
+#pragma unroll
+        for (int u = 0; u < kDispatchScanBatch; u++) {
+          const long long e = ids[u];
+          if (e < 0 || e >= numExperts) continue;  // -1 (or an out-of-range id): no expert
+          const int ei = static_cast<int>(e);
+          if (ei / Epr != dest) continue;
+          member = true;
+          if (leader) {
+            bool dup = false;
+            for (int j = 0; j < k0 + u; j++) dup = dup || static_cast<long long>(row[j]) == e;
+            if (!dup) atomicAdd(&hist[ei - dest * Epr], 1);
+          }
         }
       }
     }
@@ -137,7 +148,8 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
     __syncthreads();
   }
   if (leader && sFailed == 0) {
-    core::FenceSystem();
+    // No fence: nothing of ours to publish yet, and block 0's done-waits are ordered before these
+    // release stores by the barrier above (causality is transitive through bar.sync).
     const uint64_t packed = EpPackCount(static_cast<uint32_t>(countD), a.format);
     for (int p = tid; p < W; p += nThreads) {
       EpSignal* s = At<EpSignal>(PeerBlock(c, p), c.symm.countInbox) +
@@ -222,6 +234,9 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
       IndexT* outIdx = At<IndexT>(db, c.symm.dispatchOutIndices);
       int32_t* outPos = At<int32_t>(db, c.symm.dispatchOutSrcPos);
       const int items = nRows * parts;
+      const int nScaleWords = static_cast<int>(a.scaleBytes / 4);
+      const bool metaFast = K <= kWarpSize && a.scaleCopy != EpScaleCopy::kBytes &&
+                            (a.scaleCopy != EpScaleCopy::kWords || nScaleWords <= 2 * kWarpSize);
       for (int item = warp; item < items; item += nWarps) {
         const int r = item / parts;
         const int part = item - r * parts;
@@ -240,11 +255,40 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
         const size_t slot = static_cast<size_t>(sendBase) + p;
         const int vb = static_cast<int>(static_cast<long long>(vecs) * part / parts);
         const int ve = static_cast<int>(static_cast<long long>(vecs) * (part + 1) / parts);
+        // Fast path (K <= warp, scales as <= 2 words per lane): the metadata loads are issued
+        // before the token vectors' and stored after them, so they add no latency of their own.
+        const bool fastMeta = part == 0 && metaFast;
+        float mW = 0.0f;
+        IndexT mIdx = 0;
+        uint32_t mS0 = 0, mS1 = 0;
+        if (fastMeta) {
+          if (lane < K) {
+            if (a.inWeights != nullptr) mW = a.inWeights[static_cast<size_t>(t) * K + lane];
+            mIdx = idx[static_cast<size_t>(t) * K + lane];
+          }
+          if (a.scaleCopy == EpScaleCopy::kWords) {
+            const uint32_t* src = reinterpret_cast<const uint32_t*>(
+                a.inScales + static_cast<size_t>(t) * a.scaleBytes);
+            if (lane < nScaleWords) mS0 = src[lane];
+            if (lane + kWarpSize < nScaleWords) mS1 = src[lane + kWarpSize];
+          }
+        }
         WarpCopyVectors<kDispatchCopyUnroll>(
             reinterpret_cast<uint4*>(outTok + slot * a.rowBytes),
             reinterpret_cast<const uint4*>(a.inTokens + static_cast<size_t>(t) * a.rowBytes), vb,
             ve);
-        if (part == 0) {
+        if (fastMeta) {
+          if (lane < K) {
+            if (a.inWeights != nullptr) outW[slot * K + lane] = mW;
+            outIdx[slot * K + lane] = mIdx;
+          }
+          if (a.scaleCopy == EpScaleCopy::kWords) {
+            uint32_t* dst = reinterpret_cast<uint32_t*>(outS + slot * a.scaleBytes);
+            if (lane < nScaleWords) dst[lane] = mS0;
+            if (lane + kWarpSize < nScaleWords) dst[lane + kWarpSize] = mS1;
+          }
+          if (lane == 0) outPos[slot] = me * c.maxTokensPerRank + t;
+        } else if (part == 0) {
           for (int k = lane; k < K; k += kWarpSize) {
             if (a.inWeights != nullptr)
               outW[slot * K + k] = a.inWeights[static_cast<size_t>(t) * K + k];
@@ -269,10 +313,11 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
   }
 
   // ---- 4c. publish our rows ------------------------------------------------------------------
-  core::FenceSystem();
+  // One fence per block, not per thread (fence.sc.sys in every thread serialises GPU-wide): the
+  // barrier orders every thread's row stores before thread 0's release fence, which is cumulative.
   __syncthreads();
   if (tid == 0 && nRows > 0 && sFailed == 0) {
-    core::FenceSystem();  // cumulative: covers the block's stores observed through the barrier
+    core::FenceAcqRelSystem();
     core::AtomicFetchAddSystem(At<uint64_t>(PeerBlock(c, dest), c.symm.arrived) + me,
                                static_cast<uint64_t>(nRows));
   }
