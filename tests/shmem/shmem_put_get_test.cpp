@@ -141,7 +141,16 @@ __global__ void __launch_bounds__(kThreads)
       DEV_CHECK(log, me, ok, "%s call to pe %d (%llu bytes) returned false", "shmem API", pe,
                 (unsigned long long)a.bytes);
     }
-    if constexpr (A == Api::kPutNbi || A == Api::kGetNbi) ShmemQuietThread(ctx);
+    if constexpr (A == Api::kPutNbi || A == Api::kGetNbi) {
+      // Every thread of the block gets here, so the scope quiets are legal for any S.
+      if constexpr (S == Scope::kBlock) {
+        ShmemQuietBlock(ctx);
+      } else if constexpr (S == Scope::kWarp) {
+        ShmemQuietWarp(ctx);
+      } else {
+        ShmemQuietThread(ctx);
+      }
+    }
     return;
   }
   if constexpr (IsSignal(A)) {

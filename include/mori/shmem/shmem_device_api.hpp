@@ -15,10 +15,20 @@
 //    records a device error (see device/resolve.hpp; the host raises it from
 //    ShmemCheckDeviceError / ShmemStreamSynchronize) and returns false / a zero value without
 //    touching memory. Every thread of the scope gets the same result.
-//  * Nbi ("non-blocking") puts are complete, i.e. visible to the target PE, after ShmemQuietThread
-//    by the issuing thread (or the end of the kernel). The source buffer may be reused as soon as
-//    the call returns. Blocking variants = Nbi + quiet + scope sync: when they return, the data of
-//    the whole scope is delivered (put) or in `dest` for every thread of the scope (get).
+//  * Nbi ("non-blocking") puts are complete, i.e. visible to the target PE, after ShmemQuiet{Thread,
+//    Warp,Block} covering the issuing thread (or the end of the kernel). The source buffer may be
+//    reused as soon as the call returns. Blocking variants = Nbi + a scope-wide system release:
+//    when they return, the data of the whole scope is delivered (put) or in `dest` for every
+//    thread of the scope (get), ordered before every later store, atomic or signal by ANY thread
+//    of the scope, so a PE that observes such a later write (acquire: waits, AtomicFetch) sees
+//    the data. They are not sequentially consistent: only ShmemQuiet* (fence.sc) also orders the
+//    puts before later LOADS of words other PEs write (store-buffering / Dekker patterns).
+//  * Scope-wide completion uses one fence, not one per thread: scope sync, ONE thread runs a
+//    system acq_rel fence, scope sync. Fences are cumulative through the barrier (PTX and
+//    HIP/HSA memory models: the barrier makes every thread's earlier accesses happen-before the
+//    fence), so that fence orders the stores of the whole scope, and the second sync lets every
+//    thread issue dependent writes. A system fence in every thread of a large grid would
+//    serialise GPU-wide.
 //  * Ordering between puts to different PEs, and between puts and atomics, needs
 //    ShmemFenceThread/ShmemQuietThread; put-with-signal and the barrier order the data for you.
 #pragma once
@@ -110,17 +120,31 @@ MORI_DEVICE_INLINE bool GetMemNbi(const ShmemDeviceContext& ctx, void* dest, con
   return false;
 }
 
-MORI_DEVICE_INLINE void ApplySignal(uint64_t* remoteSig, uint64_t value, SignalOp sigOp) {
+// Scope-wide system release: scope sync, one thread fence.acq_rel.sys (cumulative: it covers
+// every access the scope's threads made before the first sync), scope sync so every thread of the
+// scope is ordered after it. Used by the blocking variants and the barrier.
+template <class Scope>
+MORI_DEVICE_INLINE void ScopeFenceAcqRelSystem() {
+  Scope::Sync();
+  if (Scope::Rank() == 0) core::FenceAcqRelSystem();
+  Scope::Sync();
+}
+
+// Signal update by the thread that just ran FenceAcqRelSystem: fence + relaxed system-scope
+// atomic is a release pattern (PTX and C++/HIP fence-atomic synchronisation), so the one fence
+// orders the data before the signal; a second release fence inside the atomic is not needed.
+MORI_DEVICE_INLINE void ApplySignalAfterFence(uint64_t* remoteSig, uint64_t value,
+                                              SignalOp sigOp) {
   if (sigOp == SignalOp::kAdd) {
-    core::AtomicFetchAddReleaseSystem(remoteSig, value);
+    core::AtomicFetchAddSystem(remoteSig, value);
   } else {
-    core::AtomicStoreReleaseSystem(remoteSig, value);
+    core::AtomicStoreRelaxedSystem(remoteSig, value);
   }
 }
 
-// Data by the whole scope, then every thread fences its own stores at system scope, the scope
-// syncs, and one thread updates the signal with release semantics: a PE that observes the signal
-// (acquire, e.g. ShmemSignalWaitUntil) then sees all of the data.
+// Data by the whole scope, scope sync, then one thread runs fence.acq_rel.sys (cumulative through
+// the sync: it covers the whole scope's data) and updates the signal: fence + atomic is a release,
+// so a PE that observes the signal (acquire, e.g. ShmemSignalWaitUntil) sees all of the data.
 template <class Scope>
 MORI_DEVICE_INLINE bool PutMemSignalNbi(const ShmemDeviceContext& ctx, void* dest, const void* src,
                                         size_t bytes, uint64_t* sigAddr, uint64_t sigValue,
@@ -138,9 +162,11 @@ MORI_DEVICE_INLINE bool PutMemSignalNbi(const ShmemDeviceContext& ctx, void* des
           ResolveSymmetric(ctx, sigAddr, sizeof(uint64_t), pe, sizeof(uint64_t), st);
       if (remoteSig == 0) break;
       ScopedCopy<Scope>(reinterpret_cast<void*>(remote), src, bytes);
-      core::FenceSystem();
       Scope::Sync();
-      if (Scope::Rank() == 0) ApplySignal(reinterpret_cast<uint64_t*>(remoteSig), sigValue, sigOp);
+      if (Scope::Rank() == 0) {
+        core::FenceAcqRelSystem();
+        ApplySignalAfterFence(reinterpret_cast<uint64_t*>(remoteSig), sigValue, sigOp);
+      }
       return true;
     }
     case Route::kRdma:
@@ -229,28 +255,27 @@ MORI_DEVICE_INLINE bool ShmemPutMemNbiBlock(const ShmemDeviceContext& ctx, void*
   return detail::PutMemNbi<detail::BlockScope>(ctx, dest, src, bytes, pe, "ShmemPutMemNbiBlock");
 }
 
-// Blocking: on return the scope's data is visible on PE `pe`.
+// Blocking: on return the scope's data is delivered to PE `pe` and ordered before every later
+// write of any thread of the scope (see the conventions at the top; one fence per scope).
 MORI_DEVICE_INLINE bool ShmemPutMemThread(const ShmemDeviceContext& ctx, void* dest,
                                           const void* src, size_t bytes, int pe) {
   const bool ok =
       detail::PutMemNbi<detail::ThreadScope>(ctx, dest, src, bytes, pe, "ShmemPutMemThread");
-  core::FenceSystem();
+  core::FenceAcqRelSystem();
   return ok;
 }
 MORI_DEVICE_INLINE bool ShmemPutMemWarp(const ShmemDeviceContext& ctx, void* dest, const void* src,
                                         size_t bytes, int pe) {
   const bool ok =
       detail::PutMemNbi<detail::WarpScope>(ctx, dest, src, bytes, pe, "ShmemPutMemWarp");
-  core::FenceSystem();
-  detail::WarpScope::Sync();
+  detail::ScopeFenceAcqRelSystem<detail::WarpScope>();
   return ok;
 }
 MORI_DEVICE_INLINE bool ShmemPutMemBlock(const ShmemDeviceContext& ctx, void* dest, const void* src,
                                          size_t bytes, int pe) {
   const bool ok =
       detail::PutMemNbi<detail::BlockScope>(ctx, dest, src, bytes, pe, "ShmemPutMemBlock");
-  core::FenceSystem();
-  detail::BlockScope::Sync();
+  detail::ScopeFenceAcqRelSystem<detail::BlockScope>();
   return ok;
 }
 
@@ -268,7 +293,7 @@ template <typename T>
 MORI_DEVICE_INLINE bool ShmemPutTypeThread(const ShmemDeviceContext& ctx, T* dest,
                                            detail::NonDeduced<T> value, int pe) {
   const bool ok = ShmemPutTypeNbiThread<T>(ctx, dest, value, pe);
-  core::FenceSystem();
+  core::FenceAcqRelSystem();
   return ok;
 }
 
@@ -293,23 +318,21 @@ MORI_DEVICE_INLINE bool ShmemGetMemThread(const ShmemDeviceContext& ctx, void* d
                                           const void* src, size_t bytes, int pe) {
   const bool ok =
       detail::GetMemNbi<detail::ThreadScope>(ctx, dest, src, bytes, pe, "ShmemGetMemThread");
-  core::FenceSystem();
+  core::FenceAcqRelSystem();
   return ok;
 }
 MORI_DEVICE_INLINE bool ShmemGetMemWarp(const ShmemDeviceContext& ctx, void* dest, const void* src,
                                         size_t bytes, int pe) {
   const bool ok =
       detail::GetMemNbi<detail::WarpScope>(ctx, dest, src, bytes, pe, "ShmemGetMemWarp");
-  core::FenceSystem();
-  detail::WarpScope::Sync();
+  detail::ScopeFenceAcqRelSystem<detail::WarpScope>();
   return ok;
 }
 MORI_DEVICE_INLINE bool ShmemGetMemBlock(const ShmemDeviceContext& ctx, void* dest, const void* src,
                                          size_t bytes, int pe) {
   const bool ok =
       detail::GetMemNbi<detail::BlockScope>(ctx, dest, src, bytes, pe, "ShmemGetMemBlock");
-  core::FenceSystem();
-  detail::BlockScope::Sync();
+  detail::ScopeFenceAcqRelSystem<detail::BlockScope>();
   return ok;
 }
 
@@ -324,8 +347,10 @@ MORI_DEVICE_INLINE T ShmemGetType(const ShmemDeviceContext& ctx, const T* src, i
 // =============================================================================================
 // Put with signal: put `bytes` to symmetric `dest` on PE `pe`, then update the symmetric signal
 // word `sigAddr` on PE `pe` (kSet: store `sigValue`; kAdd: add `sigValue`) so that a PE observing
-// the new signal value sees all of the data. One thread of the scope issues the signal after the
-// whole scope's data is written and fenced. `sigAddr` must be 8-byte aligned.
+// the new signal value sees all of the data. After the whole scope's data is written, the scope
+// syncs and one thread runs a system acq_rel fence and issues the signal (one fence per call, not
+// per thread). Nbi: the other threads of the scope do not wait for the signal. `sigAddr` must be
+// 8-byte aligned.
 // =============================================================================================
 MORI_DEVICE_INLINE bool ShmemPutMemSignalNbiThread(const ShmemDeviceContext& ctx, void* dest,
                                                    const void* src, size_t bytes, uint64_t* sigAddr,
@@ -423,18 +448,33 @@ MORI_DEVICE_INLINE bool ShmemSignalWaitUntil(const ShmemDeviceContext& ctx, uint
 }
 
 // =============================================================================================
-// Quiet / fence (Thread scope). P2P stores complete through the memory system, so both are a
-// system-scope fence:
+// Quiet / fence. P2P stores complete through the memory system, so both are a system fence:
 //   ShmemQuietThread: every put/atomic this thread issued before is complete and visible on its
-//                     target PE (and the source buffers are reusable).
+//                     target PE (and the source buffers are reusable). Sequentially consistent
+//                     (fence.sc.sys), so it also orders those puts before this thread's later
+//                     loads of words other PEs write.
+//   ShmemQuietWarp / ShmemQuietBlock: the same for every put/atomic any thread of the warp /
+//                     block issued before; all threads of the scope call it. One thread runs the
+//                     fence between two scope syncs (cumulative through the barrier), instead of
+//                     one SC fence per thread.
 //   ShmemFenceThread: puts/atomics this thread issued before are ordered before those it issues
-//                     after, per target PE.
+//                     after, per target PE (an acq_rel system fence: ordering, not completion).
 // =============================================================================================
 MORI_DEVICE_INLINE void ShmemQuietThread(const ShmemDeviceContext&) {
   core::FenceSystem();
 }
+MORI_DEVICE_INLINE void ShmemQuietWarp(const ShmemDeviceContext&) {
+  detail::WarpScope::Sync();
+  if (detail::WarpScope::Rank() == 0) core::FenceSystem();
+  detail::WarpScope::Sync();
+}
+MORI_DEVICE_INLINE void ShmemQuietBlock(const ShmemDeviceContext&) {
+  detail::BlockScope::Sync();
+  if (detail::BlockScope::Rank() == 0) core::FenceSystem();
+  detail::BlockScope::Sync();
+}
 MORI_DEVICE_INLINE void ShmemFenceThread(const ShmemDeviceContext&) {
-  core::FenceSystem();
+  core::FenceAcqRelSystem();
 }
 
 // =============================================================================================
@@ -450,7 +490,7 @@ MORI_DEVICE_INLINE void ShmemFenceThread(const ShmemDeviceContext&) {
 // ShmemBarrierOnStream) must not run concurrently with each other, e.g. keep them on one stream.
 // =============================================================================================
 MORI_DEVICE_INLINE bool ShmemBarrierAllThread(const ShmemDeviceContext& ctx) {
-  core::FenceSystem();
+  core::FenceAcqRelSystem();  // this thread's puts before its arrivals
   const uint64_t epoch = *ctx.barrierEpoch + 1;
   *ctx.barrierEpoch = epoch;
   bool ok = true;
@@ -461,9 +501,9 @@ MORI_DEVICE_INLINE bool ShmemBarrierAllThread(const ShmemDeviceContext& ctx) {
 MORI_DEVICE_INLINE bool ShmemBarrierAllBlock(const ShmemDeviceContext& ctx) {
   const int tid = detail::FlatThreadId();
   const int nthreads = detail::BlockThreads();
-  core::FenceSystem();  // each thread's puts, before any arrival (ordered by the __syncthreads)
   const uint64_t epoch = *ctx.barrierEpoch + 1;
-  __syncthreads();
+  // Every thread's puts before any arrival: sync, one acq_rel system fence (cumulative), sync.
+  detail::ScopeFenceAcqRelSystem<detail::BlockScope>();
   bool ok = true;
   for (int p = tid; p < ctx.worldSize; p += nthreads) ok = detail::BarrierArrive(ctx, p) && ok;
   ok = __syncthreads_and(ok) != 0;
