@@ -173,6 +173,25 @@ void EpDispatchCombineHandle::ResolveLaunch(int numTokens, int blockNum, int war
 
 void EpDispatchCombineHandle::Reset(gpuStream_t) {}
 
+void EpDispatchCombineHandle::FillCommonArgs(EpIntraNodeCommon* common) const {
+  const EpDispatchCombineConfig& c = config;
+  common->rank = c.rank;
+  common->worldSize = c.worldSize;
+  common->maxTokensPerRank = c.maxNumInpTokenPerRank;
+  common->numExpertsPerRank = c.numExpertsPerRank;
+  common->numExperts = c.NumExperts();
+  common->topK = c.numExpertsPerToken;
+  common->peerHeapBases = shmemCtx.peerHeapBases;
+  common->symmHeapOffset = symmHeapOffset;
+  common->symm = symmLayout;
+  common->symmLocal = symmBase;
+  common->state = reinterpret_cast<EpDeviceState*>(localBase + localLayout.state);
+  common->tokenSlot = reinterpret_cast<int32_t*>(localBase + localLayout.tokenSlot);
+  common->totalRecv = TotalRecvTokenNum();
+  common->localExpertCount = LocalExpertCount();
+  common->wait = shmemCtx.wait;
+}
+
 void EpDispatchCombineHandle::Dispatch(const EpDispatchArgs& args, gpuStream_t stream) {
   CheckUsable("dispatch");
   const EpDispatchCombineConfig& c = config;
@@ -214,21 +233,7 @@ void EpDispatchCombineHandle::Dispatch(const EpDispatchArgs& args, gpuStream_t s
   ResolveLaunch(args.numTokens, args.blockNum, args.warpPerBlock, true, &blocks, &warps);
 
   EpDispatchKernelArgs k{};
-  k.c.rank = c.rank;
-  k.c.worldSize = c.worldSize;
-  k.c.maxTokensPerRank = c.maxNumInpTokenPerRank;
-  k.c.numExpertsPerRank = c.numExpertsPerRank;
-  k.c.numExperts = c.NumExperts();
-  k.c.topK = c.numExpertsPerToken;
-  k.c.peerHeapBases = shmemCtx.peerHeapBases;
-  k.c.symmHeapOffset = symmHeapOffset;
-  k.c.symm = symmLayout;
-  k.c.symmLocal = symmBase;
-  k.c.state = reinterpret_cast<EpDeviceState*>(localBase + localLayout.state);
-  k.c.tokenSlot = reinterpret_cast<int32_t*>(localBase + localLayout.tokenSlot);
-  k.c.totalRecv = TotalRecvTokenNum();
-  k.c.localExpertCount = LocalExpertCount();
-  k.c.wait = shmemCtx.wait;
+  FillCommonArgs(&k.c);
   k.inTokens = static_cast<const uint8_t*>(args.input);
   k.inWeights = args.weights;
   k.inScales = static_cast<const uint8_t*>(args.scales);
@@ -284,21 +289,7 @@ void EpDispatchCombineHandle::Combine(const EpCombineArgs& args, gpuStream_t str
               "EP combine: weights are not 4-byte aligned");
 
   EpCombineKernelArgs k{};
-  k.c.rank = c.rank;
-  k.c.worldSize = c.worldSize;
-  k.c.maxTokensPerRank = c.maxNumInpTokenPerRank;
-  k.c.numExpertsPerRank = c.numExpertsPerRank;
-  k.c.numExperts = c.NumExperts();
-  k.c.topK = c.numExpertsPerToken;
-  k.c.peerHeapBases = shmemCtx.peerHeapBases;
-  k.c.symmHeapOffset = symmHeapOffset;
-  k.c.symm = symmLayout;
-  k.c.symmLocal = symmBase;
-  k.c.state = reinterpret_cast<EpDeviceState*>(localBase + localLayout.state);
-  k.c.tokenSlot = reinterpret_cast<int32_t*>(localBase + localLayout.tokenSlot);
-  k.c.totalRecv = TotalRecvTokenNum();
-  k.c.localExpertCount = LocalExpertCount();
-  k.c.wait = shmemCtx.wait;
+  FillCommonArgs(&k.c);
 
   if (args.input == CombineInputBuffer()) {
     k.tokenSource = EpCombineSource::kRegistered;

@@ -59,6 +59,8 @@ struct EpCombineArgs {
   int warpPerBlock = -1;
 };
 
+struct EpIntraNodeCommon;  // kernel arguments (src/ops/dispatch_combine/intranode.hpp)
+
 class EpDispatchCombineHandle {
  public:
   // Collective over the shmem PEs (allocates symmetric memory, zeroes it, barriers). Raises
@@ -106,6 +108,8 @@ class EpDispatchCombineHandle {
 
  private:
   void CheckUsable(const char* what) const;
+  // The part of the kernel arguments dispatch and combine share.
+  void FillCommonArgs(EpIntraNodeCommon* common) const;
 
   EpDispatchCombineConfig config;
   EpSymmetricLayout symmLayout;
