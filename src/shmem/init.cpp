@@ -219,6 +219,10 @@ void ShmemFinalize() {
   std::exception_ptr firstError;
   try {
     s.boot->Barrier();
+    // Unmap the peers' heaps everywhere before anyone frees its own, so that the memory is
+    // released when finalize returns (see SymmetricHeap::CloseMappings).
+    s.heap->CloseMappings();
+    s.boot->Barrier();
   } catch (...) {
     firstError = std::current_exception();
   }

@@ -60,12 +60,18 @@ SymmetricHeap::SymmetricHeap(BootstrapNetwork& boot, const Context& context, uin
             static_cast<unsigned long long>(bytes), base, openedHandles.size());
 }
 
-void SymmetricHeap::Release() {
+void SymmetricHeap::CloseMappings() {
   for (void* p : openedHandles) {
     gpuError_t e = gpuIpcCloseMemHandle(p);
     if (e != gpuSuccess) MORI_WARN(kLogMem, "closing IPC mapping %p failed: %s", p, gpuGetErrorString(e));
   }
   openedHandles.clear();
+  for (size_t pe = 0; pe < peerBases.size(); pe++)
+    if (peerBases[pe] != reinterpret_cast<uintptr_t>(base)) peerBases[pe] = 0;
+}
+
+void SymmetricHeap::Release() {
+  CloseMappings();
   if (base != nullptr) {
     gpuError_t e = gpuFree(base);
     if (e != gpuSuccess) MORI_WARN(kLogMem, "freeing the symmetric heap failed: %s", gpuGetErrorString(e));

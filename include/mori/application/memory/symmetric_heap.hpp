@@ -23,6 +23,11 @@ class SymmetricHeap {
   SymmetricHeap(const SymmetricHeap&) = delete;
   SymmetricHeap& operator=(const SymmetricHeap&) = delete;
 
+  // Unmaps the peers' heaps. Collective finalization calls this on every PE, then a barrier, then
+  // destroys the heap: the driver releases an exported allocation only when its last mapping
+  // closes, so freeing before every peer has unmapped it would leave the memory held.
+  void CloseMappings();
+
   void* Base() const { return base; }
   uint64_t Size() const { return size; }
   bool Contains(const void* p, uint64_t bytes = 1) const {
