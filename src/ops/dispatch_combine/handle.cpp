@@ -150,8 +150,12 @@ void EpDispatchCombineHandle::ResolveLaunch(int numTokens, int blockNum, int war
   int warps = warpPerBlock;
   if (blocks <= 0) {
     blocks = config.blockNum;
-    // Small batches are latency-bound: spread them over more SMs by default.
-    if (numTokens <= kEpSmallBatchTokens) blocks = std::max(blocks, std::min(numSms, 64));
+    // Small batches are latency-bound. Dispatch gains from more SMs; combine was measured to
+    // lose time with every block added (4x H200: 33 us at 16 blocks, 143 us at 132;
+    // docs/performance.md), so its small-batch default is at most 16 blocks.
+    if (numTokens <= kEpSmallBatchTokens)
+      blocks = forDispatch ? std::max(blocks, std::min(numSms, 64))
+                           : std::min(blocks, kEpSmallBatchCombineBlocks);
   }
   if (warps <= 0) warps = config.warpNumPerBlock;
   MORI_ENSURE(warps >= 1 && warps <= maxWarps, InvalidUsageError,
