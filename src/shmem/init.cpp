@@ -2,6 +2,7 @@
 // surfacing of device-side errors.
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -155,6 +156,50 @@ void RaiseIfDeviceError(ShmemState& s) {
   throw core::TimeoutError(__FILE__, __LINE__, DescribeDeviceError(copy));
 }
 
+// Bounded wait for all of this device's work. The runtime's device synchronisation cannot be
+// polled, so it runs on a helper thread that a deadline watches. On expiry the abort flag makes
+// every bounded device wait give up; if the device still does not drain (a kernel that is not
+// ours spins forever), the helper thread is left behind and TimeoutError is raised.
+void DeviceSynchronizeBounded(ShmemState& s, const char* what) {
+  struct Shared {
+    std::mutex m;
+    std::condition_variable cv;
+    bool done = false;
+    gpuError_t err = gpuSuccess;
+  };
+  auto shared = std::make_shared<Shared>();
+  const int device = s.device;
+  std::thread worker([shared, device] {
+    gpuError_t e = gpuSetDevice(device);
+    if (e == gpuSuccess) e = gpuDeviceSynchronize();
+    std::lock_guard<std::mutex> lock(shared->m);
+    shared->err = e;
+    shared->done = true;
+    shared->cv.notify_all();
+  });
+  const auto limit = std::chrono::milliseconds(core::Env().hostTimeoutMs);
+  std::unique_lock<std::mutex> lock(shared->m);
+  bool finished = shared->cv.wait_for(lock, limit, [&] { return shared->done; });
+  if (!finished) {
+    reinterpret_cast<volatile uint32_t*>(&s.errHost->abortFlag)[0] = 1;
+    finished = shared->cv.wait_for(lock, std::chrono::seconds(5), [&] { return shared->done; });
+  }
+  lock.unlock();
+  if (!finished) {
+    worker.detach();
+    MORI_THROW(TimeoutError,
+               "rank %d: %s: device work did not finish within MORI_HOST_TIMEOUT_MS=%lld ms, nor "
+               "5 s after device waits were told to abort (a kernel outside mori?)",
+               s.devCtx.rank, what, static_cast<long long>(core::Env().hostTimeoutMs));
+  }
+  worker.join();
+  if (shared->err != gpuSuccess) {
+    (void)gpuGetLastError();
+    MORI_THROW(GpuRuntimeError, "rank %d: %s: device synchronize failed: %s", s.devCtx.rank, what,
+               gpuGetErrorString(shared->err));
+  }
+}
+
 void InitWith(std::unique_ptr<application::BootstrapNetwork> boot) {
   std::lock_guard<std::mutex> lock(gMutex);
   MORI_ENSURE(!gState, InvalidUsageError, "shmem is already initialised; call shmem_finalize first");
@@ -214,9 +259,12 @@ void ShmemFinalize() {
   if (!gState) return;
   ShmemState& s = *gState;
   // Peers may still read or write our heap until everyone has finished their device work.
-  gpuError_t e = gpuDeviceSynchronize();
-  if (e != gpuSuccess) MORI_WARN(kLogInit, "finalize: device synchronize failed: %s", gpuGetErrorString(e));
   std::exception_ptr firstError;
+  try {
+    DeviceSynchronizeBounded(s, "shmem_finalize");
+  } catch (const core::Error& e) {
+    MORI_WARN(kLogInit, "finalize continues after: %s", e.what());
+  }
   try {
     s.boot->Barrier();
     // Unmap the peers' heaps everywhere before anyone frees its own, so that the memory is
@@ -320,7 +368,7 @@ void ShmemCheckDeviceError() { RaiseIfDeviceError(State("shmem_check_device_erro
 
 void ShmemBarrierAll() {
   ShmemState& s = State("shmem_barrier_all");
-  MORI_CHECK_GPU(gpuDeviceSynchronize());
+  DeviceSynchronizeBounded(s, "shmem_barrier_all");
   RaiseIfDeviceError(s);
   s.boot->Barrier();
 }

@@ -2,7 +2,9 @@
 // a signal nobody sends. The kernel must return (the wait gives up), ShmemStreamSynchronize and
 // ShmemCheckDeviceError must raise mori::core::TimeoutError naming the rank, the peer, the
 // address and the expected / seen values, the record must be cleared once reported, and the
-// library must keep working afterwards (a put-with-signal ring and a device barrier).
+// library must keep working afterwards (a put-with-signal ring and a device barrier). Host waits:
+// with MORI_HOST_TIMEOUT_MS=3000 and a foreign kernel spinning, ShmemBarrierAll raises
+// TimeoutError instead of hanging, and the library works again once the kernel ends.
 #include <cctype>
 #include <chrono>
 #include <cinttypes>
@@ -37,6 +39,14 @@ __global__ void PlantedWaitKernel(ShmemDeviceContext ctx, uint64_t* sig, int pee
   out->elapsedNs = core::WallClockNs() - t0;
   out->ok = ok ? 1 : 0;
   out->returned = 1;
+}
+
+// A kernel that is not mori's: it spins until the host sets *release (or 30 s pass, so the test
+// itself can never hang the machine).
+__global__ void ForeignSpinKernel(const volatile int* release) {
+  const uint64_t t0 = core::WallClockNs();
+  while (*release == 0 && core::WallClockNs() - t0 < 30ull * 1000 * 1000 * 1000) {
+  }
 }
 
 // Ring: put-with-signal to the next PE, wait for the previous PE's, check its data in place.
@@ -209,6 +219,53 @@ void RunBody(RankEnv& env) {
   }
   if (usable) env.Check(log.Count() == 0, "ring kernels: %u device check failures", log.Count());
 
+  // 4. Host waits are bounded too: with a foreign kernel spinning, ShmemBarrierAll must raise
+  //    TimeoutError after MORI_HOST_TIMEOUT_MS (+ the 5 s abort grace), not hang; once the kernel
+  //    is released the library works again.
+  int* releaseHost = nullptr;
+  TEST_CHECK_GPU(gpuHostAlloc(reinterpret_cast<void**>(&releaseHost), sizeof(int), gpuHostAllocMapped));
+  *reinterpret_cast<volatile int*>(releaseHost) = 0;
+  int* releaseDev = nullptr;
+  TEST_CHECK_GPU(gpuHostGetDevicePointer(reinterpret_cast<void**>(&releaseDev), releaseHost, 0));
+  ForeignSpinKernel<<<1, 1, 0, stream>>>(releaseDev);
+  TEST_CHECK_GPU(gpuGetLastError());
+  {
+    const auto t0 = std::chrono::steady_clock::now();
+    bool timedOut = false;
+    std::string hostMsg;
+    try {
+      ShmemBarrierAll();
+    } catch (const core::TimeoutError& e) {
+      timedOut = true;
+      hostMsg = e.what();
+    } catch (const core::Error& e) {
+      hostMsg = e.what();
+    }
+    const double secs =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    env.Check(timedOut && secs >= 2.5 && secs < 20.0,
+              "ShmemBarrierAll with a spinning foreign kernel raised TimeoutError after %.2f s: "
+              "'%s'",
+              secs, hostMsg.c_str());
+    env.Check(hostMsg.find("MORI_HOST_TIMEOUT_MS") != std::string::npos,
+              "the host timeout message names MORI_HOST_TIMEOUT_MS");
+  }
+  *reinterpret_cast<volatile int*>(releaseHost) = 1;
+  try {
+    ShmemStreamSynchronize(stream);  // reports (and clears) the abort raised above
+  } catch (const core::TimeoutError&) {
+  }
+  bool clean = true;
+  try {
+    ShmemCheckDeviceError();
+    ShmemBarrierAll();
+  } catch (const core::Error& e) {
+    clean = false;
+    env.Check(false, "library unusable after the host timeout: %s", e.what());
+  }
+  if (clean) env.Check(true, "library usable after the host timeout");
+  (void)gpuFreeHost(releaseHost);
+
   ShmemBarrierAll();
   (void)gpuFree(src);
   (void)gpuFree(out);
@@ -222,5 +279,6 @@ void RunBody(RankEnv& env) {
 
 int main(int argc, char** argv) {
   setenv("MORI_DEVICE_TIMEOUT_MS", "500", 1);  // before init (the children inherit it)
+  setenv("MORI_HOST_TIMEOUT_MS", "3000", 1);
   return RunOnAllGpus(argc, argv, "shmem_timeout_test", RunBody);
 }
