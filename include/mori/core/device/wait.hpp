@@ -107,6 +107,13 @@ __device__ __noinline__ void RecordWaitTimeout(const WaitContext& ctx, int peer,
   }
 }
 
+// How often a spinning wait looks at the abort flag. The flag lives in mapped host memory, so each
+// look is a PCIe read: hundreds of spinning threads reading it every few iterations slowed every
+// GPU of the job (4x H200, EP combine at 132 blocks: 139 us with them, 39 us without; see
+// docs/performance.md).
+constexpr uint64_t kAbortCheckFirstNs = 20000;    // the first look, after 20 us of waiting
+constexpr uint64_t kAbortCheckPeriodNs = 200000;  // then every 200 us
+
 // Spin with acquire loads until `*addr op target`. See the header comment for the contract.
 template <typename T>
 MORI_DEVICE_INLINE bool WaitUntil(const WaitContext& ctx, T* addr, CmpOp op, T target, int peer,
@@ -114,12 +121,16 @@ MORI_DEVICE_INLINE bool WaitUntil(const WaitContext& ctx, T* addr, CmpOp op, T t
   T v = AtomicLoadAcquireSystem(addr);
   if (CompareValues(v, op, target)) return true;
   const uint64_t start = WallClockNs();
+  uint64_t nextAbortCheck = kAbortCheckFirstNs;
   for (uint32_t iter = 1;; iter++) {
     v = AtomicLoadAcquireSystem(addr);
     if (CompareValues(v, op, target)) return true;
     if ((iter & 63u) == 0) {
-      if (DeviceAborted(ctx)) return false;
-      uint64_t elapsed = WallClockNs() - start;
+      const uint64_t elapsed = WallClockNs() - start;
+      if (elapsed >= nextAbortCheck) {
+        if (DeviceAborted(ctx)) return false;
+        nextAbortCheck = elapsed + kAbortCheckPeriodNs;
+      }
       if (elapsed > ctx.timeoutNs) {
         RecordWaitTimeout(ctx, peer, label, addr, op, target, v, elapsed);
         return false;
