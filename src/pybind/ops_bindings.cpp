@@ -210,6 +210,13 @@ void RegisterOpsBindings(py::module_& m) {
           py::arg("stream") = 0)
       .def("release", &EpDispatchCombineHandle::Release, py::call_guard<py::gil_scoped_release>())
       .def(
+          "set_trace",  // debug: per-block phase trace (tools/bench/ep_trace.py); 0 turns it off
+          [](EpDispatchCombineHandle& h, uintptr_t buffer, int slots, int maxBlocks,
+             uint32_t debugFlags) {
+            h.SetTrace(reinterpret_cast<uint64_t*>(buffer), slots, maxBlocks, debugFlags);
+          },
+          py::arg("buffer"), py::arg("slots"), py::arg("max_blocks"), py::arg("debug_flags") = 0)
+      .def(
           "resolve_launch",
           [](const EpDispatchCombineHandle& h, int numTokens, int blockNum, int warpPerBlock,
              bool forDispatch) {

@@ -194,6 +194,21 @@ void EpDispatchCombineHandle::FillCommonArgs(EpIntraNodeCommon* common) const {
   common->totalRecv = TotalRecvTokenNum();
   common->localExpertCount = LocalExpertCount();
   common->wait = shmemCtx.wait;
+  common->trace = traceBuf;
+  common->traceSlots = traceSlots;
+  common->traceMaxBlocks = traceMaxBlocks;
+  common->debugFlags = debugFlags;
+}
+
+void EpDispatchCombineHandle::SetTrace(uint64_t* buffer, int slots, int maxBlocks,
+                                       uint32_t flags) {
+  MORI_ENSURE(buffer == nullptr || (slots > 0 && maxBlocks > 0), InvalidUsageError,
+              "EP SetTrace: slots (%d) and maxBlocks (%d) must be positive", slots, maxBlocks);
+  MORI_ENSURE(Aligned(buffer, 8), InvalidUsageError, "EP SetTrace: buffer is not 8-byte aligned");
+  traceBuf = buffer;
+  traceSlots = buffer != nullptr ? slots : 0;
+  traceMaxBlocks = buffer != nullptr ? maxBlocks : 0;
+  debugFlags = flags;
 }
 
 void EpDispatchCombineHandle::Dispatch(const EpDispatchArgs& args, gpuStream_t stream) {

@@ -14,6 +14,7 @@
 //      buffer) wait for it.
 #include "intranode.hpp"
 #include "intranode_device.hpp"
+#include "trace.hpp"
 #include "mori/core/gpu_check.hpp"
 
 namespace mori::ops {
@@ -95,7 +96,12 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
   const int parity = static_cast<int>(epoch & 1);
   const uint64_t ready = EpPackReady(a.tokenSource, a.weightSource, a.dataType, a.rowBytes);
 
-  if (tid == 0) sFailed = 0;
+  // Debug trace (trace.hpp): nullptr unless SetTrace was called; thread 0 stamps phase ends.
+  uint64_t* const tr = EpTraceRecord(c, 0, epoch);
+  if (tid == 0) {
+    sFailed = 0;
+    EpTraceBegin(tr, epoch, a.partsPerToken);
+  }
   __syncthreads();
 
   // ---- 1. input in place, or copied into the registered buffer ---------------------------------
@@ -153,6 +159,7 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
                       EpReadyInboxIndex(parity, me, W),
                   ready, epoch);
   }
+  if (tid == 0) EpTraceStamp(tr, 1);
 
   // ---- 2. every PE's rows are ready ------------------------------------------------------------
   if (sFailed == 0) {
@@ -160,6 +167,14 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
     const uint64_t myFormat = EpReadyFormat(ready);
     for (int p = tid; p < W; p += nThreads) {
       uint64_t v = 0;
+      if ((c.debugFlags & kEpDebugLightSpin) != 0) {
+        // Diagnostic variant: a tight relaxed poll (no sleep, no abort/timer reads) for a bounded
+        // number of tries; SignalWait below still does the acquire and the bounded wait.
+        uint64_t* tag = &inbox[EpReadyInboxIndex(parity, p, W)].tag;
+        for (int i = 0; i < (1 << 22); i++) {
+          if (core::AtomicLoadRelaxedSystem(tag) >= epoch) break;
+        }
+      }
       if (!SignalWait(wait, inbox + EpReadyInboxIndex(parity, p, W), epoch, p,
                       "EP combine: peer input ready", &v)) {
         sFailed = 1;
@@ -171,6 +186,7 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
         sFailed = 1;
         continue;
       }
+      if (tr != nullptr && p < kEpTracePeers) tr[24 + p] = core::WallClockNs();
       const EpCombineSource ts = EpReadyTokens(v);
       const EpCombineSource ws = EpReadyWeights(v);
       uint8_t* pb = PeerBlock(c, p);
@@ -184,6 +200,7 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
     }
   }
   __syncthreads();
+  if (tid == 0) EpTraceStamp(tr, 2);
 
   // ---- 3. reduce ------------------------------------------------------------------------------
   if (sFailed == 0) {
@@ -273,8 +290,14 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
   // cumulative release fence; the last block acquires them all through the counter, then signals.
   __syncthreads();
   if (tid == 0) {
-    core::FenceAcqRelSystem();
+    EpTraceStamp(tr, 3);
+    if ((c.debugFlags & kEpDebugNoBlockFence) == 0) core::FenceAcqRelSystem();
+    EpTraceStamp(tr, 4);
     const unsigned old = atomicAdd(&c.state->combineBlocksDone, 1u);
+    if (tr != nullptr) {
+      EpTraceStamp(tr, 5);
+      tr[19] = static_cast<uint64_t>(old) + 1;
+    }
     if (old == gridDim.x - 1) {
       c.state->combineBlocksDone = 0;
       core::FenceAcqRelSystem();
@@ -284,6 +307,7 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
       }
       c.state->combineEpoch = epoch;
       __threadfence();
+      EpTraceStamp(tr, 6);
     }
   }
 }

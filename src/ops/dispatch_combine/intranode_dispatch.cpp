@@ -26,6 +26,7 @@
 //   6. The last block to finish bumps the dispatch epoch and resets the grid counter.
 #include "intranode.hpp"
 #include "intranode_device.hpp"
+#include "trace.hpp"
 #include "mori/core/gpu_check.hpp"
 
 namespace mori::ops {
@@ -80,10 +81,12 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
   const int nWords = (T + kWarpSize - 1) / kWarpSize;
   int nRows = 0;
 
+  uint64_t* const tr = EpTraceRecord(c, 1, epoch);  // debug trace (trace.hpp), nullptr: off
   if (tid == 0) {
     sFailed = 0;
     sSendBase = 0;
     sTotal = 0;
+    EpTraceBegin(tr, epoch, 0);
   }
   if (leader) {
     for (int e = tid; e < Epr; e += nThreads) hist[e] = 0;
@@ -162,6 +165,7 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
                   epoch);
   }
   __syncthreads();  // every thread has seen sFailed before phase 3 may change it
+  if (tid == 0) EpTraceStamp(tr, 1);
 
   // ---- 3. where our rows go on `dest`, and may we write there -----------------------------
   if (countD > 0 && sFailed == 0) {
@@ -321,6 +325,7 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
     core::AtomicFetchAddSystem(At<uint64_t>(PeerBlock(c, dest), c.symm.arrived) + me,
                                static_cast<uint64_t>(nRows));
   }
+  if (tid == 0) EpTraceStamp(tr, 2);
 
   // ---- 5. receive side (block 0) -------------------------------------------------------------
   if (b == 0 && sFailed == 0) {
@@ -376,10 +381,15 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
   }
 
   // ---- 6. epoch ------------------------------------------------------------------------------
+  if (tid == 0) EpTraceStamp(tr, 3);
   __syncthreads();
   if (tid == 0) {
     __threadfence();
     const unsigned old = atomicAdd(&c.state->dispatchBlocksDone, 1u);
+    if (tr != nullptr) {
+      EpTraceStamp(tr, 5);
+      tr[19] = static_cast<uint64_t>(old) + 1;
+    }
     if (old == gridDim.x - 1) {
       c.state->dispatchBlocksDone = 0;
       c.state->dispatchEpoch = epoch;

@@ -106,6 +106,12 @@ class EpDispatchCombineHandle {
                      int* blocksOut, int* warpsOut) const;
   int MultiProcessorCount() const { return numSms; }
 
+  // Debug only: per-block phase trace of the kernels launched (or graph-captured) from now on.
+  // `buffer` is device memory of 2 * slots * maxBlocks * 32 uint64 (layout:
+  // src/ops/dispatch_combine/trace.hpp, reader: tools/bench/ep_trace.py); nullptr turns it off.
+  // `debugFlags` selects diagnostic kernel variants (kEpDebug* in intranode.hpp); 0 in normal use.
+  void SetTrace(uint64_t* buffer, int slots, int maxBlocks, uint32_t debugFlags = 0);
+
  private:
   void CheckUsable(const char* what) const;
   // The part of the kernel arguments dispatch and combine share.
@@ -123,6 +129,10 @@ class EpDispatchCombineHandle {
   shmem::ShmemDeviceContext shmemCtx{};
   int lastNumTokens = -1;
   uint32_t lastRowBytes = 0;
+  uint64_t* traceBuf = nullptr;  // SetTrace (debug)
+  int traceSlots = 0;
+  int traceMaxBlocks = 0;
+  uint32_t debugFlags = 0;
 };
 
 }  // namespace mori::ops
