@@ -48,7 +48,9 @@ namespace mori::core {
     "RC queue pairs (each with its own CQ) per remote PE reached through RDMA.")                  \
   X(rdmaGidIndex, MORI_RDMA_GID_INDEX, Int, "-1",                                                 \
     "GID table index used for RoCE addressing; -1 = choose automatically (RoCE v2, "              \
-    "IPv4-mapped preferred).")
+    "IPv4-mapped preferred).")                                                                  \
+  X(rdmaEmulate, MORI_RDMA_EMULATE, Bool, "0",                                                    \
+    "Execute RDMA work requests with the software queue emulator (test/bring-up mode).")
 
 enum class EnvType { kBool, kInt, kSize, kString };
 

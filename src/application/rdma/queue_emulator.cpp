@@ -1,0 +1,484 @@
+// Software mlx5 queue emulator (see include/mori/application/rdma/queue_emulator.hpp).
+#include "mori/application/rdma/queue_emulator.hpp"
+
+#include <chrono>
+#include <cstring>
+
+#include "mori/core/errors.hpp"
+#include "mori/core/logging.hpp"
+
+namespace mori::application {
+
+namespace mlx5 = core::mlx5;
+namespace crdma = core::rdma;
+
+namespace {
+
+class HostMemoryAccessor : public EmuMemoryAccessor {
+ public:
+  void Copy(void* dst, const void* src, size_t bytes) override { std::memmove(dst, src, bytes); }
+  uint64_t FetchAdd64(void* target, uint64_t add) override {
+    return __atomic_fetch_add(static_cast<uint64_t*>(target), add, __ATOMIC_SEQ_CST);
+  }
+  uint64_t CompareSwap64(void* target, uint64_t expected, uint64_t desired) override {
+    __atomic_compare_exchange_n(static_cast<uint64_t*>(target), &expected, desired, false,
+                                __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+    return expected;
+  }
+  void Flush() override { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+};
+
+const char* SyndromeName(uint8_t s) {
+  switch (s) {
+    case mlx5::kSyndromeLocalLengthErr: return "local length error";
+    case mlx5::kSyndromeLocalQpOpErr: return "local QP operation error";
+    case mlx5::kSyndromeLocalProtErr: return "local protection error";
+    case mlx5::kSyndromeWrFlushErr: return "work request flushed";
+    case mlx5::kSyndromeMwBindErr: return "memory window bind error";
+    case mlx5::kSyndromeBadRespErr: return "bad response";
+    case mlx5::kSyndromeLocalAccessErr: return "local access error";
+    case mlx5::kSyndromeRemoteInvalReqErr: return "remote invalid request";
+    case mlx5::kSyndromeRemoteAccessErr: return "remote access error";
+    case mlx5::kSyndromeRemoteOpErr: return "remote operation error";
+    case mlx5::kSyndromeTransportRetryExcErr: return "transport retry exceeded";
+    case mlx5::kSyndromeRnrRetryExcErr: return "RNR retry exceeded";
+    case mlx5::kSyndromeRemoteAbortedErr: return "remote aborted";
+  }
+  return "unknown syndrome";
+}
+
+// A failed WQE: syndrome for the error CQE.
+struct WqeFailure {
+  uint8_t syndrome;
+  const char* why;
+};
+
+}  // namespace
+
+std::unique_ptr<EmuMemoryAccessor> MakeHostMemoryAccessor() {
+  return std::make_unique<HostMemoryAccessor>();
+}
+
+EmuQpConfig EmuQpFromEndpoint(const crdma::QpEndpoint& ep, int pe, int remotePe) {
+  EmuQpConfig c{};
+  c.sqRing = ep.sq.ring;
+  c.sqBlocks = ep.sq.numBlocks;
+  c.qpn = ep.sq.qpn;
+  c.sqDbrec = ep.sq.dbrec;
+  c.cqRing = ep.cq.ring;
+  c.numCqes = ep.cq.numCqes;
+  c.cqDbrec = ep.cq.dbrec;
+  c.pe = pe;
+  c.remotePe = remotePe;
+  return c;
+}
+
+void EmuInitCqRing(void* cqRing, uint32_t numCqes) {
+  std::memset(cqRing, 0, static_cast<size_t>(numCqes) * sizeof(mlx5::Mlx5Cqe64));
+  for (uint32_t i = 0; i < numCqes; i++) {
+    static_cast<uint8_t*>(cqRing)[i * sizeof(mlx5::Mlx5Cqe64) + 63] =
+        static_cast<uint8_t>(mlx5::kCqeInvalid << 4);
+  }
+}
+
+QueueEmulator::QueueEmulator(std::unique_ptr<EmuMemoryAccessor> accessor)
+    : mem(accessor ? std::move(accessor) : MakeHostMemoryAccessor()) {}
+
+QueueEmulator::~QueueEmulator() {
+  try {
+    Stop();
+  } catch (const std::exception& e) {
+    MORI_ERROR(kLogRdma, "queue emulator: %s", e.what());
+  }
+}
+
+EmuMemoryRegion QueueEmulator::RegisterMemory(int pe, void* base, size_t length, uint32_t access) {
+  MORI_ENSURE(base != nullptr && length > 0, InvalidUsageError,
+              "RegisterMemory: empty region (base %p, length %zu)", base, length);
+  std::lock_guard<std::mutex> lock(mu);
+  // Keys: index in the upper bits, a constant tag in the low byte (0 is never a key).
+  const uint32_t key = (static_cast<uint32_t>(regions.size() + 1) << 8) | 0xa5u;
+  regions.push_back(Region{pe, static_cast<uint8_t*>(base), length, access, key, true});
+  return EmuMemoryRegion{key, key};
+}
+
+void QueueEmulator::DeregisterMemory(uint32_t lkey) {
+  std::lock_guard<std::mutex> lock(mu);
+  for (Region& r : regions) {
+    if (r.key == lkey) r.live = false;
+  }
+}
+
+size_t QueueEmulator::AddQp(const EmuQpConfig& cfg) {
+  MORI_ENSURE(cfg.sqRing && cfg.sqDbrec && cfg.cqRing, InvalidUsageError,
+              "AddQp: SQ ring, SQ doorbell record and CQ ring are required");
+  MORI_ENSURE(cfg.sqBlocks > 0 && (cfg.sqBlocks & (cfg.sqBlocks - 1)) == 0 &&
+                  cfg.sqBlocks <= 32768,
+              InvalidUsageError, "AddQp: SQ blocks %u must be a power of two <= 32768",
+              cfg.sqBlocks);
+  MORI_ENSURE(cfg.numCqes >= cfg.sqBlocks && (cfg.numCqes & (cfg.numCqes - 1)) == 0,
+              InvalidUsageError, "AddQp: CQ entries %u must be a power of two >= SQ blocks %u",
+              cfg.numCqes, cfg.sqBlocks);
+  std::lock_guard<std::mutex> lock(mu);
+  auto qp = std::make_unique<Qp>();
+  qp->cfg = cfg;
+  qps.push_back(std::move(qp));
+  return qps.size() - 1;
+}
+
+const QueueEmulator::Region* QueueEmulator::FindRegion(int pe, uint32_t key, uint64_t addr,
+                                                       uint64_t len, uint32_t access,
+                                                       bool remote) const {
+  (void)remote;
+  for (const Region& r : regions) {
+    if (!r.live || r.key != key || r.pe != pe) continue;
+    if ((r.access & access) != access) return nullptr;
+    const uint64_t base = reinterpret_cast<uint64_t>(r.base);
+    if (addr < base || len > r.length || addr - base > r.length - len) return nullptr;
+    return &r;
+  }
+  return nullptr;
+}
+
+void QueueEmulator::SetFatal(const std::string& what) {
+  if (fatal.empty()) {
+    fatal = what;
+    MORI_ERROR(kLogRdma, "queue emulator: %s", what.c_str());
+  }
+}
+
+void QueueEmulator::WriteCqe(Qp& qp, const mlx5::Mlx5CqeFields& fields) {
+  const EmuQpConfig& c = qp.cfg;
+  if (c.cqDbrec != nullptr) {
+    const uint32_t ci = mlx5::BeToHost32(__atomic_load_n(c.cqDbrec, __ATOMIC_ACQUIRE)) & 0xffffffu;
+    const uint32_t outstanding = (static_cast<uint32_t>(qp.cqProduced) - ci) & 0xffffffu;
+    if (outstanding >= c.numCqes) {
+      SetFatal(core::StrFormat("CQ overrun on QP 0x%x: %u CQEs outstanding, CQ holds %u", c.qpn,
+                               outstanding, c.numCqes));
+    }
+  }
+  mlx5::Mlx5CqeFields f = fields;
+  f.owner = mlx5::CqeOwnerForIndex(static_cast<uint32_t>(qp.cqProduced), c.numCqes);
+  alignas(8) uint8_t staged[64];
+  mlx5::EncodeCqe(staged, f);
+  uint8_t* slot = static_cast<uint8_t*>(c.cqRing) +
+                  static_cast<size_t>(qp.cqProduced & (c.numCqes - 1)) * sizeof(mlx5::Mlx5Cqe64);
+  std::memcpy(slot, staged, 60);
+  uint32_t tail;
+  std::memcpy(&tail, staged + 60, 4);
+  __atomic_store_n(reinterpret_cast<uint32_t*>(slot + 60), tail, __ATOMIC_RELEASE);
+  qp.cqProduced++;
+  nCqes.fetch_add(1, std::memory_order_relaxed);
+}
+
+void QueueEmulator::WriteRecvCqe(Qp& qp, uint32_t imm, uint32_t byteCount) {
+  // Responder CQE on the target QP's receive CQ (no receive queue is modelled).
+  for (auto& peer : qps) {
+    if ((peer->cfg.qpn & mlx5::kQpnMask) != (qp.cfg.remoteQpn & mlx5::kQpnMask)) continue;
+    if (peer->cfg.recvCqRing == nullptr) return;
+    mlx5::Mlx5CqeFields f{};
+    f.opcode = mlx5::kCqeRespWrImm;
+    f.owner = mlx5::CqeOwnerForIndex(static_cast<uint32_t>(peer->recvCqProduced),
+                                     peer->cfg.recvNumCqes);
+    f.byteCount = byteCount;
+    f.qpn = peer->cfg.qpn;
+    alignas(8) uint8_t staged[64];
+    mlx5::EncodeCqe(staged, f);
+    std::memcpy(staged + 36, &imm, 4);  // immediate as sent (network order)
+    uint8_t* slot = static_cast<uint8_t*>(peer->cfg.recvCqRing) +
+                    static_cast<size_t>(peer->recvCqProduced & (peer->cfg.recvNumCqes - 1)) * 64;
+    std::memcpy(slot, staged, 60);
+    uint32_t tail;
+    std::memcpy(&tail, staged + 60, 4);
+    __atomic_store_n(reinterpret_cast<uint32_t*>(slot + 60), tail, __ATOMIC_RELEASE);
+    peer->recvCqProduced++;
+    return;
+  }
+}
+
+uint32_t QueueEmulator::ExecuteWqe(Qp& qp, uint64_t blk) {
+  const EmuQpConfig& c = qp.cfg;
+  const uint8_t* first = static_cast<const uint8_t*>(
+      mlx5::SqBasicBlock(c.sqRing, static_cast<uint32_t>(blk), c.sqBlocks));
+  const uint32_t w0 = mlx5::BeToHost32(mlx5::detail::Load32(first, 0));
+  const uint32_t w1 = mlx5::BeToHost32(mlx5::detail::Load32(first, 4));
+  const uint8_t opcode = static_cast<uint8_t>(w0 & 0xff);
+  const uint16_t wqeIndex = static_cast<uint16_t>((w0 >> 8) & 0xffff);
+  const uint32_t qpn = w1 >> 8;
+  const uint32_t ds = w1 & 0xff;
+  const uint8_t fm = first[11];
+  const uint32_t imm = mlx5::detail::Load32(first, 12);
+  uint32_t blocks = mlx5::WqeBasicBlocks(ds);
+  const bool dsOk = ds >= 1 && blocks <= mlx5::kMaxWqeBasicBlocks && blocks <= c.sqBlocks;
+  if (!dsOk) blocks = 1;
+
+  // The whole WQE, gathered across the ring end.
+  alignas(16) uint8_t w[mlx5::kMaxWqeBasicBlocks * mlx5::kSendWqeBasicBlock];
+  for (uint32_t b = 0; b < blocks; b++) {
+    std::memcpy(w + b * 64, mlx5::SqBasicBlock(c.sqRing, static_cast<uint32_t>(blk + b), c.sqBlocks),
+                64);
+  }
+  const uint32_t bytes = ds * mlx5::kSegmentBytes;
+
+  mlx5::Mlx5CqeFields cqe{};
+  cqe.qpn = c.qpn & mlx5::kQpnMask;
+  cqe.wqeCounter = wqeIndex;
+  cqe.sendOpcode = opcode;
+
+  if (qp.state.load(std::memory_order_relaxed) != 0) {
+    cqe.opcode = mlx5::kCqeReqErr;
+    cqe.syndrome = mlx5::kSyndromeWrFlushErr;
+    cqe.wqeCounter = static_cast<uint16_t>(blk);
+    WriteCqe(qp, cqe);
+    nFlushed.fetch_add(1, std::memory_order_relaxed);
+    return blocks;
+  }
+
+  WqeFailure fail{0, nullptr};
+  uint32_t byteCount = 0;
+  auto failWith = [&](uint8_t syn, const char* why) {
+    if (fail.why == nullptr) fail = WqeFailure{syn, why};
+  };
+  if (!dsOk) failWith(mlx5::kSyndromeLocalLengthErr, "bad DS count");
+  if (wqeIndex != static_cast<uint16_t>(blk)) failWith(mlx5::kSyndromeLocalQpOpErr, "stale WQE index");
+  if (qpn != (c.qpn & mlx5::kQpnMask)) failWith(mlx5::kSyndromeLocalQpOpErr, "QPN mismatch");
+
+  auto raddr = [&]() { return mlx5::BeToHost64(mlx5::detail::LoadWord<uint64_t>(w, 16)); };
+  auto rkey = [&]() { return mlx5::BeToHost32(mlx5::detail::Load32(w, 24)); };
+
+  if (fail.why == nullptr) {
+    switch (opcode) {
+      case mlx5::kOpNop:
+        break;
+      case mlx5::kOpRdmaWrite:
+      case mlx5::kOpRdmaWriteImm:
+      case mlx5::kOpRdmaRead: {
+        const bool isRead = opcode == mlx5::kOpRdmaRead;
+        if (bytes < 32) {
+          failWith(mlx5::kSyndromeLocalLengthErr, "no remote address segment");
+          break;
+        }
+        // Scatter/gather list after the raddr segment: data segments or one inline segment.
+        struct Piece {
+          uint8_t* local;
+          const uint8_t* inl;
+          uint32_t len;
+        };
+        Piece pieces[mlx5::kMaxWqeBasicBlocks * 4];
+        uint32_t numPieces = 0;
+        uint64_t total = 0;
+        uint32_t off = 32;
+        while (off < bytes && fail.why == nullptr) {
+          const uint32_t hdr = mlx5::BeToHost32(mlx5::detail::Load32(w, off));
+          if (hdr & mlx5::kInlineSegFlag) {
+            const uint32_t len = hdr & ~mlx5::kInlineSegFlag;
+            if (isRead || off + mlx5::InlineSegBytes(len) > bytes) {
+              failWith(mlx5::kSyndromeLocalLengthErr, "inline segment beyond the WQE");
+              break;
+            }
+            pieces[numPieces++] = Piece{nullptr, w + off + 4, len};
+            total += len;
+            off += mlx5::InlineSegBytes(len);
+          } else {
+            const uint32_t len = hdr;
+            const uint32_t lkey = mlx5::BeToHost32(mlx5::detail::Load32(w, off + 4));
+            const uint64_t addr = mlx5::BeToHost64(mlx5::detail::LoadWord<uint64_t>(w, off + 8));
+            if (len > 0 && !FindRegion(c.pe, lkey, addr, len, isRead ? kEmuLocalWrite : 0, false)) {
+              failWith(mlx5::kSyndromeLocalProtErr, "bad lkey or local address");
+              break;
+            }
+            pieces[numPieces++] = Piece{reinterpret_cast<uint8_t*>(addr), nullptr, len};
+            total += len;
+            off += mlx5::kSegmentBytes;
+          }
+        }
+        if (fail.why != nullptr) break;
+        const uint64_t ra = raddr();
+        if (total > 0 && !FindRegion(c.remotePe, rkey(), ra, total,
+                                     isRead ? kEmuRemoteRead : kEmuRemoteWrite, true)) {
+          failWith(mlx5::kSyndromeRemoteAccessErr, "bad rkey, access or remote address");
+          break;
+        }
+        uint8_t* remote = reinterpret_cast<uint8_t*>(ra);
+        for (uint32_t i = 0; i < numPieces; i++) {
+          const Piece& p = pieces[i];
+          if (isRead) {
+            mem->Copy(p.local, remote, p.len);
+          } else {
+            mem->Copy(remote, p.inl ? p.inl : p.local, p.len);
+          }
+          remote += p.len;
+        }
+        byteCount = static_cast<uint32_t>(total);
+        if (opcode == mlx5::kOpRdmaWriteImm) WriteRecvCqe(qp, imm, byteCount);
+        break;
+      }
+      case mlx5::kOpAtomicFa:
+      case mlx5::kOpAtomicCs: {
+        if (ds != mlx5::kDsAtomic) {
+          failWith(mlx5::kSyndromeLocalLengthErr, "atomic WQE needs 4 segments");
+          break;
+        }
+        const uint64_t swapAdd = mlx5::BeToHost64(mlx5::detail::LoadWord<uint64_t>(w, 32));
+        const uint64_t compare = mlx5::BeToHost64(mlx5::detail::LoadWord<uint64_t>(w, 40));
+        const uint32_t len = mlx5::BeToHost32(mlx5::detail::Load32(w, 48));
+        const uint32_t lkey = mlx5::BeToHost32(mlx5::detail::Load32(w, 52));
+        const uint64_t laddr = mlx5::BeToHost64(mlx5::detail::LoadWord<uint64_t>(w, 56));
+        const uint64_t ra = raddr();
+        if (len != 8 || !FindRegion(c.pe, lkey, laddr, 8, kEmuLocalWrite, false)) {
+          failWith(mlx5::kSyndromeLocalProtErr, "bad lkey or local result address");
+          break;
+        }
+        if ((ra & 7) != 0) {
+          failWith(mlx5::kSyndromeRemoteInvalReqErr, "misaligned atomic target");
+          break;
+        }
+        if (!FindRegion(c.remotePe, rkey(), ra, 8, kEmuRemoteAtomic, true)) {
+          failWith(mlx5::kSyndromeRemoteAccessErr, "bad rkey, access or remote address");
+          break;
+        }
+        void* target = reinterpret_cast<void*>(ra);
+        const uint64_t old = opcode == mlx5::kOpAtomicFa ? mem->FetchAdd64(target, swapAdd)
+                                                         : mem->CompareSwap64(target, compare, swapAdd);
+        mem->Copy(reinterpret_cast<void*>(laddr), &old, 8);  // host order (8-byte HCA atomics)
+        byteCount = 8;
+        break;
+      }
+      default:
+        failWith(mlx5::kSyndromeLocalQpOpErr, "unsupported opcode");
+        break;
+    }
+  }
+
+  if (fail.why != nullptr) {
+    MORI_DEBUG(kLogRdma, "emulator: QP 0x%x WQE %u opcode 0x%02x: %s -> syndrome 0x%02x",
+               c.qpn, wqeIndex, opcode, fail.why, fail.syndrome);
+    qp.state.store(1, std::memory_order_release);
+    nErrors.fetch_add(1, std::memory_order_relaxed);
+    mem->Flush();
+    cqe.opcode = mlx5::kCqeReqErr;
+    cqe.syndrome = fail.syndrome;
+    WriteCqe(qp, cqe);
+    return blocks;
+  }
+  nExecuted.fetch_add(1, std::memory_order_relaxed);
+  // Execution is synchronous and in order, so every fence mode is honoured trivially.
+  if (fm & 0x0c) {  // any CE bits: signalled
+    mem->Flush();
+    cqe.opcode = mlx5::kCqeReq;
+    cqe.byteCount = byteCount;
+    WriteCqe(qp, cqe);
+  }
+  return blocks;
+}
+
+size_t QueueEmulator::ProcessQp(Qp& qp) {
+  const uint32_t dbr = mlx5::BeToHost32(__atomic_load_n(qp.cfg.sqDbrec, __ATOMIC_ACQUIRE));
+  const uint16_t pi = static_cast<uint16_t>(dbr & 0xffff);
+  const uint64_t end = qp.consumed + static_cast<uint16_t>(pi - static_cast<uint16_t>(qp.consumed));
+  size_t n = 0;
+  while (qp.consumed < end) {
+    const uint32_t blocks = ExecuteWqe(qp, qp.consumed);
+    qp.consumed += blocks;
+    n++;
+  }
+  return n;
+}
+
+size_t QueueEmulator::ProcessOnce() {
+  std::lock_guard<std::mutex> lock(mu);
+  size_t n = 0;
+  for (auto& qp : qps) n += ProcessQp(*qp);
+  return n;
+}
+
+void QueueEmulator::Worker() {
+  uint32_t idle = 0;
+  while (!stopRequested.load(std::memory_order_acquire)) {
+    if (ProcessOnce() > 0) {
+      idle = 0;
+      continue;
+    }
+    // Back-off: yield first, then short sleeps (a GPU poster writes the records later).
+    if (++idle < 256) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(idle < 4096 ? 10 : 200));
+    }
+  }
+  workerExited.store(true, std::memory_order_release);
+}
+
+void QueueEmulator::Start() {
+  if (running.exchange(true, std::memory_order_acq_rel)) return;
+  stopRequested.store(false, std::memory_order_release);
+  workerExited.store(false, std::memory_order_release);
+  worker = std::thread([this] { Worker(); });
+}
+
+void QueueEmulator::Stop(int timeoutMs) {
+  if (!running.load(std::memory_order_acquire)) return;
+  stopRequested.store(true, std::memory_order_release);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeoutMs);
+  while (!workerExited.load(std::memory_order_acquire)) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      MORI_THROW(TimeoutError, "queue emulator worker did not stop within %d ms", timeoutMs);
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  worker.join();
+  running.store(false, std::memory_order_release);
+}
+
+EmuQpState QueueEmulator::QpState(size_t qp) const {
+  std::lock_guard<std::mutex> lock(mu);
+  MORI_ENSURE(qp < qps.size(), InvalidUsageError, "QpState: no QP %zu", qp);
+  return qps[qp]->state.load(std::memory_order_acquire) ? EmuQpState::kError : EmuQpState::kRts;
+}
+
+EmuStats QueueEmulator::Stats() const {
+  return EmuStats{nExecuted.load(), nFlushed.load(), nCqes.load(), nErrors.load()};
+}
+
+std::string QueueEmulator::FatalError() const {
+  std::lock_guard<std::mutex> lock(mu);
+  return fatal;
+}
+
+std::string DescribeQueueResult(const crdma::QueueResult& r, const crdma::QpEndpoint& ep) {
+  switch (r.status) {
+    case crdma::QueueStatus::kOk:
+      return "ok";
+    case crdma::QueueStatus::kTimeout:
+      return core::StrFormat(
+          "QP 0x%x: timed out after %.3f ms waiting for %s (*%p >= %llu, saw %llu)", ep.sq.qpn,
+          static_cast<double>(r.elapsedNs) / 1e6, r.waitedFor ? r.waitedFor : "?", r.addr,
+          static_cast<unsigned long long>(r.expected), static_cast<unsigned long long>(r.seen));
+    case crdma::QueueStatus::kQpError: {
+      const crdma::CqErrorInfo e = *ep.cq.error;
+      return core::StrFormat(
+          "QP 0x%x: error completion for WQE index %u (send opcode 0x%02x): syndrome 0x%02x (%s), "
+          "vendor syndrome 0x%02x",
+          e.qpn, e.wqeCounter, e.sendOpcode, e.syndrome, SyndromeName(e.syndrome),
+          e.vendorSyndrome);
+    }
+    case crdma::QueueStatus::kInvalid:
+      return core::StrFormat("QP 0x%x: invalid request: need %s (limit %llu, got %llu)", ep.sq.qpn,
+                             r.waitedFor ? r.waitedFor : "?",
+                             static_cast<unsigned long long>(r.expected),
+                             static_cast<unsigned long long>(r.seen));
+  }
+  return "unknown status";
+}
+
+void ThrowIfFailed(const crdma::QueueResult& r, const crdma::QpEndpoint& ep) {
+  switch (r.status) {
+    case crdma::QueueStatus::kOk: return;
+    case crdma::QueueStatus::kTimeout: MORI_THROW(TimeoutError, "%s", DescribeQueueResult(r, ep).c_str());
+    case crdma::QueueStatus::kQpError: MORI_THROW(RemoteError, "%s", DescribeQueueResult(r, ep).c_str());
+    case crdma::QueueStatus::kInvalid:
+      MORI_THROW(InvalidUsageError, "%s", DescribeQueueResult(r, ep).c_str());
+  }
+}
+
+}  // namespace mori::application
