@@ -211,11 +211,10 @@ void RegisterOpsBindings(py::module_& m) {
       .def("release", &EpDispatchCombineHandle::Release, py::call_guard<py::gil_scoped_release>())
       .def(
           "set_trace",  // debug: per-block phase trace (tools/bench/ep_trace.py); 0 turns it off
-          [](EpDispatchCombineHandle& h, uintptr_t buffer, int slots, int maxBlocks,
-             uint32_t debugFlags) {
-            h.SetTrace(reinterpret_cast<uint64_t*>(buffer), slots, maxBlocks, debugFlags);
+          [](EpDispatchCombineHandle& h, uintptr_t buffer, int slots, int maxBlocks) {
+            h.SetTrace(reinterpret_cast<uint64_t*>(buffer), slots, maxBlocks);
           },
-          py::arg("buffer"), py::arg("slots"), py::arg("max_blocks"), py::arg("debug_flags") = 0)
+          py::arg("buffer"), py::arg("slots"), py::arg("max_blocks"))
       .def(
           "resolve_launch",
           [](const EpDispatchCombineHandle& h, int numTokens, int blockNum, int warpPerBlock,

@@ -42,8 +42,12 @@ struct ShmemState {
   ShmemDeviceContext devCtx{};
 };
 
+// Timeouts above a day are a configuration mistake, not a wish for "no bound".
+constexpr int64_t kMaxTimeoutMs = 24ll * 3600 * 1000;
+
 std::mutex gMutex;
 std::unique_ptr<ShmemState> gState;
+uint64_t gInitGeneration = 0;  // incremented by every successful init
 
 ShmemState& State(const char* caller) {
   if (!gState)
@@ -107,7 +111,14 @@ void BuildState(ShmemState& s) {
   c.syncArea = reinterpret_cast<uint64_t*>(c.heapBase + s.syncAreaOffset);
   c.barrierEpoch = s.barrierEpochDev;
   c.wait.err = s.errDev;
-  c.wait.timeoutNs = static_cast<uint64_t>(core::Env().deviceTimeoutMs) * 1000000ull;
+  const int64_t deviceMs = core::Env().deviceTimeoutMs, hostMs = core::Env().hostTimeoutMs;
+  MORI_ENSURE(deviceMs >= 1 && deviceMs <= kMaxTimeoutMs, InvalidUsageError,
+              "MORI_DEVICE_TIMEOUT_MS=%lld is out of range [1, %lld]", static_cast<long long>(deviceMs),
+              static_cast<long long>(kMaxTimeoutMs));
+  MORI_ENSURE(hostMs >= 1 && hostMs <= kMaxTimeoutMs, InvalidUsageError,
+              "MORI_HOST_TIMEOUT_MS=%lld is out of range [1, %lld]", static_cast<long long>(hostMs),
+              static_cast<long long>(kMaxTimeoutMs));
+  c.wait.timeoutNs = static_cast<uint64_t>(deviceMs) * 1000000ull;
   c.wait.rank = rank;
 
   int rdmaPeers = 0;
@@ -142,8 +153,10 @@ std::string DescribeDeviceError(const core::DeviceErrorRecord& e) {
 
 // Reads the mapped record; if set, clears it and raises.
 void RaiseIfDeviceError(ShmemState& s) {
+  // abortFlag is the publication point: the device claims the record, fills it, fences and only
+  // then raises abortFlag, so a claimed record without the flag is still being written.
   volatile core::DeviceErrorRecord* v = s.errHost;
-  if (v->claimed == 0 && v->abortFlag == 0) return;
+  if (v->abortFlag == 0) return;
   std::atomic_thread_fence(std::memory_order_acquire);
   core::DeviceErrorRecord copy;
   std::memcpy(&copy, s.errHost, sizeof(copy));
@@ -213,6 +226,7 @@ void InitWith(std::unique_ptr<application::BootstrapNetwork> boot) {
     throw;
   }
   gState = std::move(s);
+  gInitGeneration++;
 }
 
 void ReloadSettings() {
@@ -262,7 +276,7 @@ void ShmemFinalize() {
   std::exception_ptr firstError;
   try {
     DeviceSynchronizeBounded(s, "shmem_finalize");
-  } catch (const core::Error& e) {
+  } catch (const std::exception& e) {
     MORI_WARN(kLogInit, "finalize continues after: %s", e.what());
   }
   try {
@@ -297,6 +311,7 @@ TransportType ShmemTransportType(int pe) {
 ShmemDeviceContext ShmemGetDeviceContext() { return State("ShmemGetDeviceContext").devCtx; }
 
 void* ShmemMallocAlign(size_t alignment, size_t size) {
+  std::lock_guard<std::mutex> lock(gMutex);  // the allocator is not thread-safe by itself
   ShmemState& s = State("shmem_malloc");
   MORI_ENSURE(size > 0, InvalidUsageError, "shmem_malloc: size must be positive");
   if (alignment < 256) alignment = 256;
@@ -310,6 +325,7 @@ void* ShmemMalloc(size_t size) { return ShmemMallocAlign(256, size); }
 
 void ShmemFree(void* ptr) {
   if (ptr == nullptr) return;
+  std::lock_guard<std::mutex> lock(gMutex);
   ShmemState& s = State("shmem_free");
   MORI_ENSURE(s.heap->Contains(ptr), InvalidUsageError,
               "shmem_free: %p is not inside the symmetric heap", ptr);
@@ -335,7 +351,9 @@ SymmMemObj ShmemQueryMemObj(const void* ptr) {
   SymmMemObj o{};
   o.localPtr = const_cast<void*>(ptr);
   o.heapOffset = s.heap->OffsetOf(ptr);
-  o.size = s.heap->Size() - o.heapOffset;
+  o.size = s.heap->Allocator().AllocationSize(o.heapOffset);
+  MORI_ENSURE(o.size > 0, InvalidUsageError,
+              "ShmemQueryMemObj: %p is not the start of a symmetric allocation", ptr);
   o.peerHeapBases = s.peerBasesDev;
   return o;
 }
@@ -365,6 +383,15 @@ void ShmemStreamSynchronize(gpuStream_t stream) {
 }
 
 void ShmemCheckDeviceError() { RaiseIfDeviceError(State("shmem_check_device_error")); }
+
+void ShmemDeviceSynchronize() {
+  DeviceSynchronizeBounded(State("shmem_device_synchronize"), "shmem_device_synchronize");
+}
+
+uint64_t ShmemInitGeneration() {
+  std::lock_guard<std::mutex> lock(gMutex);
+  return gState ? gInitGeneration : 0;
+}
 
 void ShmemBarrierAll() {
   ShmemState& s = State("shmem_barrier_all");

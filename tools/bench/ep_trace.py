@@ -13,9 +13,7 @@ kernel entry and at the end of each phase:
   A  = grid-counter atomic      tail = last block: done signals + epoch
 Modes per launch shape: "iso" (one launch after a barrier + sync, no predecessor), "eager"
 (back-to-back plain launches) and "graph" (CUDA graph of 50 combines replayed as the bench does,
-event-timed per replay: "bench us" = what ep_bench reports). Graph mode also runs two diagnostic
-kernel variants: "nofence" (no per-block fence before the grid counter) and "lightspin"
-(phase-2 polls with relaxed loads, no nanosleep / host abort-flag reads, before the normal wait).
+event-timed per replay: "bench us" = what ep_bench reports).
 
 Per line (medians over launches x ranks; "max" = max over them): period (start-to-start of
 consecutive launches on one rank), span (first entry -> last exit), launch skew (entry spread
@@ -23,7 +21,7 @@ over blocks), phase durations (median / max over blocks, from clock64), "exit sl
 block of the exit staircase, exits sorted by arrival at the grid counter), "P2 late" (own ready
 sent -> last peer's ready seen, per rank) and the cross-rank ready offsets (globaltimer corrected
 by an NTP-style offset estimate from the ready signals themselves). The verdict table (last)
-names the component that grows with the block count (ns per added block) and the variants' effect.
+names the component that grows with the block count (ns per added block).
 """
 
 import argparse
@@ -37,7 +35,6 @@ import ep_test_utils as U  # noqa: E402
 HIDDEN, TOPK, EXPERTS, SCALE_DIM, T = 7168, 8, 256, 56, 128
 WORDS, MAGIC, NPEER = 32, 0x7ACE0001, 8
 SLOTS = 64
-FLAG_NOFENCE, FLAG_LIGHTSPIN = 1, 2
 # record word indices (trace.hpp)
 G0, C0 = 0, 8
 EPOCH, BLOCK, SMID, ORDER, GRID, BDIM, PARTS, MAGW, SEEN = 16, 17, 18, 19, 20, 21, 22, 23, 24
@@ -152,13 +149,13 @@ class Tracer:
         torch.cuda.synchronize()
         dist.barrier()
 
-    def set_trace(self, on, flags=0):
+    def set_trace(self, on):
         self.torch.cuda.synchronize()
         if on:
             self.buf.zero_()
-            self.h.set_trace(self.buf.data_ptr(), SLOTS, self.nsm, flags)
+            self.h.set_trace(self.buf.data_ptr(), SLOTS, self.nsm)
         else:
-            self.h.set_trace(0, 0, 0, 0)
+            self.h.set_trace(0, 0, 0)
         self.torch.cuda.synchronize()
 
     def fn(self, kind, b, w):
@@ -168,12 +165,12 @@ class Tracer:
             return lambda: self.op.dispatch(self.x8, self.w, self.scales, self.idx, block_num=b, warp_per_block=w)
         return lambda: self.op.dispatch(self.x, self.w, None, self.idx, block_num=b, warp_per_block=w)
 
-    def run(self, kind, b, w, mode, flags=0):
+    def run(self, kind, b, w, mode):
         """Runs one mode with tracing; returns (per-launch metrics of this rank, bench-like us)."""
         torch, dist = self.torch, self.dist
         f = self.fn(kind, b, w)
         grid = self.h.resolve_launch(T, b, w, kind == 1)[0]
-        self.set_trace(True, flags)
+        self.set_trace(True)
         bench_us = None
         if mode == "iso":
             for _ in range(5):
@@ -343,18 +340,15 @@ def worker(rank, world, local_rank, args):
         for kind in kinds:
             log(rank, "== " + ("combine BF16 zero-copy (+weights)" if kind == 0 else "dispatch FP8 (+scales)"))
             modes = [("iso", 0), ("eager", 0), ("graph", 0)]
-            if kind == 0:
-                modes += [("graph", FLAG_NOFENCE), ("graph", FLAG_LIGHTSPIN)]
             for b, w in shapes:
                 for mode, flags in modes:
-                    ms, bench_us, grid = tr.run(kind, b, w, mode, flags)
+                    ms, bench_us, grid = tr.run(kind, b, w, mode)
                     gathered = [None] * world
                     dist.all_gather_object(gathered, ms)
                     bl = [None] * world
                     dist.all_gather_object(bl, bench_us)
                     bu = max(bl) if bl[0] is not None else None
-                    vname = {0: "", FLAG_NOFENCE: "+nofence", FLAG_LIGHTSPIN: "+lightspin"}[flags]
-                    label = f"{grid}x{w} {mode}{vname}"
+                    label = f"{grid}x{w} {mode}"
                     if rank == 0:
                         if any(not g for g in gathered):
                             print(f"  {label:<26} no complete trace (grid {grid})", flush=True)
@@ -410,14 +404,6 @@ def verdict(S, shapes, nsm):
         growth[name] = gr
         print(f"| {name:<20} | {row} | {gr:12.0f} |")
     print("(values in us; bench per call = event time of a 50-combine graph replay / 50, max over ranks)")
-    # variants
-    for k in sorted(keys):
-        base = S[(0, k[0], k[1], "graph", 0)]
-        for fl, nm in ((FLAG_NOFENCE, "nofence"), (FLAG_LIGHTSPIN, "lightspin")):
-            v = S.get((0, k[0], k[1], "graph", fl))
-            if v and base.get("bench") and v.get("bench"):
-                print(f"  variant {nm:<9} {k[0]}x{k[1]}: bench {base['bench']:.1f} -> {v['bench']:.1f} us "
-                      f"(period {fmt(base['period'])} -> {fmt(v['period'])})")
     cands = {n: g for n, g in growth.items() if n not in ("bench per call", "period", "span") and g == g}
     per_blk = growth.get("bench per call", float("nan"))
     if cands:

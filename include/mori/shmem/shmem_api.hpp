@@ -61,5 +61,11 @@ void ShmemStreamSynchronize(gpuStream_t stream);
 // Raises TimeoutError describing the first device-side wait that expired (rank, peer, address,
 // expected and seen values), then clears the record so the library stays usable.
 void ShmemCheckDeviceError();
+// Bounded wait for all of this PE's device work (MORI_HOST_TIMEOUT_MS). Leaves a recorded device
+// error in place for ShmemCheckDeviceError / ShmemStreamSynchronize to report.
+void ShmemDeviceSynchronize();
+// Identifies the current init: 0 when not initialised, a new value after every init. Objects that
+// hold symmetric memory compare it to notice a finalize (and re-init) under them.
+uint64_t ShmemInitGeneration();
 
 }  // namespace mori::shmem

@@ -90,6 +90,9 @@ QueueEmulator::~QueueEmulator() {
   } catch (const std::exception& e) {
     MORI_ERROR(kLogRdma, "queue emulator: %s", e.what());
   }
+  // The worker uses this object, so it cannot be detached; destroying a joinable thread would
+  // terminate the process. It has been asked to stop and ends after its current work request.
+  if (worker.joinable()) worker.join();
 }
 
 EmuMemoryRegion QueueEmulator::RegisterMemory(int pe, void* base, size_t length, uint32_t access) {

@@ -2,6 +2,7 @@
 #include <algorithm>
 
 #include "mori/core/errors.hpp"
+#include "mori/core/gpu.hpp"
 #include "mori/ops/dispatch_combine/config.hpp"
 #include "mori/ops/dispatch_combine/layout.hpp"
 
@@ -90,7 +91,7 @@ void EpDispatchCombineConfig::Validate() const {
   CheckRange("max_num_inp_token_per_rank", maxNumInpTokenPerRank, 1, kEpMaxTokensPerRank);
   CheckRange("num_experts_per_rank", numExpertsPerRank, 1, kEpMaxExpertsPerRank);
   CheckRange("num_experts_per_token", numExpertsPerToken, 1, kEpMaxTopK);
-  CheckRange("warp_num_per_block", warpNumPerBlock, 1, kEpMaxThreadsPerBlock / 32,
+  CheckRange("warp_num_per_block", warpNumPerBlock, 1, kEpMaxThreadsPerBlock / core::kWarpSize,
              "block size is warp_num_per_block * warp size, at most 512 threads");
   CheckRange("block_num", blockNum, 1, 1 << 16);
   CheckRange("gpu_per_node", gpuPerNode, 1, 1 << 16);

@@ -58,10 +58,10 @@ EpDispatchCombineHandle::EpDispatchCombineHandle(const EpDispatchCombineConfig& 
     localBase = static_cast<uint8_t*>(local);
     MORI_CHECK_GPU(gpuMemset(symmBase, 0, symmLayout.totalBytes));
     MORI_CHECK_GPU(gpuMemset(localBase, 0, localLayout.totalBytes));
-    MORI_CHECK_GPU(gpuDeviceSynchronize());
+    shmem::ShmemDeviceSynchronize();
     symmHeapOffset = shmem::ShmemQueryMemObj(symmBase).heapOffset;
     shmemCtx = shmem::ShmemGetDeviceContext();
-    heapBaseAtInit = shmemCtx.heapBase;
+    initGeneration = shmem::ShmemInitGeneration();
     for (int p = 0; p < npes; p++) {
       MORI_ENSURE(shmem::ShmemPtrP2p(symmBase, p) != nullptr, InvalidUsageError,
                   "EpDispatchCombineHandle: PE %d's symmetric heap is not mapped on PE %d", p, pe);
@@ -94,15 +94,20 @@ EpDispatchCombineHandle::~EpDispatchCombineHandle() {
 
 void EpDispatchCombineHandle::Release() {
   if (symmBase == nullptr && localBase == nullptr) return;
-  // Our own kernels may still run; peers' kernels touching our buffers belong to calls we made
-  // too (they are collective), so once ours finished, theirs have passed our buffers.
-  (void)gpuDeviceSynchronize();
+  // Our own kernels may still run: wait for them (bounded) unless shmem was finalized since,
+  // which already waited. Known gap: a peer may still be reading our combine buffers after our
+  // last combine returned; freeing is only safe once every PE released its op.
+  const bool sameInit = shmem::ShmemInitGeneration() == initGeneration;
+  if (sameInit) {
+    try {
+      shmem::ShmemDeviceSynchronize();
+    } catch (const std::exception&) {
+      // Release runs from destructors: the error was or will be reported by the caller's syncs.
+    }
+  }
   if (localBase != nullptr) (void)gpuFree(localBase);
   localBase = nullptr;
-  if (symmBase != nullptr && shmem::ShmemIsInitialized() &&
-      shmem::ShmemGetDeviceContext().heapBase == heapBaseAtInit) {
-    shmem::ShmemFree(symmBase);
-  }
+  if (symmBase != nullptr && sameInit) shmem::ShmemFree(symmBase);
   symmBase = nullptr;
 }
 
@@ -112,7 +117,7 @@ void EpDispatchCombineHandle::CheckUsable(const char* what) const {
               "EP %s: shmem was finalized; this op's buffers are gone (create a new op after "
               "re-initialising shmem)",
               what);
-  MORI_ENSURE(shmem::ShmemGetDeviceContext().heapBase == heapBaseAtInit, InvalidUsageError,
+  MORI_ENSURE(shmem::ShmemInitGeneration() == initGeneration, InvalidUsageError,
               "EP %s: shmem was re-initialised since this op was created; create a new op", what);
   int dev = -1;
   MORI_CHECK_GPU(gpuGetDevice(&dev));
@@ -150,9 +155,8 @@ void EpDispatchCombineHandle::ResolveLaunch(int numTokens, int blockNum, int war
   int warps = warpPerBlock;
   if (blocks <= 0) {
     blocks = config.blockNum;
-    // Small batches are latency-bound. Dispatch gains from more SMs; combine was measured to
-    // lose time with every block added (4x H200: 33 us at 16 blocks, 143 us at 132;
-    // docs/performance.md), so its small-batch default is at most 16 blocks.
+    // Small batches are latency-bound. Dispatch spreads them over up to 64 SMs; combine's reads
+    // are few, and 16 blocks was its best measured shape (docs/performance.md).
     if (numTokens <= kEpSmallBatchTokens)
       blocks = forDispatch ? std::max(blocks, std::min(numSms, 64))
                            : std::min(blocks, kEpSmallBatchCombineBlocks);
@@ -197,18 +201,15 @@ void EpDispatchCombineHandle::FillCommonArgs(EpIntraNodeCommon* common) const {
   common->trace = traceBuf;
   common->traceSlots = traceSlots;
   common->traceMaxBlocks = traceMaxBlocks;
-  common->debugFlags = debugFlags;
 }
 
-void EpDispatchCombineHandle::SetTrace(uint64_t* buffer, int slots, int maxBlocks,
-                                       uint32_t flags) {
+void EpDispatchCombineHandle::SetTrace(uint64_t* buffer, int slots, int maxBlocks) {
   MORI_ENSURE(buffer == nullptr || (slots > 0 && maxBlocks > 0), InvalidUsageError,
               "EP SetTrace: slots (%d) and maxBlocks (%d) must be positive", slots, maxBlocks);
   MORI_ENSURE(Aligned(buffer, 8), InvalidUsageError, "EP SetTrace: buffer is not 8-byte aligned");
   traceBuf = buffer;
   traceSlots = buffer != nullptr ? slots : 0;
   traceMaxBlocks = buffer != nullptr ? maxBlocks : 0;
-  debugFlags = flags;
 }
 
 void EpDispatchCombineHandle::Dispatch(const EpDispatchArgs& args, gpuStream_t stream) {

@@ -32,12 +32,9 @@ struct EpIntraNodeCommon {
   uint64_t* trace;
   int32_t traceSlots;
   int32_t traceMaxBlocks;
-  uint32_t debugFlags;             // kEpDebug* (diagnostic variants; 0 in normal use)
 };
 
 // Diagnostic kernel variants, for A/B runs of tools/bench/ep_trace.py only.
-constexpr uint32_t kEpDebugNoBlockFence = 1u;  // combine step 4: no per-block release fence
-constexpr uint32_t kEpDebugLightSpin = 2u;     // combine step 2: tight relaxed poll first
 
 // How a scales row is copied: 4-byte words when its size and both bases allow, else bytes.
 enum class EpScaleCopy : int32_t { kNone = 0, kWords = 1, kBytes = 2 };

@@ -167,14 +167,6 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
     const uint64_t myFormat = EpReadyFormat(ready);
     for (int p = tid; p < W; p += nThreads) {
       uint64_t v = 0;
-      if ((c.debugFlags & kEpDebugLightSpin) != 0) {
-        // Diagnostic variant: a tight relaxed poll (no sleep, no abort/timer reads) for a bounded
-        // number of tries; SignalWait below still does the acquire and the bounded wait.
-        uint64_t* tag = &inbox[EpReadyInboxIndex(parity, p, W)].tag;
-        for (int i = 0; i < (1 << 22); i++) {
-          if (core::AtomicLoadRelaxedSystem(tag) >= epoch) break;
-        }
-      }
       if (!SignalWait(wait, inbox + EpReadyInboxIndex(parity, p, W), epoch, p,
                       "EP combine: peer input ready", &v)) {
         sFailed = 1;
@@ -291,7 +283,7 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
   __syncthreads();
   if (tid == 0) {
     EpTraceStamp(tr, 3);
-    if ((c.debugFlags & kEpDebugNoBlockFence) == 0) core::FenceAcqRelSystem();
+    core::FenceAcqRelSystem();
     EpTraceStamp(tr, 4);
     const unsigned old = atomicAdd(&c.state->combineBlocksDone, 1u);
     if (tr != nullptr) {

@@ -109,8 +109,7 @@ class EpDispatchCombineHandle {
   // Debug only: per-block phase trace of the kernels launched (or graph-captured) from now on.
   // `buffer` is device memory of 2 * slots * maxBlocks * 32 uint64 (layout:
   // src/ops/dispatch_combine/trace.hpp, reader: tools/bench/ep_trace.py); nullptr turns it off.
-  // `debugFlags` selects diagnostic kernel variants (kEpDebug* in intranode.hpp); 0 in normal use.
-  void SetTrace(uint64_t* buffer, int slots, int maxBlocks, uint32_t debugFlags = 0);
+  void SetTrace(uint64_t* buffer, int slots, int maxBlocks);
 
  private:
   void CheckUsable(const char* what) const;
@@ -125,14 +124,13 @@ class EpDispatchCombineHandle {
   uint8_t* symmBase = nullptr;   // local address of the symmetric block
   uint64_t symmHeapOffset = 0;   // its offset in every PE's heap
   uint8_t* localBase = nullptr;
-  uintptr_t heapBaseAtInit = 0;  // to notice a finalize (+ re-init) under us
+  uint64_t initGeneration = 0;  // shmem's init generation at construction (notices finalize/re-init)
   shmem::ShmemDeviceContext shmemCtx{};
   int lastNumTokens = -1;
   uint32_t lastRowBytes = 0;
   uint64_t* traceBuf = nullptr;  // SetTrace (debug)
   int traceSlots = 0;
   int traceMaxBlocks = 0;
-  uint32_t debugFlags = 0;
 };
 
 }  // namespace mori::ops
