@@ -63,7 +63,9 @@ run() {  # run <name> <command...>
   rc=$?
   case $rc in
     0) result=PASS ;;
-    77) result=SKIPPED ;;
+    77)
+      # With two or more GPUs present a skip means the program could not use them: a failure.
+      if [[ ${ngpu:-0} -ge 2 ]]; then result="FAIL(skip)"; anyFailed=1; failedLogs+=("$log"); else result=SKIPPED; fi ;;
     124 | 137) result=TIMEOUT; anyFailed=1; failedLogs+=("$log") ;;
     *) result="FAIL($rc)"; anyFailed=1; failedLogs+=("$log") ;;
   esac

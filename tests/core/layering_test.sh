@@ -12,7 +12,7 @@ check() {  # check <layer> <forbidden layer>...
   files=$(find "include/mori/$layer" "src/$layer" -type f \( -name '*.hpp' -o -name '*.cpp' -o -name '*.h' \) 2>/dev/null)
   [ -n "$files" ] || return 0
   for bad in "$@"; do
-    hits=$(grep -Hn "#include \"mori/$bad/" $files || true)
+    hits=$(grep -HnE "#include [<\"]mori/$bad/" $files || true)
     if [ -n "$hits" ]; then
       echo "layering violation: $layer includes $bad:"
       echo "$hits"
@@ -23,5 +23,6 @@ check() {  # check <layer> <forbidden layer>...
 check core application shmem ops
 check application shmem ops
 check shmem ops
+check ops application
 if [ $fail -eq 0 ]; then echo "1 passed, 0 failed"; else echo "0 passed, 1 failed"; fi
 exit $fail

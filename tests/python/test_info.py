@@ -37,8 +37,13 @@ def test_device_info_never_raises():
         assert len(row) == info["count"]
 
 
-def test_rdma_devices_empty():
-    assert mori.rdma_devices() == []
+def test_rdma_devices_shape():
+    # Machines with NICs list them; the shape is what this test can check everywhere.
+    devices = mori.rdma_devices()
+    assert isinstance(devices, list)
+    for d in devices:
+        assert isinstance(d["name"], str) and d["name"]
+        assert all(p["state"] for p in d["ports"])
 
 
 def test_python_module_report(subprocess_env):
