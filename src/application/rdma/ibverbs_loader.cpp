@@ -66,6 +66,18 @@ bool LoadIbverbsApi(const char* soname, IbverbsApi* api, std::string* why) {
   ok &= Resolve(handle, "ibv_query_port", true, &t.queryPortExported, &missing);
   ok &= Resolve(handle, "ibv_query_gid", true, &t.queryGid, &missing);
   (void)Resolve(handle, "_ibv_query_gid_ex", false, &t.queryGidEx, nullptr);
+  // Control path. Optional ones are taken at their default (newest) version.
+  ok &= Resolve(handle, "ibv_alloc_pd", true, &t.allocPd, &missing);
+  ok &= Resolve(handle, "ibv_dealloc_pd", true, &t.deallocPd, &missing);
+  ok &= Resolve(handle, "ibv_reg_mr", true, &t.regMr, &missing);
+  (void)Resolve(handle, "ibv_reg_mr_iova2", false, &t.regMrIova2, nullptr);
+  (void)Resolve(handle, "ibv_reg_dmabuf_mr", false, &t.regDmabufMr, nullptr);
+  ok &= Resolve(handle, "ibv_dereg_mr", true, &t.deregMr, &missing);
+  ok &= Resolve(handle, "ibv_create_cq", true, &t.createCq, &missing);
+  ok &= Resolve(handle, "ibv_destroy_cq", true, &t.destroyCq, &missing);
+  ok &= Resolve(handle, "ibv_create_qp", true, &t.createQp, &missing);
+  ok &= Resolve(handle, "ibv_destroy_qp", true, &t.destroyQp, &missing);
+  ok &= Resolve(handle, "ibv_modify_qp", true, &t.modifyQp, &missing);
   if (!ok) {
     if (why != nullptr) {
       *why = std::string("libibverbs not usable: ") + soname + " lacks " + missing;

@@ -1,7 +1,7 @@
 // libibverbs, loaded on first use with dlopen("libibverbs.so.1"). mori never links -libverbs: a
 // process that only uses P2P peers never loads it, and a host without rdma-core still runs.
-// Only the functions RDMA device discovery needs are resolved here; the QP/MR set-up adds its own
-// entries when it exists. The verbs types are only forward-declared, so this header does not need
+// The table holds the entry points of device discovery and of the PD/MR/CQ/QP set-up
+// (rdma_setup.hpp); optional newer ones (dma-buf registration) may be absent. The verbs types are only forward-declared, so this header does not need
 // the rdma-core headers; the .cpp that calls through these pointers includes <infiniband/verbs.h>.
 #pragma once
 
@@ -15,6 +15,13 @@ struct ibv_device_attr;
 struct ibv_port_attr;
 struct ibv_gid_entry;
 union ibv_gid;
+struct ibv_pd;
+struct ibv_mr;
+struct ibv_cq;
+struct ibv_comp_channel;
+struct ibv_qp;
+struct ibv_qp_init_attr;
+struct ibv_qp_attr;
 
 namespace mori::application {
 
@@ -36,6 +43,26 @@ struct IbverbsApi {
   // Optional (libibverbs >= v34): `_ibv_query_gid_ex`, which also reports the GID type.
   int (*queryGidEx)(ibv_context* context, uint32_t port, uint32_t index, ibv_gid_entry* entry,
                     uint32_t flags, size_t entrySize) = nullptr;
+
+  // Control path (PD, MR, CQ, RC QP set-up; see rdma_setup.hpp). Required unless marked optional.
+  ibv_pd* (*allocPd)(ibv_context* context) = nullptr;
+  int (*deallocPd)(ibv_pd* pd) = nullptr;
+  // The exported `ibv_reg_mr` (IBVERBS_1.1). verbs.h makes ibv_reg_mr a macro over an inline that
+  // calls this for access flags outside IBV_ACCESS_OPTIONAL_RANGE and ibv_reg_mr_iova2 otherwise.
+  ibv_mr* (*regMr)(ibv_pd* pd, void* addr, size_t length, int access) = nullptr;
+  // Optional (IBVERBS_1.8): `ibv_reg_mr_iova2`, needed only for optional-range access flags.
+  ibv_mr* (*regMrIova2)(ibv_pd* pd, void* addr, size_t length, uint64_t iova,
+                        unsigned int access) = nullptr;
+  // Optional (IBVERBS_1.12): `ibv_reg_dmabuf_mr`.
+  ibv_mr* (*regDmabufMr)(ibv_pd* pd, uint64_t offset, size_t length, uint64_t iova, int fd,
+                         int access) = nullptr;
+  int (*deregMr)(ibv_mr* mr) = nullptr;
+  ibv_cq* (*createCq)(ibv_context* context, int cqe, void* cqContext, ibv_comp_channel* channel,
+                      int compVector) = nullptr;
+  int (*destroyCq)(ibv_cq* cq) = nullptr;
+  ibv_qp* (*createQp)(ibv_pd* pd, ibv_qp_init_attr* initAttr) = nullptr;
+  int (*destroyQp)(ibv_qp* qp) = nullptr;
+  int (*modifyQp)(ibv_qp* qp, ibv_qp_attr* attr, int attrMask) = nullptr;
 };
 
 // The process-wide table, loaded once (thread-safe). Returns null when libibverbs cannot be loaded
