@@ -19,7 +19,7 @@ out=${OUT:-/tmp}
 mkdir -p "$out"
 py=${PYTHON:-python3}
 jobs=$(nproc 2>/dev/null || echo 4)
-tests=(shmem_put_get_test shmem_atomic_test shmem_barrier_test shmem_timeout_test shmem_init_finalize_test)
+tests=(shmem_put_get_test shmem_atomic_test shmem_barrier_test shmem_timeout_test shmem_init_finalize_test shmem_rdma_test)
 targets=("${tests[@]}" put_get shmem_put_bench)
 
 # ---- build ----------------------------------------------------------------------------------

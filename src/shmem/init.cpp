@@ -12,6 +12,7 @@
 #include "mori/application/bootstrap/socket_bootstrap.hpp"
 #include "mori/application/context/context.hpp"
 #include "mori/application/memory/symmetric_heap.hpp"
+#include "mori/application/rdma/rdma_transport.hpp"
 #include "mori/core/env.hpp"
 #include "mori/core/gpu_check.hpp"
 #include "mori/core/logging.hpp"
@@ -33,6 +34,9 @@ struct ShmemState {
   std::unique_ptr<application::BootstrapNetwork> boot;
   std::unique_ptr<application::Context> context;
   std::unique_ptr<application::SymmetricHeap> heap;
+  std::unique_ptr<application::RdmaTransport> rdma;  // null when no PE of the job uses RDMA
+  ShmemRdmaPeer* rdmaPeersDev = nullptr;
+  std::vector<core::rdma::QpEndpoint*> rdmaEndpointsDev;
   core::DeviceErrorRecord* errHost = nullptr;  // mapped pinned memory
   core::DeviceErrorRecord* errDev = nullptr;
   uintptr_t* peerBasesDev = nullptr;
@@ -58,6 +62,18 @@ ShmemState& State(const char* caller) {
 
 // Frees what init allocated; tolerant of partially initialised state.
 void DestroyState(ShmemState& s) {
+  if (s.rdma) {
+    try {
+      s.rdma->Stop();
+    } catch (const std::exception& e) {
+      MORI_WARN(kLogInit, "stopping the RDMA transport: %s", e.what());
+    }
+    s.rdma.reset();
+  }
+  for (core::rdma::QpEndpoint* p : s.rdmaEndpointsDev) (void)gpuFree(p);
+  s.rdmaEndpointsDev.clear();
+  if (s.rdmaPeersDev) (void)gpuFree(s.rdmaPeersDev);
+  s.rdmaPeersDev = nullptr;
   if (s.heap) s.heap.reset();
   if (s.peerBasesDev) (void)gpuFree(s.peerBasesDev);
   if (s.transportDev) (void)gpuFree(s.transportDev);
@@ -80,12 +96,67 @@ T* DeviceCopyOf(const std::vector<T>& host) {
   return static_cast<T*>(p);
 }
 
+// Builds the RDMA transport (collective) and the device view of it in s.devCtx.
+void SetUpRdma(ShmemState& s) {
+  const int worldSize = s.boot->WorldSize();
+  application::RdmaTransportConfig cfg;
+  const int64_t numQp = core::Env().numQpPerPe;
+  MORI_ENSURE(numQp >= 1 && numQp <= 64, InvalidUsageError,
+              "MORI_NUM_QP_PER_PE=%lld is out of range [1, 64]", static_cast<long long>(numQp));
+  cfg.numQpPerPe = static_cast<int>(numQp);
+  // Scratch words for fetched values: 2 per SQ block of every QP (see shmem/device/rdma.hpp).
+  // Allocated on every PE in the same order, so it is symmetric like the sync area.
+  const uint64_t scratchWordsPerPeer = 2ull * cfg.sqBlocks * cfg.numQpPerPe;
+  const uint64_t scratchOffset =
+      s.heap->Allocator().Allocate(scratchWordsPerPeer * worldSize * sizeof(uint64_t), 256);
+  if (core::Env().rdmaEmulate) {
+    s.rdma = application::CreateEmulatedRdmaTransport(*s.boot, *s.context, *s.heap, cfg);
+  } else {
+    MORI_THROW(InvalidUsageError,
+               "rank %d has PEs reachable only by RDMA, and the verbs transport is not available in "
+               "this build; set MORI_RDMA_EMULATE=1 to run every PE of one host through the RDMA "
+               "emulator",
+               s.boot->Rank());
+  }
+  std::vector<ShmemRdmaPeer> peers(worldSize);
+  const auto& eps = s.rdma->Peers();
+  auto* scratch = reinterpret_cast<uint64_t*>(reinterpret_cast<uintptr_t>(s.heap->Base()) + scratchOffset);
+  for (int pe = 0; pe < worldSize; pe++) {
+    ShmemRdmaPeer& p = peers[pe];
+    p = ShmemRdmaPeer{};
+    if (s.context->Transport(pe) != TransportType::kRdma) continue;
+    MORI_ENSURE(eps[pe].qps.size() == static_cast<size_t>(cfg.numQpPerPe), InternalError,
+                "RDMA transport gave %zu QPs for PE %d, expected %d", eps[pe].qps.size(), pe,
+                cfg.numQpPerPe);
+    s.rdmaEndpointsDev.push_back(DeviceCopyOf(eps[pe].qps));
+    p.qps = s.rdmaEndpointsDev.back();
+    p.numQps = static_cast<uint32_t>(eps[pe].qps.size());
+    p.rkey = eps[pe].rkey;
+    p.remoteHeapBase = eps[pe].remoteHeapBase;
+    p.scratch = scratch + scratchWordsPerPeer * pe;
+  }
+  s.rdmaPeersDev = DeviceCopyOf(peers);
+  s.devCtx.rdmaPeers = s.rdmaPeersDev;
+  s.devCtx.heapLkey = s.rdma->HeapLkey();
+  MORI_INFO(kLogInit, "rank %d: RDMA transport: %s", s.boot->Rank(), s.rdma->Describe().c_str());
+}
+
 void BuildState(ShmemState& s) {
   MORI_CHECK_GPU(gpuGetDevice(&s.device));
   const int rank = s.boot->Rank(), worldSize = s.boot->WorldSize();
   core::SetLogRank(rank);
   s.context = std::make_unique<application::Context>(*s.boot, s.device);
-  s.heap = std::make_unique<application::SymmetricHeap>(*s.boot, *s.context, core::Env().heapSize);
+  // RDMA is set up when any PE of the job has an RDMA peer (every PE must agree: the transport's
+  // exchanges and the scratch allocation are collective).
+  int32_t myRdmaPeers = 0;
+  for (TransportType t : s.context->Transports()) myRdmaPeers += t == TransportType::kRdma;
+  std::vector<int32_t> rdmaPeerCounts(worldSize);
+  s.boot->Allgather(&myRdmaPeers, rdmaPeerCounts.data(), sizeof(int32_t));
+  bool anyRdma = false;
+  for (int32_t n : rdmaPeerCounts) anyRdma = anyRdma || n > 0;
+  const bool emulate = core::Env().rdmaEmulate;
+  s.heap = std::make_unique<application::SymmetricHeap>(*s.boot, *s.context, core::Env().heapSize,
+                                                        anyRdma && emulate);
   // The internal sync area is the heap's first allocation: offset 0 on every PE, zeroed.
   s.syncAreaOffset = s.heap->Allocator().Allocate(kSyncAreaWords * sizeof(uint64_t), 256);
 
@@ -121,21 +192,27 @@ void BuildState(ShmemState& s) {
   c.wait.timeoutNs = static_cast<uint64_t>(deviceMs) * 1000000ull;
   c.wait.rank = rank;
 
-  int rdmaPeers = 0;
-  for (TransportType t : s.context->Transports()) rdmaPeers += t == TransportType::kRdma;
-  if (rdmaPeers > 0)
-    MORI_WARN(kLogInit,
-              "%d PEs are not P2P-reachable from rank %d and need RDMA, which this build does not "
-              "provide yet; device calls to them will fail with an attributed error",
-              rdmaPeers, rank);
+  c.rdmaPeers = nullptr;
+  c.heapLkey = 0;
+  if (anyRdma) SetUpRdma(s);
   s.boot->Barrier();  // every PE has mapped every heap before anyone uses it
 }
 
 // Device API misuse (bad pe, address outside the heap, ...) is recorded with cmp == -1
 // (kDeviceErrorNotAWait), the detail value in `expected`, and the operation in the label.
-bool IsUsageRecord(const core::DeviceErrorRecord& e) { return e.cmp < 0; }
+bool IsUsageRecord(const core::DeviceErrorRecord& e) { return e.cmp == core::kDeviceErrorNotAWait; }
 
 std::string DescribeDeviceError(const core::DeviceErrorRecord& e) {
+  if (e.cmp == core::kDeviceErrorRdmaCqe)
+    return core::StrFormat("RDMA error completion on rank %d (block %d, thread %d), %s: QP 0x%llx "
+                           "to pe %d, WQE index %llu, syndrome 0x%02llx, vendor syndrome 0x%02llx, "
+                           "send opcode 0x%02llx",
+                           e.rank, e.block, e.thread, e.label,
+                           static_cast<unsigned long long>(e.addr), e.peer,
+                           static_cast<unsigned long long>(e.expected),
+                           static_cast<unsigned long long>(e.seen & 0xff),
+                           static_cast<unsigned long long>((e.seen >> 8) & 0xff),
+                           static_cast<unsigned long long>((e.seen >> 16) & 0xff));
   if (IsUsageRecord(e))
     return core::StrFormat("device API error on rank %d (block %d, thread %d): %s (pe %d, "
                            "address 0x%llx, detail %llu)",
@@ -165,8 +242,12 @@ void RaiseIfDeviceError(ShmemState& s) {
   if (copy.claimed == 0)
     MORI_THROW(TimeoutError, "rank %d: device work was aborted (a host wait expired earlier)",
                s.devCtx.rank);
+  if (copy.cmp == core::kDeviceErrorRdmaCqe)
+    throw core::RemoteError(__FILE__, __LINE__, DescribeDeviceError(copy));
   if (IsUsageRecord(copy)) throw core::InvalidUsageError(__FILE__, __LINE__, DescribeDeviceError(copy));
-  throw core::TimeoutError(__FILE__, __LINE__, DescribeDeviceError(copy));
+  std::string msg = DescribeDeviceError(copy);
+  if (s.rdma && !s.rdma->FatalError().empty()) msg += "; RDMA transport: " + s.rdma->FatalError();
+  throw core::TimeoutError(__FILE__, __LINE__, msg);
 }
 
 // Bounded wait for all of this device's work. The runtime's device synchronisation cannot be
@@ -281,6 +362,8 @@ void ShmemFinalize() {
   }
   try {
     s.boot->Barrier();
+    // Every PE's device work is done: no more work requests will be posted to our emulator.
+    if (s.rdma) s.rdma->Stop();
     // Unmap the peers' heaps everywhere before anyone frees its own, so that the memory is
     // released when finalize returns (see SymmetricHeap::CloseMappings).
     s.heap->CloseMappings();

@@ -100,6 +100,8 @@ using gpuPointerAttributes_t = cudaPointerAttributes;
 #define gpuStreamCreate MORI_GPU_NAME(StreamCreate)
 #define gpuStreamCreateWithFlags MORI_GPU_NAME(StreamCreateWithFlags)
 #define gpuStreamNonBlocking MORI_GPU_NAME(StreamNonBlocking)
+#define gpuStreamCreateWithPriority MORI_GPU_NAME(StreamCreateWithPriority)
+#define gpuDeviceGetStreamPriorityRange MORI_GPU_NAME(DeviceGetStreamPriorityRange)
 #define gpuStreamDestroy MORI_GPU_NAME(StreamDestroy)
 #define gpuStreamSynchronize MORI_GPU_NAME(StreamSynchronize)
 #define gpuStreamQuery MORI_GPU_NAME(StreamQuery)

@@ -10,11 +10,14 @@
 //  * Scope suffix: Thread = the calling thread alone; Warp = every lane of the calling warp calls
 //    with the same arguments (full warps: block size a multiple of core::kWarpSize); Block = every
 //    thread of the block calls with the same arguments. Work is split across the scope's threads.
-//  * Transport: PEs reached by load/store (self, P2P over NVLink/xGMI) are served here. A call to a
-//    PE reached only by RDMA, an unreachable or out-of-range PE, or an address outside the heap
-//    records a device error (see device/resolve.hpp; the host raises it from
-//    ShmemCheckDeviceError / ShmemStreamSynchronize) and returns false / a zero value without
-//    touching memory. Every thread of the scope gets the same result.
+//  * Transport: PEs reached by load/store (self, P2P over NVLink/xGMI) are served with loads and
+//    stores; PEs reached only by RDMA through mlx5 work requests the calling thread (the scope's
+//    leader) posts itself (device/rdma.hpp states what differs there: local buffers of large
+//    puts and of gets must be in the heap, gets complete at quiet, atomics are 64-bit, one QP per
+//    warp). An unreachable or out-of-range PE, or an address outside the heap, records a device
+//    error (see device/resolve.hpp; the host raises it from ShmemCheckDeviceError /
+//    ShmemStreamSynchronize) and returns false / a zero value without touching memory. Every thread
+//    of the scope gets the same result.
 //  * Nbi ("non-blocking") puts are complete, i.e. visible to the target PE, after ShmemQuiet{Thread,
 //    Warp,Block} covering the issuing thread (or the end of the kernel). The source buffer may be
 //    reused as soon as the call returns. Blocking variants = Nbi + a scope-wide system release:
@@ -40,6 +43,7 @@
 #include "mori/core/device/wait.hpp"
 #include "mori/core/gpu.hpp"
 #include "mori/shmem/device/copy.hpp"
+#include "mori/shmem/device/rdma.hpp"
 #include "mori/shmem/device/resolve.hpp"
 #include "mori/shmem/device/scope.hpp"
 #include "mori/shmem/device/shmem_device_types.hpp"
@@ -89,9 +93,14 @@ MORI_DEVICE_INLINE bool PutMemNbi(const ShmemDeviceContext& ctx, void* dest, con
       ScopedCopy<Scope>(reinterpret_cast<void*>(remote), src, bytes);
       return true;
     }
-    case Route::kRdma:
-      st.Set(CallError::kRdmaNotImplemented, reinterpret_cast<uintptr_t>(dest), pe);
-      break;
+    case Route::kRdma: {
+      // The scope's source data (written by any of its threads) is in place before the leader
+      // posts one work request for the whole range.
+      Scope::Sync();
+      const bool ok = Scope::Rank() != 0 || RdmaPut(ctx, pe, dest, src, bytes, op, st);
+      if (!ok && st.code != CallError::kNone) ReportCallError(ctx.wait, pe, op, st);
+      return Scope::Broadcast(ok);
+    }
     default:
       break;
   }
@@ -110,9 +119,12 @@ MORI_DEVICE_INLINE bool GetMemNbi(const ShmemDeviceContext& ctx, void* dest, con
       ScopedCopy<Scope>(dest, reinterpret_cast<const void*>(remote), bytes);
       return true;
     }
-    case Route::kRdma:
-      st.Set(CallError::kRdmaNotImplemented, reinterpret_cast<uintptr_t>(src), pe);
-      break;
+    case Route::kRdma: {
+      Scope::Sync();
+      const bool ok = Scope::Rank() != 0 || RdmaGet(ctx, pe, dest, src, bytes, op, st);
+      if (!ok && st.code != CallError::kNone) ReportCallError(ctx.wait, pe, op, st);
+      return Scope::Broadcast(ok);
+    }
     default:
       break;
   }
@@ -169,9 +181,19 @@ MORI_DEVICE_INLINE bool PutMemSignalNbi(const ShmemDeviceContext& ctx, void* des
       }
       return true;
     }
-    case Route::kRdma:
-      st.Set(CallError::kRdmaNotImplemented, reinterpret_cast<uintptr_t>(dest), pe);
-      break;
+    case Route::kRdma: {
+      if (sigOp != SignalOp::kSet && sigOp != SignalOp::kAdd) {
+        st.Set(CallError::kBadSignalOp, 0, static_cast<uint64_t>(sigOp));
+        break;
+      }
+      // Data, then the signal, on the leader's QP: RC order delivers the data first.
+      Scope::Sync();
+      const bool ok = Scope::Rank() != 0 ||
+                      ((bytes == 0 || RdmaPut(ctx, pe, dest, src, bytes, op, st)) &&
+                       RdmaSignal(ctx, pe, sigAddr, sigValue, sigOp, op, st));
+      if (!ok && st.code != CallError::kNone) ReportCallError(ctx.wait, pe, op, st);
+      return Scope::Broadcast(ok);
+    }
     default:
       break;
   }
@@ -191,8 +213,8 @@ MORI_DEVICE_INLINE T* WordTarget(const ShmemDeviceContext& ctx, const T* addr, i
       if (remote == 0) break;
       return reinterpret_cast<T*>(remote);
     }
-    case Route::kRdma:
-      st.Set(CallError::kRdmaNotImplemented, reinterpret_cast<uintptr_t>(addr), pe);
+    case Route::kRdma:  // callers take the RDMA route before asking for a load/store target
+      st.Set(CallError::kRdmaUnsupported, reinterpret_cast<uintptr_t>(addr), sizeof(T));
       break;
     default:
       break;
@@ -218,9 +240,68 @@ MORI_DEVICE_INLINE T* ImmediateTarget(const ShmemDeviceContext& ctx, const T* ad
   return WordTarget(ctx, addr, pe, op);
 }
 
+MORI_DEVICE_INLINE bool IsRdma(const ShmemDeviceContext& ctx, int pe) {
+  return static_cast<unsigned>(pe) < static_cast<unsigned>(ctx.worldSize) &&
+         ctx.transport[pe] == TransportType::kRdma;
+}
+
+// Blocking completion of a scope's operation to `pe`: the scope-wide system release of the
+// load/store route, plus (RDMA) the leader's quiet of every QP to `pe`. Every thread gets the result.
+template <class Scope>
+MORI_DEVICE_INLINE bool CompleteToPe(const ShmemDeviceContext& ctx, int pe, bool ok,
+                                     const char* op) {
+  ScopeFenceAcqRelSystem<Scope>();
+  if (!ok || !IsRdma(ctx, pe)) return ok;
+  const bool quiet = Scope::Rank() != 0 || RdmaQuietPe(ctx, pe, op);
+  return Scope::Broadcast(quiet);
+}
+
+// RDMA route of the single-word operations (Thread scope). Atomics are 64-bit only.
+template <typename T>
+MORI_DEVICE_INLINE bool RdmaWord(const ShmemDeviceContext& ctx, const T* addr, int pe,
+                                 rdma::WqeKind kind, uint64_t swapAdd, uint64_t compare, bool fetch,
+                                 T* old, const char* op) {
+  CallStatus st;
+  uint64_t v = 0;
+  bool ok = false;
+  if (kind != rdma::WqeKind::kRead && sizeof(T) != sizeof(uint64_t)) {
+    st.Set(CallError::kRdmaUnsupported, reinterpret_cast<uintptr_t>(addr), sizeof(T));
+  } else {
+    ok = RdmaFetchOp(ctx, pe, addr, kind, sizeof(T), swapAdd, compare, fetch, &v, op, st);
+  }
+  if (!ok) {
+    if (st.code != CallError::kNone) ReportCallError(ctx.wait, pe, op, st);
+    return false;
+  }
+  if (fetch && old != nullptr) {
+    T r;
+    memcpy(&r, &v, sizeof(T));
+    *old = r;
+  }
+  return true;
+}
+
+// Inline RDMA write of one value (Thread scope).
+template <typename T>
+MORI_DEVICE_INLINE bool RdmaPutWord(const ShmemDeviceContext& ctx, T* dest, T value, int pe,
+                                    const char* op) {
+  CallStatus st;
+  if ((reinterpret_cast<uintptr_t>(dest) & (alignof(T) - 1)) != 0) {
+    st.Set(CallError::kMisaligned, reinterpret_cast<uintptr_t>(dest), alignof(T));
+  } else if (RdmaPut(ctx, pe, dest, &value, sizeof(T), op, st)) {
+    return true;
+  }
+  if (st.code != CallError::kNone) ReportCallError(ctx.wait, pe, op, st);
+  return false;
+}
+
 // One arrival at PE p's device barrier counter.
 MORI_DEVICE_INLINE bool BarrierArrive(const ShmemDeviceContext& ctx, int p) {
   uint64_t* word = ctx.syncArea + kSyncWordDeviceBarrier;
+  if (IsRdma(ctx, p)) {
+    return RdmaWord<uint64_t>(ctx, word, p, rdma::WqeKind::kFetchAdd, 1, 0, false, nullptr,
+                              "ShmemBarrierAll");
+  }
   uint64_t* remote = WordTarget(ctx, word, p, "ShmemBarrierAll");
   if (remote == nullptr) return false;
   core::AtomicFetchAddReleaseSystem(remote, uint64_t{1});
@@ -261,22 +342,19 @@ MORI_DEVICE_INLINE bool ShmemPutMemThread(const ShmemDeviceContext& ctx, void* d
                                           const void* src, size_t bytes, int pe) {
   const bool ok =
       detail::PutMemNbi<detail::ThreadScope>(ctx, dest, src, bytes, pe, "ShmemPutMemThread");
-  core::FenceAcqRelSystem();
-  return ok;
+  return detail::CompleteToPe<detail::ThreadScope>(ctx, pe, ok, "ShmemPutMemThread");
 }
 MORI_DEVICE_INLINE bool ShmemPutMemWarp(const ShmemDeviceContext& ctx, void* dest, const void* src,
                                         size_t bytes, int pe) {
   const bool ok =
       detail::PutMemNbi<detail::WarpScope>(ctx, dest, src, bytes, pe, "ShmemPutMemWarp");
-  detail::ScopeFenceAcqRelSystem<detail::WarpScope>();
-  return ok;
+  return detail::CompleteToPe<detail::WarpScope>(ctx, pe, ok, "ShmemPutMemWarp");
 }
 MORI_DEVICE_INLINE bool ShmemPutMemBlock(const ShmemDeviceContext& ctx, void* dest, const void* src,
                                          size_t bytes, int pe) {
   const bool ok =
       detail::PutMemNbi<detail::BlockScope>(ctx, dest, src, bytes, pe, "ShmemPutMemBlock");
-  detail::ScopeFenceAcqRelSystem<detail::BlockScope>();
-  return ok;
+  return detail::CompleteToPe<detail::BlockScope>(ctx, pe, ok, "ShmemPutMemBlock");
 }
 
 // Immediate put of one arithmetic value (a single store of sizeof(T) bytes) to symmetric `dest`
@@ -284,6 +362,7 @@ MORI_DEVICE_INLINE bool ShmemPutMemBlock(const ShmemDeviceContext& ctx, void* de
 template <typename T>
 MORI_DEVICE_INLINE bool ShmemPutTypeNbiThread(const ShmemDeviceContext& ctx, T* dest,
                                               detail::NonDeduced<T> value, int pe) {
+  if (detail::IsRdma(ctx, pe)) return detail::RdmaPutWord<T>(ctx, dest, value, pe, "ShmemPutTypeNbiThread");
   T* p = detail::ImmediateTarget(ctx, dest, pe, "ShmemPutTypeNbiThread");
   if (p == nullptr) return false;
   *reinterpret_cast<volatile T*>(p) = value;
@@ -293,8 +372,7 @@ template <typename T>
 MORI_DEVICE_INLINE bool ShmemPutTypeThread(const ShmemDeviceContext& ctx, T* dest,
                                            detail::NonDeduced<T> value, int pe) {
   const bool ok = ShmemPutTypeNbiThread<T>(ctx, dest, value, pe);
-  core::FenceAcqRelSystem();
-  return ok;
+  return detail::CompleteToPe<detail::ThreadScope>(ctx, pe, ok, "ShmemPutTypeThread");
 }
 
 // =============================================================================================
@@ -318,27 +396,29 @@ MORI_DEVICE_INLINE bool ShmemGetMemThread(const ShmemDeviceContext& ctx, void* d
                                           const void* src, size_t bytes, int pe) {
   const bool ok =
       detail::GetMemNbi<detail::ThreadScope>(ctx, dest, src, bytes, pe, "ShmemGetMemThread");
-  core::FenceAcqRelSystem();
-  return ok;
+  return detail::CompleteToPe<detail::ThreadScope>(ctx, pe, ok, "ShmemGetMemThread");
 }
 MORI_DEVICE_INLINE bool ShmemGetMemWarp(const ShmemDeviceContext& ctx, void* dest, const void* src,
                                         size_t bytes, int pe) {
   const bool ok =
       detail::GetMemNbi<detail::WarpScope>(ctx, dest, src, bytes, pe, "ShmemGetMemWarp");
-  detail::ScopeFenceAcqRelSystem<detail::WarpScope>();
-  return ok;
+  return detail::CompleteToPe<detail::WarpScope>(ctx, pe, ok, "ShmemGetMemWarp");
 }
 MORI_DEVICE_INLINE bool ShmemGetMemBlock(const ShmemDeviceContext& ctx, void* dest, const void* src,
                                          size_t bytes, int pe) {
   const bool ok =
       detail::GetMemNbi<detail::BlockScope>(ctx, dest, src, bytes, pe, "ShmemGetMemBlock");
-  detail::ScopeFenceAcqRelSystem<detail::BlockScope>();
-  return ok;
+  return detail::CompleteToPe<detail::BlockScope>(ctx, pe, ok, "ShmemGetMemBlock");
 }
 
 // Single load of one arithmetic value from symmetric `src` on PE `pe` (T{} on error).
 template <typename T>
 MORI_DEVICE_INLINE T ShmemGetType(const ShmemDeviceContext& ctx, const T* src, int pe) {
+  if (detail::IsRdma(ctx, pe)) {
+    T v{};
+    detail::RdmaWord<T>(ctx, src, pe, detail::rdma::WqeKind::kRead, 0, 0, true, &v, "ShmemGetType");
+    return v;
+  }
   const T* p = detail::ImmediateTarget(ctx, src, pe, "ShmemGetType");
   if (p == nullptr) return T{};
   return *reinterpret_cast<const volatile T*>(p);
@@ -388,12 +468,22 @@ MORI_DEVICE_INLINE bool ShmemSignalThread(const ShmemDeviceContext& ctx, uint64_
 template <typename T>
 MORI_DEVICE_INLINE T ShmemAtomicFetchAdd(const ShmemDeviceContext& ctx, T* dest,
                                          detail::NonDeduced<T> value, int pe) {
+  if (detail::IsRdma(ctx, pe)) {
+    T old{};
+    detail::RdmaWord<T>(ctx, dest, pe, detail::rdma::WqeKind::kFetchAdd, static_cast<uint64_t>(value),
+                        0, true, &old, "ShmemAtomicFetchAdd");
+    return old;
+  }
   T* p = detail::AtomicTarget(ctx, dest, pe, "ShmemAtomicFetchAdd");
   return p == nullptr ? T{} : core::AtomicFetchAddSystem(p, value);
 }
 template <typename T>
 MORI_DEVICE_INLINE bool ShmemAtomicAdd(const ShmemDeviceContext& ctx, T* dest,
                                        detail::NonDeduced<T> value, int pe) {
+  if (detail::IsRdma(ctx, pe)) {
+    return detail::RdmaWord<T>(ctx, dest, pe, detail::rdma::WqeKind::kFetchAdd,
+                               static_cast<uint64_t>(value), 0, false, nullptr, "ShmemAtomicAdd");
+  }
   T* p = detail::AtomicTarget(ctx, dest, pe, "ShmemAtomicAdd");
   if (p == nullptr) return false;
   core::AtomicFetchAddSystem(p, value);
@@ -404,23 +494,58 @@ template <typename T>
 MORI_DEVICE_INLINE T ShmemAtomicCompareSwap(const ShmemDeviceContext& ctx, T* dest,
                                             detail::NonDeduced<T> compare,
                                             detail::NonDeduced<T> value, int pe) {
+  if (detail::IsRdma(ctx, pe)) {
+    T old{};
+    detail::RdmaWord<T>(ctx, dest, pe, detail::rdma::WqeKind::kCompareSwap,
+                        static_cast<uint64_t>(value), static_cast<uint64_t>(compare), true, &old,
+                        "ShmemAtomicCompareSwap");
+    return old;
+  }
   T* p = detail::AtomicTarget(ctx, dest, pe, "ShmemAtomicCompareSwap");
   return p == nullptr ? T{} : core::AtomicCasSystem(p, compare, value);
 }
 template <typename T>
 MORI_DEVICE_INLINE T ShmemAtomicSwap(const ShmemDeviceContext& ctx, T* dest,
                                      detail::NonDeduced<T> value, int pe) {
+  if (detail::IsRdma(ctx, pe)) {  // no swap verb: compare-swap until the value did not change
+    T seen{};
+    if (!detail::RdmaWord<T>(ctx, dest, pe, detail::rdma::WqeKind::kFetchAdd, 0, 0, true, &seen,
+                             "ShmemAtomicSwap"))
+      return T{};
+    for (;;) {
+      T got{};
+      if (!detail::RdmaWord<T>(ctx, dest, pe, detail::rdma::WqeKind::kCompareSwap,
+                               static_cast<uint64_t>(value), static_cast<uint64_t>(seen), true,
+                               &got, "ShmemAtomicSwap"))
+        return T{};
+      if (got == seen) return seen;
+      seen = got;
+    }
+  }
   T* p = detail::AtomicTarget(ctx, dest, pe, "ShmemAtomicSwap");
   return p == nullptr ? T{} : core::AtomicSwapSystem(p, value);
 }
 template <typename T>
 MORI_DEVICE_INLINE T ShmemAtomicFetch(const ShmemDeviceContext& ctx, const T* src, int pe) {
+  if (detail::IsRdma(ctx, pe)) {
+    T v{};
+    detail::RdmaWord<T>(ctx, src, pe, detail::rdma::WqeKind::kFetchAdd, 0, 0, true, &v,
+                        "ShmemAtomicFetch");
+    return v;
+  }
   T* p = detail::AtomicTarget(ctx, src, pe, "ShmemAtomicFetch");
   return p == nullptr ? T{} : core::AtomicLoadAcquireSystem(p);
 }
 template <typename T>
 MORI_DEVICE_INLINE bool ShmemAtomicSet(const ShmemDeviceContext& ctx, T* dest,
                                        detail::NonDeduced<T> value, int pe) {
+  if (detail::IsRdma(ctx, pe)) {  // an 8-byte inline write: single-copy atomic at the target
+    if (sizeof(T) != sizeof(uint64_t)) {
+      return detail::RdmaWord<T>(ctx, dest, pe, detail::rdma::WqeKind::kFetchAdd, 0, 0, false,
+                                 nullptr, "ShmemAtomicSet");  // records "not supported over RDMA"
+    }
+    return detail::RdmaPutWord<T>(ctx, dest, value, pe, "ShmemAtomicSet");
+  }
   T* p = detail::AtomicTarget(ctx, dest, pe, "ShmemAtomicSet");
   if (p == nullptr) return false;
   core::AtomicStoreReleaseSystem(p, value);
@@ -448,7 +573,10 @@ MORI_DEVICE_INLINE bool ShmemSignalWaitUntil(const ShmemDeviceContext& ctx, uint
 }
 
 // =============================================================================================
-// Quiet / fence. P2P stores complete through the memory system, so both are a system fence:
+// Quiet / fence. P2P stores complete through the memory system, so both are a system fence; quiet
+// also waits until every RDMA work request posted so far (by any thread of this PE, to any PE)
+// has completed; fence needs nothing more for RDMA, since a thread keeps to one QP per peer and RC
+// executes a QP's requests in order:
 //   ShmemQuietThread: every put/atomic this thread issued before is complete and visible on its
 //                     target PE (and the source buffers are reusable). Sequentially consistent
 //                     (fence.sc.sys), so it also orders those puts before this thread's later
@@ -460,17 +588,24 @@ MORI_DEVICE_INLINE bool ShmemSignalWaitUntil(const ShmemDeviceContext& ctx, uint
 //   ShmemFenceThread: puts/atomics this thread issued before are ordered before those it issues
 //                     after, per target PE (an acq_rel system fence: ordering, not completion).
 // =============================================================================================
-MORI_DEVICE_INLINE void ShmemQuietThread(const ShmemDeviceContext&) {
+MORI_DEVICE_INLINE void ShmemQuietThread(const ShmemDeviceContext& ctx) {
   core::FenceSystem();
+  detail::RdmaQuietAll(ctx, "ShmemQuietThread");
 }
-MORI_DEVICE_INLINE void ShmemQuietWarp(const ShmemDeviceContext&) {
+MORI_DEVICE_INLINE void ShmemQuietWarp(const ShmemDeviceContext& ctx) {
   detail::WarpScope::Sync();
-  if (detail::WarpScope::Rank() == 0) core::FenceSystem();
+  if (detail::WarpScope::Rank() == 0) {
+    core::FenceSystem();
+    detail::RdmaQuietAll(ctx, "ShmemQuietWarp");
+  }
   detail::WarpScope::Sync();
 }
-MORI_DEVICE_INLINE void ShmemQuietBlock(const ShmemDeviceContext&) {
+MORI_DEVICE_INLINE void ShmemQuietBlock(const ShmemDeviceContext& ctx) {
   detail::BlockScope::Sync();
-  if (detail::BlockScope::Rank() == 0) core::FenceSystem();
+  if (detail::BlockScope::Rank() == 0) {
+    core::FenceSystem();
+    detail::RdmaQuietAll(ctx, "ShmemQuietBlock");
+  }
   detail::BlockScope::Sync();
 }
 MORI_DEVICE_INLINE void ShmemFenceThread(const ShmemDeviceContext&) {
@@ -493,7 +628,7 @@ MORI_DEVICE_INLINE bool ShmemBarrierAllThread(const ShmemDeviceContext& ctx) {
   core::FenceAcqRelSystem();  // this thread's puts before its arrivals
   const uint64_t epoch = *ctx.barrierEpoch + 1;
   *ctx.barrierEpoch = epoch;
-  bool ok = true;
+  bool ok = detail::RdmaQuietAll(ctx, "ShmemBarrierAll");  // RDMA puts complete before arrivals
   for (int p = 0; p < ctx.worldSize; p++) ok = detail::BarrierArrive(ctx, p) && ok;
   return ok && detail::BarrierWait(ctx, epoch);
 }
@@ -504,7 +639,8 @@ MORI_DEVICE_INLINE bool ShmemBarrierAllBlock(const ShmemDeviceContext& ctx) {
   const uint64_t epoch = *ctx.barrierEpoch + 1;
   // Every thread's puts before any arrival: sync, one acq_rel system fence (cumulative), sync.
   detail::ScopeFenceAcqRelSystem<detail::BlockScope>();
-  bool ok = true;
+  // RDMA puts complete before any arrival (the leader quiets every QP; completion is global).
+  bool ok = detail::BlockScope::Broadcast(tid != 0 || detail::RdmaQuietAll(ctx, "ShmemBarrierAll"));
   for (int p = tid; p < ctx.worldSize; p += nthreads) ok = detail::BarrierArrive(ctx, p) && ok;
   ok = __syncthreads_and(ok) != 0;
   if (tid == 0) {

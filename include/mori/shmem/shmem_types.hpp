@@ -6,6 +6,7 @@
 
 #include "mori/application/transport_types.hpp"
 #include "mori/core/device/wait.hpp"
+#include "mori/core/transport/rdma_queue.hpp"
 
 namespace mori::shmem {
 
@@ -14,6 +15,16 @@ using application::TransportTypeName;
 
 // Slots of the internal synchronisation area (carved from the symmetric heap at init).
 constexpr int kSyncAreaWords = 64;  // uint64 words reserved at heap offset 0 for internal sync
+
+// How kernels of this PE reach one RDMA peer (device pointers); built by shmem init from the
+// application layer's RdmaTransport.
+struct ShmemRdmaPeer {
+  const core::rdma::QpEndpoint* qps;  // numQps connected RC endpoints to the peer
+  uint32_t numQps;
+  uint32_t rkey;            // the peer's heap key
+  uint64_t remoteHeapBase;  // the peer's heap base as its NIC addresses it
+  uint64_t* scratch;        // numQps * 2 * (SQ blocks) words in this PE's heap: fetched values
+};
 
 // Everything a kernel needs to use the shmem device API. Obtained on the host from
 // ShmemGetDeviceContext() and passed to kernels by value (it lives in kernel parameter space,
@@ -29,6 +40,9 @@ struct ShmemDeviceContext {
   uint64_t* syncArea;        // symmetric; internal barrier counters (kSyncAreaWords words)
   uint64_t* barrierEpoch;    // local, non-symmetric: epoch of the last device barrier, per PE
   core::WaitContext wait;    // timeout + error record for every bounded wait
+  const ShmemRdmaPeer* rdmaPeers;  // [worldSize] (entries of non-RDMA PEs unused); nullptr when
+                                   // no PE of the job is reached by RDMA
+  uint32_t heapLkey;               // this PE's heap key (local side of RDMA work requests)
 };
 
 // A symmetric allocation: same offset in every PE's heap.

@@ -7,7 +7,8 @@
 
 namespace mori::application {
 
-SymmetricHeap::SymmetricHeap(BootstrapNetwork& boot, const Context& context, uint64_t bytes)
+SymmetricHeap::SymmetricHeap(BootstrapNetwork& boot, const Context& context, uint64_t bytes,
+                             bool mapRdmaPeers)
     : size(bytes), allocator(bytes) {
   const int worldSize = boot.WorldSize();
   MORI_ENSURE(bytes >= 4096, InvalidUsageError,
@@ -41,15 +42,24 @@ SymmetricHeap::SymmetricHeap(BootstrapNetwork& boot, const Context& context, uin
     boot.Allgather(&mine, handles.data(), sizeof(gpuIpcMemHandle_t));
 
     peerBases.assign(worldSize, 0);
+    hostAccessBases.assign(worldSize, 0);
+    const char* myNode = context.Peer(boot.Rank()).nodeId;
     for (int pe = 0; pe < worldSize; pe++) {
       if (pe == boot.Rank()) {
         peerBases[pe] = reinterpret_cast<uintptr_t>(base);
-      } else if (context.Transport(pe) == TransportType::kP2P) {
-        void* mapped = nullptr;
-        MORI_CHECK_GPU(gpuIpcOpenMemHandle(&mapped, handles[pe], gpuIpcMemLazyEnablePeerAccess));
-        openedHandles.push_back(mapped);
-        peerBases[pe] = reinterpret_cast<uintptr_t>(mapped);
+        hostAccessBases[pe] = peerBases[pe];
+        continue;
       }
+      const bool p2p = context.Transport(pe) == TransportType::kP2P;
+      const bool emulatedRdma =
+          mapRdmaPeers && context.Transport(pe) == TransportType::kRdma &&
+          std::strncmp(context.Peer(pe).nodeId, myNode, sizeof(PeerRecord::nodeId)) == 0;
+      if (!p2p && !emulatedRdma) continue;
+      void* mapped = nullptr;
+      MORI_CHECK_GPU(gpuIpcOpenMemHandle(&mapped, handles[pe], gpuIpcMemLazyEnablePeerAccess));
+      openedHandles.push_back(mapped);
+      hostAccessBases[pe] = reinterpret_cast<uintptr_t>(mapped);
+      if (p2p) peerBases[pe] = hostAccessBases[pe];
     }
     MORI_CHECK_GPU(gpuDeviceSynchronize());
   } catch (...) {
@@ -66,8 +76,10 @@ void SymmetricHeap::CloseMappings() {
     if (e != gpuSuccess) MORI_WARN(kLogMem, "closing IPC mapping %p failed: %s", p, gpuGetErrorString(e));
   }
   openedHandles.clear();
-  for (size_t pe = 0; pe < peerBases.size(); pe++)
+  for (size_t pe = 0; pe < peerBases.size(); pe++) {
     if (peerBases[pe] != reinterpret_cast<uintptr_t>(base)) peerBases[pe] = 0;
+    if (hostAccessBases[pe] != reinterpret_cast<uintptr_t>(base)) hostAccessBases[pe] = 0;
+  }
 }
 
 void SymmetricHeap::Release() {

@@ -101,8 +101,21 @@ EmuMemoryRegion QueueEmulator::RegisterMemory(int pe, void* base, size_t length,
   std::lock_guard<std::mutex> lock(mu);
   // Keys: index in the upper bits, a constant tag in the low byte (0 is never a key).
   const uint32_t key = (static_cast<uint32_t>(regions.size() + 1) << 8) | 0xa5u;
-  regions.push_back(Region{pe, static_cast<uint8_t*>(base), length, access, key, true});
+  regions.push_back(Region{pe, static_cast<uint8_t*>(base), reinterpret_cast<uint64_t>(base), length,
+                           access, key, true});
   return EmuMemoryRegion{key, key};
+}
+
+void QueueEmulator::RegisterMemoryAs(int pe, uint32_t key, uint64_t iova, void* access,
+                                     size_t length, uint32_t accessFlags) {
+  MORI_ENSURE(access != nullptr && length > 0 && key != 0, InvalidUsageError,
+              "RegisterMemoryAs: empty region or zero key (pe %d, key 0x%x, length %zu)", pe, key,
+              length);
+  std::lock_guard<std::mutex> lock(mu);
+  for (const Region& r : regions)
+    MORI_ENSURE(!(r.live && r.pe == pe && r.key == key), InvalidUsageError,
+                "RegisterMemoryAs: PE %d already has a region with key 0x%x", pe, key);
+  regions.push_back(Region{pe, static_cast<uint8_t*>(access), iova, length, accessFlags, key, true});
 }
 
 void QueueEmulator::DeregisterMemory(uint32_t lkey) {
@@ -136,7 +149,7 @@ const QueueEmulator::Region* QueueEmulator::FindRegion(int pe, uint32_t key, uin
   for (const Region& r : regions) {
     if (!r.live || r.key != key || r.pe != pe) continue;
     if ((r.access & access) != access) return nullptr;
-    const uint64_t base = reinterpret_cast<uint64_t>(r.base);
+    const uint64_t base = r.iova;
     if (addr < base || len > r.length || addr - base > r.length - len) return nullptr;
     return &r;
   }
@@ -286,23 +299,28 @@ uint32_t QueueEmulator::ExecuteWqe(Qp& qp, uint64_t blk) {
             const uint32_t len = hdr;
             const uint32_t lkey = mlx5::BeToHost32(mlx5::detail::Load32(w, off + 4));
             const uint64_t addr = mlx5::BeToHost64(mlx5::detail::LoadWord<uint64_t>(w, off + 8));
-            if (len > 0 && !FindRegion(c.pe, lkey, addr, len, isRead ? kEmuLocalWrite : 0, false)) {
+            const Region* lr =
+                len > 0 ? FindRegion(c.pe, lkey, addr, len, isRead ? kEmuLocalWrite : 0, false)
+                        : nullptr;
+            if (len > 0 && lr == nullptr) {
               failWith(mlx5::kSyndromeLocalProtErr, "bad lkey or local address");
               break;
             }
-            pieces[numPieces++] = Piece{reinterpret_cast<uint8_t*>(addr), nullptr, len};
+            pieces[numPieces++] = Piece{lr ? Translate(lr, addr) : nullptr, nullptr, len};
             total += len;
             off += mlx5::kSegmentBytes;
           }
         }
         if (fail.why != nullptr) break;
         const uint64_t ra = raddr();
-        if (total > 0 && !FindRegion(c.remotePe, rkey(), ra, total,
-                                     isRead ? kEmuRemoteRead : kEmuRemoteWrite, true)) {
+        const Region* rr = total > 0 ? FindRegion(c.remotePe, rkey(), ra, total,
+                                                  isRead ? kEmuRemoteRead : kEmuRemoteWrite, true)
+                                     : nullptr;
+        if (total > 0 && rr == nullptr) {
           failWith(mlx5::kSyndromeRemoteAccessErr, "bad rkey, access or remote address");
           break;
         }
-        uint8_t* remote = reinterpret_cast<uint8_t*>(ra);
+        uint8_t* remote = rr ? Translate(rr, ra) : nullptr;
         for (uint32_t i = 0; i < numPieces; i++) {
           const Piece& p = pieces[i];
           if (isRead) {
@@ -328,7 +346,8 @@ uint32_t QueueEmulator::ExecuteWqe(Qp& qp, uint64_t blk) {
         const uint32_t lkey = mlx5::BeToHost32(mlx5::detail::Load32(w, 52));
         const uint64_t laddr = mlx5::BeToHost64(mlx5::detail::LoadWord<uint64_t>(w, 56));
         const uint64_t ra = raddr();
-        if (len != 8 || !FindRegion(c.pe, lkey, laddr, 8, kEmuLocalWrite, false)) {
+        const Region* lr = len == 8 ? FindRegion(c.pe, lkey, laddr, 8, kEmuLocalWrite, false) : nullptr;
+        if (lr == nullptr) {
           failWith(mlx5::kSyndromeLocalProtErr, "bad lkey or local result address");
           break;
         }
@@ -336,14 +355,15 @@ uint32_t QueueEmulator::ExecuteWqe(Qp& qp, uint64_t blk) {
           failWith(mlx5::kSyndromeRemoteInvalReqErr, "misaligned atomic target");
           break;
         }
-        if (!FindRegion(c.remotePe, rkey(), ra, 8, kEmuRemoteAtomic, true)) {
+        const Region* rr = FindRegion(c.remotePe, rkey(), ra, 8, kEmuRemoteAtomic, true);
+        if (rr == nullptr) {
           failWith(mlx5::kSyndromeRemoteAccessErr, "bad rkey, access or remote address");
           break;
         }
-        void* target = reinterpret_cast<void*>(ra);
+        void* target = Translate(rr, ra);
         const uint64_t old = opcode == mlx5::kOpAtomicFa ? mem->FetchAdd64(target, swapAdd)
                                                          : mem->CompareSwap64(target, compare, swapAdd);
-        mem->Copy(reinterpret_cast<void*>(laddr), &old, 8);  // host order (8-byte HCA atomics)
+        mem->Copy(Translate(lr, laddr), &old, 8);  // host order (8-byte HCA atomics)
         byteCount = 8;
         break;
       }
@@ -398,7 +418,17 @@ size_t QueueEmulator::ProcessOnce() {
 void QueueEmulator::Worker() {
   uint32_t idle = 0;
   while (!stopRequested.load(std::memory_order_acquire)) {
-    if (ProcessOnce() > 0) {
+    size_t done = 0;
+    try {
+      done = ProcessOnce();
+    } catch (const std::exception& e) {
+      // A memory accessor failure (e.g. a GPU copy that did not finish in time): the emulator can
+      // no longer make progress. Posters time out on their completions; FatalError() says why.
+      std::lock_guard<std::mutex> lock(mu);
+      SetFatal(std::string("worker stopped: ") + e.what());
+      break;
+    }
+    if (done > 0) {
       idle = 0;
       continue;
     }

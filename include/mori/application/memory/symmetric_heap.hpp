@@ -16,8 +16,11 @@ namespace mori::application {
 class SymmetricHeap {
  public:
   // Collective. Allocates `bytes` on the current GPU (zeroed), exchanges IPC handles and opens
-  // them for every P2P peer.
-  SymmetricHeap(BootstrapNetwork& boot, const Context& context, uint64_t bytes);
+  // them for every P2P peer. With `mapRdmaPeers` (the RDMA emulator), also for the RDMA peers that
+  // run on this host: those mappings serve host-side access only (HostAccessBase), never kernels'
+  // loads and stores (PeerBase stays 0 for them).
+  SymmetricHeap(BootstrapNetwork& boot, const Context& context, uint64_t bytes,
+                bool mapRdmaPeers = false);
   // Not collective by itself: callers barrier before destroying (peers may still access it).
   ~SymmetricHeap();
   SymmetricHeap(const SymmetricHeap&) = delete;
@@ -40,6 +43,9 @@ class SymmetricHeap {
   // Base of PE pe's heap as mapped in this process; 0 when not load/store reachable.
   uintptr_t PeerBase(int pe) const { return peerBases[pe]; }
   const std::vector<uintptr_t>& PeerBases() const { return peerBases; }
+  // Base of PE pe's heap as mapped in this process for copies issued by the host (P2P peers, and
+  // RDMA peers on this host when constructed with mapRdmaPeers); 0 when not mapped.
+  uintptr_t HostAccessBase(int pe) const { return hostAccessBases[pe]; }
   HeapAllocator& Allocator() { return allocator; }
   const HeapAllocator& Allocator() const { return allocator; }
 
@@ -49,6 +55,7 @@ class SymmetricHeap {
   void* base = nullptr;
   uint64_t size = 0;
   std::vector<uintptr_t> peerBases;
+  std::vector<uintptr_t> hostAccessBases;
   std::vector<void*> openedHandles;  // IPC mappings to close
   HeapAllocator allocator;
 };

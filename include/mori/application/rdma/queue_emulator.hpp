@@ -90,8 +90,15 @@ class QueueEmulator {
   QueueEmulator(const QueueEmulator&) = delete;
   QueueEmulator& operator=(const QueueEmulator&) = delete;
 
-  // Registers [base, base+length) of PE `pe`; keys are unique per emulator.
+  // Registers [base, base+length) of PE `pe`; keys are unique per emulator. WQEs address the
+  // region by `base` itself.
   EmuMemoryRegion RegisterMemory(int pe, void* base, size_t length, uint32_t access);
+  // Registers a region of PE `pe` under a key chosen elsewhere (the key that PE's own registration
+  // produced, exchanged as a real rkey would be). WQEs address it by `iova` (the address PE `pe`
+  // registered, e.g. its heap base in its own process); the emulator touches it at `access`
+  // (e.g. this process's IPC mapping of that memory). (pe, key) must be new.
+  void RegisterMemoryAs(int pe, uint32_t key, uint64_t iova, void* access, size_t length,
+                        uint32_t accessFlags);
   void DeregisterMemory(uint32_t lkey);
   // Adds a QP (its SQ producer is read from *sqDbrec; it starts at 0). Returns its index. The
   // rings, records and regions must outlive the emulator's processing: Stop() (or destroy the
@@ -115,7 +122,8 @@ class QueueEmulator {
  private:
   struct Region {
     int pe;
-    uint8_t* base;
+    uint8_t* base;  // where the emulator touches the memory
+    uint64_t iova;  // the address WQEs use for `base`
     size_t length;
     uint32_t access;
     uint32_t key;
@@ -133,6 +141,7 @@ class QueueEmulator {
   uint32_t ExecuteWqe(Qp& qp, uint64_t blk);
   const Region* FindRegion(int pe, uint32_t key, uint64_t addr, uint64_t len, uint32_t access,
                            bool remote) const;
+  static uint8_t* Translate(const Region* r, uint64_t addr) { return r->base + (addr - r->iova); }
   void WriteCqe(Qp& qp, const core::mlx5::Mlx5CqeFields& f);
   void WriteRecvCqe(Qp& qp, uint32_t imm, uint32_t byteCount);
   void Worker();

@@ -55,6 +55,22 @@ struct WaitContext {
   int32_t rank;
 };
 
+// DeviceErrorRecord::cmp values of records that are not a timed-out wait.
+constexpr int32_t kDeviceErrorNotAWait = -1;  // invalid call: label says what, `expected` a detail
+constexpr int32_t kDeviceErrorRdmaCqe = -2;   // RDMA error completion: addr = QPN, expected = WQE
+                                              // index, seen = syndrome | vendor << 8 | opcode << 16
+
+// The fields of one error besides who reports it (rank, block, thread come from the caller).
+struct DeviceErrorFields {
+  int32_t peer;
+  int32_t cmp;  // CmpOp of a timed-out wait, or a kDeviceError* code
+  int32_t valueBytes;
+  uint64_t addr;
+  uint64_t expected;
+  uint64_t seen;
+  uint64_t elapsedNs;
+};
+
 #if defined(__CUDACC__) || defined(__HIPCC__)
 
 template <typename T>
@@ -74,36 +90,60 @@ MORI_DEVICE_INLINE bool DeviceAborted(const WaitContext& ctx) {
   return ctx.err != nullptr && AtomicLoadRelaxedSystem(&ctx.err->abortFlag) != 0;
 }
 
-// Records an error (first caller wins) and raises the abort flag.
+// The one writer of the error record. The first caller claims it, fills it with `f` and the label
+// l0 + l1 + l2 (truncated), fences, and only then raises the abort flag: the host reads the record
+// only once the flag is up, so it never sees a half-written one. Later callers (an error is
+// already recorded) only raise the flag. Returns true for the caller that claimed the record.
+__device__ __noinline__ inline bool RecordDeviceError(const WaitContext& ctx,
+                                                      const DeviceErrorFields& f, const char* l0,
+                                                      const char* l1 = nullptr,
+                                                      const char* l2 = nullptr) {
+  DeviceErrorRecord* e = ctx.err;
+  if (e == nullptr) return false;
+  if (AtomicCasSystem<uint32_t>(&e->claimed, 0u, 1u) != 0u) {
+    AtomicStoreRelaxedSystem<uint32_t>(&e->abortFlag, 1u);
+    return false;
+  }
+  e->rank = ctx.rank;
+  e->peer = f.peer;
+  e->block = static_cast<int32_t>(blockIdx.x);
+  e->thread = static_cast<int32_t>(threadIdx.x);
+  e->cmp = f.cmp;
+  e->valueBytes = f.valueBytes;
+  e->addr = f.addr;
+  e->expected = f.expected;
+  e->seen = f.seen;
+  e->elapsedNs = f.elapsedNs;
+  int i = 0;
+  const char* parts[3] = {l0, l1, l2};
+  for (const char* part : parts) {
+    for (int j = 0; part != nullptr && part[j] != '\0' && i < kDeviceErrorLabelLen - 1; j++)
+      e->label[i++] = part[j];
+  }
+  e->label[i] = '\0';
+  FenceSystem();
+  AtomicStoreRelaxedSystem<uint32_t>(&e->abortFlag, 1u);
+  return true;
+}
+
+// Records a timed-out wait (first error wins), prints one line, raises the abort flag.
 template <typename T>
 __device__ __noinline__ void RecordWaitTimeout(const WaitContext& ctx, int peer, const char* label,
                                                const T* addr, CmpOp op, T target, T seen,
                                                uint64_t elapsedNs) {
-  DeviceErrorRecord* e = ctx.err;
-  if (e != nullptr && AtomicCasSystem<uint32_t>(&e->claimed, 0u, 1u) == 0u) {
-    e->rank = ctx.rank;
-    e->peer = peer;
-    e->block = static_cast<int32_t>(blockIdx.x);
-    e->thread = static_cast<int32_t>(threadIdx.x);
-    e->cmp = static_cast<int32_t>(op);
-    e->valueBytes = sizeof(T);
-    e->addr = reinterpret_cast<uint64_t>(addr);
-    e->expected = static_cast<uint64_t>(target);
-    e->seen = static_cast<uint64_t>(seen);
-    e->elapsedNs = elapsedNs;
-    int i = 0;
-    for (; label != nullptr && label[i] != '\0' && i < kDeviceErrorLabelLen - 1; i++)
-      e->label[i] = label[i];
-    e->label[i] = '\0';
-    FenceSystem();
-    AtomicStoreRelaxedSystem<uint32_t>(&e->abortFlag, 1u);
+  const DeviceErrorFields f{peer,
+                            static_cast<int32_t>(op),
+                            static_cast<int32_t>(sizeof(T)),
+                            reinterpret_cast<uint64_t>(addr),
+                            static_cast<uint64_t>(target),
+                            static_cast<uint64_t>(seen),
+                            elapsedNs};
+  if (RecordDeviceError(ctx, f, label)) {
     printf("[MORI device timeout] rank %d block %d thread %d: waited %llu ns for %s on peer %d: "
            "*%p %s %llu, saw %llu\n",
            ctx.rank, (int)blockIdx.x, (int)threadIdx.x, (unsigned long long)elapsedNs,
            label ? label : "?", peer, (const void*)addr, CmpOpName(op),
            (unsigned long long)target, (unsigned long long)seen);
-  } else if (e != nullptr) {
-    AtomicStoreRelaxedSystem<uint32_t>(&e->abortFlag, 1u);
   }
 }
 

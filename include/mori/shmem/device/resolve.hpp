@@ -2,7 +2,7 @@
 // error record for invalid calls. Internal to the shmem device API (namespace detail).
 //
 // Errors that are not timed-out waits (pe out of range, address outside the symmetric heap,
-// transport not implemented) are written to the same DeviceErrorRecord the bounded waits use, with
+// an operation the transport does not offer) are written to the same DeviceErrorRecord the bounded waits use, with
 // cmp = kDeviceErrorNotAWait, so the host surfaces them through ShmemCheckDeviceError; they also
 // raise the abort flag, so every bounded wait of the PE gives up instead of waiting for data that
 // will not come. The API call then returns false (or a zero value) and does nothing.
@@ -33,7 +33,9 @@ enum class CallError : uint32_t {
   kNone = 0,
   kPeOutOfRange,        // detail: pe
   kPeUnreachable,       // transport kNone; detail: pe
-  kRdmaNotImplemented,  // the PE is reached only by RDMA; detail: pe
+  kNotRegistered,       // RDMA local buffer outside this PE's heap; addr: the address; detail: bytes
+  kRdmaRejected,        // the RDMA queue refused the request; addr: value seen; detail: limit
+  kRdmaUnsupported,     // an operation RDMA does not offer (e.g. 32-bit atomics); detail: bytes
   kNotInHeap,           // addr: the address; detail: bytes
   kMisaligned,          // addr: the address; detail: required alignment
   kPeerNotMapped,       // peerHeapBases[pe] == 0; detail: pe
@@ -48,8 +50,12 @@ MORI_HOST_DEVICE inline const char* CallErrorText(CallError e) {
       return "pe out of range";
     case CallError::kPeUnreachable:
       return "pe unreachable";
-    case CallError::kRdmaNotImplemented:
-      return "RDMA not implemented";
+    case CallError::kNotRegistered:
+      return "RDMA buffer not in registered memory";
+    case CallError::kRdmaRejected:
+      return "RDMA request rejected";
+    case CallError::kRdmaUnsupported:
+      return "not supported over RDMA";
     case CallError::kNotInHeap:
       return "addr not in heap";
     case CallError::kMisaligned:
@@ -79,33 +85,8 @@ struct CallStatus {
 __device__ __noinline__ inline void ReportCallError(const core::WaitContext& w, int peer,
                                                     const char* op, const CallStatus& st) {
   const char* what = CallErrorText(st.code);
-  core::DeviceErrorRecord* e = w.err;
-  if (e != nullptr && core::AtomicCasSystem<uint32_t>(&e->claimed, 0u, 1u) != 0u) {
-    core::AtomicStoreRelaxedSystem<uint32_t>(&e->abortFlag, 1u);  // an earlier error is recorded
-    return;
-  }
-  if (e != nullptr) {
-    e->rank = w.rank;
-    e->peer = peer;
-    e->block = static_cast<int32_t>(blockIdx.x);
-    e->thread = static_cast<int32_t>(threadIdx.x);
-    e->cmp = kDeviceErrorNotAWait;
-    e->valueBytes = 0;
-    e->addr = st.addr;
-    e->expected = st.detail;
-    e->seen = 0;
-    e->elapsedNs = 0;
-    int i = 0;
-    const char* parts[3] = {op, ": ", what};
-    for (const char* part : parts) {
-      for (int j = 0; part[j] != '\0' && i < core::kDeviceErrorLabelLen - 1; j++) {
-        e->label[i++] = part[j];
-      }
-    }
-    e->label[i] = '\0';
-    core::FenceSystem();
-    core::AtomicStoreRelaxedSystem<uint32_t>(&e->abortFlag, 1u);
-  }
+  const core::DeviceErrorFields f{peer, core::kDeviceErrorNotAWait, 0, st.addr, st.detail, 0, 0};
+  if (!core::RecordDeviceError(w, f, op, ": ", what) && w.err != nullptr) return;
   printf(
       "[MORI device error] rank %d block %d thread %d: %s: %s (pe %d, addr 0x%llx, detail %llu)\n",
       w.rank, (int)blockIdx.x, (int)threadIdx.x, op, what, peer, (unsigned long long)st.addr,

@@ -19,22 +19,29 @@ MORI_DEVICE_INLINE int BlockThreads() {
   return static_cast<int>(blockDim.x * blockDim.y * blockDim.z);
 }
 
+// Broadcast(v): every thread of the scope gets the value the scope's leader (Rank() == 0) passed;
+// all threads of the scope call it (it syncs the scope).
 struct ThreadScope {
   MORI_DEVICE_INLINE static int Rank() { return 0; }
   MORI_DEVICE_INLINE static int Size() { return 1; }
   MORI_DEVICE_INLINE static void Sync() {}
+  MORI_DEVICE_INLINE static bool Broadcast(bool v) { return v; }
 };
 
 struct WarpScope {
   MORI_DEVICE_INLINE static int Rank() { return FlatThreadId() & (core::kWarpSize - 1); }
   MORI_DEVICE_INLINE static int Size() { return core::kWarpSize; }
   MORI_DEVICE_INLINE static void Sync() { core::WarpSync(); }
+  MORI_DEVICE_INLINE static bool Broadcast(bool v) { return core::WarpShfl(static_cast<int>(v), 0) != 0; }
 };
 
 struct BlockScope {
   MORI_DEVICE_INLINE static int Rank() { return FlatThreadId(); }
   MORI_DEVICE_INLINE static int Size() { return BlockThreads(); }
   MORI_DEVICE_INLINE static void Sync() { __syncthreads(); }
+  MORI_DEVICE_INLINE static bool Broadcast(bool v) {
+    return __syncthreads_or(FlatThreadId() == 0 && v) != 0;
+  }
 };
 
 }  // namespace mori::shmem::detail

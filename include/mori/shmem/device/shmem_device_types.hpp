@@ -25,8 +25,5 @@ inline const char* SignalOpName(SignalOp op) {
 // init and only ever grows (monotonic counters), so no reset is needed between barriers or kernels.
 constexpr int kSyncWordDeviceBarrier = 0;  // arrivals at this PE's device barrier, all epochs
 
-// DeviceErrorRecord::cmp of a record that is not a timed-out wait (invalid call, unsupported
-// transport): the label says what went wrong, `expected` holds a detail value (pe, byte count...).
-constexpr int32_t kDeviceErrorNotAWait = -1;
 
 }  // namespace mori::shmem

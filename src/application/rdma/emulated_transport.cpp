@@ -1,0 +1,271 @@
+// The emulated RDMA transport (MORI_RDMA_EMULATE=1): real mlx5 rings posted by GPU threads,
+// executed by this process's QueueEmulator thread against the peers' heaps through IPC mappings.
+//
+// Per RDMA peer and QP, one block of mapped pinned host memory holds the SQ ring, the CQ ring and
+// the QpCounters (doorbell records, mailbox, counters): the GPU writes WQEs and doorbell records
+// there over PCIe, the emulator reads them with host loads and writes CQEs back. Keys are exchanged
+// like real rkeys: every PE registers its own heap with its emulator and publishes {key, base}
+// through the bootstrap; each emulator then registers the peers' heaps under those keys, addressed
+// by the peers' own heap addresses (iova) and touched through this process's IPC mappings.
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+
+#include "mori/application/rdma/queue_emulator.hpp"
+#include "mori/application/rdma/rdma_transport.hpp"
+#include "mori/core/env.hpp"
+#include "mori/core/gpu_check.hpp"
+#include "mori/core/logging.hpp"
+
+namespace mori::application {
+
+namespace {
+
+namespace rdma = core::rdma;
+
+enum EmuAtomicOp : int { kEmuFetchAdd = 0, kEmuCompareSwap = 1 };
+
+__global__ void EmuAtomicKernel(uint64_t* target, uint64_t swapAdd, uint64_t compare, int op,
+                                uint64_t* old) {
+  const uint64_t v = op == kEmuFetchAdd ? core::AtomicFetchAddSystem(target, swapAdd)
+                                        : core::AtomicCasSystem(target, compare, swapAdd);
+  core::AtomicStoreRelaxedSystem(old, v);
+}
+
+// Touches GPU memory (this PE's heap and the peers' heaps through IPC mappings) for the emulator:
+// copies through the copy engine on a high-priority stream of this PE's device, 8-byte atomics
+// through a one-thread kernel (system-scope atomics, as the GPUs' own). Flush() waits for the
+// stream, bounded by MORI_HOST_TIMEOUT_MS, before the emulator publishes a completion.
+class GpuMemoryAccessor : public EmuMemoryAccessor {
+ public:
+  explicit GpuMemoryAccessor(int device) : device(device) {
+    MORI_CHECK_GPU(gpuSetDevice(device));
+    int least = 0, greatest = 0;
+    MORI_CHECK_GPU(gpuDeviceGetStreamPriorityRange(&least, &greatest));
+    MORI_CHECK_GPU(gpuStreamCreateWithPriority(&stream, gpuStreamNonBlocking, greatest));
+    void* p = nullptr;
+    MORI_CHECK_GPU(gpuHostAlloc(&p, sizeof(uint64_t), gpuHostAllocMapped));
+    oldHost = static_cast<uint64_t*>(p);
+    void* d = nullptr;
+    MORI_CHECK_GPU(gpuHostGetDevicePointer(&d, p, 0));
+    oldDev = static_cast<uint64_t*>(d);
+    // Load the atomic kernel now. With lazy module loading its first launch would otherwise load
+    // the module while a user kernel spins waiting for this very atomic, which can block forever.
+    void* word = nullptr;
+    MORI_CHECK_GPU(gpuMalloc(&word, sizeof(uint64_t)));
+    MORI_CHECK_GPU(gpuMemsetAsync(word, 0, sizeof(uint64_t), stream));
+    EmuAtomicKernel<<<1, 1, 0, stream>>>(static_cast<uint64_t*>(word), 1, 0, kEmuFetchAdd, oldDev);
+    MORI_CHECK_LAUNCH();
+    MORI_CHECK_GPU(gpuStreamSynchronize(stream));
+    MORI_CHECK_GPU(gpuFree(word));
+  }
+  ~GpuMemoryAccessor() override {
+    (void)gpuSetDevice(device);
+    (void)gpuStreamSynchronize(stream);
+    (void)gpuStreamDestroy(stream);
+    (void)gpuFreeHost(oldHost);
+  }
+
+  void Copy(void* dst, const void* src, size_t bytes) override {
+    Bind();
+    MORI_CHECK_GPU(gpuMemcpyAsync(dst, src, bytes, gpuMemcpyDefault, stream));
+  }
+  uint64_t FetchAdd64(void* target, uint64_t add) override {
+    return Atomic(target, add, 0, kEmuFetchAdd);
+  }
+  uint64_t CompareSwap64(void* target, uint64_t expected, uint64_t desired) override {
+    return Atomic(target, desired, expected, kEmuCompareSwap);
+  }
+  void Flush() override {
+    Bind();
+    Wait("a copy");
+  }
+
+ private:
+  void Bind() {
+    // The worker thread is not the thread that created the accessor.
+    thread_local int bound = -1;
+    if (bound != device) {
+      MORI_CHECK_GPU(gpuSetDevice(device));
+      bound = device;
+    }
+  }
+  uint64_t Atomic(void* target, uint64_t swapAdd, uint64_t compare, int op) {
+    Bind();
+    *reinterpret_cast<volatile uint64_t*>(oldHost) = ~0ull;
+    EmuAtomicKernel<<<1, 1, 0, stream>>>(static_cast<uint64_t*>(target), swapAdd, compare, op,
+                                         oldDev);
+    MORI_CHECK_LAUNCH();
+    Wait("an atomic (needs one free SM on the initiator's GPU)");
+    return *reinterpret_cast<volatile uint64_t*>(oldHost);
+  }
+  // Bounded stream wait: a kernel occupying every SM would keep the atomic kernel from running.
+  void Wait(const char* what) {
+    const auto deadline = std::chrono::steady_clock::now() +
+                          std::chrono::milliseconds(core::Env().hostTimeoutMs);
+    for (int spins = 0;; spins++) {
+      const gpuError_t e = gpuStreamQuery(stream);
+      if (e == gpuSuccess) return;
+      if (e != gpuErrorNotReady) MORI_CHECK_GPU(e);
+      if (std::chrono::steady_clock::now() > deadline)
+        MORI_THROW(TimeoutError,
+                   "RDMA emulator: %s on device %d did not finish within MORI_HOST_TIMEOUT_MS=%lld ms",
+                   what, device, static_cast<long long>(core::Env().hostTimeoutMs));
+      if (spins > 200) std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
+
+  int device;
+  gpuStream_t stream = nullptr;
+  uint64_t* oldHost = nullptr;
+  uint64_t* oldDev = nullptr;
+};
+
+// Published by every PE through the bootstrap.
+struct EmuHeapKey {
+  uint64_t base;
+  uint32_t key;
+  uint32_t pad;
+};
+
+constexpr size_t kPage = 4096;
+
+size_t RoundUp(size_t v, size_t to) { return (v + to - 1) / to * to; }
+
+// Mapped pinned host memory, freed on destruction.
+struct PinnedBlock {
+  uint8_t* host = nullptr;
+  uint8_t* dev = nullptr;
+  ~PinnedBlock() {
+    if (host != nullptr) (void)gpuFreeHost(host);
+  }
+};
+
+class EmulatedRdmaTransport : public RdmaTransport {
+ public:
+  EmulatedRdmaTransport(BootstrapNetwork& boot, const Context& context, const SymmetricHeap& heap,
+                        const RdmaTransportConfig& config) {
+    const int rank = boot.Rank(), worldSize = boot.WorldSize();
+    MORI_ENSURE(config.numQpPerPe >= 1 && config.numQpPerPe <= 64, InvalidUsageError,
+                "MORI_NUM_QP_PER_PE=%d is out of range [1, 64]", config.numQpPerPe);
+    MORI_ENSURE(config.sqBlocks >= 4 && config.sqBlocks <= 32768 &&
+                    (config.sqBlocks & (config.sqBlocks - 1)) == 0,
+                InvalidUsageError, "RDMA SQ size %u must be a power of two in [4, 32768]",
+                config.sqBlocks);
+    int device = 0;
+    MORI_CHECK_GPU(gpuGetDevice(&device));
+    emulator = std::make_unique<QueueEmulator>(std::make_unique<GpuMemoryAccessor>(device));
+
+    // Keys: our own heap, then everyone's {base, key}.
+    const EmuMemoryRegion mine = emulator->RegisterMemory(rank, heap.Base(), heap.Size(), kEmuAllAccess);
+    lkey = mine.lkey;
+    EmuHeapKey me{reinterpret_cast<uint64_t>(heap.Base()), mine.rkey, 0};
+    std::vector<EmuHeapKey> keys(worldSize);
+    boot.Allgather(&me, keys.data(), sizeof(EmuHeapKey));
+
+    peers.resize(worldSize);
+    const uint32_t numCqes = config.sqBlocks;
+    const size_t sqBytes = static_cast<size_t>(config.sqBlocks) * 64;
+    const size_t cqBytes = static_cast<size_t>(numCqes) * 64;
+    perQp = RoundUp(sqBytes + cqBytes + sizeof(rdma::QpCounters), kPage);
+    int rdmaPeers = 0;
+    for (int pe = 0; pe < worldSize; pe++) rdmaPeers += context.Transport(pe) == TransportType::kRdma;
+    if (rdmaPeers > 0) {
+      const size_t total = perQp * rdmaPeers * config.numQpPerPe;
+      void* p = nullptr;
+      MORI_CHECK_GPU(gpuHostAlloc(&p, total, gpuHostAllocMapped));
+      block.host = static_cast<uint8_t*>(p);
+      std::memset(block.host, 0, total);
+      void* d = nullptr;
+      MORI_CHECK_GPU(gpuHostGetDevicePointer(&d, p, 0));
+      block.dev = static_cast<uint8_t*>(d);
+    }
+    uint32_t nextQpn = 0x100;
+    size_t slot = 0;
+    for (int pe = 0; pe < worldSize; pe++) {
+      if (context.Transport(pe) != TransportType::kRdma) continue;
+      const uintptr_t mapped = heap.HostAccessBase(pe);
+      MORI_ENSURE(mapped != 0, InvalidUsageError,
+                  "MORI_RDMA_EMULATE: rank %d cannot map the heap of PE %d (the emulator needs "
+                  "every PE on this host)",
+                  rank, pe);
+      emulator->RegisterMemoryAs(pe, keys[pe].key, keys[pe].base, reinterpret_cast<void*>(mapped),
+                                 heap.Size(), kEmuAllAccess);
+      RdmaPeerEndpoints& out = peers[pe];
+      out.rkey = keys[pe].key;
+      out.remoteHeapBase = keys[pe].base;
+      for (int q = 0; q < config.numQpPerPe; q++, slot++) {
+        uint8_t* h = block.host + slot * perQp;
+        const uintptr_t shift =
+            reinterpret_cast<uintptr_t>(block.dev) - reinterpret_cast<uintptr_t>(block.host);
+        auto dev = [&](void* hp) { return reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(hp) + shift); };
+        void* sqHost = h;
+        void* cqHost = h + sqBytes;
+        auto* ctrHost = reinterpret_cast<rdma::QpCounters*>(h + sqBytes + cqBytes);
+        EmuInitCqRing(cqHost, numCqes);
+        const uint32_t qpn = nextQpn++;
+        // The endpoint the GPU uses: the same memory through device pointers.
+        rdma::QpEndpoint ep = rdma::MakeEndpoint(dev(sqHost), config.sqBlocks, qpn, dev(cqHost), numCqes,
+                                                 static_cast<rdma::QpCounters*>(dev(ctrHost)));
+        out.qps.push_back(ep);
+        // The emulator's view: host pointers.
+        const rdma::QpEndpoint hostEp =
+            rdma::MakeEndpoint(sqHost, config.sqBlocks, qpn, cqHost, numCqes, ctrHost);
+        emulator->AddQp(EmuQpFromEndpoint(hostEp, rank, pe));
+      }
+    }
+    describe = "emulated (QueueEmulator thread, " + std::to_string(config.numQpPerPe) +
+               " QP per peer, SQ " + std::to_string(config.sqBlocks) + " blocks)";
+    if (rdmaPeers > 0) emulator->Start();
+    MORI_INFO(kLogRdma, "rank %d: RDMA transport %s to %d peers", rank, describe.c_str(), rdmaPeers);
+  }
+
+  ~EmulatedRdmaTransport() override {
+    try {
+      Stop();
+    } catch (const std::exception& e) {
+      MORI_WARN(kLogRdma, "stopping the RDMA emulator: %s", e.what());
+    }
+    emulator.reset();  // joins the worker (if Stop could not) before the rings go
+  }
+
+  std::string Describe() const override { return describe; }
+  uint32_t HeapLkey() const override { return lkey; }
+  const std::vector<RdmaPeerEndpoints>& Peers() const override { return peers; }
+  void Stop() override {
+    if (emulator && emulator->Running()) emulator->Stop(static_cast<int>(core::Env().hostTimeoutMs));
+  }
+  std::string FatalError() const override { return emulator ? emulator->FatalError() : ""; }
+
+ private:
+  PinnedBlock block;  // declared before the emulator: destroyed after it
+  std::unique_ptr<QueueEmulator> emulator;
+  uint32_t lkey = 0;
+  std::vector<RdmaPeerEndpoints> peers;
+  size_t perQp = 0;
+  std::string describe;
+};
+
+}  // namespace
+
+std::unique_ptr<RdmaTransport> CreateEmulatedRdmaTransport(BootstrapNetwork& boot,
+                                                           const Context& context,
+                                                           const SymmetricHeap& heap,
+                                                           const RdmaTransportConfig& config) {
+#if !MORI_HIP
+  // CUDA loads a kernel's module at its first launch by default, and a load may synchronise the
+  // context: a launch issued while a kernel spins on RDMA completions would then wait for that
+  // kernel, which waits for the emulator, whose copies wait for the load. Real NICs need no
+  // runtime calls, so only the emulator requires eager loading.
+  const char* loading = std::getenv("CUDA_MODULE_LOADING");
+  MORI_ENSURE(loading != nullptr && std::strcmp(loading, "EAGER") == 0, InvalidUsageError,
+              "MORI_RDMA_EMULATE=1 on CUDA needs CUDA_MODULE_LOADING=EAGER in the environment of "
+              "the process before it starts using the GPU (found %s): with lazy loading, launching "
+              "a kernel while another waits for emulated RDMA completions can stall both",
+              loading ? loading : "unset");
+#endif
+  return std::make_unique<EmulatedRdmaTransport>(boot, context, heap, config);
+}
+
+}  // namespace mori::application
