@@ -32,7 +32,8 @@ struct QpMemory {
 std::mutex gMutex;
 std::map<ibv_qp*, QpMemory> gQps;
 std::map<ibv_cq*, mlx5dv_cq> gCqs;
-std::map<std::string, long> gOverrides;  // "stride", "cqe_size", "wqe_cnt", "cqe_cnt", "fail", "null_bf"
+std::map<std::string, long>
+    gOverrides;  // "stride", "cqe_size", "wqe_cnt", "cqe_cnt", "fail", "null_bf"
 std::vector<void*> gAllocations;
 uint8_t* gDbrecPage = nullptr;
 size_t gDbrecUsed = 0;

@@ -9,6 +9,8 @@
 //    and an identity "GPU" (GpuHostAccess) that checks every pointer handed to the GPU was
 //    registered first. The GPU runtime half (verbs_transport.cpp: gpuHostRegister, dma-buf
 //    export, bus id) is not run here: it needs a GPU.
+#include "mori/application/rdma/verbs_transport.hpp"
+
 #include <dlfcn.h>
 #include <fcntl.h>
 #include <gtest/gtest.h>
@@ -37,7 +39,6 @@
 #include "mori/application/rdma/nic_affinity.hpp"
 #include "mori/application/rdma/queue_emulator.hpp"
 #include "mori/application/rdma/rdma_setup.hpp"
-#include "mori/application/rdma/verbs_transport.hpp"
 #include "mori/core/env.hpp"
 #include "mori/core/errors.hpp"
 #include "mori/core/transport/rdma_queue.hpp"
@@ -144,9 +145,8 @@ TEST(NicAffinity, ShortestPciePathWins) {
 TEST(NicAffinity, FallsBackToOrder) {
   FakePciTree t;
   // Unknown GPU: nothing shared, NUMA unknown -> the first device.
-  NicChoice c = ChooseNicForGpu("0000:99:00.0", {Nic("x", "0000:81:00.0", 1),
-                                                 Nic("y", "0000:02:01.0", 0)},
-                                t.Devices());
+  NicChoice c = ChooseNicForGpu(
+      "0000:99:00.0", {Nic("x", "0000:81:00.0", 1), Nic("y", "0000:02:01.0", 0)}, t.Devices());
   EXPECT_EQ(c.index, 0);
   EXPECT_EQ(c.gpuNuma, -1);
   EXPECT_EQ(c.reason, "first in device order");
@@ -258,8 +258,8 @@ class FakeGpu : public GpuHostAccess {
 TEST(GpuHostRegistry, SharedPagesRegisteredOnceReleasedInReverse) {
   FakeGpu gpu;
   std::vector<uint8_t> mem(6 * 4096 + 4096);
-  uint8_t* base = reinterpret_cast<uint8_t*>(
-      (reinterpret_cast<uintptr_t>(mem.data()) + 4095) & ~uintptr_t{4095});
+  uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(mem.data()) + 4095) &
+                                             ~uintptr_t{4095});
   {
     GpuHostRegistry reg(gpu, 4096);
     EXPECT_EQ(reg.Map(base + 8, 4, false, "dbrec A"), base + 8);
@@ -371,7 +371,8 @@ TEST(DoorbellProxy, CopiesDoorbellValuesInOrderAcrossWrap) {
     for (size_t i = 0; i < seen[q].size(); i++) {
       EXPECT_EQ(QpnOf(seen[q][i]), 0x120u + q);
       const uint16_t idx = WqeIndexOf(seen[q][i]);
-      const uint64_t next = i == 0 ? idx : extended + static_cast<uint16_t>(idx - static_cast<uint16_t>(extended));
+      const uint64_t next =
+          i == 0 ? idx : extended + static_cast<uint16_t>(idx - static_cast<uint16_t>(extended));
       ASSERT_TRUE(i == 0 || next > extended) << "queue " << q << " value " << i;
       extended = next;
     }
@@ -647,7 +648,8 @@ std::vector<TransportType> TransportsOf(int rank) {
 class VerbsTransportFake : public VerbsFake {
  protected:
   // Runs CreateVerbsRdmaTransportWith on `n` threads; `tweak` adjusts each rank's inputs.
-  std::vector<RankResult> Run(int n, const std::function<void(int, VerbsTransportSetup&, FakeGpu&)>& tweak) {
+  std::vector<RankResult> Run(
+      int n, const std::function<void(int, VerbsTransportSetup&, FakeGpu&)>& tweak) {
     ThreadWorld world(n);
     std::vector<RankResult> out(static_cast<size_t>(n));
     std::vector<std::thread> threads;
@@ -694,7 +696,8 @@ TEST_F(VerbsTransportFake, ThreeRanksUarDoorbell) {
   auto ranks = Run(3, [](int r, VerbsTransportSetup&, FakeGpu& gpu) {
     if (r == 0) gpu.dmabufOffset = 0x2000;  // PE 0 registers through dma-buf
   });
-  for (int r = 0; r < 3; r++) ASSERT_TRUE(ranks[r].error.empty()) << "PE " << r << ": " << ranks[r].error;
+  for (int r = 0; r < 3; r++)
+    ASSERT_TRUE(ranks[r].error.empty()) << "PE " << r << ": " << ranks[r].error;
   std::map<uint32_t, uint32_t> dest = RtrDestinations();
   EXPECT_EQ(dest.size(), 8u);  // (0,1) and (0,2) pairs, 2 QPs on each side
   std::set<const void*> counters;
@@ -741,9 +744,22 @@ TEST_F(VerbsTransportFake, ThreeRanksUarDoorbell) {
     }
     // UAR pages registered as I/O memory, everything else not; every pointer came from a
     // registration (the fake refuses others).
-    int io = 0;
-    for (const auto& reg : ranks[r].gpu->everRegistered) io += reg.io ? 1 : 0;
-    EXPECT_EQ(io, r == 0 ? 2 : 1);  // 4 QPs on PE 0 (2 registers per fake UAR page), 2 on others
+    // One I/O registration per distinct UAR page of this PE's QPs (the fake hands out two
+    // registers per page, shared by whichever QPs, of any rank, were created next to each other).
+    std::set<uintptr_t> uarPages;
+    for (const RdmaPeerEndpoints& pe : t.Peers()) {
+      for (const QpEndpoint& ep : pe.qps) {
+        uarPages.insert(reinterpret_cast<uintptr_t>(ep.sq.doorbell) & ~uintptr_t{4095});
+      }
+    }
+    size_t io = 0;
+    for (const auto& reg : ranks[r].gpu->everRegistered) {
+      if (!reg.io) continue;
+      io++;
+      EXPECT_EQ(reg.bytes, 4096u);
+      EXPECT_EQ(uarPages.count(reg.base), 1u);
+    }
+    EXPECT_EQ(io, uarPages.size());
   }
   // PE 0's heap went through dma-buf with the offset inside the allocation; the fd was closed.
   EXPECT_GE(ranks[0].gpu->exportedFd, 0);
@@ -781,13 +797,15 @@ TEST_F(VerbsTransportFake, ThreeRanksUarDoorbell) {
     };
     ranks[r].transport.reset();  // also destroys the FakeGpu
     EXPECT_FALSE(seen.empty());
-    for (int s : seen) EXPECT_EQ(s, qpsBefore) << "PE " << r << " unregistered after QP destruction";
+    for (int s : seen)
+      EXPECT_EQ(s, qpsBefore) << "PE " << r << " unregistered after QP destruction";
   }
 }
 
 TEST_F(VerbsTransportFake, CpuAssistedDoorbellWhenUarIsRefused) {
   auto ranks = Run(3, [](int, VerbsTransportSetup&, FakeGpu& gpu) { gpu.refuseIo = true; });
-  for (int r = 0; r < 3; r++) ASSERT_TRUE(ranks[r].error.empty()) << "PE " << r << ": " << ranks[r].error;
+  for (int r = 0; r < 3; r++)
+    ASSERT_TRUE(ranks[r].error.empty()) << "PE " << r << ": " << ranks[r].error;
   RdmaTransport& t = *ranks[0].transport;
   EXPECT_EQ(t.Describe(), "verbs mlx5_0, CPU-assisted doorbell");
   const QpEndpoint& ep = t.Peers()[1].qps[1];
@@ -823,9 +841,8 @@ TEST_F(VerbsTransportFake, CpuAssistedDoorbellWhenUarIsRefused) {
 
 TEST_F(VerbsTransportFake, ForcedModes) {
   {
-    auto ranks = Run(3, [](int, VerbsTransportSetup& s, FakeGpu&) {
-      s.doorbell = RdmaDoorbellPolicy::kCpu;
-    });
+    auto ranks = Run(
+        3, [](int, VerbsTransportSetup& s, FakeGpu&) { s.doorbell = RdmaDoorbellPolicy::kCpu; });
     for (auto& r : ranks) {
       ASSERT_TRUE(r.error.empty()) << r.error;
       EXPECT_EQ(r.transport->Describe(), "verbs mlx5_0, CPU-assisted doorbell");

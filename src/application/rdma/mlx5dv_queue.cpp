@@ -37,7 +37,8 @@ bool LoadMlx5dvApi(const char* soname, Mlx5dvApi* api, std::string* why) {
   void* sym = dlvsym(handle, "mlx5dv_init_obj", kInitObjVersion);
   if (sym == nullptr) sym = dlsym(handle, "mlx5dv_init_obj");
   if (sym == nullptr) {
-    if (why != nullptr) *why = std::string("libmlx5 not usable: ") + soname + " lacks mlx5dv_init_obj";
+    if (why != nullptr)
+      *why = std::string("libmlx5 not usable: ") + soname + " lacks mlx5dv_init_obj";
     dlclose(handle);
     return false;
   }
@@ -78,8 +79,8 @@ Mlx5QueueMemory InitMlx5Queue(const Mlx5dvApi& api, ibv_qp* qp, ibv_cq* cq,
   obj.cq.out = &dc;
   int rc = api.initObj(&obj, MLX5DV_OBJ_QP | MLX5DV_OBJ_CQ);
   if (rc != 0) {
-    MORI_THROW(SystemError, "mlx5dv_init_obj failed on %s for QP %u: %s (errno %d)",
-               device.c_str(), qp->qp_num, std::strerror(rc > 0 ? rc : -rc), rc);
+    MORI_THROW(SystemError, "mlx5dv_init_obj failed on %s for QP %u: %s (errno %d)", device.c_str(),
+               qp->qp_num, std::strerror(rc > 0 ? rc : -rc), rc);
   }
   Mlx5QueueMemory m;
   m.qpn = qp->qp_num;
@@ -100,21 +101,25 @@ Mlx5QueueMemory InitMlx5Queue(const Mlx5dvApi& api, ibv_qp* qp, ibv_cq* cq,
   };
   if (m.sqBuf == nullptr || m.sqDbrec == nullptr || m.uarReg == nullptr || m.cqBuf == nullptr ||
       m.cqDbrec == nullptr) {
-    MORI_THROW(SystemError,
-               "mlx5dv_init_obj on %s, QP %u: null queue memory (sq %p, dbrec %p, bf.reg %p, cq %p, "
-               "cq dbrec %p)",
-               device.c_str(), m.qpn, m.sqBuf, static_cast<void*>(m.sqDbrec), m.uarReg, m.cqBuf,
-               static_cast<void*>(m.cqDbrec));
+    MORI_THROW(
+        SystemError,
+        "mlx5dv_init_obj on %s, QP %u: null queue memory (sq %p, dbrec %p, bf.reg %p, cq %p, "
+        "cq dbrec %p)",
+        device.c_str(), m.qpn, m.sqBuf, static_cast<void*>(m.sqDbrec), m.uarReg, m.cqBuf,
+        static_cast<void*>(m.cqDbrec));
   }
   if (dq.sq.stride != 64) bad("SQ stride", dq.sq.stride, 64);
-  if (m.sqBlocks != expectedSqBlocks) bad("SQ wqe_cnt (basic blocks)", m.sqBlocks, expectedSqBlocks);
+  if (m.sqBlocks != expectedSqBlocks)
+    bad("SQ wqe_cnt (basic blocks)", m.sqBlocks, expectedSqBlocks);
   if (dc.cqe_size != 64) bad("CQE size (set MLX5_CQE_SIZE=64 or unset it)", dc.cqe_size, 64);
   if (!IsPowerOfTwo(m.numCqes)) bad("cqe_cnt (not a power of two)", m.numCqes, expectedSqBlocks);
-  if (m.numCqes < expectedSqBlocks) bad("cqe_cnt (fewer CQEs than SQ blocks)", m.numCqes, expectedSqBlocks);
-  MORI_DEBUG(kLogRdma,
-             "%s QP %u: SQ %p x%u blocks, dbrec %p, bf.reg %p (size %u); CQ %u %p x%u CQEs, dbrec %p",
-             device.c_str(), m.qpn, m.sqBuf, m.sqBlocks, static_cast<void*>(m.sqDbrec), m.uarReg,
-             m.bfSize, m.cqn, m.cqBuf, m.numCqes, static_cast<void*>(m.cqDbrec));
+  if (m.numCqes < expectedSqBlocks)
+    bad("cqe_cnt (fewer CQEs than SQ blocks)", m.numCqes, expectedSqBlocks);
+  MORI_DEBUG(
+      kLogRdma,
+      "%s QP %u: SQ %p x%u blocks, dbrec %p, bf.reg %p (size %u); CQ %u %p x%u CQEs, dbrec %p",
+      device.c_str(), m.qpn, m.sqBuf, m.sqBlocks, static_cast<void*>(m.sqDbrec), m.uarReg, m.bfSize,
+      m.cqn, m.cqBuf, m.numCqes, static_cast<void*>(m.cqDbrec));
   return m;
 }
 #else

@@ -2,13 +2,14 @@
 // C++ in verbs_transport_core.cpp (tested on machines without a GPU or NIC); this file only
 // supplies the GPU runtime (GpuHostAccess over gpu.hpp), the GPU's PCI bus id, the env settings
 // and the process-wide libibverbs/libmlx5 tables.
+#include "mori/application/rdma/verbs_transport.hpp"
+
 #include <unistd.h>
 
 #include <cstring>
 
 #include "mori/application/rdma/ibverbs_loader.hpp"
 #include "mori/application/rdma/mlx5dv_queue.hpp"
-#include "mori/application/rdma/verbs_transport.hpp"
 #include "mori/core/env.hpp"
 #include "mori/core/errors.hpp"
 #include "mori/core/gpu.hpp"
@@ -65,8 +66,7 @@ class RuntimeGpuHostAccess final : public GpuHostAccess {
       MORI_WARN(kLogRdma, "gpuFreeHost(%p): %s", p, GpuErrorText(e).c_str());
     }
   }
-  bool ExportDmabuf(void* ptr, size_t bytes, int* fd, uint64_t* offset,
-                    std::string* why) override {
+  bool ExportDmabuf(void* ptr, size_t bytes, int* fd, uint64_t* offset, std::string* why) override {
     const long page = sysconf(_SC_PAGESIZE);
     int driverError = 0;
     gpuError_t e = core::GpuExportDmabuf(ptr, bytes, page > 0 ? static_cast<size_t>(page) : 4096,

@@ -4,8 +4,8 @@
 
 #include <algorithm>
 #include <cctype>
-#include <cstring>
 #include <cstdio>
+#include <cstring>
 #include <exception>
 
 #include "mori/application/rdma/doorbell_proxy.hpp"
@@ -36,9 +36,12 @@ RdmaDoorbellPolicy ParseRdmaDoorbellPolicy(const std::string& text) {
 
 const char* RdmaDoorbellPolicyName(RdmaDoorbellPolicy p) {
   switch (p) {
-    case RdmaDoorbellPolicy::kAuto: return "auto";
-    case RdmaDoorbellPolicy::kUar: return "uar";
-    case RdmaDoorbellPolicy::kCpu: return "cpu";
+    case RdmaDoorbellPolicy::kAuto:
+      return "auto";
+    case RdmaDoorbellPolicy::kUar:
+      return "uar";
+    case RdmaDoorbellPolicy::kCpu:
+      return "cpu";
   }
   return "?";
 }
@@ -81,9 +84,8 @@ class VerbsRdmaTransport final : public RdmaTransport {
 
   std::string Describe() const override {
     if (rdmaPeers.empty()) return "verbs, no RDMA peers";
-    return "verbs " + deviceName + (mode == core::rdma::DoorbellMode::kUar
-                                        ? ", UAR doorbell"
-                                        : ", CPU-assisted doorbell");
+    return "verbs " + deviceName +
+           (mode == core::rdma::DoorbellMode::kUar ? ", UAR doorbell" : ", CPU-assisted doorbell");
   }
   uint32_t HeapLkey() const override { return heapMr ? heapMr->Lkey() : 0; }
   const std::vector<RdmaPeerEndpoints>& Peers() const override { return peers; }
@@ -157,7 +159,8 @@ void VerbsRdmaTransport::SetUpLocal() {
   std::string why;
   std::vector<RdmaDeviceInfo> devices =
       DiscoverRdmaDevicesWith(api, setup.deviceFilter, setup.sysfsClassDir, &why);
-  if (devices.empty()) MORI_THROW(SystemError, "no RDMA device for PE %d: %s", setup.rank, why.c_str());
+  if (devices.empty())
+    MORI_THROW(SystemError, "no RDMA device for PE %d: %s", setup.rank, why.c_str());
   NicChoice choice = ChooseNicForGpu(setup.gpuPciBusId, devices, setup.pciDevicesDir);
   const RdmaDeviceInfo& dev = devices[static_cast<size_t>(choice.index)];
   deviceName = dev.name;
@@ -205,11 +208,11 @@ void VerbsRdmaTransport::SetUpLocal() {
   const size_t numQueues = rdmaPeers.size() * static_cast<size_t>(cfg.numQpPerPe);
   for (size_t i = 0; i < numQueues; i++) {
     qps.push_back(std::make_unique<RdmaRcQueuePair>(*pd, qc));
-    queues.push_back(InitMlx5Queue(*libs.mlx5, qps.back()->Qp(), qps.back()->Cq(), cfg.sqBlocks,
-                                   deviceName));
+    queues.push_back(
+        InitMlx5Queue(*libs.mlx5, qps.back()->Qp(), qps.back()->Cq(), cfg.sqBlocks, deviceName));
   }
-  countersHost =
-      static_cast<core::rdma::QpCounters*>(gpu->AllocMappedHost(numQueues * sizeof(core::rdma::QpCounters)));
+  countersHost = static_cast<core::rdma::QpCounters*>(
+      gpu->AllocMappedHost(numQueues * sizeof(core::rdma::QpCounters)));
   void* dev0 = nullptr;
   if (!gpu->DevicePointer(countersHost, &dev0, &why)) {
     MORI_THROW(GpuRuntimeError, "device pointer of the RDMA queue counters: %s", why.c_str());
@@ -233,9 +236,8 @@ void VerbsRdmaTransport::SetUpLocal() {
                  "MORI_RDMA_DOORBELL=uar: the UAR page of %s cannot be mapped for the GPU: %s",
                  deviceName.c_str(), uarWhy.c_str());
     } else {
-      MORI_INFO(kLogRdma,
-                "PE %d: UAR of %s not mappable for the GPU (%s); CPU-assisted doorbell", setup.rank,
-                deviceName.c_str(), uarWhy.c_str());
+      MORI_INFO(kLogRdma, "PE %d: UAR of %s not mappable for the GPU (%s); CPU-assisted doorbell",
+                setup.rank, deviceName.c_str(), uarWhy.c_str());
     }
   }
 

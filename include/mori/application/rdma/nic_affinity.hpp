@@ -31,7 +31,7 @@ struct NicChoice {
   int sharedComponents = 0;  // path components the GPU and the NIC share
   bool sameNuma = false;     // both NUMA nodes known and equal
   int gpuNuma = -1;
-  std::string reason;        // e.g. "shares 5 PCIe path components", "same NUMA node 1", "first"
+  std::string reason;  // e.g. "shares 5 PCIe path components", "same NUMA node 1", "first"
 };
 
 // The NIC for the GPU at `gpuBusId` among `devices` (their pciBusId / numaNode as discovery

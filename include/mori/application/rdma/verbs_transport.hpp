@@ -47,14 +47,14 @@ struct VerbsTransportSetup {
   std::vector<TransportType> transports;  // per PE; kRdma peers get queue pairs
   void* heapBase = nullptr;               // this PE's symmetric heap (device memory)
   uint64_t heapSize = 0;
-  std::string gpuPciBusId;                // for the NIC choice; "" = no preference
+  std::string gpuPciBusId;  // for the NIC choice; "" = no preference
   RdmaTransportConfig config;
   RdmaDoorbellPolicy doorbell = RdmaDoorbellPolicy::kAuto;
-  std::string deviceFilter;               // MORI_RDMA_DEVICES text
+  std::string deviceFilter;  // MORI_RDMA_DEVICES text
   std::string sysfsClassDir = "/sys/class/infiniband";
   std::string pciDevicesDir = "/sys/bus/pci/devices";
-  size_t pageBytes = 0;                   // 0: the system page size
-  int stopTimeoutMs = 5000;               // bound of Stop() on the doorbell proxy
+  size_t pageBytes = 0;      // 0: the system page size
+  int stopTimeoutMs = 5000;  // bound of Stop() on the doorbell proxy
 };
 
 // Library tables; a null table with its reason is a local set-up failure (reported collectively)
