@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "mori/application/rdma/nic_affinity.hpp"
 #include "mori/application/rdma/rdma_devices.hpp"
 #include "mori/core/env.hpp"
 #include "mori/core/errors.hpp"
@@ -117,6 +118,22 @@ void PrintRdmaDevices() {
                     g.type.c_str());
       }
     }
+  }
+  // The NIC the verbs transport would pick for each GPU (nic_affinity.hpp).
+  int count = 0;
+  if (gpuGetDeviceCount(&count) != gpuSuccess) {
+    (void)gpuGetLastError();
+    count = 0;
+  }
+  for (int gpu = 0; gpu < count; gpu++) {
+    char bus[64] = "";
+    if (gpuDeviceGetPCIBusId(bus, sizeof(bus), gpu) != gpuSuccess) {
+      (void)gpuGetLastError();
+      bus[0] = '\0';
+    }
+    const mori::application::NicChoice c = mori::application::ChooseNicForGpu(bus, devices);
+    std::printf("  GPU %d (pci %s, numa %d) -> %s (%s)\n", gpu, bus[0] ? bus : "?", c.gpuNuma,
+                devices[static_cast<size_t>(c.index)].name.c_str(), c.reason.c_str());
   }
 }
 

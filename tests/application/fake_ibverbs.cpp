@@ -10,7 +10,10 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <string>
+
+#include "fake_verbs_objects.hpp"
 
 namespace {
 
@@ -72,12 +75,16 @@ void FillGid(int dev, int index, ibv_gid* g, uint32_t* type) {
 extern "C" {
 
 struct ibv_device**(ibv_get_device_list)(int* num) {
-  for (int i = 0; i < kNumDevices; i++) {
-    std::memset(&gDevices[i], 0, sizeof(ibv_device));
-    std::strcpy(gDevices[i].name, (std::string("mlx5_") + std::to_string(i)).c_str());
-    gList[i] = &gDevices[i];
-  }
-  gList[kNumDevices] = nullptr;
+  // Filled once: ranks running as threads list devices concurrently while others use them.
+  static std::once_flag filled;
+  std::call_once(filled, [] {
+    for (int i = 0; i < kNumDevices; i++) {
+      std::memset(&gDevices[i], 0, sizeof(ibv_device));
+      std::strcpy(gDevices[i].name, (std::string("mlx5_") + std::to_string(i)).c_str());
+      gList[i] = &gDevices[i];
+    }
+    gList[kNumDevices] = nullptr;
+  });
   if (num != nullptr) *num = kNumDevices;
   return gList;
 }
@@ -173,6 +180,7 @@ std::map<std::string, std::pair<int, int>> gFailures;  // call -> (errno, qp sta
 std::map<std::string, int> gLive;                       // "pd", "mr", "cq", "qp"
 std::vector<FakeModifyRecord> gModifies;
 FakeRegMrRecord gLastRegMr{};
+std::vector<FakeRegMrRecord> gRegMrs;  // every successful registration since the last reset
 ibv_qp_init_attr gLastCreateQp{};
 int gLastCqe = 0;
 uint32_t gSerial = 0;
@@ -195,6 +203,7 @@ ibv_mr* NewMr(ibv_pd* pd, const FakeRegMrRecord& r) {
   mr->lkey = 0x1000 + mr->handle;
   mr->rkey = 0x2000 + mr->handle;
   gLastRegMr = r;
+  gRegMrs.push_back(r);
   gLive["mr"]++;
   return mr;
 }
@@ -284,7 +293,10 @@ struct ibv_qp* ibv_create_qp(struct ibv_pd* pd, struct ibv_qp_init_attr* init) {
     return nullptr;
   }
   gLastCreateQp = *init;
-  auto* qp = new ibv_qp{};
+  auto* obj = new FakeQpObject{};
+  obj->maxSendWr = init->cap.max_send_wr;
+  obj->maxInlineData = init->cap.max_inline_data;
+  ibv_qp* qp = &obj->qp;
   qp->context = pd->context;
   qp->qp_context = init->qp_context;
   qp->pd = pd;
@@ -302,7 +314,7 @@ struct ibv_qp* ibv_create_qp(struct ibv_pd* pd, struct ibv_qp_init_attr* init) {
 int ibv_destroy_qp(struct ibv_qp* qp) {
   std::lock_guard<std::mutex> lock(gFakeMutex);
   if (int e = FailureFor("ibv_destroy_qp")) return e;
-  delete qp;
+  delete reinterpret_cast<FakeQpObject*>(qp);
   gLive["qp"]--;
   return 0;
 }
@@ -335,6 +347,7 @@ void fake_ibverbs_reset() {
   gFailures.clear();
   gModifies.clear();
   gLastRegMr = FakeRegMrRecord{};
+  gRegMrs.clear();
   gLastCreateQp = ibv_qp_init_attr{};
   gLastCqe = 0;
 }
@@ -370,6 +383,20 @@ void fake_ibverbs_last_create_qp(struct ibv_qp_init_attr* init, int* cqe) {
   std::lock_guard<std::mutex> lock(gFakeMutex);
   *init = gLastCreateQp;
   *cqe = gLastCqe;
+}
+
+// Registration i (oldest first) since the last reset; -1 when there is none. dmabufFd is -1 for
+// ibv_reg_mr.
+int fake_ibverbs_reg_mr_record(int i, void** addr, size_t* length, int* dmabufFd,
+                               uint64_t* offset, uint64_t* iova) {
+  std::lock_guard<std::mutex> lock(gFakeMutex);
+  if (i < 0 || i >= static_cast<int>(gRegMrs.size())) return -1;
+  *addr = gRegMrs[i].addr;
+  *length = gRegMrs[i].length;
+  *dmabufFd = gRegMrs[i].dmabufFd;
+  *offset = gRegMrs[i].offset;
+  *iova = gRegMrs[i].iova;
+  return 0;
 }
 
 // The last successful registration; dmabufFd is -1 for ibv_reg_mr.

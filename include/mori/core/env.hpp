@@ -50,7 +50,11 @@ namespace mori::core {
     "GID table index used for RoCE addressing; -1 = choose automatically (RoCE v2, "              \
     "IPv4-mapped preferred).")                                                                  \
   X(rdmaEmulate, MORI_RDMA_EMULATE, Bool, "0",                                                    \
-    "Execute RDMA work requests with the software queue emulator (test/bring-up mode).")
+    "Execute RDMA work requests with the software queue emulator (test/bring-up mode).")          \
+  X(rdmaDoorbell, MORI_RDMA_DOORBELL, String, "auto",                                             \
+    "How GPU threads ring the NIC doorbell (verbs transport): auto = the UAR page mapped for the " \
+    "GPU when the driver allows it, else a CPU proxy thread; uar = mapped UAR or fail; cpu = "     \
+    "always the CPU proxy thread.")
 
 enum class EnvType { kBool, kInt, kSize, kString };
 

@@ -13,6 +13,7 @@
 #include <hip/hip_runtime.h>
 #else
 #define MORI_CUDA 1
+#include <cuda.h>  // driver API types only (entry points come through cudart)
 #include <cuda_runtime.h>
 #if defined(__CUDACC__)
 #include <cuda/atomic>
@@ -50,6 +51,7 @@ using gpuPointerAttributes_t = hipPointerAttribute_t;
 #define gpuHostAllocMapped hipHostMallocMapped
 #define gpuHostAllocPortable hipHostMallocPortable
 #define gpuDevAttrMultiProcessorCount hipDeviceAttributeMultiprocessorCount
+#define gpuHostRegisterIoMemory hipHostRegisterIoMemory
 #else
 using gpuDeviceProp_t = cudaDeviceProp;
 using gpuPointerAttributes_t = cudaPointerAttributes;
@@ -58,6 +60,7 @@ using gpuPointerAttributes_t = cudaPointerAttributes;
 #define gpuHostAllocMapped cudaHostAllocMapped
 #define gpuHostAllocPortable cudaHostAllocPortable
 #define gpuDevAttrMultiProcessorCount cudaDevAttrMultiProcessorCount
+#define gpuHostRegisterIoMemory cudaHostRegisterIoMemory
 #endif
 
 #define gpuSuccess MORI_GPU_NAME(Success)
@@ -82,6 +85,12 @@ using gpuPointerAttributes_t = cudaPointerAttributes;
 #define gpuMalloc MORI_GPU_NAME(Malloc)
 #define gpuFree MORI_GPU_NAME(Free)
 #define gpuHostGetDevicePointer MORI_GPU_NAME(HostGetDevicePointer)
+#define gpuHostRegister MORI_GPU_NAME(HostRegister)
+#define gpuHostUnregister MORI_GPU_NAME(HostUnregister)
+#define gpuHostRegisterMapped MORI_GPU_NAME(HostRegisterMapped)
+#define gpuHostRegisterPortable MORI_GPU_NAME(HostRegisterPortable)
+#define gpuErrorNotSupported MORI_GPU_NAME(ErrorNotSupported)
+#define gpuErrorHostMemoryAlreadyRegistered MORI_GPU_NAME(ErrorHostMemoryAlreadyRegistered)
 #define gpuMemGetInfo MORI_GPU_NAME(MemGetInfo)
 #define gpuMemcpy MORI_GPU_NAME(Memcpy)
 #define gpuMemcpyAsync MORI_GPU_NAME(MemcpyAsync)
@@ -127,6 +136,92 @@ inline gpuError_t GpuMallocCoherent(void** ptr, size_t bytes) {
   return hipExtMallocWithFlags(ptr, bytes, hipDeviceMallocFinegrained);
 #else
   return cudaMalloc(ptr, bytes);
+#endif
+}
+
+// dma-buf export of device memory for RDMA registration (ibv_reg_dmabuf_mr). Exports the whole
+// allocation that contains [ptr, ptr + bytes) (its size rounded up to `pageBytes`) and returns
+// the fd in *fd (the caller closes it) and the offset of ptr inside the exported range in *offset
+// (what ibv_reg_dmabuf_mr takes as `offset`; registering a sub-allocation with offset 0 maps the
+// wrong pages). gpuErrorNotSupported when this runtime cannot export: HIP before 6.2 (no
+// hipMemGetHandleForAddressRange), a CUDA driver without the entry points. Host only.
+#if MORI_CUDA
+namespace detail {
+struct CudaDmabufEntryPoints {
+  CUresult (*getAddressRange)(CUdeviceptr* base, size_t* size, CUdeviceptr ptr) = nullptr;
+  CUresult (*getHandle)(void* handle, CUdeviceptr ptr, size_t size, CUmemRangeHandleType type,
+                        unsigned long long flags) = nullptr;
+};
+// Through the runtime: mori links cudart only (libcuda is loaded by it at run time).
+template <typename Fn>
+inline void CudaDriverEntryPoint(const char* name, Fn* out) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+  cudaError_t rc = cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &found);
+#else
+  cudaError_t rc = cudaGetDriverEntryPoint(name, &fn, cudaEnableDefault, &found);
+#endif
+  if (rc == cudaSuccess && found == cudaDriverEntryPointSuccess) *out = reinterpret_cast<Fn>(fn);
+}
+inline const CudaDmabufEntryPoints& CudaDmabuf() {
+  static const CudaDmabufEntryPoints eps = [] {
+    CudaDmabufEntryPoints e;
+    CudaDriverEntryPoint("cuMemGetAddressRange", &e.getAddressRange);
+    CudaDriverEntryPoint("cuMemGetHandleForAddressRange", &e.getHandle);
+    return e;
+  }();
+  return eps;
+}
+}  // namespace detail
+#endif
+
+// On CUDA, *driverError (if given) receives the CUresult of a failed driver call.
+inline gpuError_t GpuExportDmabuf(void* ptr, size_t bytes, size_t pageBytes, int* fd,
+                                  uint64_t* offset, int* driverError = nullptr) {
+  if (driverError != nullptr) *driverError = 0;
+  *fd = -1;
+  *offset = 0;
+  if (ptr == nullptr || bytes == 0 || pageBytes == 0) return MORI_GPU_NAME(ErrorInvalidValue);
+#if MORI_HIP
+#if defined(HIP_VERSION) && HIP_VERSION >= 60200000
+  hipDeviceptr_t base = nullptr;
+  size_t allocBytes = 0;
+  hipError_t rc = hipMemGetAddressRange(&base, &allocBytes, ptr);
+  if (rc != hipSuccess) return rc;
+  const uintptr_t b = reinterpret_cast<uintptr_t>(base);
+  const size_t exportBytes = (allocBytes + pageBytes - 1) / pageBytes * pageBytes;
+  int handle = -1;
+  rc = hipMemGetHandleForAddressRange(&handle, base, exportBytes, hipMemRangeHandleTypeDmaBufFd, 0);
+  if (rc != hipSuccess) return rc;
+  *fd = handle;
+  *offset = reinterpret_cast<uintptr_t>(ptr) - b;
+  return hipSuccess;
+#else
+  (void)bytes;
+  (void)pageBytes;
+  return hipErrorNotSupported;
+#endif
+#else
+  const detail::CudaDmabufEntryPoints& eps = detail::CudaDmabuf();
+  if (eps.getAddressRange == nullptr || eps.getHandle == nullptr) return cudaErrorNotSupported;
+  CUdeviceptr base = 0;
+  size_t allocBytes = 0;
+  CUresult r = eps.getAddressRange(&base, &allocBytes, reinterpret_cast<CUdeviceptr>(ptr));
+  if (r != CUDA_SUCCESS) {
+    if (driverError != nullptr) *driverError = static_cast<int>(r);
+    return cudaErrorInvalidValue;
+  }
+  const size_t exportBytes = (allocBytes + pageBytes - 1) / pageBytes * pageBytes;
+  int handle = -1;
+  r = eps.getHandle(&handle, base, exportBytes, CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0);
+  if (r != CUDA_SUCCESS) {
+    if (driverError != nullptr) *driverError = static_cast<int>(r);
+    return r == CUDA_ERROR_NOT_SUPPORTED ? cudaErrorNotSupported : cudaErrorInvalidValue;
+  }
+  *fd = handle;
+  *offset = reinterpret_cast<uintptr_t>(ptr) - static_cast<uintptr_t>(base);
+  return cudaSuccess;
 #endif
 }
 
