@@ -768,35 +768,38 @@ def case_refused_after_device_abort(env):
 
 
 def case_destroy_while_peers_combine(env):
-    """20 times: create an op, dispatch, combine; ranks > 0 start their combine late (it reads rank
-    0's combine input and writes rank 0's inboxes), rank 0 destroys its op at once (close() or the
-    destructor, alternately). Destruction must wait for the peers: the symmetric block rank 0 gets
-    next (same offset) must not be written by them, every combine must be right, and neither the
-    symmetric heap nor device memory may grow."""
+    """20 times: create an op, dispatch, combine, destroy (close() and the destructor, alternately).
+    Rank 0 has no tokens and every other rank sends all its tokens to rank 0's experts and combines
+    with one warp, so the peers still read rank 0's combine input (and then write its inboxes) for
+    tens of milliseconds after rank 0's own combine ended. Destruction must wait for them: the
+    symmetric block every rank allocates next (same offset) must not be read or written by a
+    combine, every combine must be right, and neither the symmetric heap nor device memory may
+    grow."""
     torch = env.torch
     mori = env.mori
-    r, W = env.rank, env.W
-    spec = Spec(H=2048, K=8, Epr=8, M=512, seed=53, poison=False)
-    data = make_data(env, spec, 0, spec.seed)
-    X, IDX, WT, SC, Ts = data
+    r = env.rank
+    H, M = 7168, 2048
+    spec = Spec(H=H, K=8, Epr=8, M=M, t_mode=M, routing="one_rank", seed=53, poison=False)
+    X, IDX, WT, SC, Ts = make_data(env, spec, 0, spec.seed)
+    Ts = [0] + Ts[1:]  # rank 0 dispatches nothing (its combine has nothing to read)
+    data = (X, IDX, WT, SC, Ts)
     T = Ts[r]
     x, idx, w = X[r, :T].contiguous(), IDX[r, :T].contiguous(), WT[r, :T].contiguous()
     cdt = torch.bfloat16
+    c_launch = (-1, -1) if r == 0 else (1, 1)  # launch shapes may differ per rank
     cnt = torch.zeros(len(C_NAMES), dtype=torch.int64, device=env.dev)
     errors = []
     free0 = mori.shmem.shmem_heap_free_bytes()
     mem_warm = None
     local_bytes = 0
     for it in range(20):
-        op = mori.ops.EpDispatchCombineOp(small_cfg(env, max_num_inp_token_per_rank=spec.M), check_inputs=False)
+        op = mori.ops.EpDispatchCombineOp(small_cfg(env, hidden_dim=H, max_num_inp_token_per_rank=M), check_inputs=False)
         local_bytes, symm_bytes = op.local_bytes, op.symmetric_bytes
         outs = op.dispatch(x, w, None, idx)
-        cin = op.get_registered_combine_input_buffer(cdt, 2048)
+        cin = op.get_registered_combine_input_buffer(cdt, H)
         cin.copy_(expert_fn(outs[0], r, cdt))
         cw = outs[1] * float(r + 1)
-        if r != 0:
-            sleep_ms(env, 40)
-        out, ow = op.combine(cin, cw, idx)
+        out, ow = op.combine(cin, cw, idx, block_num=c_launch[0], warp_per_block=c_launch[1])
         out, ow = out.clone(), ow.clone()
         del outs, cin, cw
         if it % 2 == 0:
@@ -805,9 +808,9 @@ def case_destroy_while_peers_combine(env):
         block = mori.shmem.shmem_malloc(symm_bytes)
         pattern = mori.shmem.tensor_from_ptr(block, (symm_bytes,), torch.uint8, env.dev)
         pattern.fill_(0x5A)
-        env.barrier()  # every rank's delayed combine has finished by now
+        env.barrier()  # every rank's combine has finished by now
         if not bool((pattern == 0x5A).all().item()):
-            errors.append(f"iteration {it}: a peer wrote into memory freed by a destroyed op")
+            errors.append(f"iteration {it}: a combine wrote into memory freed by a destroyed op")
         del pattern
         mori.shmem.shmem_free(block)
         verify_combine(env, spec, None, out, ow, data, cnt, False, 0, cdt)
