@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cstdlib>
+#include <memory>
 #include <mutex>
 
 #include "mori/core/errors.hpp"
@@ -67,13 +68,16 @@ Snapshot Read() {
   return s;
 }
 
+// The published snapshot is immutable: ReloadEnv builds a new one and swaps the pointer, so a
+// reader holding the old one (or a copy of its values) is never written under. The mutex guards
+// only the pointer itself.
 std::mutex gMutex;
-Snapshot* gSnapshot = nullptr;
+std::shared_ptr<const Snapshot> gSnapshot;
 
-Snapshot& Get() {
+std::shared_ptr<const Snapshot> Get() {
   std::lock_guard<std::mutex> lock(gMutex);
-  if (gSnapshot == nullptr) gSnapshot = new Snapshot(Read());
-  return *gSnapshot;
+  if (gSnapshot == nullptr) gSnapshot = std::make_shared<const Snapshot>(Read());
+  return gSnapshot;
 }
 
 }  // namespace
@@ -131,17 +135,20 @@ uint64_t ParseEnvSize(const char* name, const std::string& text) {
   return static_cast<uint64_t>(v) << shift;
 }
 
-const EnvValues& Env() { return Get().values; }
+EnvValues Env() { return Get()->values; }
 
-std::vector<EnvEntry> EnvEntries() { return Get().entries; }
+std::shared_ptr<const EnvValues> EnvSnapshot() {
+  std::shared_ptr<const Snapshot> s = Get();
+  return std::shared_ptr<const EnvValues>(s, &s->values);
+}
+
+std::vector<EnvEntry> EnvEntries() { return Get()->entries; }
 
 void ReloadEnv() {
-  Snapshot fresh = Read();  // throws before replacing anything on a bad value
+  // Read (which throws on a bad value) before replacing anything.
+  auto fresh = std::make_shared<const Snapshot>(Read());
   std::lock_guard<std::mutex> lock(gMutex);
-  if (gSnapshot == nullptr)
-    gSnapshot = new Snapshot(std::move(fresh));
-  else
-    *gSnapshot = std::move(fresh);
+  gSnapshot = std::move(fresh);
 }
 
 }  // namespace mori::core

@@ -7,8 +7,11 @@
 #include <cstdint>
 #include <string>
 
+#include <vector>
+
 #include "mori/core/errors.hpp"
 #include "mori/ops/dispatch_combine.hpp"
+#include "mori/ops/dispatch_combine/agreement.hpp"
 
 namespace mori::pybind {
 
@@ -68,6 +71,37 @@ py::dict LayoutDict(const EpDispatchCombineConfig& c) {
   d["symmetric"] = symm;
   d["local"] = local;
   return d;
+}
+
+// Test hook for the cross-PE agreement check (no GPU): one entry per PE. stage "config": a
+// (config, heap_free_bytes) tuple; "allocation": the heap offset; "release": whether the PE
+// drained. A str entry is a PE that cannot go on, with that reason.
+std::string FindDisagreementForTest(const std::string& stage, const py::list& entries) {
+  std::vector<ops::EpAgreementRow> rows;
+  ops::EpAgreementStage st;
+  if (stage == "config") {
+    st = ops::EpAgreementStage::kConfig;
+  } else if (stage == "allocation") {
+    st = ops::EpAgreementStage::kAllocation;
+  } else if (stage == "release") {
+    st = ops::EpAgreementStage::kRelease;
+  } else {
+    MORI_THROW(InvalidUsageError, "unknown agreement stage '%s'", stage.c_str());
+  }
+  for (const py::handle& e : entries) {
+    if (py::isinstance<py::str>(e)) {
+      rows.push_back(ops::MakeEpUnusableAgreementRow(st, e.cast<std::string>()));
+    } else if (st == ops::EpAgreementStage::kConfig) {
+      auto t = e.cast<py::tuple>();
+      rows.push_back(ops::MakeEpConfigAgreementRow(t[0].cast<EpDispatchCombineConfig>(),
+                                                   t[1].cast<uint64_t>()));
+    } else if (st == ops::EpAgreementStage::kAllocation) {
+      rows.push_back(ops::MakeEpAllocationAgreementRow(e.cast<uint64_t>()));
+    } else {
+      rows.push_back(ops::MakeEpReleaseAgreementRow(e.cast<bool>()));
+    }
+  }
+  return ops::FindEpDisagreement(st, rows.data(), static_cast<int>(rows.size()));
 }
 
 }  // namespace
@@ -152,6 +186,9 @@ void RegisterOpsBindings(py::module_& m) {
         "Bytes of ordinary device memory a handle for `config` allocates");
   o.def("ep_layout", &LayoutDict, py::arg("config"),
         "Offsets of every buffer in the symmetric and local blocks (see docs/ep.md)");
+  o.def("_find_ep_disagreement", &FindDisagreementForTest, py::arg("stage"), py::arg("entries"),
+        "Test hook: the cross-PE agreement check of handle construction/destruction on given "
+        "rows; returns '' when the PEs agree, else the error text every PE would raise");
   o.def(
       "ep_dispatch_smem_bytes",
       [](const EpDispatchCombineConfig& c, int warpSize) {

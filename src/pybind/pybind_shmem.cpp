@@ -313,6 +313,15 @@ void RegisterShmem(py::module_& m) {
       },
       py::arg("stream"));
   m.def("shmem_check_device_error", [] { CallLibrary([] { shmem::ShmemCheckDeviceError(); }); });
+  m.def(
+      "shmem_device_error_pending",
+      [] {
+        std::string what;
+        const bool pending = CallLibrary([&] { return shmem::ShmemDeviceErrorPending(&what); });
+        return pending ? py::object(py::str(what)) : py::object(py::none());
+      },
+      "None, or the description of a pending device error (not cleared).");
+  m.def("shmem_abort_device_waits", [] { CallLibrary([] { shmem::ShmemAbortDeviceWaits(); }); });
 }
 
 }  // namespace mori::pybind

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -200,7 +201,11 @@ void BuildState(ShmemState& s) {
 // (kDeviceErrorNotAWait), the detail value in `expected`, and the operation in the label.
 bool IsUsageRecord(const core::DeviceErrorRecord& e) { return e.cmp == core::kDeviceErrorNotAWait; }
 
-std::string DescribeDeviceError(const core::DeviceErrorRecord& e) {
+std::string DescribeDeviceError(const core::DeviceErrorRecord& e, int myRank) {
+  if (e.claimed == 0)
+    return core::StrFormat("rank %d: device work was aborted (a host wait expired earlier, or "
+                           "ShmemAbortDeviceWaits was called)",
+                           myRank);
   if (e.cmp == core::kDeviceErrorRdmaCqe)
     return core::StrFormat("RDMA error completion on rank %d (block %d, thread %d), %s: QP 0x%llx "
                            "to pe %d, WQE index %llu, syndrome 0x%02llx, vendor syndrome 0x%02llx, "
@@ -226,26 +231,34 @@ std::string DescribeDeviceError(const core::DeviceErrorRecord& e) {
       static_cast<unsigned long long>(e.seen));
 }
 
+// Copies the mapped record if an error is pending. abortFlag is the publication point: the
+// device claims the record, fills it, fences and only then raises abortFlag, so a claimed record
+// without the flag is still being written.
+bool PeekDeviceError(const ShmemState& s, core::DeviceErrorRecord* copy) {
+  const volatile core::DeviceErrorRecord* v = s.errHost;
+  if (v->abortFlag == 0) return false;
+  std::atomic_thread_fence(std::memory_order_acquire);
+  std::memcpy(copy, s.errHost, sizeof(*copy));
+  return true;
+}
+
 // Reads the mapped record; if set, clears it and raises.
 void RaiseIfDeviceError(ShmemState& s) {
-  // abortFlag is the publication point: the device claims the record, fills it, fences and only
-  // then raises abortFlag, so a claimed record without the flag is still being written.
-  volatile core::DeviceErrorRecord* v = s.errHost;
-  if (v->abortFlag == 0) return;
-  std::atomic_thread_fence(std::memory_order_acquire);
   core::DeviceErrorRecord copy;
-  std::memcpy(&copy, s.errHost, sizeof(copy));
+  if (!PeekDeviceError(s, &copy)) return;
   std::memset(s.errHost, 0, sizeof(core::DeviceErrorRecord));
   std::atomic_thread_fence(std::memory_order_seq_cst);
-  if (copy.claimed == 0)
-    MORI_THROW(TimeoutError, "rank %d: device work was aborted (a host wait expired earlier)",
-               s.devCtx.rank);
-  if (copy.cmp == core::kDeviceErrorRdmaCqe)
-    throw core::RemoteError(__FILE__, __LINE__, DescribeDeviceError(copy));
-  if (IsUsageRecord(copy)) throw core::InvalidUsageError(__FILE__, __LINE__, DescribeDeviceError(copy));
-  std::string msg = DescribeDeviceError(copy);
-  if (s.rdma && !s.rdma->FatalError().empty()) msg += "; RDMA transport: " + s.rdma->FatalError();
-  throw core::TimeoutError(__FILE__, __LINE__, msg);
+  std::string what = DescribeDeviceError(copy, s.devCtx.rank);
+  if (copy.claimed != 0 && copy.cmp == core::kDeviceErrorRdmaCqe)
+    throw core::RemoteError(__FILE__, __LINE__, what);
+  if (copy.claimed != 0 && IsUsageRecord(copy))
+    throw core::InvalidUsageError(__FILE__, __LINE__, what);
+  if (s.rdma && !s.rdma->FatalError().empty()) what += "; RDMA transport: " + s.rdma->FatalError();
+  throw core::TimeoutError(__FILE__, __LINE__, what);
+}
+
+void RaiseAbortFlag(ShmemState& s) {
+  reinterpret_cast<volatile uint32_t*>(&s.errHost->abortFlag)[0] = 1;
 }
 
 // Bounded wait for all of this device's work. The runtime's device synchronisation cannot be
@@ -273,7 +286,7 @@ void DeviceSynchronizeBounded(ShmemState& s, const char* what) {
   std::unique_lock<std::mutex> lock(shared->m);
   bool finished = shared->cv.wait_for(lock, limit, [&] { return shared->done; });
   if (!finished) {
-    reinterpret_cast<volatile uint32_t*>(&s.errHost->abortFlag)[0] = 1;
+    RaiseAbortFlag(s);
     finished = shared->cv.wait_for(lock, std::chrono::seconds(5), [&] { return shared->done; });
   }
   lock.unlock();
@@ -451,7 +464,7 @@ void ShmemStreamSynchronize(gpuStream_t stream) {
     if (e != gpuErrorNotReady) MORI_CHECK_GPU(e);
     if (std::chrono::steady_clock::now() > deadline) {
       // Make every bounded device wait give up so the stream drains, then report.
-      reinterpret_cast<volatile uint32_t*>(&s.errHost->abortFlag)[0] = 1;
+      RaiseAbortFlag(s);
       MORI_THROW(TimeoutError,
                  "rank %d: device work on stream %p did not finish within MORI_HOST_TIMEOUT_MS=%lld "
                  "ms; device waits were told to abort",
@@ -464,6 +477,23 @@ void ShmemStreamSynchronize(gpuStream_t stream) {
 }
 
 void ShmemCheckDeviceError() { RaiseIfDeviceError(State("shmem_check_device_error")); }
+
+bool ShmemDeviceErrorPending(std::string* description) {
+  const ShmemState& s = State("shmem_device_error_pending");
+  core::DeviceErrorRecord copy;
+  if (!PeekDeviceError(s, &copy)) return false;
+  if (description != nullptr) *description = DescribeDeviceError(copy, s.devCtx.rank);
+  return true;
+}
+
+void ShmemAbortDeviceWaits() { RaiseAbortFlag(State("shmem_abort_device_waits")); }
+
+void ShmemBootstrapAllgather(const void* send, void* recv, size_t bytesPerPe) {
+  ShmemState& s = State("shmem_bootstrap_allgather");
+  MORI_ENSURE(bytesPerPe > 0 && send != nullptr && recv != nullptr, InvalidUsageError,
+              "shmem_bootstrap_allgather: empty or null buffers");
+  s.boot->Allgather(send, recv, bytesPerPe);
+}
 
 void ShmemDeviceSynchronize() {
   DeviceSynchronizeBounded(State("shmem_device_synchronize"), "shmem_device_synchronize");

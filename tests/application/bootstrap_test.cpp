@@ -349,6 +349,82 @@ TEST(SocketUniqueIdTest, LayoutAndCreation) {
   SocketBootstrapNetwork::ReleaseUniqueId(b);  // unknown by now: no-op
 }
 
+// ---- lifetime of unadopted unique-id listeners ------------------------------------------------
+
+bool Listening(const SocketUniqueId& id) {
+  int fd = ConnectRaw(id);
+  if (fd < 0) return false;
+  close(fd);
+  return true;
+}
+
+TEST(SocketUniqueIdTest, UnusedListenerExpiresAfterBootstrapTimeout) {
+  ScopedEnvVar timeout("MORI_BOOTSTRAP_TIMEOUT", "1");
+  SocketUniqueId stale = SocketBootstrapNetwork::CreateUniqueId();
+  EXPECT_TRUE(Listening(stale));
+  std::this_thread::sleep_for(std::chrono::milliseconds(1200));
+  SocketUniqueId fresh = SocketBootstrapNetwork::CreateUniqueId();  // registry access: expiry
+  EXPECT_EQ(SocketBootstrapNetwork::PendingUniqueIdCount(), 1u);    // everything older is gone
+  EXPECT_FALSE(Listening(stale));
+  EXPECT_TRUE(Listening(fresh));
+  SocketBootstrapNetwork::ReleaseUniqueId(fresh);
+  EXPECT_EQ(SocketBootstrapNetwork::PendingUniqueIdCount(), 0u);
+  EXPECT_FALSE(Listening(fresh));
+}
+
+TEST(SocketUniqueIdTest, PendingListenersAreCapped) {
+  ScopedEnvVar timeout("MORI_BOOTSTRAP_TIMEOUT", "120");
+  const size_t before = SocketBootstrapNetwork::PendingUniqueIdCount();
+  std::vector<SocketUniqueId> ids;
+  for (int i = 0; i < 70; i++) ids.push_back(SocketBootstrapNetwork::CreateUniqueId());
+  EXPECT_EQ(SocketBootstrapNetwork::PendingUniqueIdCount(), 64u);
+  if (before == 0) {
+    for (int i = 0; i < 6; i++) EXPECT_FALSE(Listening(ids[static_cast<size_t>(i)])) << i;
+    for (int i = 6; i < 70; i++) EXPECT_TRUE(Listening(ids[static_cast<size_t>(i)])) << i;
+  }
+  for (const SocketUniqueId& id : ids) SocketBootstrapNetwork::ReleaseUniqueId(id);
+  EXPECT_EQ(SocketBootstrapNetwork::PendingUniqueIdCount(), 0u);
+}
+
+TEST(SocketUniqueIdTest, MakerThatIsNotRootClosesItsListenerWhenTheBootstrapEnds) {
+  // This process makes the id and joins as rank 1; rank 0 is a child process (it adopts its
+  // inherited copy of the listener). Once rank 1's bootstrap is up, this process's copy is closed.
+  ScopedEnvVar timeout("MORI_BOOTSTRAP_TIMEOUT", "10");
+  const size_t before = SocketBootstrapNetwork::PendingUniqueIdCount();
+  SocketUniqueId id = SocketBootstrapNetwork::CreateUniqueId();
+  ASSERT_EQ(SocketBootstrapNetwork::PendingUniqueIdCount(), before + 1);
+  pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    alarm(kChildAlarmSec);
+    int code = 2;
+    try {
+      SocketBootstrapNetwork net(id, 0, 2);
+      code = VerifiedAllgather(net, 64, 7).empty() ? 0 : 1;
+      net.Barrier();
+    } catch (...) {
+      code = 3;
+    }
+    _exit(code);
+  }
+  {
+    SocketBootstrapNetwork net(id, 1, 2);
+    EXPECT_EQ(VerifiedAllgather(net, 64, 7), "");
+    EXPECT_EQ(SocketBootstrapNetwork::PendingUniqueIdCount(), before);
+    net.Barrier();
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child status " << status;
+  // A failed bootstrap releases it too.
+  SocketUniqueId other = SocketBootstrapNetwork::CreateUniqueId();
+  {
+    ScopedEnvVar shortTimeout("MORI_BOOTSTRAP_TIMEOUT", "1");
+    EXPECT_THROW(SocketBootstrapNetwork(other, 1, 2), core::TimeoutError);  // rank 0 never comes
+  }
+  EXPECT_EQ(SocketBootstrapNetwork::PendingUniqueIdCount(), before);
+}
+
 TEST(SocketUniqueIdTest, InterfaceSelection) {
   {
     ScopedEnvVar ifname("MORI_SOCKET_IFNAME", "lo");

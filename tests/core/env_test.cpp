@@ -3,7 +3,9 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <string>
+#include <thread>
 
 #include "mori/core/errors.hpp"
 #include "scoped_env.hpp"
@@ -180,6 +182,47 @@ TEST(EnvTableTest, BadValueNamesVariableAndKeepsSnapshot) {
   }
   ReloadEnv();
   EXPECT_EQ(Env().heapSize, 2 * kGiB);
+}
+
+// ReloadEnv (shmem init calls it) may run while other threads read settings: a reader must see
+// one snapshot or the other, whole, and a snapshot it holds must not change under it.
+TEST(EnvTableTest, ReloadWhileOtherThreadsRead) {
+  testing::ScopedEnv env;
+  const std::string a(40, 'a'), b(50, 'b');  // longer than any small-string buffer
+  env.Set("MORI_SOCKET_IFNAME", a);
+  env.Set("MORI_NODE_ID", a);
+  ReloadEnv();
+  std::shared_ptr<const EnvValues> held = EnvSnapshot();
+  std::atomic<bool> stop{false};
+  std::atomic<int> torn{0};
+  std::thread reloader([&] {
+    // The only thread that touches the environment (setenv/getenv are not thread-safe).
+    for (int i = 0; i < 2000; i++) {
+      const std::string& v = (i % 2) ? a : b;
+      setenv("MORI_SOCKET_IFNAME", v.c_str(), 1);
+      setenv("MORI_NODE_ID", v.c_str(), 1);
+      ReloadEnv();
+    }
+    stop = true;
+  });
+  std::vector<std::thread> readers;
+  for (int t = 0; t < 3; t++) {
+    readers.emplace_back([&] {
+      while (!stop) {
+        const EnvValues& e = Env();
+        const std::string& ifname = e.socketIfname;
+        if ((ifname != a && ifname != b) || e.nodeId != ifname) torn++;
+        std::shared_ptr<const EnvValues> s = EnvSnapshot();
+        if (s->socketIfname != s->nodeId) torn++;
+      }
+    });
+  }
+  reloader.join();
+  for (std::thread& r : readers) r.join();
+  EXPECT_EQ(torn.load(), 0);
+  EXPECT_EQ(held->socketIfname, a);  // a held snapshot is immutable
+  EXPECT_EQ(held->nodeId, a);
+  EXPECT_EQ(Env().socketIfname, a);  // the last reload (i = 1999) published `a`
 }
 
 }  // namespace

@@ -553,7 +553,7 @@ def case_bad_inputs(env):
             return
         errors.append(f"{what}: no error")
 
-    # config errors (raised before any collective step)
+    # config errors (every rank raises; nothing is allocated)
     expect("kernel_type InterNode", lambda: env.new_op(mk(kernel_type=mori.ops.EpDispatchCombineKernelType.InterNode)))
     expect("world_size mismatch", lambda: env.new_op(mk(world_size=W + 1)))
     expect("top-k 0", lambda: env.new_op(mk(num_experts_per_token=0)))
@@ -611,6 +611,228 @@ def case_bad_inputs(env):
         raise CaseFailure("; ".join(errors))
 
 
+def small_cfg(env, **kw):
+    """An IntraNode config for the lifecycle cases (H 2048 bf16, top-8 of 8 experts per rank)."""
+    base = dict(rank=env.rank, world_size=env.W, hidden_dim=2048, scale_dim=0, scale_type_size=0,
+                max_token_type_size=2, max_num_inp_token_per_rank=128, num_experts_per_rank=8,
+                num_experts_per_token=8)
+    base.update(kw)
+    return env.mori.ops.EpDispatchCombineConfig(**base)
+
+
+def sleep_ms(env, ms):
+    """Keeps the current stream busy for about `ms` milliseconds (GPU clock cycles, ~1.5-2 GHz)."""
+    env.torch.cuda._sleep(int(ms * 2e6))
+
+
+def case_config_mismatch_across_ranks(env):
+    """A config that differs on one rank, a rank whose own config is invalid, and heap offsets out of
+    step all raise InvalidUsageError on every rank, naming the rank and field; nothing stays
+    allocated, nothing hangs, and a good op works afterwards."""
+    mori = env.mori
+    r, W = env.rank, env.W
+    errors = []
+    free0 = mori.shmem.shmem_heap_free_bytes()
+
+    def expect(what, cfg, needle):
+        try:
+            env.new_op(cfg)
+        except mori.InvalidUsageError as e:
+            if needle not in str(e):
+                errors.append(f"{what}: message lacks {needle!r}: {e}")
+            return
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"{what}: raised {type(e).__name__}: {e}")
+            return
+        errors.append(f"{what}: no error")
+
+    last = W - 1
+    expect("hidden_dim differs on the last rank", small_cfg(env, hidden_dim=1024 if r == last else 2048),
+           f"PE {last} has hidden_dim = 1024 but PE 0 has 2048")
+    expect("top-k differs on rank 1", small_cfg(env, num_experts_per_token=4 if r == 1 else 8),
+           "PE 1 has num_experts_per_token = 4 but PE 0 has 8")
+    expect("max tokens differ on rank 0", small_cfg(env, max_num_inp_token_per_rank=64 if r == 0 else 128),
+           "has max_num_inp_token_per_rank = 128 but PE 0 has 64")
+    # rank 1's own config is invalid: it raises its own error, the others name it
+    expect("invalid config on rank 1", small_cfg(env, num_experts_per_token=0 if r == 1 else 8),
+           "num_experts_per_token" if r == 1 else "PE 1 cannot create the EP op")
+    if mori.shmem.shmem_heap_free_bytes() != free0:
+        errors.append(f"heap free bytes changed: {free0} -> {mori.shmem.shmem_heap_free_bytes()}")
+    # launch defaults may differ per rank
+    op = env.new_op(small_cfg(env, block_num=20 + r, warp_num_per_block=4 + (r % 2)))
+    op.close()
+    # heap offsets out of step: rank 0 alone holds an extra allocation
+    extra = mori.shmem.shmem_malloc(1 << 20) if r == 0 else None
+    expect("heap offsets differ", small_cfg(env), "symmetric heap offset")
+    if extra is not None:
+        mori.shmem.shmem_free(extra)
+    if mori.shmem.shmem_heap_free_bytes() != free0:
+        errors.append(f"heap free bytes changed after the offset check: {free0} -> {mori.shmem.shmem_heap_free_bytes()}")
+    env.close_ops()
+    if errors:
+        raise CaseFailure("; ".join(errors))
+    roundtrip(env, Spec(H=2048, M=128, seed=50), label="good op after the mismatches")
+
+
+def case_copy_on_side_stream(env):
+    """copy=True with stream=<a side stream whose kernel finishes late>: the copies, made on the
+    current stream, see the finished outputs (not the poison written before the call)."""
+    torch = env.torch
+    r = env.rank
+    spec = Spec(H=2048, K=8, Epr=8, M=128, seed=51, poison=True)
+    op = env.new_op(small_cfg(env), check_inputs=False)
+    data = make_data(env, spec, 0, spec.seed)
+    X, IDX, WT, SC, Ts = data
+    T = Ts[r]
+    x, idx, w = X[r, :T].contiguous(), IDX[r, :T].contiguous(), WT[r, :T].contiguous()
+    cnt = torch.zeros(len(C_NAMES), dtype=torch.int64, device=env.dev)
+    errors = []
+    env.barrier()
+    op.debug_fill_buffers(0xFF)
+    env.barrier()
+    side = torch.cuda.Stream(device=env.dev)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        sleep_ms(env, 300)
+    c_tok, c_w, _, c_idx, c_total = op.dispatch(x, w, None, idx, copy=True, stream=side)
+    views = (op._view("dispatch_tokens", "dispatch_out_tokens", (env.W * spec.M, 2048), torch.bfloat16),
+             op._view("dispatch_weights", "dispatch_out_weights", (env.W * spec.M, 8), torch.float32), None,
+             op._view("dispatch_indices", "dispatch_out_indices", (env.W * spec.M, 8), torch.int32),
+             op.total_recv_token_num)
+    torch.cuda.synchronize()
+    n = int(views[4].item())
+    if int(c_total.item()) != n or c_tok.shape[0] != n:
+        errors.append(f"dispatch copy: total {int(c_total.item())}, {c_tok.shape[0]} rows; the op has {n}")
+    elif not (torch.equal(c_tok.view(torch.int16), views[0][:n].view(torch.int16)) and torch.equal(c_w, views[1][:n])
+              and torch.equal(c_idx, views[3][:n])):
+        errors.append("dispatch copy differs from the finished output")
+    verify_dispatch(env, spec, op, views, data, cnt, True, 0)
+    # combine: registered input written on the current stream; the kernel on the side stream starts late
+    cdt = torch.bfloat16
+    cin = op.get_registered_combine_input_buffer(cdt, 2048)
+    cin.copy_(expert_fn(views[0], r, cdt))
+    cw = views[1] * float(r + 1)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        sleep_ms(env, 300)
+    c_out, c_ow = op.combine(cin, cw, idx, copy=True, stream=side)
+    out_view = op._view("combine_tokens", "combine_out_tokens", (spec.M, 2048), cdt)[:T]
+    ow_view = op._view("combine_weights", "combine_out_weights", (spec.M, 8), torch.float32)[:T]
+    torch.cuda.synchronize()
+    if not (torch.equal(c_out.view(torch.int16), out_view.view(torch.int16)) and torch.equal(c_ow, ow_view)):
+        errors.append("combine copy differs from the finished output")
+    verify_combine(env, spec, op, c_out, c_ow, data, cnt, False, 0, cdt)
+    _raise_on_counters(env, spec, op, cnt, None, "copy on a side stream", 1)
+    if errors:
+        raise CaseFailure("; ".join(errors))
+
+
+def case_refused_after_device_abort(env):
+    """While a device abort is pending, dispatch and combine raise mori.TimeoutError before
+    launching; once the error is read, the op works again."""
+    mori = env.mori
+    spec = Spec(H=2048, M=128, seed=52, poison=False)
+    op = roundtrip(env, spec, label="before the abort")
+    data = make_data(env, spec, 0, spec.seed)
+    X, IDX, WT, SC, Ts = data
+    r = env.rank
+    x, idx = X[r, : Ts[r]].contiguous(), IDX[r, : Ts[r]].contiguous()
+    errors = []
+    env.barrier()
+    mori.shmem.shmem_abort_device_waits()  # what an expired host wait does
+    if mori.shmem.shmem_device_error_pending() is None:
+        errors.append("no pending error after shmem_abort_device_waits")
+    for what, call in (("dispatch", lambda: op.dispatch(x, None, None, idx)),
+                       ("combine", lambda: op.combine(op.get_registered_combine_input_buffer(env.torch.bfloat16), None, idx))):
+        try:
+            call()
+            errors.append(f"{what}: launched while an abort was pending")
+        except mori.TimeoutError as e:
+            if "refused" not in str(e):
+                errors.append(f"{what}: unexpected message: {e}")
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"{what}: raised {type(e).__name__}: {e}")
+    if mori.shmem.shmem_device_error_pending() is None:
+        errors.append("a refused call cleared the pending error")
+    try:
+        op.check_device_error()
+        errors.append("check_device_error did not raise")
+    except mori.TimeoutError:
+        pass
+    if mori.shmem.shmem_device_error_pending() is not None:
+        errors.append("the error is still pending after it was read")
+    env.barrier()
+    if errors:
+        raise CaseFailure("; ".join(errors))
+    roundtrip(env, spec, op=op, label="after the error was read")
+
+
+def case_destroy_while_peers_combine(env):
+    """20 times: create an op, dispatch, combine, destroy (close() and the destructor, alternately).
+    Rank 0 has no tokens and every other rank sends all its tokens to rank 0's experts and combines
+    with one warp, so the peers still read rank 0's combine input (and then write its inboxes) for
+    tens of milliseconds after rank 0's own combine ended. Destruction must wait for them: the
+    symmetric block every rank allocates next (same offset) must not be read or written by a
+    combine, every combine must be right, and neither the symmetric heap nor device memory may
+    grow."""
+    torch = env.torch
+    mori = env.mori
+    r = env.rank
+    H, M = 7168, 2048
+    spec = Spec(H=H, K=8, Epr=8, M=M, t_mode=M, routing="one_rank", seed=53, poison=False)
+    X, IDX, WT, SC, Ts = make_data(env, spec, 0, spec.seed)
+    Ts = [0] + Ts[1:]  # rank 0 dispatches nothing (its combine has nothing to read)
+    data = (X, IDX, WT, SC, Ts)
+    T = Ts[r]
+    x, idx, w = X[r, :T].contiguous(), IDX[r, :T].contiguous(), WT[r, :T].contiguous()
+    cdt = torch.bfloat16
+    c_launch = (-1, -1) if r == 0 else (1, 1)  # launch shapes may differ per rank
+    cnt = torch.zeros(len(C_NAMES), dtype=torch.int64, device=env.dev)
+    errors = []
+    free0 = mori.shmem.shmem_heap_free_bytes()
+    mem_warm = None
+    local_bytes = 0
+    for it in range(20):
+        op = mori.ops.EpDispatchCombineOp(small_cfg(env, hidden_dim=H, max_num_inp_token_per_rank=M), check_inputs=False)
+        local_bytes, symm_bytes = op.local_bytes, op.symmetric_bytes
+        outs = op.dispatch(x, w, None, idx)
+        cin = op.get_registered_combine_input_buffer(cdt, H)
+        cin.copy_(expert_fn(outs[0], r, cdt))
+        cw = outs[1] * float(r + 1)
+        out, ow = op.combine(cin, cw, idx, block_num=c_launch[0], warp_per_block=c_launch[1])
+        out, ow = out.clone(), ow.clone()
+        del outs, cin, cw
+        if it % 2 == 0:
+            op.close()
+        del op  # odd iterations: the destructor releases
+        block = mori.shmem.shmem_malloc(symm_bytes)
+        pattern = mori.shmem.tensor_from_ptr(block, (symm_bytes,), torch.uint8, env.dev)
+        pattern.fill_(0x5A)
+        env.barrier()  # every rank's combine has finished by now
+        if not bool((pattern == 0x5A).all().item()):
+            errors.append(f"iteration {it}: a combine wrote into memory freed by a destroyed op")
+        del pattern
+        mori.shmem.shmem_free(block)
+        verify_combine(env, spec, None, out, ow, data, cnt, False, 0, cdt)
+        if it == 0:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            mem_warm = torch.cuda.mem_get_info(env.dev)[0]
+        if errors:
+            break
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    mem_end = torch.cuda.mem_get_info(env.dev)[0]
+    if mori.shmem.shmem_heap_free_bytes() != free0:
+        errors.append(f"symmetric heap free bytes {free0} -> {mori.shmem.shmem_heap_free_bytes()}")
+    if mem_warm is not None and mem_end < mem_warm - 2 * local_bytes - (4 << 20):
+        errors.append(f"device memory shrank by {(mem_warm - mem_end) / 2**20:.1f} MiB over 19 create/destroy "
+                      f"cycles (an op has {local_bytes / 2**20:.1f} MiB local)")
+    _raise_on_counters(env, spec, None, cnt, None, "combines before destruction", 20)
+    if errors:
+        raise CaseFailure("; ".join(errors))
+
+
 def case_stress(env):
     iters = int(os.environ.get("MORI_EP_STRESS_ITERS", "0") or 0)
     if iters <= 0:
@@ -649,6 +871,10 @@ CASES = [
     ("dispatch_only_and_combine_only_loops", case_dispatch_only_loop),
     ("cuda_graph_replay", case_cuda_graph),
     ("bad_inputs", case_bad_inputs),
+    ("config_mismatch_across_ranks", case_config_mismatch_across_ranks),
+    ("copy_on_side_stream", case_copy_on_side_stream),
+    ("refused_after_device_abort", case_refused_after_device_abort),
+    ("destroy_while_peers_combine", case_destroy_while_peers_combine),
     ("back_to_back_iterations", case_back_to_back),
     ("stress", case_stress),
 ]

@@ -132,3 +132,99 @@ def test_constants():
     assert o.ROW_ALIGN_BYTES == 16
     assert o.SMALL_BATCH_TOKENS == 128
     assert o.MAX_THREADS_PER_BLOCK // o.WARP_SIZE >= 8
+
+
+# --- cross-PE agreement at handle construction / destruction (the check every PE runs on the
+# rows gathered through the shmem bootstrap; here fed directly, no GPU) ------------------------
+def rows(configs, free=1 << 40):
+    return [(c.to_native(), free) for c in configs]
+
+
+def group(per_rank=None, W=4):
+    """One config per rank; per_rank maps rank -> field overrides."""
+    per_rank = per_rank or {}
+    return [make(rank=r, world_size=W, **per_rank.get(r, {})) for r in range(W)]
+
+
+def test_agreement_same_config_agrees():
+    assert _C.ops._find_ep_disagreement("config", rows(group())) == ""
+
+
+def test_agreement_allows_per_rank_launch_settings():
+    g = group({1: dict(block_num=17, warp_num_per_block=4), 3: dict(use_external_inp_buf=False)})
+    assert _C.ops._find_ep_disagreement("config", rows(g)) == ""
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("hidden_dim", 4096),
+        ("max_token_type_size", 1),
+        ("max_num_inp_token_per_rank", 128),
+        ("num_experts_per_rank", 8),
+        ("num_experts_per_token", 4),
+        ("scale_dim", 0),
+        ("scale_type_size", 1),
+    ],
+)
+def test_agreement_names_the_rank_and_field(field, value):
+    base = getattr(make(), field)
+    msg = _C.ops._find_ep_disagreement("config", rows(group({2: {field: value}})))
+    assert f"PE 2 has {field} = {value} but PE 0 has {base}" in msg, msg
+
+
+def test_agreement_names_the_first_rank_then_the_first_field():
+    g = group({1: dict(num_experts_per_token=4, hidden_dim=1024), 2: dict(hidden_dim=4096)})
+    msg = _C.ops._find_ep_disagreement("config", rows(g))
+    assert "PE 1 has hidden_dim = 1024" in msg, msg
+
+
+def test_agreement_world_size_differs():
+    g = group()
+    g[3] = make(rank=3, world_size=5)
+    assert "PE 3 has world_size = 5 but PE 0 has 4" in _C.ops._find_ep_disagreement("config", rows(g))
+
+
+def test_agreement_unusable_rank_is_named_with_its_reason():
+    entries = rows(group())
+    entries[1] = "EpDispatchCombineConfig.hidden_dim = 0 is out of range"
+    entries[2] = "something else"
+    msg = _C.ops._find_ep_disagreement("config", entries)
+    assert msg.startswith("PE 1 cannot create the EP op: EpDispatchCombineConfig.hidden_dim = 0"), msg
+
+
+def test_agreement_long_reason_is_truncated():
+    entries = rows(group())
+    entries[3] = "x" * 1000
+    msg = _C.ops._find_ep_disagreement("config", entries)
+    assert "PE 3 cannot create the EP op: xxx" in msg and msg.count("x") < 300
+
+
+def test_agreement_heap_too_small_on_one_rank():
+    g = group()
+    need = ops.ep_symmetric_bytes(g[0])
+    entries = rows(g, free=need)
+    entries[2] = (g[2].to_native(), need - 1)
+    msg = _C.ops._find_ep_disagreement("config", entries)
+    assert f"needs {need} bytes" in msg and f"PE 2 has only {need - 1} free" in msg, msg
+    assert "MORI_SHMEM_HEAP_SIZE" in msg
+
+
+def test_agreement_allocation_offsets():
+    assert _C.ops._find_ep_disagreement("allocation", [0x100, 0x100, 0x100]) == ""
+    msg = _C.ops._find_ep_disagreement("allocation", [0x100, 0x100, 0x200, 0x300])
+    assert "PE 2 got 0x200 but PE 0 got 0x100" in msg, msg
+    assert "same order" in msg
+    msg = _C.ops._find_ep_disagreement("allocation", [0x100, "cudaMalloc failed: out of memory"])
+    assert msg == "PE 1 cannot create the EP op: cudaMalloc failed: out of memory"
+
+
+def test_agreement_release_needs_every_rank_drained():
+    assert _C.ops._find_ep_disagreement("release", [True, True, True]) == ""
+    msg = _C.ops._find_ep_disagreement("release", [True, False, False])
+    assert msg.startswith("PE 1:") and "did not finish" in msg, msg
+
+
+def test_agreement_unknown_stage():
+    with pytest.raises(mori.InvalidUsageError, match="unknown agreement stage"):
+        _C.ops._find_ep_disagreement("nope", [])

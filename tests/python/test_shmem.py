@@ -281,3 +281,12 @@ def test_torch_process_group_init_single_rank():
         mori.shmem.shmem_finalize()
     finally:
         dist.destroy_process_group()
+
+
+def test_device_error_api_before_init_is_invalid_usage():
+    if mori.shmem.shmem_is_initialized():
+        pytest.skip("shmem is initialised in this process")
+    with pytest.raises(mori.InvalidUsageError, match="not initialised"):
+        mori.shmem.shmem_device_error_pending()
+    with pytest.raises(mori.InvalidUsageError, match="not initialised"):
+        mori.shmem.shmem_abort_device_waits()

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -77,11 +78,17 @@ struct EnvEntry {
   bool fromEnvironment;   // false: the default
 };
 
-// The snapshot taken at first use. Bad values raise InvalidUsageError naming the variable.
-const EnvValues& Env();
+// The settings in effect: a copy of the current snapshot (taken at first use, replaced by
+// ReloadEnv). Bad values raise InvalidUsageError naming the variable. Safe to call from any
+// thread while another reloads: a caller sees the old or the new snapshot, never a mix, and
+// `const auto& v = Env().field;` stays valid (the copy lives as long as the reference).
+EnvValues Env();
+// The current snapshot itself, shared and immutable (no copy; kept alive while held).
+std::shared_ptr<const EnvValues> EnvSnapshot();
 // Every entry with its value and source, in table order (for mori-info and docs).
 std::vector<EnvEntry> EnvEntries();
-// Re-read the environment (tests; shmem init calls it so a new init sees the current settings).
+// Re-read the environment and publish a new snapshot (tests; shmem init calls it so a new init
+// sees the current settings). On a bad value it raises and the previous snapshot stays.
 void ReloadEnv();
 
 // Parsers, exposed for tests. All raise InvalidUsageError with `name` in the message.

@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "mori/application/bootstrap/bootstrap.hpp"
 #include "mori/core/gpu.hpp"
@@ -61,9 +62,22 @@ void ShmemStreamSynchronize(gpuStream_t stream);
 // Raises TimeoutError describing the first device-side wait that expired (rank, peer, address,
 // expected and seen values), then clears the record so the library stays usable.
 void ShmemCheckDeviceError();
+// Cheap host read of the mapped error record: true while a device error or abort is pending
+// (every bounded device wait gives up at once until it is read). Does not clear it; when
+// `description` is given it receives what ShmemCheckDeviceError would report.
+bool ShmemDeviceErrorPending(std::string* description = nullptr);
+// Raises the abort flag without recording a wait: every bounded device wait of every kernel gives
+// up; the next ShmemCheckDeviceError / ShmemStreamSynchronize raises TimeoutError ("aborted").
+// What a host wait does on expiry; for watchdogs and tests.
+void ShmemAbortDeviceWaits();
 // Bounded wait for all of this PE's device work (MORI_HOST_TIMEOUT_MS). Leaves a recorded device
 // error in place for ShmemCheckDeviceError / ShmemStreamSynchronize to report.
 void ShmemDeviceSynchronize();
+// Collective over all PEs through the bootstrap (host only: no device synchronisation, device
+// errors left in place): `recv` holds NPes() * bytesPerPe bytes, PE p's `send` lands at
+// p * bytesPerPe. Bounded like init: MORI_BOOTSTRAP_TIMEOUT for the socket bootstrap, the torch
+// and MPI bootstraps by their own timeouts. For small agreement checks, not for data.
+void ShmemBootstrapAllgather(const void* send, void* recv, size_t bytesPerPe);
 // Identifies the current init: 0 when not initialised, a new value after every init. Objects that
 // hold symmetric memory compare it to notice a finalize (and re-init) under them.
 uint64_t ShmemInitGeneration();

@@ -3,6 +3,7 @@
 Every argument is checked here, before anything is launched, and a bad one raises
 mori.InvalidUsageError (a ValueError); the op stays usable. Returned tensors are views of the
 op's buffers: valid until the next call of the same kind (pass copy=True for private copies).
+Creating and closing an op are collective (every rank, same config, same order); see docs/ep.md.
 """
 
 import dataclasses
@@ -167,13 +168,15 @@ class EpDispatchCombineOp:
     """
 
     def __init__(self, config, check_inputs=True):
-        """check_inputs: also check expert ids are in [-1, num_experts) before dispatch; this
+        """Collective: every rank creates the op with the same config. The native handle checks
+        the config (and every rank's config against rank 0's) before allocating, so a bad or
+        mismatched config raises mori.InvalidUsageError on every rank.
+        check_inputs: also check expert ids are in [-1, num_experts) before dispatch; this
         reads the indices on the host (one synchronisation; skipped during CUDA graph capture)."""
         torch = _torch()
         if not isinstance(config, EpDispatchCombineConfig):
             raise _usage(f"EpDispatchCombineOp needs an EpDispatchCombineConfig, got {type(config).__name__}")
         native_cfg = config.to_native()
-        native_cfg.validate()
         self.config = config
         self.check_inputs = bool(check_inputs)
         self._handle = _native().EpDispatchCombineHandle(native_cfg)
@@ -185,14 +188,19 @@ class EpDispatchCombineOp:
         self._num_experts = config.num_experts
         self._views = {}
         self._last = None  # (num_tokens, dtype, hidden, index dtype, scales dtype, has weights)
+        self._last_dispatch_stream = None  # (handle, torch stream or None) of the last dispatch
 
     # --- lifecycle ------------------------------------------------------------------------------
     def close(self):
-        """Free the buffers now (waits for this GPU's work). Later calls raise."""
-        if self._handle is not None:
-            self._handle.release()
-            self._handle = None
-            self._views.clear()
+        """Collective (every rank closes its op, in the same order): waits for this GPU's work and
+        for every rank's, then frees the buffers (peers' kernels use them until then). Dropping
+        the last reference does the same, with failures logged instead of raised. Later calls
+        raise. If a rank did not finish its work or never answered, the buffers are kept (freed
+        at shmem finalize) and this raises."""
+        handle, self._handle = self._handle, None
+        self._views.clear()
+        if handle is not None:
+            handle.release()
 
     def _h(self):
         if self._handle is None:
@@ -237,12 +245,29 @@ class EpDispatchCombineOp:
             raise _usage(f"{name} must be contiguous (shape {tuple(t.shape)}, strides {t.stride()})")
 
     def _stream(self, stream):
+        """(raw handle, torch stream object or None) of the stream a call launches on."""
         torch = _torch()
         if stream is None:
-            return torch.cuda.current_stream(self.device).cuda_stream
+            cur = torch.cuda.current_stream(self.device)
+            return int(cur.cuda_stream), cur
         if isinstance(stream, int):
-            return stream
-        return int(stream.cuda_stream)
+            return stream, None
+        return int(stream.cuda_stream), stream
+
+    def _follow_launch(self, launch):
+        """Make torch's current stream wait for the work enqueued so far on the launch stream
+        `launch` ((handle, stream or None) from _stream). Returns the launch stream object when it
+        differs from the current stream (the caller then makes it wait for the current stream's
+        reads of the op's buffers), else None."""
+        torch = _torch()
+        cur = torch.cuda.current_stream(self.device)
+        handle, obj = launch
+        if handle == int(cur.cuda_stream):
+            return None
+        if obj is None:
+            obj = torch.cuda.default_stream(self.device) if handle == 0 else torch.cuda.ExternalStream(handle, device=self.device)
+        cur.wait_stream(obj)
+        return obj
 
     def _check_indices(self, indices, num_tokens, what):
         torch = _torch()
@@ -313,6 +338,7 @@ class EpDispatchCombineOp:
                     f"dispatch: expert ids must be in [-1, {self._num_experts}); got values in [{lo}, {hi}]"
                 )
         index_code = 1 if indices.dtype == torch.int64 else 0
+        launch = self._stream(stream)
         h.dispatch(
             input.data_ptr() if num_tokens > 0 else 0,
             code,
@@ -324,8 +350,9 @@ class EpDispatchCombineOp:
             index_code,
             int(block_num),
             int(warp_per_block),
-            self._stream(stream),
+            launch[0],
         )
+        self._last_dispatch_stream = launch
         self._last = (num_tokens, input.dtype, hidden, indices.dtype, None if scales is None else scales.dtype, weights is not None)
         out = self._view("dispatch_tokens", "dispatch_out_tokens", (self._rmax, hidden), input.dtype)
         out_w = self._view("dispatch_weights", "dispatch_out_weights", (self._rmax, self._K), torch.float32) if weights is not None else None
@@ -337,14 +364,20 @@ class EpDispatchCombineOp:
         out_i = self._view("dispatch_indices", "dispatch_out_indices", (self._rmax, self._K), indices.dtype)
         total = self._total_recv_view()
         if copy:
+            # The copies run on the current stream after the kernel (launched on `stream`), and
+            # the launch stream's next call waits for them before overwriting the buffers.
+            other = self._follow_launch(launch)
             n = int(total.item())
-            return (
+            outs = (
                 out[:n].clone(),
                 None if out_w is None else out_w[:n].clone(),
                 None if out_s is None else out_s[:n].clone(),
                 out_i[:n].clone(),
                 total.clone(),
             )
+            if other is not None:
+                other.wait_stream(torch.cuda.current_stream(self.device))
+            return outs
         return out, out_w, out_s, out_i, total
 
     # --- combine --------------------------------------------------------------------------------
@@ -397,6 +430,7 @@ class EpDispatchCombineOp:
         weights_ptr = 0
         if weights is not None:
             weights_ptr = weights.data_ptr() if weight_rows > 0 else h.combine_out_weights
+        launch = self._stream(stream)
         h.combine(
             input_ptr,
             _dtype_codes(torch)[input.dtype],
@@ -406,14 +440,19 @@ class EpDispatchCombineOp:
             weight_rows,
             int(block_num),
             int(warp_per_block),
-            self._stream(stream),
+            launch[0],
         )
         out = self._view("combine_tokens", "combine_out_tokens", (self._M, hidden), input.dtype)[:num_tokens]
         out_w = None
         if weights is not None:
             out_w = self._view("combine_weights", "combine_out_weights", (self._M, self._K), torch.float32)[:num_tokens]
         if copy:
-            return out.clone(), None if out_w is None else out_w.clone()
+            # Copied on the current stream after the kernel; the launch stream waits for the copy.
+            other = self._follow_launch(launch)
+            outs = out.clone(), None if out_w is None else out_w.clone()
+            if other is not None:
+                other.wait_stream(torch.cuda.current_stream(self.device))
+            return outs
         return out, out_w
 
     def reset(self, stream=None):
@@ -443,12 +482,15 @@ class EpDispatchCombineOp:
 
     def get_dispatch_src_token_pos(self, sync=True):
         """Source position (src_rank * max_num_inp_token_per_rank + src_token) of each received
-        row of the last dispatch: synchronises the current stream and returns the valid rows, or
-        with sync=False the whole [world_size * max_num_inp_token_per_rank] view."""
+        row of the last dispatch: waits for the last dispatch (on its stream) and the current
+        stream and returns the valid rows, or with sync=False the whole
+        [world_size * max_num_inp_token_per_rank] view."""
         torch = _torch()
         pos = self._view("src_pos", "dispatch_src_token_pos", (self._rmax,), torch.int32)
         if not sync:
             return pos
+        if self._last_dispatch_stream is not None:
+            self._follow_launch(self._last_dispatch_stream)
         torch.cuda.current_stream(self.device).synchronize()
         n = int(self._total_recv_view().item())
         return pos[:n]
@@ -492,7 +534,9 @@ class EpDispatchCombineOp:
             _tensor_from_ptr(getattr(h, attr), (nbytes,), torch.uint8, self._device_index).fill_(value & 0xFF)
 
     def check_device_error(self):
-        """Raise mori.TimeoutError if a device-side wait expired (e.g. a peer never called)."""
+        """Raise mori.TimeoutError if a device-side wait expired (e.g. a peer never called), and
+        clear the record. While one is pending, dispatch and combine raise mori.TimeoutError
+        before launching anything."""
         _C.shmem_check_device_error()
 
 

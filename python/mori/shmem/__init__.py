@@ -12,9 +12,11 @@ torch tensor.
 from .api import (  # noqa: F401
     MORI_SHMEM_INIT_WITH_MPI_COMM,
     MORI_SHMEM_INIT_WITH_UNIQUEID,
+    shmem_abort_device_waits,
     shmem_barrier_all,
     shmem_barrier_on_stream,
     shmem_check_device_error,
+    shmem_device_error_pending,
     shmem_finalize,
     shmem_free,
     shmem_get_unique_id,
@@ -36,9 +38,11 @@ from .tensor import tensor_from_ptr  # noqa: F401
 __all__ = [
     "MORI_SHMEM_INIT_WITH_MPI_COMM",
     "MORI_SHMEM_INIT_WITH_UNIQUEID",
+    "shmem_abort_device_waits",
     "shmem_barrier_all",
     "shmem_barrier_on_stream",
     "shmem_check_device_error",
+    "shmem_device_error_pending",
     "shmem_finalize",
     "shmem_free",
     "shmem_get_unique_id",

@@ -142,3 +142,15 @@ def shmem_stream_synchronize(stream=None) -> None:
 def shmem_check_device_error() -> None:
     """Raise mori.TimeoutError describing a recorded device-side wait timeout, if any."""
     _C.shmem_check_device_error()
+
+
+def shmem_device_error_pending():
+    """None, or the description of a pending device-side error or abort (left in place: read and
+    clear it with shmem_check_device_error). While one is pending, EP calls refuse to launch."""
+    return _C.shmem_device_error_pending()
+
+
+def shmem_abort_device_waits() -> None:
+    """Make every bounded device wait give up at once (what an expired host wait does); the next
+    shmem_check_device_error raises mori.TimeoutError. For watchdogs and tests."""
+    _C.shmem_abort_device_waits()

@@ -152,9 +152,21 @@ std::string RankListPhrase(const std::vector<int>& ranks) {
 // ---- process-wide registry of root listeners made by CreateUniqueId
 // -------------------------------
 
+// An id's listener is needed only until rank 0 of that id adopts it in this process. One whose
+// maker never becomes rank 0 would stay open forever, so entries are bounded: closed once a
+// bootstrap with the id ends here (any rank; its root is then up, or the session failed), after
+// MORI_BOOTSTRAP_TIMEOUT seconds unadopted (rank 0 then binds the id's address itself), and at
+// most kMaxPendingListeners at once (the oldest goes first).
+constexpr size_t kMaxPendingListeners = 64;
+
+struct PendingListener {
+  Fd fd;
+  std::chrono::steady_clock::time_point created;
+};
+
 struct Registry {
   std::mutex mutex;
-  std::map<std::pair<uint64_t, uint64_t>, Fd> listeners;
+  std::map<std::pair<uint64_t, uint64_t>, PendingListener> listeners;
 };
 
 Registry& GetRegistry() {
@@ -162,12 +174,49 @@ Registry& GetRegistry() {
   return *registry;
 }
 
+// Closes entries older than MORI_BOOTSTRAP_TIMEOUT. Call with reg.mutex held.
+void ExpireListenersLocked(Registry& reg) {
+  const int64_t timeoutSec = core::Env().bootstrapTimeoutSec;
+  if (timeoutSec <= 0) return;  // the bootstrap itself rejects this value
+  const auto now = std::chrono::steady_clock::now();
+  for (auto it = reg.listeners.begin(); it != reg.listeners.end();) {
+    if (now - it->second.created >= std::chrono::seconds(timeoutSec)) {
+      MORI_INFO(kLogBootstrap,
+                "closing the root listener of an unused socket unique id after "
+                "MORI_BOOTSTRAP_TIMEOUT=%lld s",
+                static_cast<long long>(timeoutSec));
+      it = reg.listeners.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void RegisterListener(const uint64_t nonce[2], Fd fd) {
+  Registry& reg = GetRegistry();
+  std::lock_guard<std::mutex> lock(reg.mutex);
+  ExpireListenersLocked(reg);
+  while (reg.listeners.size() >= kMaxPendingListeners) {
+    auto oldest = reg.listeners.begin();
+    for (auto it = reg.listeners.begin(); it != reg.listeners.end(); ++it)
+      if (it->second.created < oldest->second.created) oldest = it;
+    MORI_WARN(kLogBootstrap,
+              "more than %zu socket unique ids made in this process are unused: closing the "
+              "oldest one's root listener",
+              kMaxPendingListeners);
+    reg.listeners.erase(oldest);
+  }
+  reg.listeners[{nonce[0], nonce[1]}] =
+      PendingListener{std::move(fd), std::chrono::steady_clock::now()};
+}
+
 Fd TakeRegisteredListener(const uint64_t nonce[2]) {
   Registry& reg = GetRegistry();
   std::lock_guard<std::mutex> lock(reg.mutex);
+  ExpireListenersLocked(reg);
   auto it = reg.listeners.find({nonce[0], nonce[1]});
   if (it == reg.listeners.end()) return Fd();
-  Fd fd = std::move(it->second);
+  Fd fd = std::move(it->second.fd);
   reg.listeners.erase(it);
   return fd;
 }
@@ -275,11 +324,7 @@ SocketUniqueId SocketBootstrapNetwork::CreateUniqueId() {
         (hi << 32 | lo) ^ (now * 0x9E3779B97F4A7C15ULL) ^ (uint64_t(::getpid()) << (16 * i));
   }
 
-  Registry& reg = GetRegistry();
-  {
-    std::lock_guard<std::mutex> lock(reg.mutex);
-    reg.listeners[{id.nonce[0], id.nonce[1]}] = std::move(fd);
-  }
+  RegisterListener(id.nonce, std::move(fd));
   MORI_INFO(kLogBootstrap, "created socket unique id: root listens on %s",
             bound.ToString().c_str());
   return id;
@@ -287,6 +332,13 @@ SocketUniqueId SocketBootstrapNetwork::CreateUniqueId() {
 
 void SocketBootstrapNetwork::ReleaseUniqueId(const SocketUniqueId& id) {
   Fd fd = TakeRegisteredListener(id.nonce);  // closed here
+}
+
+size_t SocketBootstrapNetwork::PendingUniqueIdCount() {
+  Registry& reg = GetRegistry();
+  std::lock_guard<std::mutex> lock(reg.mutex);
+  ExpireListenersLocked(reg);
+  return reg.listeners.size();
 }
 
 // ---- the network
@@ -1078,6 +1130,12 @@ SocketBootstrapNetwork::SocketBootstrapNetwork(const SocketUniqueId& id, int ran
   m.worldSize = worldSize;
   m.nonce[0] = checked.nonce[0];
   m.nonce[1] = checked.nonce[1];
+  // However the constructor ends, this process no longer needs a listener it made for the id: its
+  // root has adopted it or is up elsewhere, or the session failed.
+  struct ReleaseIdOnExit {
+    const SocketUniqueId& id;
+    ~ReleaseIdOnExit() { SocketBootstrapNetwork::ReleaseUniqueId(id); }
+  } releaseIdOnExit{checked};
   m.timeoutSec = timeoutSec;
   m.allToAll = options.allToAll;
   m.rootAddr = Endpoint4{checked.ipv4, checked.port};

@@ -39,7 +39,7 @@ __global__ void EmuAtomicKernel(uint64_t* target, uint64_t swapAdd, uint64_t com
 // stream, bounded by MORI_HOST_TIMEOUT_MS, before the emulator publishes a completion.
 class GpuMemoryAccessor : public EmuMemoryAccessor {
  public:
-  explicit GpuMemoryAccessor(int device) : device(device) {
+  explicit GpuMemoryAccessor(int device) : device(device), timeoutMs(core::Env().hostTimeoutMs) {
     MORI_CHECK_GPU(gpuSetDevice(device));
     int least = 0, greatest = 0;
     MORI_CHECK_GPU(gpuDeviceGetStreamPriorityRange(&least, &greatest));
@@ -102,8 +102,7 @@ class GpuMemoryAccessor : public EmuMemoryAccessor {
   }
   // Bounded stream wait: a kernel occupying every SM would keep the atomic kernel from running.
   void Wait(const char* what) {
-    const auto deadline = std::chrono::steady_clock::now() +
-                          std::chrono::milliseconds(core::Env().hostTimeoutMs);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeoutMs);
     for (int spins = 0;; spins++) {
       const gpuError_t e = gpuStreamQuery(stream);
       if (e == gpuSuccess) return;
@@ -111,12 +110,13 @@ class GpuMemoryAccessor : public EmuMemoryAccessor {
       if (std::chrono::steady_clock::now() > deadline)
         MORI_THROW(TimeoutError,
                    "RDMA emulator: %s on device %d did not finish within MORI_HOST_TIMEOUT_MS=%lld ms",
-                   what, device, static_cast<long long>(core::Env().hostTimeoutMs));
+                   what, device, static_cast<long long>(timeoutMs));
       if (spins > 200) std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
   }
 
   int device;
+  int64_t timeoutMs;
   gpuStream_t stream = nullptr;
   uint64_t* oldHost = nullptr;
   uint64_t* oldDev = nullptr;

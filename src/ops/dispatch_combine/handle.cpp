@@ -4,11 +4,15 @@
 
 #include <algorithm>
 #include <cstring>
+#include <exception>
+#include <string>
+#include <vector>
 
 #include "intranode.hpp"
 #include "mori/core/errors.hpp"
 #include "mori/core/gpu_check.hpp"
 #include "mori/core/logging.hpp"
+#include "mori/ops/dispatch_combine/agreement.hpp"
 #include "mori/shmem/shmem_api.hpp"
 
 namespace mori::ops {
@@ -17,98 +21,190 @@ namespace {
 
 bool Aligned(const void* p, size_t a) { return (reinterpret_cast<uintptr_t>(p) % a) == 0; }
 
+// Runs `step`; on failure returns its message (and keeps the exception in *error) instead of
+// raising, so this PE can still tell its peers in the next agreement exchange.
+template <typename F>
+std::string Attempt(F&& step, std::exception_ptr* error) {
+  try {
+    step();
+    return std::string();
+  } catch (const core::Error& e) {
+    *error = std::current_exception();
+    return e.Message();
+  } catch (const std::exception& e) {
+    *error = std::current_exception();
+    return e.what();
+  }
+}
+
+// Allgathers this PE's row and returns the first disagreement (empty when every PE agrees).
+std::string Agree(EpAgreementStage stage, const EpAgreementRow& mine, int npes) {
+  std::vector<EpAgreementRow> rows(static_cast<size_t>(npes));
+  shmem::ShmemBootstrapAllgather(&mine, rows.data(), sizeof(EpAgreementRow));
+  return FindEpDisagreement(stage, rows.data(), npes);
+}
+
 }  // namespace
 
 EpDispatchCombineHandle::EpDispatchCombineHandle(const EpDispatchCombineConfig& cfg) : config(cfg) {
-  config.Validate();
   MORI_ENSURE(shmem::ShmemIsInitialized(), InvalidUsageError,
               "EpDispatchCombineHandle: shmem is not initialised (call shmem init, e.g. "
               "mori.shmem.shmem_torch_process_group_init, before creating the op)");
   const int pe = shmem::ShmemMyPe();
   const int npes = shmem::ShmemNPes();
-  MORI_ENSURE(config.rank == pe && config.worldSize == npes, InvalidUsageError,
-              "EpDispatchCombineHandle: config rank/world_size = %d/%d but shmem has PE %d of %d",
-              config.rank, config.worldSize, pe, npes);
-  for (int p = 0; p < npes; p++) {
-    shmem::TransportType t = shmem::ShmemTransportType(p);
-    MORI_ENSURE(t == shmem::TransportType::kSelf || t == shmem::TransportType::kP2P,
-                InvalidUsageError,
-                "EpDispatchCombineHandle: kernel_type IntraNode needs load/store (P2P over "
-                "NVLink/xGMI) access to every PE, but PE %d is reached by '%s' from PE %d",
-                p, shmem::TransportTypeName(t), pe);
-  }
-  MORI_CHECK_GPU(gpuGetDevice(&device));
-  MORI_CHECK_GPU(gpuDeviceGetAttribute(&numSms, gpuDevAttrMultiProcessorCount, device));
 
-  symmLayout = MakeEpSymmetricLayout(config);
-  localLayout = MakeEpLocalLayout(config);
-  const size_t freeBytes = shmem::ShmemHeapFreeBytes();
-  MORI_ENSURE(symmLayout.totalBytes <= freeBytes, InvalidUsageError,
-              "EpDispatchCombineHandle needs %zu bytes (%.1f MiB) of symmetric heap but only %zu "
-              "are free; raise MORI_SHMEM_HEAP_SIZE or lower max_num_inp_token_per_rank / "
-              "hidden_dim / max_token_type_size",
-              symmLayout.totalBytes, symmLayout.totalBytes / 1048576.0, freeBytes);
+  // 1. Local checks. A PE that fails one still takes part in the exchange below (marked
+  // unusable), so that every PE raises now instead of waiting for it in a collective.
+  std::exception_ptr localError;
+  std::string problem = Attempt(
+      [&] {
+        config.Validate();
+        MORI_ENSURE(config.rank == pe && config.worldSize == npes, InvalidUsageError,
+                    "EpDispatchCombineHandle: config rank/world_size = %d/%d but shmem has PE %d "
+                    "of %d",
+                    config.rank, config.worldSize, pe, npes);
+        for (int p = 0; p < npes; p++) {
+          shmem::TransportType t = shmem::ShmemTransportType(p);
+          MORI_ENSURE(t == shmem::TransportType::kSelf || t == shmem::TransportType::kP2P,
+                      InvalidUsageError,
+                      "EpDispatchCombineHandle: kernel_type IntraNode needs load/store (P2P over "
+                      "NVLink/xGMI) access to every PE, but PE %d is reached by '%s' from PE %d",
+                      p, shmem::TransportTypeName(t), pe);
+        }
+        MORI_CHECK_GPU(gpuGetDevice(&device));
+        MORI_CHECK_GPU(gpuDeviceGetAttribute(&numSms, gpuDevAttrMultiProcessorCount, device));
+        symmLayout = MakeEpSymmetricLayout(config);
+        localLayout = MakeEpLocalLayout(config);
+        // Whatever used the heap range before (an earlier op) is done on this PE once this
+        // returns, and on every PE once the exchange below completes. A pending device error
+        // stays pending (calls refuse to launch until it is read).
+        shmem::ShmemDeviceSynchronize();
+      },
+      &localError);
 
-  // Every PE must be done with whatever used this heap range before (a previous handle's calls).
-  shmem::ShmemBarrierAll();
-  symmBase = static_cast<uint8_t*>(shmem::ShmemMallocAlign(kEpBufferAlign, symmLayout.totalBytes));
+  // 2. Config agreement: same config (and layout) on every PE, enough free heap everywhere.
+  EpAgreementRow row = problem.empty()
+                           ? MakeEpConfigAgreementRow(config, shmem::ShmemHeapFreeBytes())
+                           : MakeEpUnusableAgreementRow(EpAgreementStage::kConfig, problem);
+  std::string disagreement;
   try {
-    void* local = nullptr;
-    MORI_CHECK_GPU(gpuMalloc(&local, localLayout.totalBytes));
-    localBase = static_cast<uint8_t*>(local);
-    MORI_CHECK_GPU(gpuMemset(symmBase, 0, symmLayout.totalBytes));
-    MORI_CHECK_GPU(gpuMemset(localBase, 0, localLayout.totalBytes));
-    shmem::ShmemDeviceSynchronize();
-    symmHeapOffset = shmem::ShmemQueryMemObj(symmBase).heapOffset;
-    shmemCtx = shmem::ShmemGetDeviceContext();
-    initGeneration = shmem::ShmemInitGeneration();
-    for (int p = 0; p < npes; p++) {
-      MORI_ENSURE(shmem::ShmemPtrP2p(symmBase, p) != nullptr, InvalidUsageError,
-                  "EpDispatchCombineHandle: PE %d's symmetric heap is not mapped on PE %d", p, pe);
-    }
-    // No PE may write into our buffers before they are zeroed.
-    shmem::ShmemBarrierAll();
+    disagreement = Agree(EpAgreementStage::kConfig, row, npes);
   } catch (...) {
+    if (!localError) throw;
+  }
+  if (localError) std::rethrow_exception(localError);
+  if (!disagreement.empty())
+    MORI_THROW(InvalidUsageError, "EpDispatchCombineHandle on PE %d: %s (nothing was allocated)",
+               pe, disagreement.c_str());
+
+  // 3. Allocate and zero (every PE makes the same ShmemMallocAlign call).
+  problem = Attempt(
+      [&] {
+        symmBase =
+            static_cast<uint8_t*>(shmem::ShmemMallocAlign(kEpBufferAlign, symmLayout.totalBytes));
+        void* local = nullptr;
+        MORI_CHECK_GPU(gpuMalloc(&local, localLayout.totalBytes));
+        localBase = static_cast<uint8_t*>(local);
+        MORI_CHECK_GPU(gpuMemset(symmBase, 0, symmLayout.totalBytes));
+        MORI_CHECK_GPU(gpuMemset(localBase, 0, localLayout.totalBytes));
+        shmem::ShmemDeviceSynchronize();
+        symmHeapOffset = shmem::ShmemQueryMemObj(symmBase).heapOffset;
+        for (int p = 0; p < npes; p++) {
+          MORI_ENSURE(shmem::ShmemPtrP2p(symmBase, p) != nullptr, InvalidUsageError,
+                      "EpDispatchCombineHandle: PE %d's symmetric heap is not mapped on PE %d", p,
+                      pe);
+        }
+      },
+      &localError);
+
+  // 4. Allocation agreement: the block has the same heap offset on every PE. The exchange is also
+  // the barrier that keeps peers from writing into our buffers before they are zeroed.
+  row = problem.empty() ? MakeEpAllocationAgreementRow(symmHeapOffset)
+                        : MakeEpUnusableAgreementRow(EpAgreementStage::kAllocation, problem);
+  try {
+    disagreement = Agree(EpAgreementStage::kAllocation, row, npes);
+  } catch (...) {
+    if (!localError) localError = std::current_exception();
+  }
+  if (localError || !disagreement.empty()) {
+    // Every PE that completed the exchange reached the same verdict and frees its block here, so
+    // offsets stay in step. Nothing was launched on these buffers.
     if (localBase != nullptr) (void)gpuFree(localBase);
     localBase = nullptr;
-    shmem::ShmemFree(symmBase);
+    if (symmBase != nullptr) shmem::ShmemFree(symmBase);
     symmBase = nullptr;
-    throw;
+    if (localError) std::rethrow_exception(localError);
+    MORI_THROW(InvalidUsageError, "EpDispatchCombineHandle on PE %d: %s", pe, disagreement.c_str());
   }
+  shmemCtx = shmem::ShmemGetDeviceContext();
+  initGeneration = shmem::ShmemInitGeneration();
   MORI_INFO(kLogOps,
             "EP handle: PE %d/%d hidden %d x %d B, max %d tokens/PE, %d experts/PE, top-%d: "
-            "%zu B symmetric, %zu B local",
+            "%zu B symmetric at heap offset 0x%llx, %zu B local",
             pe, npes, config.hiddenDim, config.maxTokenTypeSize, config.maxNumInpTokenPerRank,
             config.numExpertsPerRank, config.numExpertsPerToken, symmLayout.totalBytes,
-            localLayout.totalBytes);
+            static_cast<unsigned long long>(symmHeapOffset), localLayout.totalBytes);
 }
 
 EpDispatchCombineHandle::~EpDispatchCombineHandle() {
+  // Never throws: a destructor may run while another exception unwinds. Release() has already
+  // left the handle in its final state (buffers freed, or kept where freeing was not safe).
   try {
     Release();
   } catch (const std::exception& e) {
-    MORI_WARN(kLogOps, "EP handle: releasing buffers failed: %s", e.what());
+    MORI_WARN(kLogOps, "EP handle: destroying the op on PE %d: %s", config.rank, e.what());
   } catch (...) {
+    MORI_WARN(kLogOps, "EP handle: destroying the op on PE %d failed (unknown exception)",
+              config.rank);
   }
 }
 
 void EpDispatchCombineHandle::Release() {
   if (symmBase == nullptr && localBase == nullptr) return;
-  // Our own kernels may still run: wait for them (bounded) unless shmem was finalized since,
-  // which already waited. Known gap: a peer may still be reading our combine buffers after our
-  // last combine returned; freeing is only safe once every PE released its op.
-  const bool sameInit = shmem::ShmemInitGeneration() == initGeneration;
-  if (sameInit) {
-    try {
-      shmem::ShmemDeviceSynchronize();
-    } catch (const std::exception&) {
-      // Release runs from destructors: the error was or will be reported by the caller's syncs.
-    }
-  }
-  if (localBase != nullptr) (void)gpuFree(localBase);
+  uint8_t* symm = symmBase;
+  uint8_t* local = localBase;
+  symmBase = nullptr;  // idempotent even when a step below raises
   localBase = nullptr;
-  if (symmBase != nullptr && sameInit) shmem::ShmemFree(symmBase);
-  symmBase = nullptr;
+  if (shmem::ShmemInitGeneration() != initGeneration) {
+    // shmem was finalized since: finalize waited for every PE's device work and the heap is gone.
+    (void)gpuFree(local);
+    return;
+  }
+  // Peers' kernels read our combine input and write our inboxes after our own last call returned,
+  // and ours touch theirs: free only once every PE's device work has drained. Every PE reaches the
+  // same verdict from the same rows, so either all free the block or none does (offsets stay
+  // symmetric either way).
+  std::exception_ptr firstError;
+  bool drained = Attempt([] { shmem::ShmemDeviceSynchronize(); }, &firstError).empty();
+  std::string disagreement = "the PEs could not be asked";
+  try {
+    disagreement =
+        Agree(EpAgreementStage::kRelease, MakeEpReleaseAgreementRow(drained), config.worldSize);
+  } catch (...) {
+    if (!firstError) firstError = std::current_exception();
+  }
+  if (drained) {
+    (void)gpuFree(local);
+  } else {
+    MORI_WARN(kLogOps,
+              "EP handle on PE %d: this GPU's work did not finish; keeping %zu bytes of device "
+              "memory that its kernels may still use",
+              config.rank, localLayout.totalBytes);
+  }
+  if (disagreement.empty()) {
+    shmem::ShmemFree(symm);
+  } else {
+    MORI_WARN(kLogOps,
+              "EP handle on PE %d: not freeing the op's %zu bytes of symmetric heap (offset "
+              "0x%llx), a PE may still access them: %s. They are released by shmem finalize.",
+              config.rank, symmLayout.totalBytes, static_cast<unsigned long long>(symmHeapOffset),
+              disagreement.c_str());
+    if (!firstError)
+      firstError = std::make_exception_ptr(core::RemoteError(
+          __FILE__, __LINE__,
+          core::StrFormat("EP op release on PE %d: %s", config.rank, disagreement.c_str())));
+  }
+  if (firstError) std::rethrow_exception(firstError);
 }
 
 void EpDispatchCombineHandle::CheckUsable(const char* what) const {
@@ -123,6 +219,16 @@ void EpDispatchCombineHandle::CheckUsable(const char* what) const {
   MORI_CHECK_GPU(gpuGetDevice(&dev));
   MORI_ENSURE(dev == device, InvalidUsageError,
               "EP %s: current device is %d but the op was created on device %d", what, dev, device);
+  // After a device-side timeout or abort every bounded wait gives up at once: a kernel launched
+  // now would only abort, and its half-done signals would put this PE out of step.
+  std::string pending;
+  if (shmem::ShmemDeviceErrorPending(&pending))
+    MORI_THROW(TimeoutError,
+               "EP %s refused: a device-side error is pending on this PE (%s). Read it with "
+               "shmem_check_device_error() (op.check_device_error() in Python), which clears it; "
+               "after a real device timeout the PEs' epochs may disagree: destroy the op on every "
+               "PE and create a new one",
+               what, pending.c_str());
 }
 
 float* EpDispatchCombineHandle::DispatchOutWeights() const {

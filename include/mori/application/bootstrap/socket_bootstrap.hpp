@@ -62,10 +62,15 @@ class SocketBootstrapNetwork : public BootstrapNetwork {
   // Called on rank 0 only. Binds and listens on the root socket immediately (port chosen by the
   // kernel; address from MORI_SOCKET_IFNAME, else the first non-loopback IPv4 interface, else
   // 127.0.0.1) and keeps the listener in a process-wide registry keyed by the nonce, so that
-  // rank 0's constructor in this process adopts it.
+  // rank 0's constructor in this process adopts it. A listener nobody adopts is closed when a
+  // bootstrap with that id ends in this process (whatever its rank and outcome), after
+  // MORI_BOOTSTRAP_TIMEOUT seconds (rank 0 then binds the id's address itself), or when more than
+  // 64 are pending (the oldest first).
   static SocketUniqueId CreateUniqueId();
   // Closes the listener of an id this process created but will not use. No-op otherwise.
   static void ReleaseUniqueId(const SocketUniqueId& id);
+  // Listeners of ids made in this process that are still waiting to be adopted (diagnostics).
+  static size_t PendingUniqueIdCount();
 
   // Collective over all `worldSize` ranks: returns once the address table is known and the ring
   // is connected. Rank 0 adopts the listener of CreateUniqueId (same process) or binds the id's

@@ -18,8 +18,12 @@
 //    calls and CUDA-graph replays need no host step.
 //  * Outputs live in the handle's buffers and stay valid until the next call of the same kind
 //    (dispatch outputs: until this PE's next dispatch starts).
-// After a device-side timeout (TimeoutError from ShmemStreamSynchronize/ShmemCheckDeviceError)
-// the PEs' epochs may disagree: destroy the handle on every PE and make a new one.
+//  * While a device-side error or abort is pending (the error record's abort flag is raised),
+//    Dispatch and Combine raise TimeoutError before launching anything, until the error is read
+//    (ShmemCheckDeviceError / ShmemStreamSynchronize clear it). After a real device timeout the
+//    PEs' epochs may disagree: destroy the handle on every PE and make a new one.
+//  * Construction and destruction are collective: every PE creates its handles with the same
+//    config and destroys them in the same order (agreement.hpp has what is exchanged).
 #pragma once
 
 #include <cstddef>
@@ -63,10 +67,15 @@ struct EpIntraNodeCommon;  // kernel arguments (src/ops/dispatch_combine/intrano
 
 class EpDispatchCombineHandle {
  public:
-  // Collective over the shmem PEs (allocates symmetric memory, zeroes it, barriers). Raises
+  // Collective over the shmem PEs (allocates symmetric memory, zeroes it). Raises
   // InvalidUsageError for a bad config, a kernel type that is not built, shmem not initialised,
-  // rank/worldSize not matching shmem, or a PE not reachable by load/store.
+  // rank/worldSize not matching shmem, or a PE not reachable by load/store. Before allocating,
+  // the PEs exchange their configs through the bootstrap and after allocating the heap offset of
+  // the block: if any PE's config (or layout) differs, a PE cannot create the handle, a PE lacks
+  // heap, or the offsets differ, every PE raises InvalidUsageError naming the first PE and field
+  // that differ, and nothing stays allocated.
   explicit EpDispatchCombineHandle(const EpDispatchCombineConfig& config);
+  // Release(), with failures logged as warnings instead of raised (collective, like Release).
   ~EpDispatchCombineHandle();
   EpDispatchCombineHandle(const EpDispatchCombineHandle&) = delete;
   EpDispatchCombineHandle& operator=(const EpDispatchCombineHandle&) = delete;
@@ -75,7 +84,13 @@ class EpDispatchCombineHandle {
   void Combine(const EpCombineArgs& args, gpuStream_t stream);
   // Kept for MORI compatibility: the kernels reset their own state, so this does nothing.
   void Reset(gpuStream_t stream);
-  // Frees the buffers now (waits for this device's work first). Idempotent; later calls raise.
+  // Collective (every PE releases its handle; bounded by MORI_HOST_TIMEOUT_MS and the bootstrap's
+  // timeout): waits for this GPU's work, then exchanges "drained" with every PE through the
+  // bootstrap, and frees the symmetric block only if every PE drained (peers' kernels read and
+  // write our block after our own last call returns). If a PE did not drain or a peer never
+  // answered, the block is kept (released by shmem finalize; every PE decides alike, so heap
+  // offsets stay symmetric) and the error is raised. After shmem was finalized it only frees the
+  // local memory. Idempotent: the handle is released even when this raises; later calls raise.
   void Release();
 
   const EpDispatchCombineConfig& Config() const { return config; }
