@@ -37,6 +37,8 @@ struct ShmemState {
   std::unique_ptr<application::SymmetricHeap> heap;
   std::unique_ptr<application::RdmaTransport> rdma;  // null when no PE of the job uses RDMA
   ShmemRdmaPeer* rdmaPeersDev = nullptr;
+  ShmemUserRegion* userRegionsDev = nullptr;   // [kMaxUserRegions]
+  std::vector<ShmemUserRegion> userRegions;    // host copy of the table
   std::vector<core::rdma::QpEndpoint*> rdmaEndpointsDev;
   core::DeviceErrorRecord* errHost = nullptr;  // mapped pinned memory
   core::DeviceErrorRecord* errDev = nullptr;
@@ -75,6 +77,8 @@ void DestroyState(ShmemState& s) {
   s.rdmaEndpointsDev.clear();
   if (s.rdmaPeersDev) (void)gpuFree(s.rdmaPeersDev);
   s.rdmaPeersDev = nullptr;
+  if (s.userRegionsDev) (void)gpuFree(s.userRegionsDev);
+  s.userRegionsDev = nullptr;
   if (s.heap) s.heap.reset();
   if (s.peerBasesDev) (void)gpuFree(s.peerBasesDev);
   if (s.transportDev) (void)gpuFree(s.transportDev);
@@ -136,6 +140,9 @@ void SetUpRdma(ShmemState& s) {
   }
   s.rdmaPeersDev = DeviceCopyOf(peers);
   s.devCtx.rdmaPeers = s.rdmaPeersDev;
+  s.userRegions.assign(kMaxUserRegions, ShmemUserRegion{});
+  s.userRegionsDev = DeviceCopyOf(s.userRegions);
+  s.devCtx.userRegions = s.userRegionsDev;
   s.devCtx.heapLkey = s.rdma->HeapLkey();
   MORI_INFO(kLogInit, "rank %d: RDMA transport: %s", s.boot->Rank(), s.rdma->Describe().c_str());
 }
@@ -193,6 +200,7 @@ void BuildState(ShmemState& s) {
 
   c.rdmaPeers = nullptr;
   c.heapLkey = 0;
+  c.userRegions = nullptr;
   if (anyRdma) SetUpRdma(s);
   s.boot->Barrier();  // every PE has mapped every heap before anyone uses it
 }
@@ -450,6 +458,44 @@ SymmMemObj ShmemQueryMemObj(const void* ptr) {
               "ShmemQueryMemObj: %p is not the start of a symmetric allocation", ptr);
   o.peerHeapBases = s.peerBasesDev;
   return o;
+}
+
+void ShmemRegisterBuffer(void* ptr, size_t bytes) {
+  std::lock_guard<std::mutex> lock(gMutex);
+  ShmemState& s = State("shmem_register_buffer");
+  MORI_ENSURE(ptr != nullptr && bytes > 0, InvalidUsageError,
+              "shmem_register_buffer: empty range (%p, %zu bytes)", ptr, bytes);
+  if (!s.rdma) return;  // no RDMA peer: load/store needs no registration
+  int slot = -1;
+  for (int i = 0; i < kMaxUserRegions; i++) {
+    MORI_ENSURE(s.userRegions[i].base != reinterpret_cast<uintptr_t>(ptr) || s.userRegions[i].size == 0,
+                InvalidUsageError, "shmem_register_buffer: %p is already registered", ptr);
+    if (slot < 0 && s.userRegions[i].size == 0) slot = i;
+  }
+  MORI_ENSURE(slot >= 0, InvalidUsageError,
+              "shmem_register_buffer: %d buffers are registered already (the limit); deregister one",
+              kMaxUserRegions);
+  const uint32_t lkey = s.rdma->RegisterLocal(ptr, bytes);
+  s.userRegions[slot] = ShmemUserRegion{reinterpret_cast<uintptr_t>(ptr), bytes, lkey, 0};
+  MORI_CHECK_GPU(gpuMemcpy(s.userRegionsDev + slot, &s.userRegions[slot], sizeof(ShmemUserRegion),
+                           gpuMemcpyHostToDevice));
+}
+
+void ShmemDeregisterBuffer(void* ptr) {
+  std::lock_guard<std::mutex> lock(gMutex);
+  ShmemState& s = State("shmem_deregister_buffer");
+  if (!s.rdma) return;
+  for (int i = 0; i < kMaxUserRegions; i++) {
+    if (s.userRegions[i].size == 0 || s.userRegions[i].base != reinterpret_cast<uintptr_t>(ptr))
+      continue;
+    // Device lookups stop matching first, then the key goes.
+    s.userRegions[i] = ShmemUserRegion{};
+    MORI_CHECK_GPU(gpuMemcpy(s.userRegionsDev + i, &s.userRegions[i], sizeof(ShmemUserRegion),
+                             gpuMemcpyHostToDevice));
+    s.rdma->DeregisterLocal(ptr);
+    return;
+  }
+  MORI_THROW(InvalidUsageError, "shmem_deregister_buffer: %p is not registered", ptr);
 }
 
 size_t ShmemHeapFreeBytes() { return State("shmem_heap_free_bytes").heap->Allocator().FreeBytes(); }

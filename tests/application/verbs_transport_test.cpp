@@ -892,6 +892,38 @@ TEST_F(VerbsTransportFake, CollectiveFailures) {
   EXPECT_NE(ranks[0].error.find("CQE size"), std::string::npos) << ranks[0].error;
 }
 
+TEST_F(VerbsTransportFake, UserBuffersRegisterAndDeregister) {
+  auto ranks = Run(3, [](int, VerbsTransportSetup&, FakeGpu&) {});
+  for (int r = 0; r < 3; r++)
+    ASSERT_TRUE(ranks[r].error.empty()) << "PE " << r << ": " << ranks[r].error;
+  RdmaTransport& t = *ranks[1].transport;
+  std::vector<uint8_t> buf(8192), other(4096);
+  const int mrsBefore = live("mr");
+  const uint32_t lkey = t.RegisterLocal(buf.data(), buf.size());
+  EXPECT_NE(lkey, 0u);
+  EXPECT_NE(lkey, t.HeapLkey());
+  EXPECT_EQ(live("mr"), mrsBefore + 1);
+  bool recorded = false;
+  void* addr = nullptr;
+  size_t len = 0;
+  int fd = -2;
+  uint64_t off = 0, iova = 0;
+  for (int i = 0; regMrRecord(i, &addr, &len, &fd, &off, &iova) == 0; i++)
+    recorded = recorded || (addr == buf.data() && len == buf.size());
+  EXPECT_TRUE(recorded) << "the buffer was registered with the NIC";
+  EXPECT_THROW(t.RegisterLocal(buf.data(), 16), core::InvalidUsageError);  // already registered
+  EXPECT_THROW(t.RegisterLocal(nullptr, 16), core::InvalidUsageError);
+  const uint32_t lkey2 = t.RegisterLocal(other.data(), other.size());
+  EXPECT_NE(lkey2, lkey);
+  EXPECT_EQ(live("mr"), mrsBefore + 2);
+  t.DeregisterLocal(buf.data());
+  EXPECT_EQ(live("mr"), mrsBefore + 1);
+  EXPECT_THROW(t.DeregisterLocal(buf.data()), core::InvalidUsageError);
+  // The remaining one is released with the transport.
+  for (auto& r : ranks) r.transport.reset();
+  EXPECT_EQ(live("mr"), 0);
+}
+
 TEST_F(VerbsTransportFake, NoRdmaPeersNeedsNoLibraries) {
   ThreadWorld world(2);
   std::vector<std::string> errors(2);

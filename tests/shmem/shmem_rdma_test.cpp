@@ -12,9 +12,12 @@
 //    fetched value seen exactly once), compare-swap election (one winner), swap, fetch, set;
 //  * typed immediates (put/get of 1..8-byte types);
 //  * 100 device barriers, each ordering an RDMA put before it;
+//  * a gpuMalloc buffer: puts from it refused until ShmemRegisterBuffer, then puts from it to every
+//    PE and a get into it are exact, and after ShmemDeregisterBuffer puts are refused again;
 //  * errors: a 32-bit atomic over RDMA is refused with an attributed usage error; a work request
 //    with a bad rkey completes in error and is raised as RemoteError naming the peer, QP and
 //    syndrome 0x13 (remote access), and later posts on that QP are refused, not hung.
+#include <algorithm>
 #include <cinttypes>
 #include <set>
 #include <vector>
@@ -402,6 +405,85 @@ void TestBarrier(RankEnv& env, uint64_t* word, gpuStream_t stream) {
   env.Check(log.Count() == 0, "100 device barriers ordering RDMA puts: %u device failures", log.Count());
 }
 
+// ---- registered user buffers --------------------------------------------------------------------
+__global__ void UserPutKernel(ShmemDeviceContext ctx, uint8_t* buf, uint8_t* recv, size_t bytes,
+                              int* ok) {
+  const int me = ctx.rank, n = ctx.worldSize;
+  bool all = true;
+  for (int k = 0; k < n; k++) all = ShmemPutMemBlock(ctx, recv + me * kSlot, buf, bytes, (me + k) % n) && all;
+  if (threadIdx.x == 0) *ok = all ? 1 : 0;
+}
+__global__ void UserGetKernel(ShmemDeviceContext ctx, uint8_t* buf, uint8_t* src, size_t bytes,
+                              int pe, int* ok) {
+  const bool r = ShmemGetMemBlock(ctx, buf, src, bytes, pe);
+  if (threadIdx.x == 0) *ok = r ? 1 : 0;
+}
+
+std::string RaisedBy(const std::function<void()>& f, core::ErrorKind* kind);
+
+void TestUserBuffer(RankEnv& env, uint8_t* src, uint8_t* recv, gpuStream_t stream) {
+  const int n = env.npes, next = (env.rank + 1) % n;
+  const size_t bytes = (1u << 20) + 40;
+  uint8_t* buf = nullptr;
+  int* ok = nullptr;
+  TEST_CHECK_GPU(gpuMalloc(reinterpret_cast<void**>(&buf), bytes));
+  TEST_CHECK_GPU(gpuMalloc(reinterpret_cast<void**>(&ok), sizeof(int)));
+  std::vector<uint8_t> host(std::max(bytes, kSlot * n));
+  FillPattern(host.data(), bytes, SeedOf(env.rank, 3000));
+  TEST_CHECK_GPU(gpuMemcpy(buf, host.data(), bytes, gpuMemcpyHostToDevice));
+  FillPattern(host.data(), bytes, SeedOf(env.rank, 3001));
+  TEST_CHECK_GPU(gpuMemcpy(src, host.data(), bytes, gpuMemcpyHostToDevice));
+  TEST_CHECK_GPU(gpuMemset(recv, kPoison, kSlot * n));
+  int r = -1;
+  core::ErrorKind kind = core::ErrorKind::kInternal;
+
+  // Not registered: refused.
+  UserPutKernel<<<1, 128, 0, stream>>>(ShmemGetDeviceContext(), buf, recv, bytes, ok);
+  std::string what = RaisedBy([&] { ShmemStreamSynchronize(stream); }, &kind);
+  TEST_CHECK_GPU(gpuMemcpy(&r, ok, sizeof(int), gpuMemcpyDeviceToHost));
+  env.Check(r == 0 && kind == core::ErrorKind::kInvalidUsage &&
+                what.find("not in registered memory") != std::string::npos,
+            "put from an unregistered gpuMalloc buffer refused (returned %d): '%s'", r, what.c_str());
+
+  ShmemRegisterBuffer(buf, bytes);
+  ShmemBarrierAll();
+  UserPutKernel<<<1, 128, 0, stream>>>(ShmemGetDeviceContext(), buf, recv, bytes, ok);
+  ShmemStreamSynchronize(stream);
+  TEST_CHECK_GPU(gpuMemcpy(&r, ok, sizeof(int), gpuMemcpyDeviceToHost));
+  ShmemBarrierAll();
+  TEST_CHECK_GPU(gpuMemcpy(host.data(), recv, kSlot * n, gpuMemcpyDeviceToHost));
+  int bad = 0;
+  for (int s = 0; s < n; s++) bad += FirstPatternMismatch(host.data() + s * kSlot, bytes, SeedOf(s, 3000)) != bytes;
+  env.Check(r == 1 && bad == 0, "puts from a registered buffer to every PE: returned %d, %d bad slots", r, bad);
+
+  UserGetKernel<<<1, 128, 0, stream>>>(ShmemGetDeviceContext(), buf, src, bytes, next, ok);
+  ShmemStreamSynchronize(stream);
+  TEST_CHECK_GPU(gpuMemcpy(&r, ok, sizeof(int), gpuMemcpyDeviceToHost));
+  TEST_CHECK_GPU(gpuMemcpy(host.data(), buf, bytes, gpuMemcpyDeviceToHost));
+  const size_t mism = FirstPatternMismatch(host.data(), bytes, SeedOf(next, 3001));
+  env.Check(r == 1 && mism == bytes, "get from pe %d into a registered buffer: returned %d, mismatch at %zu of %zu",
+            next, r, mism, bytes);
+
+  ShmemBarrierAll();
+  ShmemDeregisterBuffer(buf);
+  UserPutKernel<<<1, 128, 0, stream>>>(ShmemGetDeviceContext(), buf, recv, bytes, ok);
+  what = RaisedBy([&] { ShmemStreamSynchronize(stream); }, &kind);
+  TEST_CHECK_GPU(gpuMemcpy(&r, ok, sizeof(int), gpuMemcpyDeviceToHost));
+  bool twice = false;
+  try {
+    ShmemDeregisterBuffer(buf);
+  } catch (const core::InvalidUsageError&) {
+    twice = true;
+  }
+  env.Check(r == 0 && kind == core::ErrorKind::kInvalidUsage && twice,
+            "after deregistration the put is refused again (returned %d: '%s'); a second "
+            "deregistration raises: %d",
+            r, what.c_str(), (int)twice);
+  TEST_CHECK_GPU(gpuFree(buf));
+  TEST_CHECK_GPU(gpuFree(ok));
+  ShmemBarrierAll();
+}
+
 // ---- errors -----------------------------------------------------------------------------------
 __global__ void NarrowAtomicKernel(ShmemDeviceContext ctx, AtomicWords* w, int* result) {
   *result = ShmemAtomicAdd<uint32_t>(ctx, &w->narrow, 1u, (ctx.rank + 1) % ctx.worldSize) ? 1 : 0;
@@ -505,6 +587,7 @@ int main(int argc, char** argv) {
     TestAtomics(env, words, seen, stream);
     TestTyped(env, typed, stream);
     TestBarrier(env, sigs + 40, stream);
+    TestUserBuffer(env, src, recv, stream);
     TestErrors(env, words, src, recv, stream);  // last: it leaves a QP in the error state
     TEST_CHECK_GPU(gpuStreamDestroy(stream));
   });

@@ -50,6 +50,13 @@ void ShmemFree(void* ptr);
 void* ShmemPtrP2p(const void* ptr, int pe);
 SymmMemObj ShmemQueryMemObj(const void* ptr);
 size_t ShmemHeapFreeBytes();
+// Registers a local (non-heap) buffer of this PE as a source of device puts and a destination of
+// device gets to PEs reached by RDMA (the heap is registered already). Not collective; at most
+// kMaxUserRegions buffers at once. Without RDMA peers there is nothing to register: a no-op.
+void ShmemRegisterBuffer(void* ptr, size_t bytes);
+// Ends the registration of `ptr` (InvalidUsageError if it is not registered while RDMA is in use).
+// Device work using the buffer must have completed first (quiet, or a stream synchronize).
+void ShmemDeregisterBuffer(void* ptr);
 
 // --- synchronisation ------------------------------------------------------------------------
 // Host barrier: waits for this PE's device work, then a bootstrap barrier.

@@ -26,6 +26,15 @@ struct ShmemRdmaPeer {
   uint64_t* scratch;        // numQps * 2 * (SQ blocks) words in this PE's heap: fetched values
 };
 
+// A local buffer registered for RDMA with ShmemRegisterBuffer (size 0: free entry).
+struct ShmemUserRegion {
+  uint64_t base;
+  uint64_t size;
+  uint32_t lkey;
+  uint32_t pad;
+};
+constexpr int kMaxUserRegions = 64;
+
 // Everything a kernel needs to use the shmem device API. Obtained on the host from
 // ShmemGetDeviceContext() and passed to kernels by value (it lives in kernel parameter space,
 // so no per-module global state has to be kept in sync). All pointers are device pointers.
@@ -43,6 +52,8 @@ struct ShmemDeviceContext {
   const ShmemRdmaPeer* rdmaPeers;  // [worldSize] (entries of non-RDMA PEs unused); nullptr when
                                    // no PE of the job is reached by RDMA
   uint32_t heapLkey;               // this PE's heap key (local side of RDMA work requests)
+  const ShmemUserRegion* userRegions;  // [kMaxUserRegions] in device memory (registered buffers);
+                                       // nullptr without RDMA
 };
 
 // A symmetric allocation: same offset in every PE's heap.

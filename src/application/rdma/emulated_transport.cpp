@@ -10,6 +10,8 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <thread>
 
 #include "mori/application/rdma/queue_emulator.hpp"
@@ -146,7 +148,8 @@ class EmulatedRdmaTransport : public RdmaTransport {
  public:
   EmulatedRdmaTransport(BootstrapNetwork& boot, const Context& context, const SymmetricHeap& heap,
                         const RdmaTransportConfig& config) {
-    const int rank = boot.Rank(), worldSize = boot.WorldSize();
+    rank = boot.Rank();
+    const int worldSize = boot.WorldSize();
     MORI_ENSURE(config.numQpPerPe >= 1 && config.numQpPerPe <= 64, InvalidUsageError,
                 "MORI_NUM_QP_PER_PE=%d is out of range [1, 64]", config.numQpPerPe);
     MORI_ENSURE(config.sqBlocks >= 4 && config.sqBlocks <= 32768 &&
@@ -237,8 +240,29 @@ class EmulatedRdmaTransport : public RdmaTransport {
     if (emulator && emulator->Running()) emulator->Stop(static_cast<int>(core::Env().hostTimeoutMs));
   }
   std::string FatalError() const override { return emulator ? emulator->FatalError() : ""; }
+  uint32_t RegisterLocal(void* ptr, size_t bytes) override {
+    MORI_ENSURE(ptr != nullptr && bytes > 0, InvalidUsageError,
+                "RDMA buffer registration: empty range (%p, %zu bytes)", ptr, bytes);
+    std::lock_guard<std::mutex> lock(userMu);
+    MORI_ENSURE(userKeys.count(ptr) == 0, InvalidUsageError,
+                "RDMA buffer registration: %p is already registered", ptr);
+    const uint32_t key = emulator->RegisterMemory(rank, ptr, bytes, kEmuAllAccess).lkey;
+    userKeys[ptr] = key;
+    return key;
+  }
+  void DeregisterLocal(void* ptr) override {
+    std::lock_guard<std::mutex> lock(userMu);
+    auto it = userKeys.find(ptr);
+    MORI_ENSURE(it != userKeys.end(), InvalidUsageError,
+                "RDMA buffer deregistration: %p is not registered", ptr);
+    emulator->DeregisterMemory(it->second);
+    userKeys.erase(it);
+  }
 
  private:
+  int rank = 0;
+  std::mutex userMu;
+  std::map<void*, uint32_t> userKeys;  // RegisterLocal: buffer -> its key
   PinnedBlock block;  // declared before the emulator: destroyed after it
   std::unique_ptr<QueueEmulator> emulator;
   uint32_t lkey = 0;

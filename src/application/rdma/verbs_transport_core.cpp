@@ -7,6 +7,9 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <map>
+#include <memory>
+#include <mutex>
 
 #include "mori/application/rdma/doorbell_proxy.hpp"
 #include "mori/application/rdma/ibverbs_loader.hpp"
@@ -93,8 +96,12 @@ class VerbsRdmaTransport final : public RdmaTransport {
     if (proxy) proxy->Stop(setup.stopTimeoutMs);
   }
   std::string FatalError() const override { return proxy ? proxy->FatalError() : std::string(); }
+  uint32_t RegisterLocal(void* ptr, size_t bytes) override;
+  void DeregisterLocal(void* ptr) override;
 
  private:
+  // One registration of [ptr, ptr + bytes): dma-buf first (device memory), else ibv_reg_mr.
+  std::unique_ptr<RdmaMemoryRegion> RegisterRange(void* ptr, size_t bytes, const char* what);
   void SetUpLocal();
   void ConnectAll(const std::vector<RdmaConnectionInfo>& remote);
   void Release() noexcept;
@@ -112,6 +119,8 @@ class VerbsRdmaTransport final : public RdmaTransport {
   std::unique_ptr<GpuHostRegistry> registry;
   std::unique_ptr<RdmaProtectionDomain> pd;
   std::unique_ptr<RdmaMemoryRegion> heapMr;
+  std::mutex userMu;
+  std::map<void*, std::unique_ptr<RdmaMemoryRegion>> userMrs;  // RegisterLocal
   std::vector<std::unique_ptr<RdmaRcQueuePair>> qps;  // [peer index][qp], flattened
   std::vector<Mlx5QueueMemory> queues;                // parallel to qps
   core::rdma::QpCounters* countersHost = nullptr;
@@ -134,9 +143,53 @@ void VerbsRdmaTransport::Release() noexcept {
   countersHost = nullptr;
   countersDevice = nullptr;
   while (!qps.empty()) qps.pop_back();
+  userMrs.clear();
   heapMr.reset();
   pd.reset();
   registry.reset();
+}
+
+std::unique_ptr<RdmaMemoryRegion> VerbsRdmaTransport::RegisterRange(void* ptr, size_t bytes,
+                                                                     const char* what) {
+  int fd = -1;
+  uint64_t offset = 0;
+  std::string dmabufWhy;
+  if (!gpu->ExportDmabuf(ptr, bytes, &fd, &offset, &dmabufWhy)) {
+    MORI_INFO(kLogRdma, "PE %d: %s dma-buf export unavailable (%s); registering with ibv_reg_mr",
+              setup.rank, what, dmabufWhy.c_str());
+    fd = -1;
+  }
+  std::unique_ptr<RdmaMemoryRegion> mr;
+  try {
+    mr = std::make_unique<RdmaMemoryRegion>(*pd, ptr, bytes, fd, offset);
+  } catch (...) {
+    if (fd >= 0) close(fd);
+    throw;
+  }
+  if (fd >= 0) close(fd);  // the registration holds its own reference to the dma-buf
+  return mr;
+}
+
+uint32_t VerbsRdmaTransport::RegisterLocal(void* ptr, size_t bytes) {
+  MORI_ENSURE(ptr != nullptr && bytes > 0, InvalidUsageError,
+              "RDMA buffer registration: empty range (%p, %zu bytes)", ptr, bytes);
+  MORI_ENSURE(pd != nullptr, InvalidUsageError,
+              "RDMA buffer registration: this PE has no RDMA device (no RDMA peers)");
+  std::lock_guard<std::mutex> lock(userMu);
+  MORI_ENSURE(userMrs.count(ptr) == 0, InvalidUsageError,
+              "RDMA buffer registration: %p is already registered", ptr);
+  std::unique_ptr<RdmaMemoryRegion> mr = RegisterRange(ptr, bytes, "user buffer");
+  const uint32_t lkey = mr->Lkey();
+  userMrs[ptr] = std::move(mr);
+  return lkey;
+}
+
+void VerbsRdmaTransport::DeregisterLocal(void* ptr) {
+  std::lock_guard<std::mutex> lock(userMu);
+  auto it = userMrs.find(ptr);
+  MORI_ENSURE(it != userMrs.end(), InvalidUsageError,
+              "RDMA buffer deregistration: %p is not registered", ptr);
+  userMrs.erase(it);
 }
 
 void VerbsRdmaTransport::SetUpLocal() {
@@ -177,21 +230,7 @@ void VerbsRdmaTransport::SetUpLocal() {
 
   // 2. PD and the heap, registered once.
   pd = std::make_unique<RdmaProtectionDomain>(api, deviceName);
-  int fd = -1;
-  uint64_t offset = 0;
-  std::string dmabufWhy;
-  if (!gpu->ExportDmabuf(setup.heapBase, setup.heapSize, &fd, &offset, &dmabufWhy)) {
-    MORI_INFO(kLogRdma, "PE %d: heap dma-buf export unavailable (%s); registering with ibv_reg_mr",
-              setup.rank, dmabufWhy.c_str());
-    fd = -1;
-  }
-  try {
-    heapMr = std::make_unique<RdmaMemoryRegion>(*pd, setup.heapBase, setup.heapSize, fd, offset);
-  } catch (...) {
-    if (fd >= 0) close(fd);
-    throw;
-  }
-  if (fd >= 0) close(fd);  // the registration holds its own reference to the dma-buf
+  heapMr = RegisterRange(setup.heapBase, setup.heapSize, "heap");
   MORI_INFO(kLogRdma, "PE %d: heap %p (+%llu) registered on %s via %s, lkey 0x%x rkey 0x%x",
             setup.rank, setup.heapBase, static_cast<unsigned long long>(setup.heapSize),
             deviceName.c_str(), heapMr->ViaDmabuf() ? "dma-buf" : "ibv_reg_mr", heapMr->Lkey(),

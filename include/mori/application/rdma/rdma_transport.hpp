@@ -14,6 +14,7 @@
 // all-to-all), including PEs with no RDMA peer.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -47,6 +48,13 @@ class RdmaTransport {
   virtual uint32_t HeapLkey() const = 0;
   // One entry per PE (index = PE).
   virtual const std::vector<RdmaPeerEndpoints>& Peers() const = 0;
+  // Registers a local buffer [ptr, ptr + bytes) of this PE (device memory of its GPU, or host
+  // memory the GPU can reach) as the local side of work requests: put sources, get destinations.
+  // Returns its lkey. Not collective. Overlapping registrations are allowed.
+  virtual uint32_t RegisterLocal(void* ptr, size_t bytes) = 0;
+  // Drops the registration made for `ptr` (InvalidUsageError if there is none). Work requests
+  // using it must have completed (quiet) before.
+  virtual void DeregisterLocal(void* ptr) = 0;
   // Stops host threads (emulator, doorbell proxy) within a bound; idempotent. Called by shmem
   // finalize after the device work is done and before the heap is unmapped and freed.
   virtual void Stop() = 0;

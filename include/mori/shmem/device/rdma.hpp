@@ -3,10 +3,10 @@
 // posting protocol of core/transport/rdma_queue.hpp. Internal to the shmem device API.
 //
 // Contract (what differs from the load/store route):
-//  * Local buffers of RDMA work requests must lie in this PE's symmetric heap (the registered
-//    region): put sources of more than kRdmaInlineMax bytes (smaller ones travel inline in the
-//    WQE, from any memory), get destinations. Otherwise the call records "not in registered
-//    memory".
+//  * Local buffers of RDMA work requests must lie in this PE's symmetric heap (registered at init)
+//    or in a buffer registered with ShmemRegisterBuffer: put sources of more than kRdmaInlineMax
+//    bytes (smaller ones travel inline in the WQE, from any memory), get destinations. Otherwise
+//    the call records "RDMA buffer not in registered memory".
 //  * A thread always uses the same QP to a peer (QP = global warp index mod numQps), so the RC
 //    order of one thread's (and one warp's) operations to one PE is preserved: a signal or an
 //    atomic posted after a put lands after it. Between threads on different QPs only quiet orders.
@@ -52,17 +52,28 @@ MORI_DEVICE_INLINE uint32_t RdmaQpIndex(const ShmemRdmaPeer& p) {
   return warp % p.numQps;
 }
 
-// [addr, addr + bytes) as the local side of a work request: it must be inside this PE's heap.
+// [addr, addr + bytes) as the local side of a work request: it must be inside this PE's heap or
+// a buffer registered with ShmemRegisterBuffer.
 MORI_DEVICE_INLINE bool RdmaLocal(const ShmemDeviceContext& ctx, const void* addr, size_t bytes,
                                   uint32_t& lkey, CallStatus& st) {
   const uint64_t a = reinterpret_cast<uintptr_t>(addr);
   const uint64_t off = a - ctx.heapBase;
-  if (off > ctx.heapSize || bytes > ctx.heapSize - off) {
-    st.Set(CallError::kNotRegistered, a, bytes);
-    return false;
+  if (off <= ctx.heapSize && bytes <= ctx.heapSize - off) {
+    lkey = ctx.heapLkey;
+    return true;
   }
-  lkey = ctx.heapLkey;
-  return true;
+  if (ctx.userRegions != nullptr) {
+    for (int i = 0; i < kMaxUserRegions; i++) {
+      const ShmemUserRegion& r = ctx.userRegions[i];
+      const uint64_t o = a - r.base;
+      if (r.size != 0 && o <= r.size && bytes <= r.size - o) {
+        lkey = r.lkey;
+        return true;
+      }
+    }
+  }
+  st.Set(CallError::kNotRegistered, a, bytes);
+  return false;
 }
 
 // The remote side: PE pe's copy of the local symmetric range [addr, addr + bytes).
