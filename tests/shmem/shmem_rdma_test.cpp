@@ -442,7 +442,7 @@ void TestUserBuffer(RankEnv& env, uint8_t* src, uint8_t* recv, gpuStream_t strea
   std::string what = RaisedBy([&] { ShmemStreamSynchronize(stream); }, &kind);
   TEST_CHECK_GPU(gpuMemcpy(&r, ok, sizeof(int), gpuMemcpyDeviceToHost));
   env.Check(r == 0 && kind == core::ErrorKind::kInvalidUsage &&
-                what.find("not in registered memory") != std::string::npos,
+                what.find("not RDMA-registered") != std::string::npos,
             "put from an unregistered gpuMalloc buffer refused (returned %d): '%s'", r, what.c_str());
 
   ShmemRegisterBuffer(buf, bytes);

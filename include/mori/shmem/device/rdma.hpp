@@ -6,7 +6,7 @@
 //  * Local buffers of RDMA work requests must lie in this PE's symmetric heap (registered at init)
 //    or in a buffer registered with ShmemRegisterBuffer: put sources of more than kRdmaInlineMax
 //    bytes (smaller ones travel inline in the WQE, from any memory), get destinations. Otherwise
-//    the call records "RDMA buffer not in registered memory".
+//    the call records "not RDMA-registered".
 //  * A thread always uses the same QP to a peer (QP = global warp index mod numQps), so the RC
 //    order of one thread's (and one warp's) operations to one PE is preserved: a signal or an
 //    atomic posted after a put lands after it. Between threads on different QPs only quiet orders.
@@ -108,7 +108,7 @@ __device__ __noinline__ inline void ReportRdmaFailure(const ShmemDeviceContext& 
                               (static_cast<uint64_t>(e.sendOpcode) << 16);
     const core::DeviceErrorFields f{pe, core::kDeviceErrorRdmaCqe, 0, e.qpn, e.wqeCounter,
                                     syndrome, 0};
-    if (core::RecordDeviceError(ctx.wait, f, op, ": RDMA error completion") ||
+    if (core::RecordDeviceError(ctx.wait, f, op, ": error completion") ||
         ctx.wait.err == nullptr) {
       printf("[MORI device error] rank %d block %d thread %d: %s: RDMA error completion from pe %d: "
              "QP 0x%x WQE %u syndrome 0x%02x vendor 0x%02x\n",

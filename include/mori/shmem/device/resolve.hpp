@@ -51,9 +51,9 @@ MORI_HOST_DEVICE inline const char* CallErrorText(CallError e) {
     case CallError::kPeUnreachable:
       return "pe unreachable";
     case CallError::kNotRegistered:
-      return "RDMA buffer not in registered memory";
+      return "not RDMA-registered";
     case CallError::kRdmaRejected:
-      return "RDMA request rejected";
+      return "RDMA request refused";
     case CallError::kRdmaUnsupported:
       return "not supported over RDMA";
     case CallError::kNotInHeap:
@@ -80,7 +80,8 @@ struct CallStatus {
 };
 
 // Writes the error record (first error of the PE wins, as in core::RecordWaitTimeout) with
-// label "<op>: <what>" (op names and texts are short enough for kDeviceErrorLabelLen), prints
+// label "<op>: <what>" (the longest op name, 25 characters, plus ": " plus the longest text, 20,
+// fits kDeviceErrorLabelLen - 1), prints
 // one line, raises the abort flag.
 __device__ __noinline__ inline void ReportCallError(const core::WaitContext& w, int peer,
                                                     const char* op, const CallStatus& st) {
