@@ -146,10 +146,14 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
         c.state->combineCopyBlocksDone = 0;
         core::FenceAcqRelSystem();  // acquire: every block's copy (seen through the counter)
         if (!core::DeviceAborted(wait)) {
-          for (int p = 0; p < W; p++)
-            SignalStore(At<EpSignal>(PeerBlock(c, p), c.symm.readyInbox) +
-                            EpReadyInboxIndex(parity, me, W),
-                        ready, epoch);
+          // SignalStoreAll's fence also releases the copies acquired above.
+          SignalStoreAll(
+              W,
+              [&](int p) {
+                return At<EpSignal>(PeerBlock(c, p), c.symm.readyInbox) +
+                       EpReadyInboxIndex(parity, me, W);
+              },
+              ready, epoch);
         }
       }
     }
@@ -292,13 +296,19 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
     }
     if (old == gridDim.x - 1) {
       c.state->combineBlocksDone = 0;
+      // The abort flag is a PCIe read: issued before the fence, its latency overlaps the fence's.
+      const bool aborted = core::DeviceAborted(wait);
+      // Acquire every block's peer loads (through the counter) and release them to the done
+      // signals: readers only wait for the tags (the value is unused), so relaxed tag stores after
+      // this one fence publish them, without a release store (an NVLink round trip) per peer.
       core::FenceAcqRelSystem();
-      if (!core::DeviceAborted(wait)) {
+      if (!aborted) {
         for (int p = 0; p < W; p++)
-          SignalStore(At<EpSignal>(PeerBlock(c, p), c.symm.doneInbox) + me, 0, epoch);
+          core::AtomicStoreRelaxedSystem(&(At<EpSignal>(PeerBlock(c, p), c.symm.doneInbox) + me)->tag,
+                                         epoch);
       }
+      // The next kernel on the stream reads the epoch: the kernel boundary publishes it.
       c.state->combineEpoch = epoch;
-      __threadfence();
       EpTraceStamp(tr, 6);
     }
   }

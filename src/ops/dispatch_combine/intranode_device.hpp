@@ -41,6 +41,19 @@ MORI_DEVICE_INLINE void SignalStore(EpSignal* s, uint64_t value, uint64_t epoch)
   core::AtomicStoreReleaseSystem(&s->tag, epoch);
 }
 
+// The same for one signal slot on each of W PEs, published by ONE thread: values (relaxed), one
+// system acq_rel fence, tags (relaxed). A release store waits until every earlier store of the
+// thread is acknowledged, so W release stores in a row to W peers cost W NVLink round trips
+// (measured: 6.4 us for W = 4 at the end of every combine); this costs one. A reader that acquires
+// a tag sees its value and everything ordered before the fence (fence + relaxed store = release).
+// `slot(p)` returns PE p's slot.
+template <typename SlotOf>
+MORI_DEVICE_INLINE void SignalStoreAll(int W, SlotOf slot, uint64_t value, uint64_t epoch) {
+  for (int p = 0; p < W; p++) core::AtomicStoreRelaxedSystem(&slot(p)->value, value);
+  core::FenceAcqRelSystem();
+  for (int p = 0; p < W; p++) core::AtomicStoreRelaxedSystem(&slot(p)->tag, epoch);
+}
+
 // Records a protocol violation in the shared device error record (the host raises it) without a
 // wait having expired.
 template <typename T>

@@ -392,8 +392,7 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
     }
     if (old == gridDim.x - 1) {
       c.state->dispatchBlocksDone = 0;
-      c.state->dispatchEpoch = epoch;
-      __threadfence();
+      c.state->dispatchEpoch = epoch;  // read by the next kernel: the kernel boundary publishes it
     }
   }
 }

@@ -47,7 +47,8 @@ namespace mori::ops {
 constexpr size_t kEpBufferAlign = 256;
 
 // A signal slot: `value` is written first, then `tag` (the call's epoch) with release order; a
-// reader waits for the tag and then reads the value. Epochs are 64-bit and never wrap.
+// reader waits for the tag and then reads the value. Epochs are 64-bit and never wrap. doneInbox
+// slots carry only the tag (their value is not written).
 struct EpSignal {
   uint64_t tag;
   uint64_t value;
