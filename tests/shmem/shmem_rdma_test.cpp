@@ -7,7 +7,8 @@
 //    (inline and gather paths), random data, poisoned destinations with guard bytes;
 //  * put-with-signal (add and set) for 8 rounds: the receiver waits for the signal in a kernel and
 //    checks the data there (the signal never overtakes its data);
-//  * quiet: a 1 MiB Nbi put, ShmemQuietThread, then an atomic flag; the receiver checks after the flag;
+//  * quiet: a 1 MiB Nbi put, ShmemQuietThread(ctx, pe) (per-PE quiet), then an atomic flag; the
+//    receiver checks the data once the flag arrives;
 //  * atomics under contention (64-bit fetch-add from 4x64 threads of every PE: exact totals and every
 //    fetched value seen exactly once), compare-swap election (one winner), swap, fetch, set;
 //  * typed immediates (put/get of 1..8-byte types);
@@ -190,7 +191,7 @@ __global__ void QuietFlagKernel(ShmemDeviceContext ctx, uint8_t* src, uint8_t* r
   const int me = ctx.rank, next = (me + 1) % ctx.worldSize;
   if (threadIdx.x != 0) return;
   bool ok = ShmemPutMemNbiThread(ctx, recv, src, bytes, next);
-  ShmemQuietThread(ctx);
+  ShmemQuietThread(ctx, next);  // quiet towards that PE only
   ok = ShmemAtomicAdd<uint64_t>(ctx, flag, 1, next) && ok;
   DEV_CHECK(log, me, ok, "nbi put / flag to pe %d failed", next);
 }

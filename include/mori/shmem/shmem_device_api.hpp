@@ -592,6 +592,13 @@ MORI_DEVICE_INLINE void ShmemQuietThread(const ShmemDeviceContext& ctx) {
   core::FenceSystem();
   detail::RdmaQuietAll(ctx, "ShmemQuietThread");
 }
+// Quiet towards one PE: every put/atomic issued to `pe` before (by this thread; for an RDMA PE by
+// any thread of this PE, since completion is tracked per QP) is complete on `pe`. Cheaper than
+// ShmemQuietThread(ctx) when other RDMA peers have work outstanding.
+MORI_DEVICE_INLINE void ShmemQuietThread(const ShmemDeviceContext& ctx, int pe) {
+  core::FenceSystem();
+  if (detail::IsRdma(ctx, pe)) detail::RdmaQuietPe(ctx, pe, "ShmemQuietThread");
+}
 MORI_DEVICE_INLINE void ShmemQuietWarp(const ShmemDeviceContext& ctx) {
   detail::WarpScope::Sync();
   if (detail::WarpScope::Rank() == 0) {
