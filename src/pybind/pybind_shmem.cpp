@@ -287,6 +287,17 @@ void RegisterShmem(py::module_& m) {
       "shmem_free", [](uintptr_t ptr) { CallLibrary([&] { shmem::ShmemFree(ToPtr(ptr)); }); },
       py::arg("ptr"));
   m.def(
+      "shmem_register_buffer",
+      [](uintptr_t ptr, size_t size) {
+        CallLibrary([&] { shmem::ShmemRegisterBuffer(ToPtr(ptr), size); });
+      },
+      py::arg("ptr"), py::arg("size"),
+      "Registers a local buffer for device puts/gets to RDMA peers (no-op without RDMA peers).");
+  m.def(
+      "shmem_deregister_buffer",
+      [](uintptr_t ptr) { CallLibrary([&] { shmem::ShmemDeregisterBuffer(ToPtr(ptr)); }); },
+      py::arg("ptr"));
+  m.def(
       "shmem_ptr_p2p",
       [](uintptr_t ptr, int myPe, int destPe) {
         return FromPtr(CallLibrary([&] {

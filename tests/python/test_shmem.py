@@ -290,3 +290,12 @@ def test_device_error_api_before_init_is_invalid_usage():
         mori.shmem.shmem_device_error_pending()
     with pytest.raises(mori.InvalidUsageError, match="not initialised"):
         mori.shmem.shmem_abort_device_waits()
+
+
+def test_buffer_registration_before_init_is_invalid_usage():
+    if mori.shmem.shmem_is_initialized():
+        pytest.skip("shmem is initialised in this process")
+    with pytest.raises(mori.InvalidUsageError, match="not initialised"):
+        mori.shmem.shmem_register_buffer(0x1000, 64)
+    with pytest.raises(mori.InvalidUsageError, match="not initialised"):
+        mori.shmem.shmem_deregister_buffer(0x1000)

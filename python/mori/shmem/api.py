@@ -113,6 +113,18 @@ def shmem_free(ptr) -> None:
     _C.shmem_free(_as_ptr(ptr))
 
 
+def shmem_register_buffer(ptr, size: int) -> None:
+    """Registers a local (non-heap) buffer of this PE, e.g. a torch tensor's storage, as a source
+    of device puts and a destination of device gets to PEs reached by RDMA. Not collective; a
+    no-op when no PE is reached by RDMA. ptr: an address or a tensor."""
+    _C.shmem_register_buffer(_as_ptr(ptr), size)
+
+
+def shmem_deregister_buffer(ptr) -> None:
+    """Ends a registration made by shmem_register_buffer (device work using it must be done)."""
+    _C.shmem_deregister_buffer(_as_ptr(ptr))
+
+
 def shmem_ptr_p2p(dest_ptr, my_pe: int, dest_pe: int) -> int:
     """dest_pe's copy of the symmetric address dest_ptr, as mapped in this process (0 if dest_pe
     is not load/store reachable). my_pe must be this PE (MORI's signature)."""
