@@ -376,6 +376,10 @@ void ShmemFinalize() {
   std::exception_ptr firstError;
   try {
     DeviceSynchronizeBounded(s, "shmem_finalize");
+    if (s.rdma) {  // complete RDMA requests the last kernels posted (see ShmemBarrierAll)
+      LaunchRdmaQuiet(s.devCtx, nullptr);
+      DeviceSynchronizeBounded(s, "shmem_finalize (RDMA quiet)");
+    }
   } catch (const std::exception& e) {
     MORI_WARN(kLogInit, "finalize continues after: %s", e.what());
   }
@@ -553,6 +557,12 @@ uint64_t ShmemInitGeneration() {
 void ShmemBarrierAll() {
   ShmemState& s = State("shmem_barrier_all");
   DeviceSynchronizeBounded(s, "shmem_barrier_all");
+  // RDMA work requests outlive the kernels that posted them: complete them before the barrier, so
+  // that what every PE put before it has landed when it returns (as for load/store peers).
+  if (s.rdma) {
+    LaunchRdmaQuiet(s.devCtx, nullptr);
+    DeviceSynchronizeBounded(s, "shmem_barrier_all (RDMA quiet)");
+  }
   RaiseIfDeviceError(s);
   s.boot->Barrier();
 }

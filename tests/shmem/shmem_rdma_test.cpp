@@ -7,6 +7,7 @@
 //    (inline and gather paths), random data, poisoned destinations with guard bytes;
 //  * put-with-signal (add and set) for 8 rounds: the receiver waits for the signal in a kernel and
 //    checks the data there (the signal never overtakes its data);
+//  * Nbi puts left outstanding at a kernel's end, completed by the host ShmemBarrierAll;
 //  * quiet: a 1 MiB Nbi put, ShmemQuietThread(ctx, pe) (per-PE quiet), then an atomic flag; the
 //    receiver checks the data once the flag arrives;
 //  * atomics under contention (64-bit fetch-add from 4x64 threads of every PE: exact totals and every
@@ -225,6 +226,65 @@ void TestQuiet(RankEnv& env, uint8_t* src, uint8_t* recv, uint64_t* flag, gpuStr
   ShmemBarrierAll();
   env.Check(log.Count() == 0, "1 MiB nbi put + quiet + flag from pe %d: %u device failures", prev,
             log.Count());
+}
+
+// ---- host barrier completes RDMA puts a kernel left outstanding --------------------------------
+__global__ void NbiNoQuietKernel(ShmemDeviceContext ctx, uint8_t* src, uint8_t* recv, size_t bytes,
+                                 int* ok) {
+  const int me = ctx.rank, n = ctx.worldSize;
+  bool all = true;
+  for (int k = 1; k < n; k++) all = ShmemPutMemNbiBlock(ctx, recv + me * kSlot, src, bytes, (me + k) % n) && all;
+  if (threadIdx.x == 0) *ok = all ? 1 : 0;  // no quiet: the kernel ends with requests in flight
+}
+
+// Work requests published but not yet seen completed, over every QP of this PE. Only a device-side
+// quiet polls the CQs, so this stays > 0 after a kernel's end until something quiets.
+__global__ void OutstandingKernel(ShmemDeviceContext ctx, unsigned long long* out) {
+  unsigned long long n = 0;
+  for (int pe = 0; pe < ctx.worldSize; pe++) {
+    if (ctx.transport[pe] != TransportType::kRdma) continue;
+    const ShmemRdmaPeer& p = ctx.rdmaPeers[pe];
+    for (uint32_t q = 0; q < p.numQps; q++)
+      n += core::AtomicLoadAcquireSystem(p.qps[q].sq.ready) -
+           core::AtomicLoadAcquireSystem(p.qps[q].cq.completed);
+  }
+  *out = n;
+}
+
+void TestHostBarrierCompletes(RankEnv& env, uint8_t* src, uint8_t* recv, gpuStream_t stream) {
+  const int n = env.npes;
+  const size_t bytes = 512 * 1024 + 16;
+  std::vector<uint8_t> host(kSlot * n);
+  FillPattern(host.data(), bytes, SeedOf(env.rank, 4000));
+  TEST_CHECK_GPU(gpuMemcpy(src, host.data(), bytes, gpuMemcpyHostToDevice));
+  TEST_CHECK_GPU(gpuMemset(recv, kPoison, kSlot * n));
+  int* ok = nullptr;
+  TEST_CHECK_GPU(gpuMalloc(reinterpret_cast<void**>(&ok), sizeof(int)));
+  ShmemBarrierAll();
+  NbiNoQuietKernel<<<1, 128, 0, stream>>>(ShmemGetDeviceContext(), src, recv, bytes, ok);
+  TEST_CHECK_GPU(gpuGetLastError());
+  ShmemBarrierAll();  // device sync, RDMA quiet, bootstrap barrier
+  unsigned long long* outstanding = nullptr;
+  TEST_CHECK_GPU(gpuMalloc(reinterpret_cast<void**>(&outstanding), sizeof(unsigned long long)));
+  OutstandingKernel<<<1, 1, 0, stream>>>(ShmemGetDeviceContext(), outstanding);
+  ShmemStreamSynchronize(stream);
+  unsigned long long left = ~0ull;
+  TEST_CHECK_GPU(gpuMemcpy(&left, outstanding, sizeof(left), gpuMemcpyDeviceToHost));
+  TEST_CHECK_GPU(gpuFree(outstanding));
+  env.Check(left == 0, "after ShmemBarrierAll every RDMA request of this PE is completed: %llu left",
+            left);
+  int r = 0;
+  TEST_CHECK_GPU(gpuMemcpy(&r, ok, sizeof(int), gpuMemcpyDeviceToHost));
+  TEST_CHECK_GPU(gpuMemcpy(host.data(), recv, kSlot * n, gpuMemcpyDeviceToHost));
+  int bad = 0;
+  for (int s = 0; s < n; s++) {
+    if (s == env.rank) continue;
+    bad += FirstPatternMismatch(host.data() + s * kSlot, bytes, SeedOf(s, 4000)) != bytes;
+  }
+  env.Check(r == 1 && bad == 0,
+            "nbi puts without quiet, completed by the host ShmemBarrierAll: returned %d, %d bad slots",
+            r, bad);
+  TEST_CHECK_GPU(gpuFree(ok));
 }
 
 // ---- atomics ----------------------------------------------------------------------------------
@@ -585,6 +645,7 @@ int main(int argc, char** argv) {
     TestPutGet(env, src, recv, stream);
     TestPutSignal(env, src, recv, sigs, stream);
     TestQuiet(env, src, recv, sigs + 32, stream);
+    TestHostBarrierCompletes(env, src, recv, stream);
     TestAtomics(env, words, seen, stream);
     TestTyped(env, typed, stream);
     TestBarrier(env, sigs + 40, stream);

@@ -19,8 +19,10 @@
 //    ShmemStreamSynchronize) and returns false / a zero value without touching memory. Every thread
 //    of the scope gets the same result.
 //  * Nbi ("non-blocking") puts are complete, i.e. visible to the target PE, after ShmemQuiet{Thread,
-//    Warp,Block} covering the issuing thread (or the end of the kernel). The source buffer may be
-//    reused as soon as the call returns. Blocking variants = Nbi + a scope-wide system release:
+//    Warp,Block} covering the issuing thread (or, for load/store peers, the end of the kernel; for
+//    RDMA peers a kernel's end completes nothing: quiet, the device barrier or the host's
+//    ShmemBarrierAll does). The source buffer may be reused as soon as the call returns, except
+//    for an RDMA put of more than 64 bytes, which the NIC reads until it completes (quiet). Blocking variants = Nbi + a scope-wide system release:
 //    when they return, the data of the whole scope is delivered (put) or in `dest` for every
 //    thread of the scope (get), ordered before every later store, atomic or signal by ANY thread
 //    of the scope, so a PE that observes such a later write (acquire: waits, AtomicFetch) sees

@@ -12,4 +12,9 @@ namespace mori::shmem {
 // ShmemCheckDeviceError / ShmemStreamSynchronize). Launch errors raise GpuRuntimeError.
 void LaunchDeviceBarrier(const ShmemDeviceContext& ctx, gpuStream_t stream);
 
+// Enqueues a one-thread kernel on `stream` that waits until every RDMA work request this PE posted
+// so far has completed (ShmemQuietThread). Kernel ends do not complete RDMA requests; the host
+// barrier and finalize use this. Nothing to do (no launch) without RDMA peers.
+void LaunchRdmaQuiet(const ShmemDeviceContext& ctx, gpuStream_t stream);
+
 }  // namespace mori::shmem
