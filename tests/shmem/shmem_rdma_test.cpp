@@ -18,7 +18,8 @@
 //    PE and a get into it are exact, and after ShmemDeregisterBuffer puts are refused again;
 //  * errors: a 32-bit atomic over RDMA is refused with an attributed usage error; a work request
 //    with a bad rkey completes in error and is raised as RemoteError naming the peer, QP and
-//    syndrome 0x13 (remote access), and later posts on that QP are refused, not hung.
+//    syndrome 0x13 (remote access), and later posts on that QP, and the host barrier's quiet, report
+//    it again instead of hanging.
 #include <algorithm>
 #include <cinttypes>
 #include <set>
@@ -610,7 +611,12 @@ void TestErrors(RankEnv& env, AtomicWords* w, uint8_t* src, uint8_t* dst, gpuStr
   env.Check(r == 0 && kind == core::ErrorKind::kRemote,
             "a put on the failed QP is refused at once (returned %d): '%s'", r, what.c_str());
   TEST_CHECK_GPU(gpuFree(result));
-  ShmemBarrierAll();
+  // The failed QP stays failed: the host barrier's quiet reports it again (on every PE here, since
+  // every PE broke its QP to the next one), instead of waiting on it.
+  kind = core::ErrorKind::kInternal;
+  what = RaisedBy([&] { ShmemBarrierAll(); }, &kind);
+  env.Check(kind == core::ErrorKind::kRemote && what.find("RDMA error completion") != std::string::npos,
+            "the host barrier reports the failed QP again: '%s'", what.c_str());
 }
 
 }  // namespace
