@@ -267,6 +267,65 @@ TEST(RdmaEmulator, CompareSwap) {
   EXPECT_EQ(target, 0xffffffff00000001ull);
 }
 
+// A peer's region registered under the key its own registration produced, addressed by the peer's
+// address for it (iova) and touched through another mapping (as the emulated transport does with
+// IPC mappings): WRITE, READ and FETCH_ADD use iova addresses and land in the mapped memory; the
+// iova itself is never touched; a (pe, key) pair cannot be registered twice.
+TEST(RdmaEmulator, RegionsAddressedByIova) {
+  Loop loop(16, 16);
+  QueueEmulator emu;
+  loop.Attach(emu);
+  std::vector<uint8_t> src(256), back(256);
+  for (size_t i = 0; i < src.size(); i++) src[i] = static_cast<uint8_t>(i * 7 + 1);
+  alignas(8) uint8_t mapped[1024] = {};         // where PE 1's memory is reachable from here
+  const uint64_t iova = 0x7f0000100000ull;      // PE 1's own address for it (never dereferenced)
+  const uint32_t peerKey = 0xabcd01u;           // the key PE 1's registration produced
+  emu.RegisterMemoryAs(1, peerKey, iova, mapped, sizeof(mapped), EmuAccess::kEmuAllAccess);
+  EXPECT_THROW(emu.RegisterMemoryAs(1, peerKey, iova, mapped, 8, EmuAccess::kEmuAllAccess),
+               core::InvalidUsageError);
+  EXPECT_THROW(emu.RegisterMemoryAs(1, 0, iova, mapped, 8, EmuAccess::kEmuAllAccess),
+               core::InvalidUsageError);
+  auto srcMr = emu.RegisterMemory(0, src.data(), src.size(), EmuAccess::kEmuAllAccess);
+  alignas(8) uint64_t old = 0;
+  auto backMr = emu.RegisterMemory(0, back.data(), back.size(), EmuAccess::kEmuAllAccess);
+  auto oldMr = emu.RegisterMemory(0, &old, 8, EmuAccess::kEmuAllAccess);
+  emu.Start();
+  crdma::WqeDesc w{};
+  w.kind = crdma::WqeKind::kWrite;
+  w.local = Local(src.data(), 256, srcMr);
+  w.remote = mlx5::Mlx5RemoteBuf{iova + 64, peerKey};
+  Check(crdma::PostWqe(loop.ep, w, Ctx()), loop.ep);
+  uint64_t init = 40;
+  std::memcpy(mapped + 512, &init, 8);
+  crdma::WqeDesc fa{};
+  fa.kind = crdma::WqeKind::kFetchAdd;
+  fa.local = Local(&old, 8, oldMr);
+  fa.remote = mlx5::Mlx5RemoteBuf{iova + 512, peerKey};
+  fa.swapAdd = 2;
+  Check(crdma::PostWqe(loop.ep, fa, Ctx()), loop.ep);
+  crdma::WqeDesc r{};
+  r.kind = crdma::WqeKind::kRead;
+  r.local = Local(back.data(), 256, backMr);
+  r.remote = mlx5::Mlx5RemoteBuf{iova + 64, peerKey};
+  Check(crdma::PostWqe(loop.ep, r, Ctx()), loop.ep);
+  Check(crdma::Quiet(loop.ep, Ctx()), loop.ep);
+  EXPECT_EQ(std::memcmp(mapped + 64, src.data(), 256), 0);
+  EXPECT_EQ(std::memcmp(back.data(), src.data(), 256), 0);
+  EXPECT_EQ(old, 40u);
+  uint64_t now = 0;
+  std::memcpy(&now, mapped + 512, 8);
+  EXPECT_EQ(now, 42u);
+  // The iova range ends where the mapping ends: one byte past it is a remote access error.
+  crdma::WqeDesc past = w;
+  past.local = Local(src.data(), 8, srcMr);
+  past.remote = mlx5::Mlx5RemoteBuf{iova + sizeof(mapped) - 7, peerKey};
+  Check(crdma::PostWqe(loop.ep, past, Ctx()), loop.ep);
+  const crdma::QueueResult q = crdma::Quiet(loop.ep, Ctx());
+  EXPECT_EQ(q.status, crdma::QueueStatus::kQpError);
+  EXPECT_EQ(loop.ep.cq.error->syndrome, mlx5::kSyndromeRemoteAccessErr);
+  emu.Stop();
+}
+
 // A 4-block ring: posters block until completions free space; nothing is lost.
 TEST(RdmaEmulator, SqFullBlocksPosters) {
   constexpr int kThreads = 4, kOps = 2000;
