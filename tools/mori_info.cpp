@@ -20,15 +20,7 @@
 
 namespace {
 
-std::string VersionText(int v) {
-  if (v == 0) return "none";
-#if MORI_HIP
-  return std::to_string(v / 10000000) + "." + std::to_string((v / 100000) % 100) + "." +
-         std::to_string(v % 100000);
-#else
-  return std::to_string(v / 1000) + "." + std::to_string((v % 1000) / 10);
-#endif
-}
+std::string VersionText(int v) { return mori::core::GpuVersionText(v); }
 
 void PrintGpus() {
   int runtimeVersion = 0, driverVersion = 0;
@@ -55,11 +47,7 @@ void PrintGpus() {
     int sms = 0;
     if (gpuGetDeviceProperties(&prop, d) == gpuSuccess) {
       name = prop.name;
-#if MORI_HIP
-      arch = prop.gcnArchName;
-#else
-      arch = "sm_" + std::to_string(prop.major) + std::to_string(prop.minor);
-#endif
+      arch = mori::core::GpuArchName(prop);
       gib = static_cast<double>(prop.totalGlobalMem) / (1024.0 * 1024.0 * 1024.0);
       sms = prop.multiProcessorCount;
     } else {

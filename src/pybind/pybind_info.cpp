@@ -75,11 +75,7 @@ py::dict DeviceInfo() {
       dev["name"] = std::string(prop.name);
       dev["total_memory"] = static_cast<uint64_t>(prop.totalGlobalMem);
       dev["multiprocessors"] = prop.multiProcessorCount;
-#if MORI_HIP
-      dev["arch"] = std::string(prop.gcnArchName);
-#else
-      dev["arch"] = "sm_" + std::to_string(prop.major) + std::to_string(prop.minor);
-#endif
+      dev["arch"] = core::GpuArchName(prop);
     } else {
       (void)gpuGetLastError();
     }
@@ -174,11 +170,7 @@ struct DLManagedTensor {
   void* managerCtx;
   void (*deleter)(DLManagedTensor* self);
 };
-#if MORI_HIP
-constexpr int32_t kDLThisGpu = 10;  // kDLROCM
-#else
-constexpr int32_t kDLThisGpu = 2;  // kDLCUDA
-#endif
+constexpr int32_t kDLThisGpu = core::kDlpackGpuDeviceType;
 constexpr uint8_t kDLUInt = 1;
 
 // One allocation holds the managed tensor and its shape; nothing else is owned: the memory

@@ -14,12 +14,8 @@ namespace mori::core {
 
 enum class Fp8Format : uint8_t { kE4M3Fn = 0, kE4M3Fnuz = 1 };
 
-// The encoding a platform's FP8 hardware and frameworks use for "float8 e4m3".
-#if MORI_HIP
-constexpr Fp8Format kNativeFp8Format = Fp8Format::kE4M3Fnuz;  // gfx942 (MI300)
-#else
-constexpr Fp8Format kNativeFp8Format = Fp8Format::kE4M3Fn;
-#endif
+// The encoding a platform's FP8 hardware and frameworks use for "float8 e4m3" (gpu.hpp).
+constexpr Fp8Format kNativeFp8Format = kNativeFp8IsFnuz ? Fp8Format::kE4M3Fnuz : Fp8Format::kE4M3Fn;
 
 MORI_HOST_DEVICE inline int Fp8Bias(Fp8Format f) { return f == Fp8Format::kE4M3Fn ? 7 : 8; }
 MORI_HOST_DEVICE inline float Fp8Max(Fp8Format f) { return f == Fp8Format::kE4M3Fn ? 448.f : 240.f; }

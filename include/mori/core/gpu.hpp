@@ -7,20 +7,27 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "mori/core/hd.hpp"
 
 #if defined(MORI_BACKEND_HIP) || defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC__)
 #define MORI_HIP 1
+#include <hip/hip_fp16.h>
 #include <hip/hip_runtime.h>
 #else
 #define MORI_CUDA 1
 #include <cuda.h>  // driver API types only (entry points come through cudart)
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #if defined(__CUDACC__)
 #include <cuda/atomic>
 #endif
 #endif
 
-#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
+#if MORI_DEVICE_PASS
 #define MORI_DEVICE_COMPILE 1
 #endif
 
@@ -126,6 +133,58 @@ using gpuPointerAttributes_t = cudaPointerAttributes;
 #define gpuFuncAttributes MORI_GPU_NAME(FuncAttributes)
 #define gpuOccupancyMaxActiveBlocksPerMultiprocessor \
   MORI_GPU_NAME(OccupancyMaxActiveBlocksPerMultiprocessor)
+
+namespace mori::core {
+
+// ---------------------------------------------------------------------------------------------
+// Host-side platform facts, so that callers never test the platform themselves.
+// ---------------------------------------------------------------------------------------------
+#if MORI_HIP
+constexpr bool kPlatformHip = true;
+#else
+constexpr bool kPlatformHip = false;
+#endif
+// The FP8 "e4m3" encoding the platform's hardware and frameworks use: e4m3fnuz on AMD (gfx942),
+// e4m3fn on NVIDIA.
+constexpr bool kNativeFp8IsFnuz = kPlatformHip;
+// DLPack device type of this platform's GPU memory (kDLROCM = 10, kDLCUDA = 2).
+constexpr int32_t kDlpackGpuDeviceType = kPlatformHip ? 10 : 2;
+
+// "gfx942" / "sm_90".
+inline std::string GpuArchName(const gpuDeviceProp_t& p) {
+#if MORI_HIP
+  return std::string(p.gcnArchName);
+#else
+  return "sm_" + std::to_string(p.major) + std::to_string(p.minor);
+#endif
+}
+
+// A runtime or driver version number as text ("13.0", "6.2.41133"); "none" for 0.
+inline std::string GpuVersionText(int v) {
+  if (v == 0) return "none";
+#if MORI_HIP
+  return std::to_string(v / 10000000) + "." + std::to_string((v / 100000) % 100) + "." +
+         std::to_string(v % 100000);
+#else
+  return std::to_string(v / 1000) + "." + std::to_string((v % 1000) / 10);
+#endif
+}
+
+// Whether kernels' modules are loaded when the process starts using the GPU (true on HIP). CUDA
+// loads lazily unless CUDA_MODULE_LOADING=EAGER; a lazy load may synchronise the context.
+// *setting: the variable's value ("" when unset, "n/a" on HIP).
+inline bool GpuModuleLoadingIsEager(std::string* setting) {
+#if MORI_HIP
+  if (setting != nullptr) *setting = "n/a";
+  return true;
+#else
+  const char* v = std::getenv("CUDA_MODULE_LOADING");
+  if (setting != nullptr) *setting = v != nullptr ? v : "";
+  return v != nullptr && std::strcmp(v, "EAGER") == 0;
+#endif
+}
+
+}  // namespace mori::core
 
 namespace mori::core {
 
@@ -399,6 +458,17 @@ MORI_DEVICE_INLINE uint64_t WallClockNs() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
+#endif
+}
+
+// The multiprocessor (SM / CU) the calling thread runs on.
+MORI_DEVICE_INLINE uint32_t SmId() {
+#if MORI_HIP
+  return static_cast<uint32_t>(__smid());
+#else
+  uint32_t id;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+  return id;
 #endif
 }
 

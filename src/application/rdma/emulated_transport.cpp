@@ -277,18 +277,16 @@ std::unique_ptr<RdmaTransport> CreateEmulatedRdmaTransport(BootstrapNetwork& boo
                                                            const Context& context,
                                                            const SymmetricHeap& heap,
                                                            const RdmaTransportConfig& config) {
-#if !MORI_HIP
   // CUDA loads a kernel's module at its first launch by default, and a load may synchronise the
   // context: a launch issued while a kernel spins on RDMA completions would then wait for that
   // kernel, which waits for the emulator, whose copies wait for the load. Real NICs need no
   // runtime calls, so only the emulator requires eager loading.
-  const char* loading = std::getenv("CUDA_MODULE_LOADING");
-  MORI_ENSURE(loading != nullptr && std::strcmp(loading, "EAGER") == 0, InvalidUsageError,
+  std::string loading;
+  MORI_ENSURE(core::GpuModuleLoadingIsEager(&loading), InvalidUsageError,
               "MORI_RDMA_EMULATE=1 on CUDA needs CUDA_MODULE_LOADING=EAGER in the environment of "
-              "the process before it starts using the GPU (found %s): with lazy loading, launching "
-              "a kernel while another waits for emulated RDMA completions can stall both",
-              loading ? loading : "unset");
-#endif
+              "the process before it starts using the GPU (found '%s'): with lazy loading, "
+              "launching a kernel while another waits for emulated RDMA completions can stall both",
+              loading.c_str());
   return std::make_unique<EmulatedRdmaTransport>(boot, context, heap, config);
 }
 

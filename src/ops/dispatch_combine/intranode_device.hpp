@@ -9,11 +9,6 @@
 #include "mori/ops/dispatch_combine/layout.hpp"
 #include "intranode.hpp"
 
-#if MORI_HIP
-#include <hip/hip_fp16.h>
-#else
-#include <cuda_fp16.h>
-#endif
 
 namespace mori::ops::detail {
 

@@ -30,15 +30,7 @@ constexpr int kEpTraceWords = 32;
 constexpr uint64_t kEpTraceMagic = 0x7ace0001ull;
 constexpr int kEpTracePeers = 8;
 
-MORI_DEVICE_INLINE uint32_t EpSmId() {
-#if MORI_HIP
-  return static_cast<uint32_t>(__smid());
-#else
-  uint32_t id;
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
-  return id;
-#endif
-}
+MORI_DEVICE_INLINE uint32_t EpSmId() { return core::SmId(); }
 
 MORI_DEVICE_INLINE uint64_t EpCycles() { return static_cast<uint64_t>(clock64()); }
 

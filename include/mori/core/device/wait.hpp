@@ -71,7 +71,7 @@ struct DeviceErrorFields {
   uint64_t elapsedNs;
 };
 
-#if defined(__CUDACC__) || defined(__HIPCC__)
+#if MORI_GPU_COMPILER
 
 template <typename T>
 MORI_DEVICE_INLINE bool CompareValues(T v, CmpOp op, T target) {
@@ -180,6 +180,6 @@ MORI_DEVICE_INLINE bool WaitUntil(const WaitContext& ctx, T* addr, CmpOp op, T t
   }
 }
 
-#endif  // __CUDACC__ || __HIPCC__
+#endif  // MORI_GPU_COMPILER
 
 }  // namespace mori::core

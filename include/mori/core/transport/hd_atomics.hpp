@@ -6,16 +6,15 @@
 
 #include <cstdint>
 
-#if defined(__CUDACC__) || defined(__HIPCC__)
-#include "mori/core/gpu.hpp"
-#define MORI_HD_INLINE __host__ __device__ inline
-#else
-#define MORI_HD_INLINE inline
-#endif
+#include "mori/core/hd.hpp"
 
-#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
-#define MORI_HD_DEVICE_PASS 1
-#else
+#if MORI_GPU_COMPILER
+#include "mori/core/gpu.hpp"
+#endif
+#define MORI_HD_INLINE MORI_HD inline
+
+#define MORI_HD_DEVICE_PASS MORI_DEVICE_PASS
+#if !MORI_DEVICE_PASS
 #include <chrono>
 #include <thread>
 #if defined(__x86_64__) || defined(__i386__)

@@ -12,11 +12,9 @@
 #include <cstddef>
 #include <cstdint>
 
-#if defined(__CUDACC__) || defined(__HIPCC__)
-#define MORI_ENC_HD __host__ __device__ inline
-#else
-#define MORI_ENC_HD inline
-#endif
+#include "mori/core/hd.hpp"
+
+#define MORI_ENC_HD MORI_HD inline
 
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "mlx5_wqe.hpp assumes a little-endian host and device (x86-64, aarch64, NVIDIA, AMD GPUs)"
@@ -273,7 +271,7 @@ MORI_ENC_HD void* SqBasicBlock(void* sqBase, uint32_t index, uint32_t numBlocks)
 // store and keeps the host compilers' aliasing rules satisfied whatever the buffer's type.
 // ---------------------------------------------------------------------------------------------
 namespace detail {
-#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
+#if MORI_DEVICE_PASS
 template <typename T>
 MORI_ENC_HD void StoreWord(void* dst, size_t offset, T v) {
   *reinterpret_cast<T*>(static_cast<uint8_t*>(dst) + offset) = v;

@@ -35,12 +35,9 @@
 #include <cstdint>
 
 #include "mori/ops/dispatch_combine/config.hpp"
+#include "mori/core/hd.hpp"
 
-#if defined(__CUDACC__) || defined(__HIPCC__)
-#define MORI_EP_HD __host__ __device__
-#else
-#define MORI_EP_HD
-#endif
+#define MORI_EP_HD MORI_HD
 
 namespace mori::ops {
 
