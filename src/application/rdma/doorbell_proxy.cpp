@@ -1,6 +1,7 @@
 #include "mori/application/rdma/doorbell_proxy.hpp"
 
 #include <chrono>
+#include <thread>
 
 #include "mori/core/errors.hpp"
 #include "mori/core/logging.hpp"
@@ -46,9 +47,8 @@ DoorbellProxy::~DoorbellProxy() {
   } catch (const std::exception& e) {
     MORI_ERROR(kLogRdma, "doorbell proxy: %s", e.what());
   }
-  // The thread uses this object: it cannot be detached. It was asked to stop and ends after its
-  // current sweep.
-  if (thread.joinable()) thread.join();
+  // If the bounded stop failed, `worker` (the last member) joins before the rest is destroyed: it
+  // was asked to stop and ends after its current sweep.
 }
 
 size_t DoorbellProxy::ProcessOnce() {
@@ -84,9 +84,9 @@ size_t DoorbellProxy::ProcessOnce() {
   return n;
 }
 
-void DoorbellProxy::Loop() {
+void DoorbellProxy::Loop(const std::atomic<bool>& stop) {
   uint32_t idle = 0;
-  while (!stopRequested.load(std::memory_order_acquire)) {
+  while (!stop.load(std::memory_order_acquire)) {
     if (ProcessOnce() > 0) {
       idle = 0;
       continue;
@@ -101,30 +101,13 @@ void DoorbellProxy::Loop() {
     }
   }
   ProcessOnce();  // doorbells published before the stop request are rung
-  exited.store(true, std::memory_order_release);
 }
 
 void DoorbellProxy::Start() {
-  if (running.exchange(true, std::memory_order_acq_rel)) return;
-  if (thread.joinable()) thread.join();  // a previous thread that Stop timed out on
-  stopRequested.store(false, std::memory_order_release);
-  exited.store(false, std::memory_order_release);
-  thread = std::thread([this] { Loop(); });
+  worker.Start([this](const std::atomic<bool>& stop) { Loop(stop); });
 }
 
-void DoorbellProxy::Stop(int timeoutMs) {
-  if (!running.load(std::memory_order_acquire)) return;
-  stopRequested.store(true, std::memory_order_release);
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeoutMs);
-  while (!exited.load(std::memory_order_acquire)) {
-    if (std::chrono::steady_clock::now() > deadline) {
-      MORI_THROW(TimeoutError, "doorbell proxy thread did not stop within %d ms", timeoutMs);
-    }
-    std::this_thread::sleep_for(std::chrono::microseconds(100));
-  }
-  thread.join();
-  running.store(false, std::memory_order_release);
-}
+void DoorbellProxy::Stop(int timeoutMs) { worker.Stop(timeoutMs); }
 
 std::string DoorbellProxy::FatalError() const {
   std::lock_guard<std::mutex> lock(errorMutex);

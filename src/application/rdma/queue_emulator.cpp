@@ -90,9 +90,7 @@ QueueEmulator::~QueueEmulator() {
   } catch (const std::exception& e) {
     MORI_ERROR(kLogRdma, "queue emulator: %s", e.what());
   }
-  // The worker uses this object, so it cannot be detached; destroying a joinable thread would
-  // terminate the process. It has been asked to stop and ends after its current work request.
-  if (worker.joinable()) worker.join();
+  // If the bounded stop failed, `worker` (the last member) joins before the rest is destroyed.
 }
 
 EmuMemoryRegion QueueEmulator::RegisterMemory(int pe, void* base, size_t length, uint32_t access) {
@@ -415,9 +413,9 @@ size_t QueueEmulator::ProcessOnce() {
   return n;
 }
 
-void QueueEmulator::Worker() {
+void QueueEmulator::Loop(const std::atomic<bool>& stop) {
   uint32_t idle = 0;
-  while (!stopRequested.load(std::memory_order_acquire)) {
+  while (!stop.load(std::memory_order_acquire)) {
     size_t done = 0;
     try {
       done = ProcessOnce();
@@ -439,29 +437,13 @@ void QueueEmulator::Worker() {
       std::this_thread::sleep_for(std::chrono::microseconds(idle < 4096 ? 10 : 200));
     }
   }
-  workerExited.store(true, std::memory_order_release);
 }
 
 void QueueEmulator::Start() {
-  if (running.exchange(true, std::memory_order_acq_rel)) return;
-  stopRequested.store(false, std::memory_order_release);
-  workerExited.store(false, std::memory_order_release);
-  worker = std::thread([this] { Worker(); });
+  worker.Start([this](const std::atomic<bool>& stop) { Loop(stop); });
 }
 
-void QueueEmulator::Stop(int timeoutMs) {
-  if (!running.load(std::memory_order_acquire)) return;
-  stopRequested.store(true, std::memory_order_release);
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeoutMs);
-  while (!workerExited.load(std::memory_order_acquire)) {
-    if (std::chrono::steady_clock::now() > deadline) {
-      MORI_THROW(TimeoutError, "queue emulator worker did not stop within %d ms", timeoutMs);
-    }
-    std::this_thread::sleep_for(std::chrono::microseconds(100));
-  }
-  worker.join();
-  running.store(false, std::memory_order_release);
-}
+void QueueEmulator::Stop(int timeoutMs) { worker.Stop(timeoutMs); }
 
 EmuQpState QueueEmulator::QpState(size_t qp) const {
   std::lock_guard<std::mutex> lock(mu);

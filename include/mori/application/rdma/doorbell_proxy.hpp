@@ -16,8 +16,9 @@
 #include <functional>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
+
+#include "mori/core/bounded_worker.hpp"
 
 namespace mori::application {
 
@@ -44,7 +45,7 @@ class DoorbellProxy {
   // Asks the thread to stop and joins it; TimeoutError if it has not ended within timeoutMs (it
   // keeps the stop request; a later Stop or the destructor joins). Idempotent.
   void Stop(int timeoutMs = 5000);
-  bool Running() const { return running.load(std::memory_order_acquire); }
+  bool Running() const { return worker.Running(); }
 
   // One sweep over every queue (what the thread does in a loop). Returns doorbells written.
   // Not to be called while the thread runs.
@@ -57,7 +58,7 @@ class DoorbellProxy {
   static void MmioWrite(uint64_t* uar, uint64_t value);
 
  private:
-  void Loop();
+  void Loop(const std::atomic<bool>& stop);
 
   struct State {
     uint64_t lastReady = 0;
@@ -68,13 +69,10 @@ class DoorbellProxy {
   std::vector<DoorbellProxyQueue> queues;
   std::vector<State> state;
   Writer writer;
-  std::thread thread;
-  std::atomic<bool> running{false};
-  std::atomic<bool> stopRequested{false};
-  std::atomic<bool> exited{false};
   std::atomic<uint64_t> written{0};
   mutable std::mutex errorMutex;
   std::string fatal;
+  core::BoundedWorker worker{"doorbell proxy"};  // last: joined before the rest goes
 };
 
 }  // namespace mori::application

@@ -17,9 +17,9 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
+#include "mori/core/bounded_worker.hpp"
 #include "mori/core/transport/rdma_queue.hpp"
 
 namespace mori::application {
@@ -108,7 +108,7 @@ class QueueEmulator {
   void Start();  // spawns the worker thread (idempotent)
   // Stops and joins the worker within `timeoutMs`; throws TimeoutError if it does not stop.
   void Stop(int timeoutMs = 10000);
-  bool Running() const { return running.load(std::memory_order_acquire); }
+  bool Running() const { return worker.Running(); }
 
   // Processes whatever is published right now on every QP in the calling thread (tests, or a
   // caller that drives the emulator itself instead of Start()). Returns WQEs handled.
@@ -144,7 +144,7 @@ class QueueEmulator {
   static uint8_t* Translate(const Region* r, uint64_t addr) { return r->base + (addr - r->iova); }
   void WriteCqe(Qp& qp, const core::mlx5::Mlx5CqeFields& f);
   void WriteRecvCqe(Qp& qp, uint32_t imm, uint32_t byteCount);
-  void Worker();
+  void Loop(const std::atomic<bool>& stop);
   void SetFatal(const std::string& what);
 
   std::unique_ptr<EmuMemoryAccessor> mem;
@@ -152,12 +152,9 @@ class QueueEmulator {
   std::vector<Region> regions;
   std::vector<std::unique_ptr<Qp>> qps;
   std::mutex processMu;  // one processor at a time (worker or ProcessOnce)
-  std::atomic<bool> running{false};
-  std::atomic<bool> stopRequested{false};
-  std::atomic<bool> workerExited{false};
-  std::thread worker;
   std::atomic<uint64_t> nExecuted{0}, nFlushed{0}, nCqes{0}, nErrors{0};
   std::string fatal;
+  core::BoundedWorker worker{"queue emulator"};  // last: joined before the rest goes
 };
 
 // Readable description of a non-OK posting result (for host callers and error messages).
