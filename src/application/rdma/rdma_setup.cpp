@@ -10,12 +10,7 @@
 #include "mori/core/errors.hpp"
 #include "mori/core/logging.hpp"
 
-#if __has_include(<infiniband/verbs.h>)
-#include <infiniband/verbs.h>
-#define MORI_HAVE_VERBS_H 1
-#else
-#define MORI_HAVE_VERBS_H 0
-#endif
+#include "verbs_headers.hpp"
 
 namespace mori::application {
 namespace {
