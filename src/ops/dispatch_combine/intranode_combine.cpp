@@ -23,15 +23,13 @@ namespace detail {
 using core::CmpOp;
 
 constexpr int kCombineMaxWarps = kEpMaxThreadsPerBlock / kWarpSize;
-constexpr int kCombineVecUnroll = 2;   // vectors per lane per step
-constexpr int kCombinePeerBatch = 4;   // source rows loaded together (all in flight)
+constexpr int kCombinePeerBatch = 4;  // rows loaded together (weights; token rows when n >= 3)
 
 // out[v] = sum over members j (in order) of rows[j][v], for v in [vb, ve) of this warp's lanes.
-template <typename Elem>
-MORI_DEVICE_INLINE void WarpReduceRows(uint4* __restrict__ out, const uint8_t* const* rows, int n,
-                                       int vb, int ve) {
-  constexpr int kU = kCombineVecUnroll;
-  constexpr int kB = kCombinePeerBatch;
+// Each lane keeps kB rows x kU vectors of 16-byte loads in flight before it accumulates them.
+template <typename Elem, int kB, int kU>
+MORI_DEVICE_INLINE void WarpReduceRowsBatched(uint4* __restrict__ out, const uint8_t* const* rows,
+                                              int n, int vb, int ve) {
   const int lane = core::LaneId();
   for (int v0 = vb + lane; v0 < ve; v0 += kU * kWarpSize) {
     float acc[kU][Elem::kPerVec];
@@ -66,6 +64,21 @@ MORI_DEVICE_INLINE void WarpReduceRows(uint4* __restrict__ out, const uint8_t* c
     for (int u = 0; u < kU; u++) {
       if (v0 + u * kWarpSize < ve) out[v0 + u * kWarpSize] = Elem::Pack(acc[u]);
     }
+  }
+}
+
+// The reduction is bound by how many peer loads are in flight (measured: HT combine on 2 PEs,
+// where tokens have at most 2 rows, kept 4 loads per lane in flight with a fixed 4 x 2 shape).
+// About 8 loads per lane whatever the row count n (warp-uniform): 4 rows x 2 vectors, or 2 rows
+// x 4 vectors. 4 x 4 would spill (the kernel already holds ~100 registers at 512 threads/block).
+// The order of the additions is the same in both shapes: ascending row (PE) order per element.
+template <typename Elem>
+MORI_DEVICE_INLINE void WarpReduceRows(uint4* __restrict__ out, const uint8_t* const* rows, int n,
+                                       int vb, int ve) {
+  if (n >= 3) {
+    WarpReduceRowsBatched<Elem, kCombinePeerBatch, 2>(out, rows, n, vb, ve);
+  } else {
+    WarpReduceRowsBatched<Elem, 2, 4>(out, rows, n, vb, ve);
   }
 }
 
