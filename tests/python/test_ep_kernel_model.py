@@ -96,7 +96,7 @@ def simulate(W, epr, routing, grid, warp, n_warps):
             parts = 1
             vecs = 448
             if n_rows < n_warps:
-                parts = (n_warps + n_rows - 1) // n_rows
+                parts = n_warps // n_rows
                 parts = min(parts, max(1, vecs // (2 * warp)))
             for item in range(n_rows * parts):
                 r, part = divmod(item, parts)

@@ -89,12 +89,13 @@ def analyse_launch(recs, W, kind):
     exit_ = [max(r[G0 + 5], r[G0 + 6]) for r in recs]
     m = dict(start=min(entry), end=max(exit_), span=max(exit_) - min(entry), skew=max(entry) - min(entry), rate=rate)
     names = (("P1", 0, 1), ("P2", 1, 2), ("P3", 2, 3), ("F", 3, 4), ("A", 4, 5)) if kind == 0 else \
-            (("announce", 0, 1), ("send", 1, 2), ("recv", 2, 3), ("ctr", 3, 5))
+            (("scan", 0, 7), ("announce", 7, 1), ("cwait", 1, 4), ("copy", 4, 6), ("publish", 6, 2),
+             ("recv", 2, 3), ("ctr", 3, 5))
     for nm, i, j in names:
         d = [dur(r, i, j) for r in recs]
         m[nm] = (med(d), mx(d))
     last = [r for r in recs if r[G0 + 6] != 0]
-    m["tail"] = dur(last[0], 5, 6) if last else None
+    m["tail"] = dur(last[0], 5, 6) if last and kind == 0 else None
     order = [r[ORDER] for r in recs]
     if all(o > 0 for o in order):
         m["exit_slope"] = slope(order, [r[G0 + 5] for r in recs])
@@ -258,7 +259,7 @@ def summarise(label, gathered, W, kind, bench_us):
     s["exit_slope"] = med([m["exit_slope"] for m in allm])
     s["ctr_spread"] = med([m["ctr_spread"] for m in allm])
     s["bench"] = bench_us
-    names = ("P1", "P2", "P3", "F", "A") if kind == 0 else ("announce", "send", "recv", "ctr")
+    names = ("P1", "P2", "P3", "F", "A") if kind == 0 else ("scan", "announce", "cwait", "copy", "publish", "recv", "ctr")
     for nm in names:
         s[nm] = med([m[nm][0] for m in allm])
         s[nm + "_max"] = med([m[nm][1] for m in allm])
@@ -311,8 +312,9 @@ def print_line(s, kind):
               f"{us('first_spread')}", flush=True)
     else:
         print(f"  {s['label']:<26} bench {bench} | period {us('period')} gap {us('gap')} span {us('span')} "
-              f"skew {us('skew')} | announce {us('announce')}/{us('announce_max')} send {us('send')}/{us('send_max')} "
-              f"recv {us('recv')}/{us('recv_max')} ctr {us('ctr')}/{us('ctr_max')} | exit slope "
+              f"skew {us('skew')} | scan {us('scan')}/{us('scan_max')} announce {us('announce')}/{us('announce_max')} "
+              f"cwait {us('cwait')}/{us('cwait_max')} copy {us('copy')}/{us('copy_max')} publish "
+              f"{us('publish')}/{us('publish_max')} recv {us('recv')}/{us('recv_max')} ctr {us('ctr')}/{us('ctr_max')} | exit slope "
               f"{fmt(s['exit_slope'], 1, 0)} ns/blk", flush=True)
 
 

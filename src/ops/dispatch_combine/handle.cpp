@@ -453,9 +453,11 @@ void EpDispatchCombineHandle::Combine(const EpCombineArgs& args, gpuStream_t str
   ResolveLaunch(lastNumTokens, args.blockNum, args.warpPerBlock, false, &blocks, &warps);
   const int vecs = static_cast<int>(rowBytes / 16);
   const int totalWarps = blocks * warps;
+  // Small batches: several warps per token, at most one item per warp (floor: with ceil, some
+  // warps reduce twice in a row while others idle, two rounds of peer-load latency).
   int parts = 1;
   if (lastNumTokens > 0 && lastNumTokens < totalWarps) {
-    parts = (totalWarps + lastNumTokens - 1) / lastNumTokens;
+    parts = totalWarps / lastNumTokens;
     parts = std::min(parts, std::max(1, vecs / (2 * core::kWarpSize)));
   }
   k.partsPerToken = parts;

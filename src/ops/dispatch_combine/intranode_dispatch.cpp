@@ -136,6 +136,7 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
   }
   __syncthreads();
   const int countD = prefix[nWords];
+  if (tid == 0) EpTraceStamp(tr, 7);
 
   // ---- 2. announce ------------------------------------------------------------------------
   if (b == 0) {
@@ -201,6 +202,7 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
     __syncthreads();
   }
 
+  if (tid == 0) EpTraceStamp(tr, 4);
   if (sFailed == 0) {
     const int sendBase = sSendBase;
     // ---- 4a. slots of our tokens on `dest` (combine reads them) ---------------------------
@@ -224,10 +226,12 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
     nRows = i1 - i0;
     if (nRows > 0) {
       const int vecs = static_cast<int>(a.rowBytes / 16);
-      // Few rows (small batches): several warps share a row so every warp has work.
+      // Few rows (small batches): several warps share a row. parts = floor(warps / rows), so
+      // every warp has at most one item: with ceil, some warps took a second item and the
+      // block's copy took two rounds of load latency instead of one.
       int parts = 1;
       if (nRows < nWarps) {
-        parts = (nWarps + nRows - 1) / nRows;
+        parts = nWarps / nRows;
         const int maxParts = vecs / (2 * kWarpSize) > 1 ? vecs / (2 * kWarpSize) : 1;
         parts = parts < maxParts ? parts : maxParts;
       }
@@ -320,6 +324,7 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
   // One fence per block, not per thread (fence.sc.sys in every thread serialises GPU-wide): the
   // barrier orders every thread's row stores before thread 0's release fence, which is cumulative.
   __syncthreads();
+  if (tid == 0) EpTraceStamp(tr, 6);
   if (tid == 0 && nRows > 0 && sFailed == 0) {
     core::FenceAcqRelSystem();
     core::AtomicFetchAddSystem(At<uint64_t>(PeerBlock(c, dest), c.symm.arrived) + me,

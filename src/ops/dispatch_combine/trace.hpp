@@ -11,8 +11,10 @@
 //                    the barrier: every peer's ready seen), 3 phase 3 done (after the barrier),
 //                    4 after the per-block release fence, 5 after the grid-counter add (exit),
 //                    6 last block only: done signals sent and epoch bumped
-//          dispatch: 0 entry, 1 announce done (barrier), 2 rows published (fence + arrived add),
-//                    3 receive side done (before the epoch barrier), 5 after the grid-counter add
+//          dispatch: 0 entry, 7 scan done (bitmap + prefix), 1 announce done (barrier), 4 counts
+//                    of lower PEs seen (send base known), 6 rows copied (after the barrier),
+//                    2 rows published (fence + arrived add), 3 receive side done (before the
+//                    epoch barrier), 5 after the grid-counter add
 //   16 epoch  17 block  18 SM id  19 arrival order at the grid counter (1-based; 0: unknown)
 //   20 gridDim.x  21 blockDim.x  22 partsPerToken (combine)  23 kEpTraceMagic
 //   24..31 combine: globaltimer when this block saw peer p's ready signal (p < 8)
