@@ -60,6 +60,30 @@ def position_to_token(words, prefix, p, warp):
     return lo * warp + nth_set_bit(words[lo], p - prefix[lo], warp)
 
 
+def block_role(b, nb, W, me):
+    """EpDispatchBlockRole (intranode_device.hpp): (dest, g, G) of block b of nb on PE me."""
+    if W <= 1 or nb < 3 * W:
+        return (b + me) % W, b // W, (nb - 1 - (b % W)) // W + 1
+    n_local = max(1, nb // (2 * W - 1))
+    if b < n_local:
+        return me, b, n_local
+    r, n_remote = b - n_local, nb - n_local
+    q = r % (W - 1)
+    return (me + 1 + q) % W, r // (W - 1), (n_remote - 1 - q) // (W - 1) + 1
+
+
+def test_block_roles_cover_every_destination():
+    for W in range(1, 9):
+        for nb in range(W, 140):
+            for me in range(W):
+                roles = [block_role(b, nb, W, me) for b in range(nb)]
+                assert roles[0][0] == me and roles[0][1] == 0  # block 0 leads the local destination
+                for d in range(W):
+                    gs = sorted(g for dest, g, _ in roles if dest == d)
+                    assert gs == list(range(len(gs))) and len(gs) >= 1, (W, nb, me, d)
+                    assert all(G == len(gs) for dest, _, G in roles if dest == d)
+
+
 def simulate(W, epr, routing, grid, warp, n_warps):
     """routing[s] = list of top-k rows of PE s. Returns (placements, slot tables, counts)."""
     num_experts = W * epr
@@ -69,9 +93,7 @@ def simulate(W, epr, routing, grid, warp, n_warps):
     for s in range(W):
         T = len(routing[s])
         for b in range(grid):
-            dest = (b + s) % W
-            g = b // W
-            G = (grid - 1 - (b % W)) // W + 1
+            dest, g, G = block_role(b, grid, W, s)
             words = membership_words(routing[s], dest, epr, num_experts, warp)
             prefix = exclusive_prefix(words)
             count_d = prefix[len(words)]

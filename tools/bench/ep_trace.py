@@ -4,8 +4,8 @@
     torchrun --nproc_per_node=4 tools/bench/ep_trace.py [--shapes 16x16,64x16,64x8,132x8,132x16]
     python3 tools/bench/ep_trace.py --nproc 2
 
-LL config as tools/bench/ep_bench.py: 128 tokens/rank, hidden 7168, top-8 of 256, BF16 zero-copy
-combine with weights. Tracing (EpDispatchCombineHandle::SetTrace, record layout in
+LL config as tools/bench/ep_bench.py: 128 tokens/rank (--tokens 4096: the HT config), hidden 7168,
+top-8 of 256, BF16 zero-copy combine with weights, FP8 dispatch with scales. Tracing (EpDispatchCombineHandle::SetTrace, record layout in
 src/ops/dispatch_combine/trace.hpp) makes thread 0 of every block stamp globaltimer + clock64 at
 kernel entry and at the end of each phase:
   P1 = entry -> ready sent      P2 = ready sent -> every peer's ready seen (+ barrier)
@@ -14,6 +14,10 @@ kernel entry and at the end of each phase:
 Modes per launch shape: "iso" (one launch after a barrier + sync, no predecessor), "eager"
 (back-to-back plain launches) and "graph" (CUDA graph of 50 combines replayed as the bench does,
 event-timed per replay: "bench us" = what ep_bench reports).
+
+Dispatch phases: scan (bitmap + prefix), announce, cwait (counts of lower PEs), copy, publish
+(fence + arrived add), recv (block 0), ctr; and, apart, the copy time of the local-copy blocks and of
+the blocks streaming to peers, with the time (from launch start) by which each group had published.
 
 Per line (medians over launches x ranks; "max" = max over them): period (start-to-start of
 consecutive launches on one rank), span (first entry -> last exit), launch skew (entry spread
@@ -32,7 +36,8 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tests", "ops"))
 import ep_test_utils as U  # noqa: E402
 
-HIDDEN, TOPK, EXPERTS, SCALE_DIM, T = 7168, 8, 256, 56, 128
+HIDDEN, TOPK, EXPERTS, SCALE_DIM = 7168, 8, 256, 56
+T = 128  # tokens per rank (--tokens)
 WORDS, MAGIC, NPEER = 32, 0x7ACE0001, 8
 SLOTS = 64
 # record word indices (trace.hpp)
@@ -75,7 +80,17 @@ def launches_from(buf, kind, nb_max, grid):
     return out
 
 
-def analyse_launch(recs, W, kind):
+def block_dest(b, nb, W, me):
+    """Destination PE of dispatch block b (mirrors EpDispatchBlockRole in intranode_device.hpp)."""
+    if W <= 1 or nb < 3 * W:
+        return (b + me) % W
+    n_local = max(1, nb // (2 * W - 1))
+    if b < n_local:
+        return me
+    return (me + 1 + (b - n_local) % (W - 1)) % W
+
+
+def analyse_launch(recs, W, kind, me=0):
     """Per-launch metrics of one rank (times in ns; cycle deltas converted with a per-launch rate)."""
     rates = [(r[C0 + 5] - r[C0]) / (r[G0 + 5] - r[G0]) for r in recs if r[G0 + 5] - r[G0] > 3000 and r[C0 + 5] > r[C0]]
     rate = med(rates) if rates else 1.8  # cycles per ns
@@ -114,6 +129,14 @@ def analyse_launch(recs, W, kind):
         m["P2late"] = max(late)
         m["last_peer"] = late.index(max(late))
         m["parts"] = recs[0][PARTS]
+    else:
+        # local-copy blocks vs blocks streaming to peers: copy time and when their rows were published
+        nb = len(recs)
+        for grp, want in (("L", True), ("R", False)):
+            g = [r for r in recs if (block_dest(r[BLOCK], nb, W, me) == me) == want]
+            d = [dur(r, 4, 6) for r in g]
+            m["copy" + grp] = (med(d), mx(d))
+            m["pub" + grp] = mx([r[G0 + 2] - m["start"] for r in g if r[G0 + 2]])
     return m
 
 
@@ -214,7 +237,7 @@ class Tracer:
             eps = eps[-n_inner:]  # the last replay
         ms = []
         for i, ep in enumerate(eps):
-            m = analyse_launch(launches[ep], self.W, kind)
+            m = analyse_launch(launches[ep], self.W, kind, self.rank)
             m["epoch"] = ep
             m["first"] = mode != "iso" and i == 0  # no predecessor in the stream (replay start)
             if mode != "iso" and i > 0 and eps[i - 1] == ep - 1:
@@ -259,11 +282,15 @@ def summarise(label, gathered, W, kind, bench_us):
     s["exit_slope"] = med([m["exit_slope"] for m in allm])
     s["ctr_spread"] = med([m["ctr_spread"] for m in allm])
     s["bench"] = bench_us
-    names = ("P1", "P2", "P3", "F", "A") if kind == 0 else ("scan", "announce", "cwait", "copy", "publish", "recv", "ctr")
+    names = ("P1", "P2", "P3", "F", "A") if kind == 0 else ("scan", "announce", "cwait", "copy", "publish", "recv", "ctr",
+                                                           "copyL", "copyR")
     for nm in names:
         s[nm] = med([m[nm][0] for m in allm])
         s[nm + "_max"] = med([m[nm][1] for m in allm])
     s["tail"] = med([m["tail"] for m in allm])
+    if kind == 1:
+        s["pubL"] = med([m["pubL"] for m in allm])
+        s["pubR"] = med([m["pubR"] for m in allm])
     parts = ""
     if kind == 0:
         s["fence_slope"] = med([m["fence_slope"] for m in allm])
@@ -315,10 +342,14 @@ def print_line(s, kind):
               f"skew {us('skew')} | scan {us('scan')}/{us('scan_max')} announce {us('announce')}/{us('announce_max')} "
               f"cwait {us('cwait')}/{us('cwait_max')} copy {us('copy')}/{us('copy_max')} publish "
               f"{us('publish')}/{us('publish_max')} recv {us('recv')}/{us('recv_max')} ctr {us('ctr')}/{us('ctr_max')} | exit slope "
-              f"{fmt(s['exit_slope'], 1, 0)} ns/blk", flush=True)
+              f"{fmt(s['exit_slope'], 1, 0)} ns/blk | local-copy blocks: copy {us('copyL')}/{us('copyL_max')} all "
+              f"published at {us('pubL')}; peer blocks: copy {us('copyR')}/{us('copyR_max')} published at {us('pubR')}",
+              flush=True)
 
 
 def worker(rank, world, local_rank, args):
+    global T
+    T = args.tokens
     os.environ.setdefault("MORI_SHMEM_HEAP_SIZE", "4G")
     import torch
     import torch.distributed as dist
@@ -334,11 +365,11 @@ def worker(rank, world, local_rank, args):
         for sp in args.shapes.split(","):
             b, _, w = sp.strip().partition("x")
             shapes.append((min(int(b), tr.nsm), int(w)))
-        log(rank, f"EP trace: {world} x {torch.cuda.get_device_name(local_rank)} ({tr.nsm} SMs), LL {T} tok/rank, "
+        log(rank, f"EP trace: {world} x {torch.cuda.get_device_name(local_rank)} ({tr.nsm} SMs), {T} tok/rank, "
                   f"hidden {HIDDEN}, top-{TOPK}/{EXPERTS}; times in us unless noted; x/y = median/max over blocks "
                   "(median over launches x ranks)")
         summaries = {}
-        kinds = [0] + ([1] if not args.no_dispatch else [])
+        kinds = ([0] if not args.no_combine else []) + ([1] if not args.no_dispatch else [])
         for kind in kinds:
             log(rank, "== " + ("combine BF16 zero-copy (+weights)" if kind == 0 else "dispatch FP8 (+scales)"))
             modes = [("iso", 0), ("eager", 0), ("graph", 0)]
@@ -426,6 +457,8 @@ def main():
     p.add_argument("--nproc", type=int, default=0, help="ranks to spawn when not under torchrun (default: all GPUs)")
     p.add_argument("--shapes", default="16x16,64x16,64x8,132x8,132x16", help="blocks x warps, comma separated")
     p.add_argument("--no-dispatch", action="store_true")
+    p.add_argument("--no-combine", action="store_true")
+    p.add_argument("--tokens", type=int, default=128, help="tokens per rank (4096: the HT config)")
     args = p.parse_args()
     nproc = args.nproc
     if nproc <= 0 and "LOCAL_RANK" not in os.environ:

@@ -2,7 +2,7 @@
 // output buffers over P2P. Protocol and layout: docs/ep.md; buffers: layout.hpp.
 //
 // Block b serves destination PE d with group index g of G (EpDispatchBlockRole: round-robin, or
-// with >= 3 blocks per destination only nb / (2W) blocks on the local copy and the rest on the
+// with >= 3 blocks per destination nb / (2W - 1) blocks on the local copy and the rest on the
 // peers); the G blocks serving d split d's token list evenly, so every block streams contiguous
 // rows to ONE peer.
 //   1. Every block scans all tokens' top-k ids once and builds, in shared memory, the bitmap of
@@ -94,33 +94,63 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
   __syncthreads();
 
   // ---- 1. membership of destination `dest` ------------------------------------------------
-  for (int w = warp; w < nWords; w += nWarps) {
+  // A warp takes words (32 tokens, a lane each) nWarps apart. The first kDispatchScanBatch ids of
+  // the next word are loaded before this word is processed, so the loads' latency overlaps the
+  // work instead of adding up over the words (HT, 4096 tokens: 8 words per warp).
+  auto loadIds = [&](int w, int k0, long long (&ids)[kDispatchScanBatch]) {
     const int t = w * kWarpSize + lane;
-    bool member = false;
-    if (t < T) {
-      const IndexT* row = idx + static_cast<size_t>(t) * K;
-      for (int k0 = 0; k0 < K; k0 += kDispatchScanBatch) {
-        long long ids[kDispatchScanBatch];  // loaded together: one memory latency per batch
+    const IndexT* row = idx + static_cast<size_t>(t) * K;
 #pragma unroll
-        for (int u = 0; u < kDispatchScanBatch; u++)
-          ids[u] = k0 + u < K ? static_cast<long long>(row[k0 + u]) : -1;
+    for (int u = 0; u < kDispatchScanBatch; u++)
+      ids[u] = t < T && k0 + u < K ? static_cast<long long>(row[k0 + u]) : -1;
+  };
+  // Marks membership from one batch of ids (k0.. of token t) and, in leaders, counts each distinct
+  // expert of `dest` once: an id is compared with the earlier ids of this batch (registers) and,
+  // for top-k above the batch, of the earlier batches (memory).
+  auto scanBatch = [&](int t, int k0, const long long (&ids)[kDispatchScanBatch], bool* member) {
 #pragma unroll
-        for (int u = 0; u < kDispatchScanBatch; u++) {
-          const long long e = ids[u];
-          if (e < 0 || e >= numExperts) continue;  // -1 (or an out-of-range id): no expert
-          const int ei = static_cast<int>(e);
-          if (ei / Epr != dest) continue;
-          member = true;
-          if (leader) {
-            bool dup = false;
-            for (int j = 0; j < k0 + u; j++) dup = dup || static_cast<long long>(row[j]) == e;
-            if (!dup) atomicAdd(&hist[ei - dest * Epr], 1);
-          }
-        }
+    for (int u = 0; u < kDispatchScanBatch; u++) {
+      const long long e = ids[u];
+      if (e < 0 || e >= numExperts) continue;  // -1 (or an out-of-range id): no expert
+      const int ei = static_cast<int>(e);
+      if (ei / Epr != dest) continue;
+      *member = true;
+      if (leader) {
+        const IndexT* row = idx + static_cast<size_t>(t) * K;
+        bool dup = false;
+        for (int j = 0; j < k0; j++) dup = dup || static_cast<long long>(row[j]) == e;
+#pragma unroll
+        for (int j = 0; j < kDispatchScanBatch; j++) dup = dup || (j < u && ids[j] == e);
+        if (!dup) atomicAdd(&hist[ei - dest * Epr], 1);
       }
     }
-    const LaneMask m = core::WarpBallot(member);
-    if (lane == 0) words[w] = m;
+  };
+  {
+    long long cur[kDispatchScanBatch];
+    if (warp < nWords) loadIds(warp, 0, cur);
+    for (int w = warp; w < nWords; w += nWarps) {
+      long long next[kDispatchScanBatch];
+      if (w + nWarps < nWords) {
+        loadIds(w + nWarps, 0, next);
+      } else {
+#pragma unroll
+        for (int u = 0; u < kDispatchScanBatch; u++) next[u] = -1;
+      }
+      const int t = w * kWarpSize + lane;
+      bool member = false;
+      if (t < T) {
+        scanBatch(t, 0, cur, &member);
+        for (int k0 = kDispatchScanBatch; k0 < K; k0 += kDispatchScanBatch) {
+          long long more[kDispatchScanBatch];
+          loadIds(w, k0, more);
+          scanBatch(t, k0, more, &member);
+        }
+      }
+      const LaneMask m = core::WarpBallot(member);
+      if (lane == 0) words[w] = m;
+#pragma unroll
+      for (int u = 0; u < kDispatchScanBatch; u++) cur[u] = next[u];
+    }
   }
   __syncthreads();
   if (warp == 0) {

@@ -59,7 +59,8 @@ struct EpDeviceState {
   uint32_t dispatchBlocksDone;     // grid counter: last block bumps the epoch and resets it
   uint32_t combineBlocksDone;
   uint32_t combineCopyBlocksDone;  // grid counter of the external-input copy
-  uint32_t reserved;
+  uint32_t combineNextItem;        // combine work queue (items beyond the first round); last block
+                                   // resets it
 };
 
 struct EpSymmetricLayout {
