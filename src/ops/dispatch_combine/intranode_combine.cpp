@@ -67,23 +67,75 @@ MORI_DEVICE_INLINE void WarpReduceRowsBatched(uint4* __restrict__ out, const uin
   }
 }
 
-// The reduction is bound by how many peer loads are in flight (measured: HT combine on 2 PEs,
-// where tokens have at most 2 rows, kept 4 loads per lane in flight with a fixed 4 x 2 shape).
-// About 8 loads per lane whatever the row count n (warp-uniform): 4 rows x 2 vectors, or 2 rows
-// x 4 vectors. 4 x 4 would spill (the kernel already holds ~100 registers at 512 threads/block).
-// The order of the additions is the same in both shapes: ascending row (PE) order per element.
-template <typename Elem>
-MORI_DEVICE_INLINE void WarpReduceRows(uint4* __restrict__ out, const uint8_t* const* rows, int n,
+// The same for n <= kB rows (one batch): each vector's sum is finished and packed before the
+// next vector's starts, so only one fp32 accumulator is live and the registers go to loads in
+// flight instead (kB x kU per lane). Same additions in the same order as above.
+template <typename Elem, int kB, int kU>
+MORI_DEVICE_INLINE void WarpSumFewRows(uint4* __restrict__ out, const uint8_t* const* rows, int n,
                                        int vb, int ve) {
-  if (n >= 3) {
-    WarpReduceRowsBatched<Elem, kCombinePeerBatch, 2>(out, rows, n, vb, ve);
-  } else {
-    WarpReduceRowsBatched<Elem, 2, 4>(out, rows, n, vb, ve);
+  const int lane = core::LaneId();
+  for (int v0 = vb + lane; v0 < ve; v0 += kU * kWarpSize) {
+    uint4 r[kB][kU];
+#pragma unroll
+    for (int j = 0; j < kB; j++) {
+      if (j < n) {
+        const uint4* src = reinterpret_cast<const uint4*>(rows[j]);
+#pragma unroll
+        for (int u = 0; u < kU; u++) {
+          if (v0 + u * kWarpSize < ve) r[j][u] = src[v0 + u * kWarpSize];
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kU; u++) {
+      if (v0 + u * kWarpSize < ve) {
+        float acc[Elem::kPerVec];
+#pragma unroll
+        for (int i = 0; i < Elem::kPerVec; i++) acc[i] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < kB; j++) {
+          if (j < n) Elem::Accumulate(acc, r[j][u]);
+        }
+        out[v0 + u * kWarpSize] = Elem::Pack(acc);
+      }
+    }
   }
 }
 
-template <typename Elem>
-__global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
+// Loads in flight per lane (rows x vectors) by row count n (warp-uniform), for the kernel built
+// for 512 threads per block (128 registers per thread; larger shapes spill) and the one built for
+// up to 256 (255 registers). Measured, HT combine on 2x H200, 24 blocks: 16 warps x (2x4 | 4x2)
+// 220 us; 8 warps x (2x8 | 4x4) 290 us (the same 8 warps with 2x4 | 4x2: 381 us); 8 warps x
+// (2x12 | 4x6) 398 us (spills). So more warps beat more loads per warp at the same bytes in
+// flight, and the 256-thread shapes serve launches of <= 8 warps (the config default).
+template <int kThreads>
+struct EpCombineShape {
+  static constexpr int kU2 = 4;  // n <= 2: 2 rows x 4 vectors
+  static constexpr int kU4 = 2;  // n <= 4: 4 rows x 2 vectors (and batches of 4 rows beyond)
+};
+template <>
+struct EpCombineShape<256> {
+  static constexpr int kU2 = 8;
+  static constexpr int kU4 = 4;
+};
+
+// The reduction is bound by how many loads are in flight per lane (measured on 2x H200: HT combine
+// 362 -> 499 GB/s going from 4 to 8 per lane).
+template <typename Elem, int kThreads>
+MORI_DEVICE_INLINE void WarpReduceRows(uint4* __restrict__ out, const uint8_t* const* rows, int n,
+                                       int vb, int ve) {
+  using S = EpCombineShape<kThreads>;
+  if (n <= 2) {
+    WarpSumFewRows<Elem, 2, S::kU2>(out, rows, n, vb, ve);
+  } else if (n <= kCombinePeerBatch) {
+    WarpSumFewRows<Elem, kCombinePeerBatch, S::kU4>(out, rows, n, vb, ve);
+  } else {
+    WarpReduceRowsBatched<Elem, kCombinePeerBatch, S::kU4>(out, rows, n, vb, ve);
+  }
+}
+
+template <typename Elem, int kThreads>
+__global__ void __launch_bounds__(kThreads)
     EpCombineIntraNodeKernel(const EpCombineKernelArgs a) {
   __shared__ const uint8_t* sTok[kEpMaxWorldSize];
   __shared__ const float* sW[kEpMaxWorldSize];
@@ -263,7 +315,7 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
           if (src != nullptr) wPre[j] = src[static_cast<size_t>(sSlot[warp][j]) * K + lane];
         }
       }
-      WarpReduceRows<Elem>(
+      WarpReduceRows<Elem, kThreads>(
           reinterpret_cast<uint4*>(a.outTokens + static_cast<size_t>(t) * a.rowBytes),
           sRows[warp], n, vb, ve);
       if (doW) {
@@ -345,20 +397,30 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
   }
 }
 
+template <typename Elem>
+void LaunchCombineKernel(const EpCombineKernelArgs& args, int blocks, int threads,
+                         gpuStream_t stream) {
+  if (threads <= 256) {
+    EpCombineIntraNodeKernel<Elem, 256><<<blocks, threads, 0, stream>>>(args);
+  } else {
+    EpCombineIntraNodeKernel<Elem, kEpMaxThreadsPerBlock><<<blocks, threads, 0, stream>>>(args);
+  }
+}
 }  // namespace detail
 
-// The kernel's instantiations: one per token type combine can sum.
+// The kernel's instantiations: one per token type combine can sum, each for blocks of up to 256
+// threads and of up to kEpMaxThreadsPerBlock (EpCombineShape).
 void LaunchEpCombineIntraNode(const EpCombineKernelArgs& args, EpDataType dataType, int blocks,
                               int threads, gpuStream_t stream) {
   switch (dataType) {
     case EpDataType::kBFloat16:
-      detail::EpCombineIntraNodeKernel<detail::EpBf16Elem><<<blocks, threads, 0, stream>>>(args);
+      detail::LaunchCombineKernel<detail::EpBf16Elem>(args, blocks, threads, stream);
       break;
     case EpDataType::kFloat16:
-      detail::EpCombineIntraNodeKernel<detail::EpFp16Elem><<<blocks, threads, 0, stream>>>(args);
+      detail::LaunchCombineKernel<detail::EpFp16Elem>(args, blocks, threads, stream);
       break;
     case EpDataType::kFloat32:
-      detail::EpCombineIntraNodeKernel<detail::EpFp32Elem><<<blocks, threads, 0, stream>>>(args);
+      detail::LaunchCombineKernel<detail::EpFp32Elem>(args, blocks, threads, stream);
       break;
     default:
       MORI_THROW(InvalidUsageError, "EP combine: no kernel for dtype %s (fp8 combine is not built)",
