@@ -217,3 +217,67 @@ def test_row_parts_cover_row():
                 vb, ve = vecs * part // parts, vecs * (part + 1) // parts
                 covered.extend(range(vb, ve))
             assert covered == list(range(vecs))
+
+
+# --- staged combine (intranode_combine.cpp: WarpReduceRowsStaged) -----------------------------
+STAGES, STAGE_BYTES, STAGE_ROWS = 3, 4096, 4  # kEpCombineStages / StageBytes / StageRows
+
+
+def staged_chunks(n, vb, ve):
+    """(chunk bytes per row, [(offset, bytes)]) of one item, as the kernel streams it."""
+    chunk = (STAGE_BYTES // n) & ~15
+    begin, end = vb * 16, ve * 16
+    n_chunks = (end - begin + chunk - 1) // chunk
+    out = []
+    for c in range(n_chunks):
+        off = begin + c * chunk
+        out.append((off, min(chunk, end - off)))
+    return chunk, out
+
+
+def test_staged_chunks_cover_the_row_once_and_fit_the_stage():
+    rnd = random.Random(5)
+    for _ in range(3000):
+        n = rnd.randint(1, STAGE_ROWS)
+        vecs = rnd.randint(1, 2000)
+        parts = rnd.randint(1, 8)
+        part = rnd.randrange(parts)
+        vb, ve = vecs * part // parts, vecs * (part + 1) // parts
+        chunk, chunks = staged_chunks(n, vb, ve)
+        assert chunk % 16 == 0 and chunk * n <= STAGE_BYTES and chunk >= 16
+        covered = []
+        for off, nbytes in chunks:
+            assert off % 16 == 0 and nbytes % 16 == 0 and 0 < nbytes <= chunk
+            covered.extend(range(off // 16, (off + nbytes) // 16))
+        assert covered == list(range(vb, ve))  # every vector once, in order
+
+
+def test_staged_stage_reuse_waits_for_the_previous_use():
+    """A warp's chunk k uses stage k % S and barrier phase (k // S) & 1; chunk k + S refills the
+    stage only after chunk k was summed (issued at step k + 1, after step k's warp barrier)."""
+    rnd = random.Random(6)
+    for _ in range(300):
+        uses = 0
+        for _item in range(rnd.randint(1, 6)):
+            n_chunks = rnd.randint(1, 20)
+            issued, summed = {}, set()
+            k0 = uses
+            order = []  # (event, chunk)
+            for c in range(min(STAGES - 1, n_chunks)):
+                order.append(("issue", c))
+            for c in range(n_chunks):
+                if c + STAGES - 1 < n_chunks:
+                    order.append(("issue", c + STAGES - 1))
+                order.append(("sum", c))
+            for ev, c in order:
+                k = k0 + c
+                stage = k % STAGES
+                if ev == "issue":
+                    prev = k - STAGES  # the last chunk that used this stage
+                    assert prev < k0 or (prev - k0) in summed, (k, prev)
+                    issued[c] = (stage, (k // STAGES) & 1)
+                else:
+                    assert c in issued and issued[c][0] == stage
+                    summed.add(c)
+            assert summed == set(range(n_chunks))
+            uses = k0 + n_chunks

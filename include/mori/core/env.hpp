@@ -55,7 +55,10 @@ namespace mori::core {
   X(rdmaDoorbell, MORI_RDMA_DOORBELL, String, "auto",                                             \
     "How GPU threads ring the NIC doorbell (verbs transport): auto = the UAR page mapped for the " \
     "GPU when the driver allows it, else a CPU proxy thread; uar = mapped UAR or fail; cpu = "     \
-    "always the CPU proxy thread.")
+    "always the CPU proxy thread.")                                                           \
+  X(epCombineStaged, MORI_EP_COMBINE_STAGED, Bool, "1",                                           \
+    "Large-batch EP combine streams the peers' rows into shared memory with bulk copies "         \
+    "(NVIDIA sm_90+); 0 = register loads only.")
 
 enum class EnvType { kBool, kInt, kSize, kString };
 

@@ -129,6 +129,9 @@ using gpuPointerAttributes_t = cudaPointerAttributes;
 #define gpuEventQuery MORI_GPU_NAME(EventQuery)
 #define gpuEventSynchronize MORI_GPU_NAME(EventSynchronize)
 #define gpuEventElapsedTime MORI_GPU_NAME(EventElapsedTime)
+#define gpuFuncSetAttribute MORI_GPU_NAME(FuncSetAttribute)
+#define gpuFuncAttributeMaxDynamicSharedMemorySize \
+  MORI_GPU_NAME(FuncAttributeMaxDynamicSharedMemorySize)
 #define gpuFuncGetAttributes MORI_GPU_NAME(FuncGetAttributes)
 #define gpuFuncAttributes MORI_GPU_NAME(FuncAttributes)
 #define gpuOccupancyMaxActiveBlocksPerMultiprocessor \
@@ -181,6 +184,20 @@ inline bool GpuModuleLoadingIsEager(std::string* setting) {
   const char* v = std::getenv("CUDA_MODULE_LOADING");
   if (setting != nullptr) *setting = v != nullptr ? v : "";
   return v != nullptr && std::strcmp(v, "EAGER") == 0;
+#endif
+}
+
+// Whether kernels on this device can use the bulk copies of kHasBulkAsyncCopy (NVIDIA sm_90+; the
+// kernel must also have been built for it, which its own kHasBulkAsyncCopy says).
+// *smemOptinBytes: the dynamic shared memory a block may opt in to (0 where unused).
+inline bool GpuHasBulkAsyncCopy(const gpuDeviceProp_t& p, size_t* smemOptinBytes) {
+#if MORI_HIP
+  (void)p;
+  *smemOptinBytes = 0;
+  return false;
+#else
+  *smemOptinBytes = p.sharedMemPerBlockOptin;
+  return p.major >= 9;
 #endif
 }
 
@@ -443,6 +460,71 @@ template <typename T>
 MORI_DEVICE_INLINE T AtomicCasSystem(T* p, T compare, T v) {
   SysAtomicRef<T>(*p).compare_exchange_strong(compare, v, cuda::memory_order_relaxed);
   return compare;
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// Bulk asynchronous copies, global -> shared memory, completing on a shared-memory barrier
+// (NVIDIA Hopper's bulk copy engine, the non-tensor form of TMA). One thread moves a whole
+// contiguous range (16-byte aligned, a multiple of 16 bytes), without registers, so an SM can keep
+// far more bytes in flight than its registers hold; the source may be a peer GPU's memory.
+// kHasBulkAsyncCopy is true only in a device pass for sm_90+; elsewhere these functions are
+// never called (callers test it with `if constexpr`) and trap if they are.
+// Protocol: one thread MbarInit(bar, 1) each barrier, FenceMbarInit(), a warp/block barrier; per
+// use: MbarArriveExpectTx(bar, total bytes) then BulkCopyToShared(...) for each range; readers
+// poll MbarTryWait(bar, phase) with phase = (use count) & 1.
+// ---------------------------------------------------------------------------------------------
+#if MORI_CUDA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+constexpr bool kHasBulkAsyncCopy = true;
+MORI_DEVICE_INLINE uint32_t SharedAddress(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+MORI_DEVICE_INLINE void MbarInit(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(SharedAddress(bar)), "r"(count)
+               : "memory");
+}
+// Makes initialised barriers visible to the bulk copy engine.
+MORI_DEVICE_INLINE void FenceMbarInit() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+// Orders this thread's earlier generic-proxy memory accesses (e.g. an acquire of a flag that
+// publishes the data) before its later bulk copies.
+MORI_DEVICE_INLINE void FenceProxyAsync() { asm volatile("fence.proxy.async;" ::: "memory"); }
+MORI_DEVICE_INLINE void MbarArriveExpectTx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(SharedAddress(bar)),
+               "r"(bytes)
+               : "memory");
+}
+MORI_DEVICE_INLINE void BulkCopyToShared(void* dst, const void* src, uint32_t bytes,
+                                         uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+          "r"(SharedAddress(dst)),
+      "l"(src), "r"(bytes), "r"(SharedAddress(bar))
+      : "memory");
+}
+MORI_DEVICE_INLINE bool MbarTryWait(uint64_t* bar, uint32_t phase) {
+  uint32_t done;
+  asm volatile(
+      "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; "
+      "selp.u32 %0, 1, 0, p; }"
+      : "=r"(done)
+      : "r"(SharedAddress(bar)), "r"(phase)
+      : "memory");
+  return done != 0;
+}
+#else
+constexpr bool kHasBulkAsyncCopy = false;
+MORI_DEVICE_INLINE void MbarInit(uint64_t*, uint32_t) { __builtin_trap(); }
+MORI_DEVICE_INLINE void FenceMbarInit() { __builtin_trap(); }
+MORI_DEVICE_INLINE void FenceProxyAsync() { __builtin_trap(); }
+MORI_DEVICE_INLINE void MbarArriveExpectTx(uint64_t*, uint32_t) { __builtin_trap(); }
+MORI_DEVICE_INLINE void BulkCopyToShared(void*, const void*, uint32_t, uint64_t*) {
+  __builtin_trap();
+}
+MORI_DEVICE_INLINE bool MbarTryWait(uint64_t*, uint32_t) {
+  __builtin_trap();
+  return true;
 }
 #endif
 

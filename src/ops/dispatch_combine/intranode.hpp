@@ -68,11 +68,23 @@ struct EpCombineKernelArgs {
   uint32_t rowBytes;
   int32_t dataType;                // EpDataType, for the cross-PE format check
   int32_t partsPerToken;           // warps sharing one token's row (small batches)
+  int32_t staged;                  // 1: peer rows arrive by bulk copies into shared memory
 };
+
+// Staged combine (large batches, where the bulk copy engine exists): each warp streams its token's
+// rows through kEpCombineStages shared-memory stages of kEpCombineStageBytes (split over the
+// token's rows, at most kEpCombineStageRows of them; more rows take the register path).
+constexpr int kEpCombineStages = 3;
+constexpr int kEpCombineStageBytes = 4096;
+constexpr int kEpCombineStageRows = 4;
+inline size_t EpCombineStagedSmemBytes(int warps) {
+  return static_cast<size_t>(warps) * kEpCombineStages * kEpCombineStageBytes;
+}
 
 // Launchers (kernel instantiations live next to the kernels).
 void LaunchEpDispatchIntraNode(const EpDispatchKernelArgs& args, EpIndexType indexType, int blocks,
                                int threads, size_t smemBytes, gpuStream_t stream);
+// args.staged selects the staged kernel (dynamic shared memory EpCombineStagedSmemBytes).
 void LaunchEpCombineIntraNode(const EpCombineKernelArgs& args, EpDataType dataType, int blocks,
                               int threads, gpuStream_t stream);
 

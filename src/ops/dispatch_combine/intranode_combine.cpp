@@ -7,7 +7,9 @@
 //   3. For each of this PE's tokens of the last dispatch, a warp (or, for small batches, several
 //      warps on slices of the row) loads the rows from the token's destination PEs, at the slots
 //      dispatch recorded, with several 16-byte loads from several PEs in flight, and sums them in
-//      fp32 in ascending PE order: bitwise reproducible. Weights rows likewise.
+//      fp32 in ascending PE order: bitwise reproducible. Weights rows likewise. Large batches on
+//      sm_90+ (staged kernel): lane 0 streams the rows through shared-memory stages with bulk
+//      copies instead, and the lanes sum from there in the same order.
 //   4. The last block to finish tells every PE "done reading your buffers" (doneInbox) and bumps
 //      the combine epoch. Nobody waits for that here: the next dispatch (before it lets anyone
 //      write our dispatch output) and the next combine (before it overwrites our registered
@@ -15,6 +17,8 @@
 #include "intranode.hpp"
 #include "intranode_device.hpp"
 #include "trace.hpp"
+#include <atomic>
+
 #include "mori/core/gpu_check.hpp"
 
 namespace mori::ops {
@@ -134,7 +138,90 @@ MORI_DEVICE_INLINE void WarpReduceRows(uint4* __restrict__ out, const uint8_t* c
   }
 }
 
-template <typename Elem, int kThreads>
+// Waits (bounded by the device timeout) until stage barrier `bar` completes `phase`; every lane
+// polls it (each acquires the copied bytes). Warp-uniform result: false if a lane timed out. The
+// abort flag is not polled: it lives in host memory (a PCIe read), and these waits are on this
+// GPU's own copy engine, normally microseconds.
+MORI_DEVICE_INLINE bool WarpWaitStage(const core::WaitContext& wait, uint64_t* bar,
+                                      uint32_t phase) {
+  bool timedOut = false;
+  uint32_t spins = 0;
+  uint64_t t0 = 0;
+  while (!core::MbarTryWait(bar, phase)) {
+    if ((++spins & 255u) == 0) {
+      const uint64_t now = core::WallClockNs();
+      if (t0 == 0) {
+        t0 = now;
+      } else if (now - t0 > wait.timeoutNs) {  // a local copy: no peer to abort for
+        timedOut = true;
+        break;
+      }
+    }
+  }
+  const bool anyTimedOut = core::WarpBallot(timedOut) != 0;
+  if (anyTimedOut && core::LaneId() == 0)
+    ReportError(wait, -1, "EP combine: bulk copy of peer rows did not complete",
+                static_cast<const uint64_t*>(nullptr), static_cast<uint64_t>(phase),
+                static_cast<uint64_t>(~phase & 1u));
+  return !anyTimedOut;
+}
+
+// out[v] = sum over rows j < n (n in 1..kEpCombineStageRows, ascending PE order) of rows[j][v]
+// for v in [vb, ve): lane 0 streams chunks of every row into the warp's kEpCombineStages stages
+// with bulk copies (kEpCombineStages - 1 chunks ahead of the one being summed), the lanes sum
+// each chunk from shared memory. `uses` counts the chunks this warp has streamed (stage k %
+// kEpCombineStages, barrier phase (k / kEpCombineStages) & 1). Same additions, same order, as
+// WarpSumFewRows. Returns false (warp-uniform) if a copy did not complete in time.
+template <typename Elem>
+MORI_DEVICE_INLINE bool WarpReduceRowsStaged(uint4* __restrict__ out, const uint8_t* const* rows,
+                                             int n, int vb, int ve, uint8_t* stages,
+                                             uint64_t* bars, uint32_t* uses,
+                                             const core::WaitContext& wait) {
+  constexpr int S = kEpCombineStages;
+  const int lane = core::LaneId();
+  const uint32_t chunk = (static_cast<uint32_t>(kEpCombineStageBytes) / n) & ~15u;
+  const uint32_t begin = static_cast<uint32_t>(vb) * 16, end = static_cast<uint32_t>(ve) * 16;
+  const int nChunks = static_cast<int>((end - begin + chunk - 1) / chunk);
+  const uint32_t k0 = *uses;
+  auto issue = [&](int c) {
+    if (lane == 0) {
+      const uint32_t k = k0 + c;
+      uint64_t* bar = bars + k % S;
+      const uint32_t off = begin + c * chunk;
+      const uint32_t bytes = end - off < chunk ? end - off : chunk;
+      uint8_t* dst = stages + (k % S) * kEpCombineStageBytes;
+      core::MbarArriveExpectTx(bar, bytes * n);
+      for (int j = 0; j < n; j++)
+        core::BulkCopyToShared(dst + j * chunk, rows[j] + off, bytes, bar);
+    }
+  };
+  for (int c = 0; c < S - 1 && c < nChunks; c++) issue(c);
+  for (int c = 0; c < nChunks; c++) {
+    // The stage refilled here was summed in the previous step, which ended with a warp barrier.
+    if (c + S - 1 < nChunks) issue(c + S - 1);
+    const uint32_t k = k0 + c;
+    if (!WarpWaitStage(wait, bars + k % S, (k / S) & 1u)) return false;
+    const uint8_t* st = stages + (k % S) * kEpCombineStageBytes;
+    const uint32_t off = begin + c * chunk;
+    const int vecs = static_cast<int>((end - off < chunk ? end - off : chunk) / 16);
+    uint4* o = out + off / 16;
+    for (int v = lane; v < vecs; v += kWarpSize) {
+      float acc[Elem::kPerVec];
+#pragma unroll
+      for (int i = 0; i < Elem::kPerVec; i++) acc[i] = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kEpCombineStageRows; j++) {
+        if (j < n) Elem::Accumulate(acc, reinterpret_cast<const uint4*>(st + j * chunk)[v]);
+      }
+      o[v] = Elem::Pack(acc);
+    }
+    core::WarpSync();
+  }
+  *uses = k0 + static_cast<uint32_t>(nChunks);
+  return true;
+}
+
+template <typename Elem, int kThreads, bool kStaged>
 __global__ void __launch_bounds__(kThreads)
     EpCombineIntraNodeKernel(const EpCombineKernelArgs a) {
   __shared__ const uint8_t* sTok[kEpMaxWorldSize];
@@ -143,6 +230,9 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ int sPeer[kCombineMaxWarps][kEpMaxWorldSize];
   __shared__ int sSlot[kCombineMaxWarps][kEpMaxWorldSize];
   __shared__ int sFailed;
+  __shared__ __align__(8) uint64_t sStageBars[kCombineMaxWarps][kEpCombineStages];
+  extern __shared__ __align__(128) uint8_t sStages[];  // staged: [warps][stages][stage bytes]
+  constexpr bool kUseStages = kStaged && core::kHasBulkAsyncCopy;
 
   const EpIntraNodeCommon& c = a.c;
   // A private copy: the (rare) error path takes its address, which must not pull the whole
@@ -280,6 +370,19 @@ __global__ void __launch_bounds__(kThreads)
     uint32_t ticket = 0;  // lane 0: the counter value drawn for the item after `next`
     if (queued && lane == 0) ticket = atomicAdd(&c.state->combineNextItem, 1u);
     int next = queued ? stride + static_cast<int>(core::WarpShfl(ticket, 0)) : item + stride;
+    // Staged: this warp's stages and their barriers; the proxy fence orders the ready acquires
+    // above (through the block barrier) before this warp's bulk copies of the peers' rows.
+    uint8_t* const stages = sStages + static_cast<size_t>(warp) * kEpCombineStages *
+                                          kEpCombineStageBytes;
+    uint32_t stageUses = 0;
+    if constexpr (kUseStages) {
+      if (lane == 0) {
+        for (int i = 0; i < kEpCombineStages; i++) core::MbarInit(&sStageBars[warp][i], 1);
+        core::FenceMbarInit();
+        core::FenceProxyAsync();
+      }
+      core::WarpSync();
+    }
     // The slot table entry of the next item is loaded while the current one is reduced.
     int nextSlot = -1;
     if (item < items && lane < W)
@@ -315,9 +418,19 @@ __global__ void __launch_bounds__(kThreads)
           if (src != nullptr) wPre[j] = src[static_cast<size_t>(sSlot[warp][j]) * K + lane];
         }
       }
-      WarpReduceRows<Elem, kThreads>(
-          reinterpret_cast<uint4*>(a.outTokens + static_cast<size_t>(t) * a.rowBytes),
-          sRows[warp], n, vb, ve);
+      uint4* const outRow =
+          reinterpret_cast<uint4*>(a.outTokens + static_cast<size_t>(t) * a.rowBytes);
+      bool staged = false;
+      if constexpr (kUseStages) staged = n >= 1 && n <= kEpCombineStageRows;
+      if (staged) {
+        if constexpr (kUseStages) {
+          if (!WarpReduceRowsStaged<Elem>(outRow, sRows[warp], n, vb, ve, stages,
+                                          sStageBars[warp], &stageUses, wait))
+            break;  // recorded; the rest of this warp's items are left undone
+        }
+      } else {
+        WarpReduceRows<Elem, kThreads>(outRow, sRows[warp], n, vb, ve);
+      }
       if (doW) {
         if (lane == 0) {
           for (int j = 0; j < n; j++) {
@@ -400,10 +513,26 @@ __global__ void __launch_bounds__(kThreads)
 template <typename Elem>
 void LaunchCombineKernel(const EpCombineKernelArgs& args, int blocks, int threads,
                          gpuStream_t stream) {
-  if (threads <= 256) {
-    EpCombineIntraNodeKernel<Elem, 256><<<blocks, threads, 0, stream>>>(args);
+  if (args.staged != 0) {
+    // Above 48 KB a kernel's dynamic shared memory must be opted in to, once per device.
+    auto kernel = EpCombineIntraNodeKernel<Elem, kEpMaxThreadsPerBlock, true>;
+    static std::atomic<uint64_t> optedIn{0};
+    int device = 0;
+    MORI_CHECK_GPU(gpuGetDevice(&device));
+    const uint64_t bit = 1ull << (device & 63);
+    const size_t smem = EpCombineStagedSmemBytes(kEpMaxThreadsPerBlock / kWarpSize);
+    if ((optedIn.load() & bit) == 0) {
+      MORI_CHECK_GPU(gpuFuncSetAttribute(reinterpret_cast<const void*>(kernel),
+                                         gpuFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem)));
+      optedIn.fetch_or(bit);
+    }
+    kernel<<<blocks, threads, EpCombineStagedSmemBytes(threads / kWarpSize), stream>>>(args);
+  } else if (threads <= 256) {
+    EpCombineIntraNodeKernel<Elem, 256, false><<<blocks, threads, 0, stream>>>(args);
   } else {
-    EpCombineIntraNodeKernel<Elem, kEpMaxThreadsPerBlock><<<blocks, threads, 0, stream>>>(args);
+    EpCombineIntraNodeKernel<Elem, kEpMaxThreadsPerBlock, false><<<blocks, threads, 0, stream>>>(
+        args);
   }
 }
 }  // namespace detail
