@@ -75,9 +75,15 @@ EpDispatchCombineHandle::EpDispatchCombineHandle(const EpDispatchCombineConfig& 
         MORI_CHECK_GPU(gpuGetDevice(&device));
         MORI_CHECK_GPU(gpuDeviceGetAttribute(&numSms, gpuDevAttrMultiProcessorCount, device));
         {
+          // The staged combine needs the bulk copy engine, its shared memory (plus a margin for
+          // the kernel's static shared memory) and MORI_EP_COMBINE_STAGED.
           gpuDeviceProp_t prop{};
           MORI_CHECK_GPU(gpuGetDeviceProperties(&prop, device));
-          bulkAsyncCopy = core::GpuHasBulkAsyncCopy(prop, &smemOptin);
+          size_t smemOptin = 0;
+          stagedCombine =
+              core::GpuHasBulkAsyncCopy(prop, &smemOptin) && core::Env().epCombineStaged &&
+              EpCombineStagedSmemBytes(kEpMaxThreadsPerBlock / core::kWarpSize) + (16u << 10) <=
+                  smemOptin;
         }
         symmLayout = MakeEpSymmetricLayout(config);
         localLayout = MakeEpLocalLayout(config);
@@ -470,12 +476,9 @@ void EpDispatchCombineHandle::Combine(const EpCombineArgs& args, gpuStream_t str
   // Staged (bulk copies into shared memory) for large batches, where warps take many items and
   // the loads in flight bound the rate; small batches keep the register path (one item per warp,
   // latency-bound either way), and so does a combine that first copies an external input (measured
-  // on 2x H200, HT: staged 227 -> 204 us zero-copy, but 330 -> 349 us with the copy). The 16 KB
-  // margin covers the kernel's static shared memory.
-  const size_t stagedSmem = EpCombineStagedSmemBytes(kEpMaxThreadsPerBlock / core::kWarpSize);
-  k.staged = bulkAsyncCopy && core::EnvSnapshot()->epCombineStaged && k.copyTokens == 0 &&
-                     static_cast<long long>(lastNumTokens) * parts > totalWarps &&
-                     stagedSmem + (16u << 10) <= smemOptin
+  // on 2x H200, HT: staged 227 -> 204 us zero-copy, but 330 -> 349 us with the copy).
+  k.staged = stagedCombine && k.copyTokens == 0 &&
+                     static_cast<long long>(lastNumTokens) * parts > totalWarps
                  ? 1
                  : 0;
   LaunchEpCombineIntraNode(k, args.dataType, blocks, warps * core::kWarpSize, stream);

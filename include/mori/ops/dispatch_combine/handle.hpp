@@ -136,8 +136,7 @@ class EpDispatchCombineHandle {
   EpLocalLayout localLayout;
   int device = -1;
   int numSms = 0;
-  bool bulkAsyncCopy = false;  // the device has the bulk copy engine (staged combine)
-  size_t smemOptin = 0;        // dynamic shared memory a block may opt in to
+  bool stagedCombine = false;  // large-batch combine may use the staged (bulk-copy) kernel
   uint8_t* symmBase = nullptr;   // local address of the symmetric block
   uint64_t symmHeapOffset = 0;   // its offset in every PE's heap
   uint8_t* localBase = nullptr;
