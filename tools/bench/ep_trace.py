@@ -33,8 +33,11 @@ import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tests", "ops"))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(_ROOT, "tests", "ops"))
+sys.path.insert(0, os.path.join(_ROOT, "tests", "python"))
 import ep_test_utils as U  # noqa: E402
+from test_ep_kernel_model import block_role  # noqa: E402  (the model of EpDispatchBlockRole)
 
 HIDDEN, TOPK, EXPERTS, SCALE_DIM = 7168, 8, 256, 56
 T = 128  # tokens per rank (--tokens)
@@ -80,16 +83,6 @@ def launches_from(buf, kind, nb_max, grid):
     return out
 
 
-def block_dest(b, nb, W, me):
-    """Destination PE of dispatch block b (mirrors EpDispatchBlockRole in intranode_device.hpp)."""
-    if W <= 1 or nb < 3 * W:
-        return (b + me) % W
-    n_local = max(1, nb // (2 * W - 1))
-    if b < n_local:
-        return me
-    return (me + 1 + (b - n_local) % (W - 1)) % W
-
-
 def analyse_launch(recs, W, kind, me=0):
     """Per-launch metrics of one rank (times in ns; cycle deltas converted with a per-launch rate)."""
     rates = [(r[C0 + 5] - r[C0]) / (r[G0 + 5] - r[G0]) for r in recs if r[G0 + 5] - r[G0] > 3000 and r[C0 + 5] > r[C0]]
@@ -133,7 +126,7 @@ def analyse_launch(recs, W, kind, me=0):
         # local-copy blocks vs blocks streaming to peers: copy time and when their rows were published
         nb = len(recs)
         for grp, want in (("L", True), ("R", False)):
-            g = [r for r in recs if (block_dest(r[BLOCK], nb, W, me) == me) == want]
+            g = [r for r in recs if (block_role(r[BLOCK], nb, W, me)[0] == me) == want]
             d = [dur(r, 4, 6) for r in g]
             m["copy" + grp] = (med(d), mx(d))
             m["pub" + grp] = mx([r[G0 + 2] - m["start"] for r in g if r[G0 + 2]])

@@ -84,6 +84,7 @@ EpDispatchCombineHandle::EpDispatchCombineHandle(const EpDispatchCombineConfig& 
               core::GpuHasBulkAsyncCopy(prop, &smemOptin) && core::Env().epCombineStaged &&
               EpCombineStagedSmemBytes(kEpMaxThreadsPerBlock / core::kWarpSize) + (16u << 10) <=
                   smemOptin;
+          if (stagedCombine) PrepareEpCombineStaged();
         }
         symmLayout = MakeEpSymmetricLayout(config);
         localLayout = MakeEpLocalLayout(config);

@@ -84,7 +84,9 @@ inline size_t EpCombineStagedSmemBytes(int warps) {
 // Launchers (kernel instantiations live next to the kernels).
 void LaunchEpDispatchIntraNode(const EpDispatchKernelArgs& args, EpIndexType indexType, int blocks,
                                int threads, size_t smemBytes, gpuStream_t stream);
-// args.staged selects the staged kernel (dynamic shared memory EpCombineStagedSmemBytes).
+// args.staged selects the staged kernel (dynamic shared memory EpCombineStagedSmemBytes), which
+// needs PrepareEpCombineStaged() once on the launching device (its shared-memory opt-in).
+void PrepareEpCombineStaged();
 void LaunchEpCombineIntraNode(const EpCombineKernelArgs& args, EpDataType dataType, int blocks,
                               int threads, gpuStream_t stream);
 

@@ -17,8 +17,6 @@
 #include "intranode.hpp"
 #include "intranode_device.hpp"
 #include "trace.hpp"
-#include <atomic>
-
 #include "mori/core/gpu_check.hpp"
 
 namespace mori::ops {
@@ -420,14 +418,10 @@ __global__ void __launch_bounds__(kThreads)
       }
       uint4* const outRow =
           reinterpret_cast<uint4*>(a.outTokens + static_cast<size_t>(t) * a.rowBytes);
-      bool staged = false;
-      if constexpr (kUseStages) staged = n >= 1 && n <= kEpCombineStageRows;
-      if (staged) {
-        if constexpr (kUseStages) {
-          if (!WarpReduceRowsStaged<Elem>(outRow, sRows[warp], n, vb, ve, stages,
-                                          sStageBars[warp], &stageUses, wait))
-            break;  // recorded; the rest of this warp's items are left undone
-        }
+      if (kUseStages && n >= 1 && n <= kEpCombineStageRows) {
+        if (!WarpReduceRowsStaged<Elem>(outRow, sRows[warp], n, vb, ve, stages, sStageBars[warp],
+                                        &stageUses, wait))
+          break;  // recorded; the rest of this warp's items are left undone
       } else {
         WarpReduceRows<Elem, kThreads>(outRow, sRows[warp], n, vb, ve);
       }
@@ -514,20 +508,8 @@ template <typename Elem>
 void LaunchCombineKernel(const EpCombineKernelArgs& args, int blocks, int threads,
                          gpuStream_t stream) {
   if (args.staged != 0) {
-    // Above 48 KB a kernel's dynamic shared memory must be opted in to, once per device.
-    auto kernel = EpCombineIntraNodeKernel<Elem, kEpMaxThreadsPerBlock, true>;
-    static std::atomic<uint64_t> optedIn{0};
-    int device = 0;
-    MORI_CHECK_GPU(gpuGetDevice(&device));
-    const uint64_t bit = 1ull << (device & 63);
-    const size_t smem = EpCombineStagedSmemBytes(kEpMaxThreadsPerBlock / kWarpSize);
-    if ((optedIn.load() & bit) == 0) {
-      MORI_CHECK_GPU(gpuFuncSetAttribute(reinterpret_cast<const void*>(kernel),
-                                         gpuFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(smem)));
-      optedIn.fetch_or(bit);
-    }
-    kernel<<<blocks, threads, EpCombineStagedSmemBytes(threads / kWarpSize), stream>>>(args);
+    EpCombineIntraNodeKernel<Elem, kEpMaxThreadsPerBlock, true>
+        <<<blocks, threads, EpCombineStagedSmemBytes(threads / kWarpSize), stream>>>(args);
   } else if (threads <= 256) {
     EpCombineIntraNodeKernel<Elem, 256, false><<<blocks, threads, 0, stream>>>(args);
   } else {
@@ -535,7 +517,21 @@ void LaunchCombineKernel(const EpCombineKernelArgs& args, int blocks, int thread
         args);
   }
 }
+// Above 48 KB a kernel's dynamic shared memory must be opted in to (per device).
+template <typename Elem>
+void OptInStagedSmem() {
+  MORI_CHECK_GPU(gpuFuncSetAttribute(
+      reinterpret_cast<const void*>(EpCombineIntraNodeKernel<Elem, kEpMaxThreadsPerBlock, true>),
+      gpuFuncAttributeMaxDynamicSharedMemorySize,
+      static_cast<int>(EpCombineStagedSmemBytes(kEpMaxThreadsPerBlock / kWarpSize))));
+}
 }  // namespace detail
+
+void PrepareEpCombineStaged() {
+  detail::OptInStagedSmem<detail::EpBf16Elem>();
+  detail::OptInStagedSmem<detail::EpFp16Elem>();
+  detail::OptInStagedSmem<detail::EpFp32Elem>();
+}
 
 // The kernel's instantiations: one per token type combine can sum, each for blocks of up to 256
 // threads and of up to kEpMaxThreadsPerBlock (EpCombineShape).
