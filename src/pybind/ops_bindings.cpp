@@ -60,6 +60,11 @@ py::dict LayoutDict(const EpDispatchCombineConfig& c) {
   symm["dispatch_out_src_pos"] = s.dispatchOutSrcPos;
   symm["combine_in_tokens"] = s.combineInTokens;
   symm["combine_in_weights"] = s.combineInWeights;
+  if (ops::EpPushCombineFits(c)) {  // the push combine's buffers exist only then
+    symm["push_arrived"] = s.pushArrived;
+    symm["push_recv_tokens"] = s.pushRecvTokens;
+    symm["push_recv_weights"] = s.pushRecvWeights;
+  }
   symm["total_bytes"] = s.totalBytes;
   local["state"] = l.state;
   local["total_recv"] = l.totalRecv;
@@ -94,7 +99,8 @@ std::string FindDisagreementForTest(const std::string& stage, const py::list& en
     } else if (st == ops::EpAgreementStage::kConfig) {
       auto t = e.cast<py::tuple>();
       rows.push_back(ops::MakeEpConfigAgreementRow(t[0].cast<EpDispatchCombineConfig>(),
-                                                   t[1].cast<uint64_t>()));
+                                                   t[1].cast<uint64_t>(),
+                                                   t.size() > 2 && t[2].cast<bool>()));
     } else if (st == ops::EpAgreementStage::kAllocation) {
       rows.push_back(ops::MakeEpAllocationAgreementRow(e.cast<uint64_t>()));
     } else {

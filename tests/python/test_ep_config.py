@@ -112,6 +112,31 @@ def test_layout_is_ordered_aligned_and_disjoint():
     assert s["total_bytes"] == ops.ep_symmetric_bytes(c)
 
 
+@pytest.mark.parametrize("m", [1, 128, 256])
+def test_push_combine_buffers_for_small_batch_configs(m):
+    # Configs of <= 256 tokens per rank get the push combine's buffers, per call parity: an
+    # arrival counter per PE, one row slot (and K weights) per (token, PE). Disjoint from the rest.
+    c = make(max_num_inp_token_per_rank=m, world_size=3, num_experts_per_token=9, max_token_type_size=4)
+    lay = ops.ep_layout(c)
+    d = dict(lay["symmetric"])
+    total = d.pop("total_bytes")
+    offs = sorted(d.items(), key=lambda kv: kv[1])
+    assert len({o for _, o in offs}) == len(offs), offs
+    ends = {name: (offs[i + 1][1] if i + 1 < len(offs) else total) for i, (name, _) in enumerate(offs)}
+    assert ends["push_arrived"] - d["push_arrived"] >= 2 * 3 * 8
+    assert ends["push_recv_tokens"] - d["push_recv_tokens"] >= 2 * m * 3 * 7168 * 4
+    assert ends["push_recv_weights"] - d["push_recv_weights"] >= 2 * m * 3 * 9 * 4
+    assert total == ops.ep_symmetric_bytes(c)
+
+
+def test_no_push_combine_buffers_above_256_tokens():
+    small = ops.ep_layout(make(max_num_inp_token_per_rank=256))["symmetric"]
+    big = ops.ep_layout(make(max_num_inp_token_per_rank=257))["symmetric"]
+    assert "push_recv_tokens" in small and "push_recv_tokens" not in big
+    # The HT config stays as it was: dispatch output + registered combine input dominate.
+    assert ops.ep_symmetric_bytes(make()) < (1 << 30)
+
+
 def test_dispatch_smem_within_limit_for_extremes():
     c = make(max_num_inp_token_per_rank=65536, num_experts_per_rank=4096)
     c.validate()
@@ -171,6 +196,16 @@ def test_agreement_names_the_rank_and_field(field, value):
     base = getattr(make(), field)
     msg = _C.ops._find_ep_disagreement("config", rows(group({2: {field: value}})))
     assert f"PE 2 has {field} = {value} but PE 0 has {base}" in msg, msg
+
+
+def test_agreement_push_combine_must_match():
+    # MORI_EP_COMBINE_PUSH picks the combine protocol at op creation: a PE that pulls while the
+    # others push would wait for signals that never come, so creation refuses it.
+    g = group(dict.fromkeys(range(4), dict(max_num_inp_token_per_rank=128)))
+    entries = [(c.to_native(), 1 << 40, r != 2) for r, c in enumerate(g)]
+    msg = _C.ops._find_ep_disagreement("config", entries)
+    assert "PE 2 has push combine (MORI_EP_COMBINE_PUSH) = 0 but PE 0 has 1" in msg, msg
+    assert _C.ops._find_ep_disagreement("config", [(c.to_native(), 1 << 40, True) for c in g]) == ""
 
 
 def test_agreement_names_the_first_rank_then_the_first_field():

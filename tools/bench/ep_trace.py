@@ -11,6 +11,10 @@ kernel entry and at the end of each phase:
   P1 = entry -> ready sent      P2 = ready sent -> every peer's ready seen (+ barrier)
   P3 = reduce                   F  = per-block release fence (before the grid counter)
   A  = grid-counter atomic      tail = last block: done signals + epoch
+The push combine (small-batch configs, MORI_EP_COMBINE_PUSH=1, the default there) stamps the same
+slots with other meanings: P1 = push this rank's rows to their tokens' PEs (+ fence + counter add),
+P2 = wait until every PE's rows for our tokens have arrived, P3 = reduce from local memory, F = 0,
+tail = check and reset the arrival counters + epoch.
 Modes per launch shape: "iso" (one launch after a barrier + sync, no predecessor), "eager"
 (back-to-back plain launches) and "graph" (CUDA graph of 50 combines replayed as the bench does,
 event-timed per replay: "bench us" = what ep_bench reports).

@@ -58,7 +58,10 @@ namespace mori::core {
     "always the CPU proxy thread.")                                                           \
   X(epCombineStaged, MORI_EP_COMBINE_STAGED, Bool, "1",                                           \
     "Large-batch EP combine streams the peers' rows into shared memory with bulk copies "         \
-    "(NVIDIA sm_90+); 0 = register loads only.")
+    "(NVIDIA sm_90+); 0 = register loads only.")                                                 \
+  X(epCombinePush, MORI_EP_COMBINE_PUSH, Bool, "1",                                               \
+    "EP ops whose config has at most 256 tokens per rank combine by pushing each row to its "     \
+    "token's PE and summing locally; 0 = every PE pulls its tokens' rows (one extra round trip).")
 
 enum class EnvType { kBool, kInt, kSize, kString };
 

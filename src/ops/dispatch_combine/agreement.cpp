@@ -36,6 +36,10 @@ constexpr const char* kConfigFieldNames[] = {
     "layout.dispatch_out_src_pos",
     "layout.combine_in_tokens",
     "layout.combine_in_weights",
+    "layout.push_arrived",
+    "layout.push_recv_tokens",
+    "layout.push_recv_weights",
+    "push combine (MORI_EP_COMBINE_PUSH)",
 };
 constexpr int kNumConfigFields = static_cast<int>(sizeof(kConfigFieldNames) / sizeof(char*));
 constexpr int kSymmetricBytesField = 9;
@@ -85,7 +89,8 @@ const char* EpAgreementFieldName(EpAgreementStage stage, int index) {
   return "unknown field";
 }
 
-EpAgreementRow MakeEpConfigAgreementRow(const EpDispatchCombineConfig& c, uint64_t heapFreeBytes) {
+EpAgreementRow MakeEpConfigAgreementRow(const EpDispatchCombineConfig& c, uint64_t heapFreeBytes,
+                                        bool pushCombine) {
   const EpSymmetricLayout s = MakeEpSymmetricLayout(c);
   const int64_t values[] = {
       c.worldSize,
@@ -110,6 +115,10 @@ EpAgreementRow MakeEpConfigAgreementRow(const EpDispatchCombineConfig& c, uint64
       static_cast<int64_t>(s.dispatchOutSrcPos),
       static_cast<int64_t>(s.combineInTokens),
       static_cast<int64_t>(s.combineInWeights),
+      static_cast<int64_t>(s.pushArrived),
+      static_cast<int64_t>(s.pushRecvTokens),
+      static_cast<int64_t>(s.pushRecvWeights),
+      pushCombine ? 1 : 0,
   };
   static_assert(sizeof(values) / sizeof(values[0]) == kNumConfigFields,
                 "one value per kConfigFieldNames entry");

@@ -148,6 +148,12 @@ EpSymmetricLayout MakeEpSymmetricLayout(const EpDispatchCombineConfig& c) {
   l.dispatchOutSrcPos = take(rmax * sizeof(int32_t));
   l.combineInTokens = take(rmax * c.MaxTokenRowBytes());
   l.combineInWeights = take(rmax * k * sizeof(float));
+  if (EpPushCombineFits(c)) {
+    const size_t slots = 2 * static_cast<size_t>(c.maxNumInpTokenPerRank) * w;  // 2 parities
+    l.pushArrived = take(2 * w * sizeof(uint64_t));
+    l.pushRecvTokens = take(slots * c.MaxTokenRowBytes());
+    l.pushRecvWeights = take(slots * k * sizeof(float));
+  }
   l.totalBytes = off;
   return l;
 }

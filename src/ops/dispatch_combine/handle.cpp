@@ -86,6 +86,7 @@ EpDispatchCombineHandle::EpDispatchCombineHandle(const EpDispatchCombineConfig& 
                   smemOptin;
           if (stagedCombine) PrepareEpCombineStaged();
         }
+        pushCombine = EpPushCombineFits(config) && core::Env().epCombinePush;
         symmLayout = MakeEpSymmetricLayout(config);
         localLayout = MakeEpLocalLayout(config);
         // Whatever used the heap range before (an earlier op) is done on this PE once this
@@ -97,7 +98,7 @@ EpDispatchCombineHandle::EpDispatchCombineHandle(const EpDispatchCombineConfig& 
 
   // 2. Config agreement: same config (and layout) on every PE, enough free heap everywhere.
   EpAgreementRow row = problem.empty()
-                           ? MakeEpConfigAgreementRow(config, shmem::ShmemHeapFreeBytes())
+                           ? MakeEpConfigAgreementRow(config, shmem::ShmemHeapFreeBytes(), pushCombine)
                            : MakeEpUnusableAgreementRow(EpAgreementStage::kConfig, problem);
   std::string disagreement;
   try {
@@ -274,11 +275,10 @@ void EpDispatchCombineHandle::ResolveLaunch(int numTokens, int blockNum, int war
   int warps = warpPerBlock;
   if (blocks <= 0) {
     blocks = config.blockNum;
-    // Small batches are latency-bound. Dispatch spreads them over up to 64 SMs; combine's reads
-    // are few, and 16 blocks was its best measured shape (docs/performance.md).
+    // Small batches are latency-bound: both kernels spread them over up to 64 SMs (2x H200,
+    // session 4: combine at 16 blocks x 8 warps took 21 us, at 64 x 8 16.5; docs/performance.md).
     if (numTokens <= kEpSmallBatchTokens)
-      blocks = forDispatch ? std::max(blocks, std::min(numSms, 64))
-                           : std::min(blocks, kEpSmallBatchCombineBlocks);
+      blocks = std::max(blocks, std::min(numSms, kEpSmallBatchBlocks));
   }
   if (warps <= 0) warps = config.warpNumPerBlock;
   MORI_ENSURE(warps >= 1 && warps <= maxWarps, InvalidUsageError,
@@ -482,6 +482,19 @@ void EpDispatchCombineHandle::Combine(const EpCombineArgs& args, gpuStream_t str
                      static_cast<long long>(lastNumTokens) * parts > totalWarps
                  ? 1
                  : 0;
+  if (pushCombine) {
+    // The push combine reads every input in place, the caller's tensors included (no copy).
+    const int64_t bufferRows = c.MaxNumRecvTokens();
+    k.inTokens = static_cast<const uint8_t*>(args.input);
+    k.inRows = k.copyTokens != 0 ? args.inputRows : bufferRows;
+    k.inWeights = args.weights;
+    k.inWeightRows = k.copyWeights != 0 ? args.weightRows : bufferRows;
+    k.copyTokens = 0;
+    k.copyWeights = 0;
+    k.staged = 0;
+    LaunchEpCombinePush(k, args.dataType, blocks, warps * core::kWarpSize, stream);
+    return;
+  }
   LaunchEpCombineIntraNode(k, args.dataType, blocks, warps * core::kWarpSize, stream);
 }
 

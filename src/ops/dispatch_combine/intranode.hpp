@@ -70,6 +70,9 @@ struct EpCombineKernelArgs {
   int32_t partsPerToken;           // warps sharing one token's row (small batches)
   int32_t staged;                  // 1: peer rows arrive by bulk copies into shared memory
 };
+// The push combine (intranode_combine_push.cpp) reads its input in place: inTokens/inWeights are
+// this PE's rows (registered buffer, dispatch output or the caller's tensor; inWeights nullptr:
+// none) with inRows/inWeightRows readable rows; copyTokens/copyWeights/staged are unused.
 
 // Staged combine (large batches, where the bulk copy engine exists): each warp streams its token's
 // rows through kEpCombineStages shared-memory stages of kEpCombineStageBytes (split over the
@@ -89,5 +92,7 @@ void LaunchEpDispatchIntraNode(const EpDispatchKernelArgs& args, EpIndexType ind
 void PrepareEpCombineStaged();
 void LaunchEpCombineIntraNode(const EpCombineKernelArgs& args, EpDataType dataType, int blocks,
                               int threads, gpuStream_t stream);
+void LaunchEpCombinePush(const EpCombineKernelArgs& args, EpDataType dataType, int blocks,
+                         int threads, gpuStream_t stream);
 
 }  // namespace mori::ops

@@ -16,6 +16,7 @@
 //      buffer) wait for it.
 #include "intranode.hpp"
 #include "intranode_device.hpp"
+#include "combine_reduce.hpp"
 #include "trace.hpp"
 #include "mori/core/gpu_check.hpp"
 
@@ -24,143 +25,36 @@ namespace detail {
 
 using core::CmpOp;
 
-constexpr int kCombineMaxWarps = kEpMaxThreadsPerBlock / kWarpSize;
-constexpr int kCombinePeerBatch = 4;  // rows loaded together (weights; token rows when n >= 3)
-
-// out[v] = sum over members j (in order) of rows[j][v], for v in [vb, ve) of this warp's lanes.
-// Each lane keeps kB rows x kU vectors of 16-byte loads in flight before it accumulates them.
-template <typename Elem, int kB, int kU>
-MORI_DEVICE_INLINE void WarpReduceRowsBatched(uint4* __restrict__ out, const uint8_t* const* rows,
-                                              int n, int vb, int ve) {
-  const int lane = core::LaneId();
-  for (int v0 = vb + lane; v0 < ve; v0 += kU * kWarpSize) {
-    float acc[kU][Elem::kPerVec];
-#pragma unroll
-    for (int u = 0; u < kU; u++) {
-#pragma unroll
-      for (int i = 0; i < Elem::kPerVec; i++) acc[u][i] = 0.0f;
-    }
-    for (int jb = 0; jb < n; jb += kB) {
-      uint4 r[kB][kU];
-#pragma unroll
-      for (int j = 0; j < kB; j++) {
-        if (jb + j < n) {
-          const uint4* src = reinterpret_cast<const uint4*>(rows[jb + j]);
-#pragma unroll
-          for (int u = 0; u < kU; u++) {
-            if (v0 + u * kWarpSize < ve) r[j][u] = src[v0 + u * kWarpSize];
-          }
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < kB; j++) {
-        if (jb + j < n) {
-#pragma unroll
-          for (int u = 0; u < kU; u++) {
-            if (v0 + u * kWarpSize < ve) Elem::Accumulate(acc[u], r[j][u]);
-          }
-        }
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kU; u++) {
-      if (v0 + u * kWarpSize < ve) out[v0 + u * kWarpSize] = Elem::Pack(acc[u]);
-    }
-  }
-}
-
-// The same for n <= kB rows (one batch): each vector's sum is finished and packed before the
-// next vector's starts, so only one fp32 accumulator is live and the registers go to loads in
-// flight instead (kB x kU per lane). Same additions in the same order as above.
-template <typename Elem, int kB, int kU>
-MORI_DEVICE_INLINE void WarpSumFewRows(uint4* __restrict__ out, const uint8_t* const* rows, int n,
-                                       int vb, int ve) {
-  const int lane = core::LaneId();
-  for (int v0 = vb + lane; v0 < ve; v0 += kU * kWarpSize) {
-    uint4 r[kB][kU];
-#pragma unroll
-    for (int j = 0; j < kB; j++) {
-      if (j < n) {
-        const uint4* src = reinterpret_cast<const uint4*>(rows[j]);
-#pragma unroll
-        for (int u = 0; u < kU; u++) {
-          if (v0 + u * kWarpSize < ve) r[j][u] = src[v0 + u * kWarpSize];
-        }
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kU; u++) {
-      if (v0 + u * kWarpSize < ve) {
-        float acc[Elem::kPerVec];
-#pragma unroll
-        for (int i = 0; i < Elem::kPerVec; i++) acc[i] = 0.0f;
-#pragma unroll
-        for (int j = 0; j < kB; j++) {
-          if (j < n) Elem::Accumulate(acc, r[j][u]);
-        }
-        out[v0 + u * kWarpSize] = Elem::Pack(acc);
-      }
-    }
-  }
-}
-
-// Loads in flight per lane (rows x vectors) by row count n (warp-uniform), for the kernel built
-// for 512 threads per block (128 registers per thread; larger shapes spill) and the one built for
-// up to 256 (255 registers). Measured, HT combine on 2x H200, 24 blocks: 16 warps x (2x4 | 4x2)
-// 220 us; 8 warps x (2x8 | 4x4) 290 us (the same 8 warps with 2x4 | 4x2: 381 us); 8 warps x
-// (2x12 | 4x6) 398 us (spills). So more warps beat more loads per warp at the same bytes in
-// flight, and the 256-thread shapes serve launches of <= 8 warps (the config default).
-template <int kThreads>
-struct EpCombineShape {
-  static constexpr int kU2 = 4;  // n <= 2: 2 rows x 4 vectors
-  static constexpr int kU4 = 2;  // n <= 4: 4 rows x 2 vectors (and batches of 4 rows beyond)
-};
-template <>
-struct EpCombineShape<256> {
-  static constexpr int kU2 = 8;
-  static constexpr int kU4 = 4;
-};
-
-// The reduction is bound by how many loads are in flight per lane (measured on 2x H200: HT combine
-// 362 -> 499 GB/s going from 4 to 8 per lane).
-template <typename Elem, int kThreads>
-MORI_DEVICE_INLINE void WarpReduceRows(uint4* __restrict__ out, const uint8_t* const* rows, int n,
-                                       int vb, int ve) {
-  using S = EpCombineShape<kThreads>;
-  if (n <= 2) {
-    WarpSumFewRows<Elem, 2, S::kU2>(out, rows, n, vb, ve);
-  } else if (n <= kCombinePeerBatch) {
-    WarpSumFewRows<Elem, kCombinePeerBatch, S::kU4>(out, rows, n, vb, ve);
-  } else {
-    WarpReduceRowsBatched<Elem, kCombinePeerBatch, S::kU4>(out, rows, n, vb, ve);
-  }
-}
-
 // Waits (bounded by the device timeout) until stage barrier `bar` completes `phase`; every lane
-// polls it (each acquires the copied bytes). Warp-uniform result: false if a lane timed out. The
-// abort flag is not polled: it lives in host memory (a PCIe read), and these waits are on this
-// GPU's own copy engine, normally microseconds.
+// polls it (each acquires the copied bytes). Warp-uniform result: false if a lane timed out; the
+// record names the barrier, the phase waited for and the time waited. The abort flag is not
+// polled: it lives in host memory (a PCIe read), and these waits are on this GPU's own copy
+// engine, whose copies complete (or fault the kernel) without any peer's help, normally within
+// microseconds. (Polling it with core::WaitUntil's schedule, or recording from the lanes before
+// the ballot, made the staged kernel spill registers.)
 MORI_DEVICE_INLINE bool WarpWaitStage(const core::WaitContext& wait, uint64_t* bar,
                                       uint32_t phase) {
   bool timedOut = false;
   uint32_t spins = 0;
-  uint64_t t0 = 0;
+  uint64_t t0 = 0, waited = 0;
   while (!core::MbarTryWait(bar, phase)) {
     if ((++spins & 255u) == 0) {
       const uint64_t now = core::WallClockNs();
       if (t0 == 0) {
         t0 = now;
-      } else if (now - t0 > wait.timeoutNs) {  // a local copy: no peer to abort for
+      } else if (now - t0 > wait.timeoutNs) {
         timedOut = true;
+        waited = now - t0;
         break;
       }
     }
   }
   const bool anyTimedOut = core::WarpBallot(timedOut) != 0;
-  if (anyTimedOut && core::LaneId() == 0)
-    ReportError(wait, -1, "EP combine: bulk copy of peer rows did not complete",
-                static_cast<const uint64_t*>(nullptr), static_cast<uint64_t>(phase),
-                static_cast<uint64_t>(~phase & 1u));
+  if (anyTimedOut && core::LaneId() == 0)  // lanes poll one barrier: they time out together
+    core::RecordWaitTimeout(wait, -1, "EP combine: bulk copy of peer rows into shared memory",
+                            static_cast<const uint64_t*>(bar), CmpOp::kEq,
+                            static_cast<uint64_t>(phase), static_cast<uint64_t>(~phase & 1u),
+                            waited > 0 ? waited : wait.timeoutNs);
   return !anyTimedOut;
 }
 
@@ -537,20 +431,9 @@ void PrepareEpCombineStaged() {
 // threads and of up to kEpMaxThreadsPerBlock (EpCombineShape).
 void LaunchEpCombineIntraNode(const EpCombineKernelArgs& args, EpDataType dataType, int blocks,
                               int threads, gpuStream_t stream) {
-  switch (dataType) {
-    case EpDataType::kBFloat16:
-      detail::LaunchCombineKernel<detail::EpBf16Elem>(args, blocks, threads, stream);
-      break;
-    case EpDataType::kFloat16:
-      detail::LaunchCombineKernel<detail::EpFp16Elem>(args, blocks, threads, stream);
-      break;
-    case EpDataType::kFloat32:
-      detail::LaunchCombineKernel<detail::EpFp32Elem>(args, blocks, threads, stream);
-      break;
-    default:
-      MORI_THROW(InvalidUsageError, "EP combine: no kernel for dtype %s (fp8 combine is not built)",
-                 EpDataTypeName(dataType));
-  }
+  detail::WithCombineElem(dataType, [&](auto elem) {
+    detail::LaunchCombineKernel<decltype(elem)>(args, blocks, threads, stream);
+  });
   MORI_CHECK_LAUNCH();
 }
 

@@ -191,6 +191,7 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
                     EpCountInboxIndex(parity, me, dest, W);
       SignalStore(s, packed, epoch);
     }
+    if (tid == 0) c.state->sendCount[dest] = countD;  // for the push combine
     EpSignal* ex = At<EpSignal>(PeerBlock(c, dest), c.symm.expertInbox);
     for (int e = tid; e < Epr; e += nThreads)
       SignalStore(ex + EpExpertInboxIndex(parity, me, e, W, Epr), static_cast<uint64_t>(hist[e]),
@@ -396,6 +397,7 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
         }
         core::AtomicStoreRelaxedSystem(arrived + s, static_cast<uint64_t>(0));
       }
+      c.state->recvCount[s] = static_cast<int32_t>(cnt);  // for the push combine
       atomicAdd(&sTotal, static_cast<int>(cnt));
     }
     __syncthreads();

@@ -24,7 +24,7 @@
 
 namespace mori::ops {
 
-constexpr int kEpAgreementMaxFields = 24;
+constexpr int kEpAgreementMaxFields = 32;
 constexpr int kEpAgreementReasonBytes = 256;
 
 // Distinct values, not 0/1/2, so that a row from a different collective call (a PE that is
@@ -49,10 +49,11 @@ struct EpAgreementRow {
 // Name of field `index` of a row of `stage` ("hidden_dim", "symmetric heap offset", ...).
 const char* EpAgreementFieldName(EpAgreementStage stage, int index);
 
-// kConfig row: the fields of `config` that size buffers or define routing, and every offset of
-// the symmetric layout derived from them. `config` must be valid.
+// kConfig row: the fields of `config` that size buffers or define routing, every offset of the
+// symmetric layout derived from them, and whether this PE's combine pushes (the combine protocol:
+// every PE must use the same one). `config` must be valid.
 EpAgreementRow MakeEpConfigAgreementRow(const EpDispatchCombineConfig& config,
-                                        uint64_t heapFreeBytes);
+                                        uint64_t heapFreeBytes, bool pushCombine = false);
 // kAllocation row: the heap offset of this PE's symmetric block.
 EpAgreementRow MakeEpAllocationAgreementRow(uint64_t heapOffset);
 // kRelease row: `drained` = this PE's device work finished (its kernels no longer touch any

@@ -44,7 +44,7 @@ constexpr int kEpMaxTokensPerRank = 65536;    // maxNumInpTokenPerRank (shared-m
 constexpr int kEpMaxThreadsPerBlock = 512;    // kernels are compiled for at most this many
 constexpr int kEpRowAlignBytes = 16;          // token rows move as 16-byte vectors
 constexpr int kEpSmallBatchTokens = 128;      // small-batch launch defaults up to this many tokens
-constexpr int kEpSmallBatchCombineBlocks = 16;  // default combine blocks for small batches (measured)
+constexpr int kEpSmallBatchBlocks = 64;       // default blocks (at least) for small batches (measured)
 
 struct EpDispatchCombineConfig {
   int rank = 0;

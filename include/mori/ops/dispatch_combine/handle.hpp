@@ -137,6 +137,7 @@ class EpDispatchCombineHandle {
   int device = -1;
   int numSms = 0;
   bool stagedCombine = false;  // large-batch combine may use the staged (bulk-copy) kernel
+  bool pushCombine = false;    // small-batch config: combine pushes rows (EpPushCombineFits)
   uint8_t* symmBase = nullptr;   // local address of the symmetric block
   uint64_t symmHeapOffset = 0;   // its offset in every PE's heap
   uint8_t* localBase = nullptr;

@@ -18,9 +18,18 @@
 //   dispatchOutSrcPos   [Rmax] int32              srcRank * maxNumInpTokenPerRank + srcToken
 //   combineInTokens     [Rmax][rowBytes]          the registered (zero-copy) combine input
 //   combineInWeights    [Rmax][K] float
+//   pushArrived         uint64[2][W]              [parity][src]: 16-byte vectors src pushed to us
+//   pushRecvTokens      [2][M][W][rowBytes]       [parity][t][d]: row of our token t from PE d
+//   pushRecvWeights     [2][M][W][K] float        (the push buffers only when EpPushCombineFits)
 // where W = worldSize, Epr = numExpertsPerRank, K = numExpertsPerToken, Rmax = W *
 // maxNumInpTokenPerRank, rowBytes = hiddenDim * maxTokenTypeSize at most (a call packs its rows
 // with its own row size).
+//
+// Push combine (small-batch configs, EpPushCombineFits): instead of every PE pulling its tokens'
+// rows from the PEs that hold them, each PE pushes the rows it holds to their tokens' PEs
+// (pushRecvTokens, one slot per token and PE), then sums locally. Double-buffered by the combine
+// epoch's parity, as readyInbox (which carries the push combine's format signal): combine may be
+// called several times after one dispatch, and a PE may then be one call ahead. See docs/ep.md.
 //
 // Local block (one device allocation per handle):
 //   state         EpDeviceState              epochs and grid counters (kernels update them)
@@ -61,6 +70,12 @@ struct EpDeviceState {
   uint32_t combineCopyBlocksDone;  // grid counter of the external-input copy
   uint32_t combineNextItem;        // combine work queue (items beyond the first round); last block
                                    // resets it
+  uint32_t combineFailed;           // push combine: a block failed (the last block then does not
+                                   // judge the arrival counts); last block resets it
+  // Written by dispatch for the push combine: sendCount[d] = our tokens routed to PE d,
+  // recvCount[s] = rows received from PE s (last dispatch).
+  int32_t sendCount[kEpMaxWorldSize];
+  int32_t recvCount[kEpMaxWorldSize];
 };
 
 struct EpSymmetricLayout {
@@ -76,6 +91,9 @@ struct EpSymmetricLayout {
   size_t dispatchOutSrcPos = 0;
   size_t combineInTokens = 0;
   size_t combineInWeights = 0;
+  size_t pushArrived = 0;      // the push buffers' offsets are 0 (and their sizes 0) when the
+  size_t pushRecvTokens = 0;   // config has too many tokens per rank for them
+  size_t pushRecvWeights = 0;
   size_t totalBytes = 0;
 };
 
@@ -88,6 +106,13 @@ struct EpLocalLayout {
   size_t combineOutTokens = 0;
   size_t totalBytes = 0;
 };
+
+// Push combine buffers exist (and the push combine may run) when a config has at most this many
+// tokens per rank: they cost maxNumInpTokenPerRank x W rows per PE.
+constexpr int kEpPushCombineMaxTokens = 256;
+inline bool EpPushCombineFits(const EpDispatchCombineConfig& config) {
+  return config.maxNumInpTokenPerRank <= kEpPushCombineMaxTokens;
+}
 
 // Layouts for a config (Validate() it first; sizes are computed in size_t).
 EpSymmetricLayout MakeEpSymmetricLayout(const EpDispatchCombineConfig& config);
@@ -113,6 +138,14 @@ MORI_EP_HD inline size_t EpExpertInboxIndex(int parity, int src, int expert, int
 MORI_EP_HD inline size_t EpReadyInboxIndex(int parity, int src, int worldSize) {
   return static_cast<size_t>(parity) * worldSize + src;
 }
+// Push combine: slot of token `t`'s row from PE `pe` in pushRecvTokens (rows) / pushRecvWeights
+// (rows of K floats), and the arrival counter of `pe` in pushArrived, for a call of `parity`.
+MORI_EP_HD inline size_t EpPushSlot(int parity, int t, int pe, int maxTokens, int worldSize) {
+  return (static_cast<size_t>(parity) * maxTokens + t) * worldSize + pe;
+}
+MORI_EP_HD inline size_t EpPushArrivedIndex(int parity, int pe, int worldSize) {
+  return static_cast<size_t>(parity) * worldSize + pe;
+}
 
 // --- payload encodings ---------------------------------------------------------------------
 // countInbox value: count in bits 0..31, the dispatch "format" (row size, dtype, index type) in
@@ -130,7 +163,8 @@ MORI_EP_HD inline uint64_t EpPackCount(uint32_t count, uint64_t format) {
 MORI_EP_HD inline uint32_t EpCountOf(uint64_t packed) { return static_cast<uint32_t>(packed); }
 MORI_EP_HD inline uint64_t EpFormatOf(uint64_t packed) { return packed >> 32; }
 
-// Where a PE's combine input rows (and weights) are, announced with its ready signal.
+// Where a PE's combine input rows (and weights) are, announced with its ready signal (pull
+// combine) or its done signal (push combine: there only "no weights" matters).
 enum class EpCombineSource : uint32_t {
   kNone = 0,         // weights only: the PE passed no weights
   kRegistered = 1,   // combineInTokens / combineInWeights (zero-copy, or copied there)

@@ -1,0 +1,145 @@
+// The fp32 row sums both IntraNode combines share (pull: intranode_combine.cpp, push:
+// intranode_combine_push.cpp): a warp sums n rows of 16-byte vectors in a fixed order (ascending
+// PE), with as many loads per lane in flight as the registers allow.
+#pragma once
+
+#include <cstdint>
+
+#include "intranode_device.hpp"
+#include "mori/core/errors.hpp"
+
+namespace mori::ops::detail {
+
+constexpr int kCombineMaxWarps = kEpMaxThreadsPerBlock / kWarpSize;
+constexpr int kCombinePeerBatch = 4;  // rows loaded together (weights; token rows when n >= 3)
+
+// out[v] = sum over members j (in order) of rows[j][v], for v in [vb, ve) of this warp's lanes.
+// Each lane keeps kB rows x kU vectors of 16-byte loads in flight before it accumulates them.
+template <typename Elem, int kB, int kU>
+MORI_DEVICE_INLINE void WarpReduceRowsBatched(uint4* __restrict__ out, const uint8_t* const* rows,
+                                              int n, int vb, int ve) {
+  const int lane = core::LaneId();
+  for (int v0 = vb + lane; v0 < ve; v0 += kU * kWarpSize) {
+    float acc[kU][Elem::kPerVec];
+#pragma unroll
+    for (int u = 0; u < kU; u++) {
+#pragma unroll
+      for (int i = 0; i < Elem::kPerVec; i++) acc[u][i] = 0.0f;
+    }
+    for (int jb = 0; jb < n; jb += kB) {
+      uint4 r[kB][kU];
+#pragma unroll
+      for (int j = 0; j < kB; j++) {
+        if (jb + j < n) {
+          const uint4* src = reinterpret_cast<const uint4*>(rows[jb + j]);
+#pragma unroll
+          for (int u = 0; u < kU; u++) {
+            if (v0 + u * kWarpSize < ve) r[j][u] = src[v0 + u * kWarpSize];
+          }
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kB; j++) {
+        if (jb + j < n) {
+#pragma unroll
+          for (int u = 0; u < kU; u++) {
+            if (v0 + u * kWarpSize < ve) Elem::Accumulate(acc[u], r[j][u]);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kU; u++) {
+      if (v0 + u * kWarpSize < ve) out[v0 + u * kWarpSize] = Elem::Pack(acc[u]);
+    }
+  }
+}
+
+// The same for n <= kB rows (one batch): each vector's sum is finished and packed before the
+// next vector's starts, so only one fp32 accumulator is live and the registers go to loads in
+// flight instead (kB x kU per lane). Same additions in the same order as above.
+template <typename Elem, int kB, int kU>
+MORI_DEVICE_INLINE void WarpSumFewRows(uint4* __restrict__ out, const uint8_t* const* rows, int n,
+                                       int vb, int ve) {
+  const int lane = core::LaneId();
+  for (int v0 = vb + lane; v0 < ve; v0 += kU * kWarpSize) {
+    uint4 r[kB][kU];
+#pragma unroll
+    for (int j = 0; j < kB; j++) {
+      if (j < n) {
+        const uint4* src = reinterpret_cast<const uint4*>(rows[j]);
+#pragma unroll
+        for (int u = 0; u < kU; u++) {
+          if (v0 + u * kWarpSize < ve) r[j][u] = src[v0 + u * kWarpSize];
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kU; u++) {
+      if (v0 + u * kWarpSize < ve) {
+        float acc[Elem::kPerVec];
+#pragma unroll
+        for (int i = 0; i < Elem::kPerVec; i++) acc[i] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < kB; j++) {
+          if (j < n) Elem::Accumulate(acc, r[j][u]);
+        }
+        out[v0 + u * kWarpSize] = Elem::Pack(acc);
+      }
+    }
+  }
+}
+
+// Loads in flight per lane (rows x vectors) by row count n (warp-uniform), for the kernel built
+// for 512 threads per block (128 registers per thread; larger shapes spill) and the one built for
+// up to 256 (255 registers). Measured, HT combine on 2x H200, 24 blocks: 16 warps x (2x4 | 4x2)
+// 220 us; 8 warps x (2x8 | 4x4) 290 us (the same 8 warps with 2x4 | 4x2: 381 us); 8 warps x
+// (2x12 | 4x6) 398 us (spills). So more warps beat more loads per warp at the same bytes in
+// flight, and the 256-thread shapes serve launches of <= 8 warps (the config default).
+template <int kThreads>
+struct EpCombineShape {
+  static constexpr int kU2 = 4;  // n <= 2: 2 rows x 4 vectors
+  static constexpr int kU4 = 2;  // n <= 4: 4 rows x 2 vectors (and batches of 4 rows beyond)
+};
+template <>
+struct EpCombineShape<256> {
+  static constexpr int kU2 = 8;
+  static constexpr int kU4 = 4;
+};
+
+// The reduction is bound by how many loads are in flight per lane (measured on 2x H200: HT combine
+// 362 -> 499 GB/s going from 4 to 8 per lane).
+template <typename Elem, int kThreads>
+MORI_DEVICE_INLINE void WarpReduceRows(uint4* __restrict__ out, const uint8_t* const* rows, int n,
+                                       int vb, int ve) {
+  using S = EpCombineShape<kThreads>;
+  if (n <= 2) {
+    WarpSumFewRows<Elem, 2, S::kU2>(out, rows, n, vb, ve);
+  } else if (n <= kCombinePeerBatch) {
+    WarpSumFewRows<Elem, kCombinePeerBatch, S::kU4>(out, rows, n, vb, ve);
+  } else {
+    WarpReduceRowsBatched<Elem, kCombinePeerBatch, S::kU4>(out, rows, n, vb, ve);
+  }
+}
+
+// Host: calls launch(Elem{}) with the element type of a dtype combine can sum (both combines'
+// launchers); other dtypes raise InvalidUsageError.
+template <typename F>
+void WithCombineElem(EpDataType dataType, F&& launch) {
+  switch (dataType) {
+    case EpDataType::kBFloat16:
+      launch(EpBf16Elem{});
+      break;
+    case EpDataType::kFloat16:
+      launch(EpFp16Elem{});
+      break;
+    case EpDataType::kFloat32:
+      launch(EpFp32Elem{});
+      break;
+    default:
+      MORI_THROW(InvalidUsageError, "EP combine: no kernel for dtype %s (fp8 combine is not built)",
+                 EpDataTypeName(dataType));
+  }
+}
+
+}  // namespace mori::ops::detail

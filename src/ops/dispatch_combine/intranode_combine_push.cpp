@@ -1,0 +1,310 @@
+// IntraNode push combine, for small-batch configs (EpPushCombineFits, MORI_EP_COMBINE_PUSH).
+// Protocol: docs/ep.md; buffers: layout.hpp (pushArrived, pushRecvTokens, pushRecvWeights).
+//
+// The pull combine (intranode_combine.cpp) costs two waits on peers before its first byte moves:
+// every PE's "ready" signal, then the load round trip of every row, and a third signal at its end
+// ("done reading your buffers"). Here each PE instead writes the rows it holds to their tokens'
+// PEs (stores need no round trip), and every PE sums from its own memory:
+//   1. Block 0 signals every PE (readyInbox, as the pull combine's ready signal) with our row
+//      format and whether we return weights (a PE checks both before it sums), and, with the same
+//      fence, "done reading your buffers" (we never read a peer's buffers in this mode).
+//   2. The rows we received from other PEs in the last dispatch (the dispatch output is ordered by
+//      source PE; rows from ourselves stay where they are) are stored, from the combine input
+//      (registered buffer, dispatch output or the caller's tensor: no copy), into slot
+//      [parity][token][our PE] of the source PE's pushRecvTokens, weights alike. Each block then
+//      fences once and adds the 16-byte vectors it stored for each PE to that PE's
+//      pushArrived[parity][our PE].
+//   3. Every block waits until pushArrived[d] reaches sendCount[d] x vectors per row for every PE
+//      d (the rows of our tokens that went to d in the last dispatch).
+//   4. Each token's rows are summed in fp32 in ascending PE order, exactly as the pull combine:
+//      the row from PE d is in pushRecvTokens[t][d], ours is in our input at the token's slot.
+//   5. The last block checks and resets pushArrived and bumps the combine epoch.
+// Why the receive slots of a parity are free when a PE pushes call k+2 into them: it finished
+// call k+1 first, which needed every PE's pushes of call k+1, which each PE makes after it
+// finished call k (the last reader of those slots). The same holds for the counters and signals.
+// (Combine may run several times after one dispatch, so "the next dispatch" is no guard here.)
+#include "combine_reduce.hpp"
+#include "intranode.hpp"
+#include "intranode_device.hpp"
+#include "trace.hpp"
+#include "mori/core/gpu_check.hpp"
+
+namespace mori::ops {
+namespace detail {
+
+using core::CmpOp;
+
+constexpr int kPushUnroll = 8;  // 16-byte loads in flight per lane while pushing a row
+
+template <typename Elem, int kThreads>
+__global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineKernelArgs a) {
+  __shared__ const uint8_t* sRows[kCombineMaxWarps][kEpMaxWorldSize];
+  __shared__ const float* sWRows[kCombineMaxWarps][kEpMaxWorldSize];
+  __shared__ unsigned long long sPushed[kEpMaxWorldSize];  // vectors this block stored per PE
+  __shared__ int sFailed;
+
+  const EpIntraNodeCommon& c = a.c;
+  // A private copy: the (rare) error path takes its address (see the pull kernel).
+  const core::WaitContext wait = c.wait;
+  const int W = c.worldSize;
+  const int me = c.rank;
+  const int M = c.maxTokensPerRank;
+  const int T = a.numTokens;
+  const int K = c.topK;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int nThreads = static_cast<int>(blockDim.x);
+  const int lane = core::LaneId();
+  const int warp = core::WarpId();
+  const int nWarps = core::WarpsPerBlock();
+  const int totalWarps = static_cast<int>(gridDim.x) * nWarps;
+  const int gWarp = static_cast<int>(blockIdx.x) * nWarps + warp;
+  const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(&c.state->combineEpoch) + 1;
+  const int parity = static_cast<int>(epoch & 1);
+  const uint64_t format = EpPackReady(a.tokenSource, a.weightSource, a.dataType, a.rowBytes);
+  const int vecs = static_cast<int>(a.rowBytes / 16);
+  const int R = *reinterpret_cast<volatile int32_t*>(c.totalRecv);
+  uint8_t* const recvTok = c.symmLocal + c.symm.pushRecvTokens;
+  float* const recvW = At<float>(c.symmLocal, c.symm.pushRecvWeights);
+  uint64_t* const arrived =
+      At<uint64_t>(c.symmLocal, c.symm.pushArrived) + EpPushArrivedIndex(parity, 0, W);
+
+  uint64_t* const tr = EpTraceRecord(c, 0, epoch);  // debug trace (trace.hpp), nullptr: off
+  if (tid == 0) {
+    sFailed = 0;
+    EpTraceBegin(tr, epoch, a.partsPerToken);
+    // Same verdict in every block; block 0 records it.
+    if (R > a.inRows || (a.inWeights != nullptr && R > a.inWeightRows)) {
+      if (blockIdx.x == 0)
+        ReportError(wait, -1, "EP combine: input has fewer rows than dispatch received",
+                    static_cast<const uint64_t*>(nullptr), static_cast<uint64_t>(R),
+                    static_cast<uint64_t>(R > a.inRows ? a.inRows : a.inWeightRows));
+      sFailed = 1;
+    }
+  }
+  for (int p = tid; p < W; p += nThreads) sPushed[p] = 0;
+  __syncthreads();
+
+  // ---- 1. our format, and done, to every PE ---------------------------------------------------
+  if (blockIdx.x == 0 && tid == 0 && sFailed == 0) {
+    const size_t readySlot = EpReadyInboxIndex(parity, me, W);
+    for (int p = 0; p < W; p++)
+      core::AtomicStoreRelaxedSystem(
+          &(At<EpSignal>(PeerBlock(c, p), c.symm.readyInbox) + readySlot)->value, format);
+    core::FenceAcqRelSystem();  // one fence for all the tags (SignalStoreAll)
+    for (int p = 0; p < W; p++) {
+      uint8_t* pb = PeerBlock(c, p);
+      core::AtomicStoreRelaxedSystem(&(At<EpSignal>(pb, c.symm.readyInbox) + readySlot)->tag,
+                                     epoch);
+      core::AtomicStoreRelaxedSystem(&(At<EpSignal>(pb, c.symm.doneInbox) + me)->tag, epoch);
+    }
+  }
+
+  // ---- 2. push the rows we hold to their tokens' PEs ----------------------------------------
+  if (sFailed == 0) {
+    int selfBegin = 0;
+    for (int s = 0; s < me; s++) selfBegin += c.state->recvCount[s];
+    const int selfCount = c.state->recvCount[me];
+    const int nPush = R - selfCount;
+    // As the reduce: several warps per row when rows are fewer than warps, one item per warp.
+    int parts = 1;
+    if (nPush > 0 && nPush < totalWarps) {
+      parts = totalWarps / nPush;
+      const int maxParts = vecs / (2 * kWarpSize) > 1 ? vecs / (2 * kWarpSize) : 1;
+      parts = parts < maxParts ? parts : maxParts;
+    }
+    const int items = nPush * parts;
+    for (int item = gWarp; item < items; item += totalWarps) {
+      const int q = item / parts;
+      const int part = item - q * parts;
+      const int r = q < selfBegin ? q : q + selfCount;
+      const int vb = static_cast<int>(static_cast<long long>(vecs) * part / parts);
+      const int ve = static_cast<int>(static_cast<long long>(vecs) * (part + 1) / parts);
+      // The row's first kPushUnroll vectors per lane (all of them for small batches) and its
+      // weights are loaded before the source position, on which only the destination depends:
+      // the two latencies overlap.
+      const uint4* src = reinterpret_cast<const uint4*>(a.inTokens + static_cast<size_t>(r) * a.rowBytes);
+      uint4 head[kPushUnroll];
+#pragma unroll
+      for (int u = 0; u < kPushUnroll; u++) {
+        const int v = vb + lane + u * kWarpSize;
+        if (v < ve) head[u] = src[v];
+      }
+      float w = 0.0f;
+      const bool doW = part == 0 && a.inWeights != nullptr;
+      if (doW && lane < K) w = a.inWeights[static_cast<size_t>(r) * K + lane];
+      const int pos = At<const int32_t>(c.symmLocal, c.symm.dispatchOutSrcPos)[r];
+      const int s = pos / M;
+      const int t = pos - s * M;
+      if (s < 0 || s >= W || s == me) {  // dispatch wrote these; never expected
+        if (lane == 0)
+          ReportError(wait, s, "EP combine: dispatch source position out of step",
+                      static_cast<const uint64_t*>(nullptr), static_cast<uint64_t>(r),
+                      static_cast<uint64_t>(pos));
+        sFailed = 1;
+        break;
+      }
+      const size_t slot = EpPushSlot(parity, t, me, M, W);
+      uint8_t* const pb = PeerBlock(c, s);
+      uint4* dst = reinterpret_cast<uint4*>(pb + c.symm.pushRecvTokens + slot * a.rowBytes);
+#pragma unroll
+      for (int u = 0; u < kPushUnroll; u++) {
+        const int v = vb + lane + u * kWarpSize;
+        if (v < ve) dst[v] = head[u];
+      }
+      if (vb + kPushUnroll * kWarpSize < ve)
+        WarpCopyVectors<kPushUnroll>(dst, src, vb + kPushUnroll * kWarpSize, ve);
+      if (doW) {
+        float* dw = At<float>(pb, c.symm.pushRecvWeights) + slot * K;
+        if (lane < K) dw[lane] = w;
+        for (int k = lane + kWarpSize; k < K; k += kWarpSize)
+          dw[k] = a.inWeights[static_cast<size_t>(r) * K + k];
+      }
+      if (lane == 0) atomicAdd(&sPushed[s], static_cast<unsigned long long>(ve - vb));
+    }
+  }
+  // One release fence per block (as dispatch): the barrier orders every thread's stores before
+  // thread 0's cumulative fence; the counter adds after it publish them.
+  __syncthreads();
+  if (tid == 0) {
+    bool any = false;
+    for (int p = 0; p < W; p++) any = any || sPushed[p] != 0;
+    if (any) {
+      core::FenceAcqRelSystem();
+      for (int p = 0; p < W; p++) {
+        if (sPushed[p] != 0)
+          core::AtomicFetchAddSystem(At<uint64_t>(PeerBlock(c, p), c.symm.pushArrived) +
+                                         EpPushArrivedIndex(parity, me, W),
+                                     static_cast<uint64_t>(sPushed[p]));
+      }
+    }
+    EpTraceStamp(tr, 1);
+  }
+
+  // ---- 3. every PE's rows for our tokens have arrived ---------------------------------------
+  if (sFailed == 0) {
+    EpSignal* inbox = At<EpSignal>(c.symmLocal, c.symm.readyInbox);
+    for (int p = tid; p < W; p += nThreads) {
+      if (p == me) continue;
+      EpSignal* sig = inbox + EpReadyInboxIndex(parity, p, W);
+      uint64_t v = 0;
+      if (!SignalWait(wait, sig, epoch, p, "EP combine: peer's push started (format signal)",
+                      &v)) {
+        sFailed = 1;
+        continue;
+      }
+      if (EpReadyFormat(v) != EpReadyFormat(format)) {
+        ReportError(wait, p, "EP combine: PEs called combine with different dtype/hidden",
+                    &sig->value, EpReadyFormat(format), EpReadyFormat(v));
+        sFailed = 1;
+        continue;
+      }
+      const int sent = c.state->sendCount[p];
+      if (a.outWeights != nullptr && sent > 0 && EpReadyWeights(v) == EpCombineSource::kNone) {
+        ReportError(wait, p, "EP combine: a PE passed no weights, this PE asked for weights",
+                    &sig->value, static_cast<uint64_t>(1), static_cast<uint64_t>(0));
+        sFailed = 1;
+        continue;
+      }
+      const uint64_t expected = static_cast<uint64_t>(sent) * static_cast<uint64_t>(vecs);
+      if (expected > 0 && !core::WaitUntil(wait, arrived + p, CmpOp::kGe, expected, p,
+                                           "EP combine: rows pushed by PE")) {
+        sFailed = 1;
+        continue;
+      }
+      if (tr != nullptr && p < kEpTracePeers) tr[24 + p] = core::WallClockNs();
+    }
+  }
+  __syncthreads();
+  if (tid == 0) EpTraceStamp(tr, 2);
+
+  // ---- 4. reduce from our own memory ----------------------------------------------------------
+  if (sFailed == 0) {
+    const int P = a.partsPerToken;
+    const int items = T * P;
+    for (int item = gWarp; item < items; item += totalWarps) {
+      const int t = item / P;
+      const int part = item - t * P;
+      const int slot = lane < W ? c.tokenSlot[static_cast<size_t>(t) * W + lane] : -1;
+      const LaneMask members = core::WarpBallot(slot >= 0);
+      const int n = core::PopCount(members);
+      if (slot >= 0) {
+        const int j = core::PopCount(members & LowerLanesMask(lane));  // ascending PE order
+        const size_t ps = EpPushSlot(parity, t, lane, M, W);
+        sRows[warp][j] = lane == me ? a.inTokens + static_cast<size_t>(slot) * a.rowBytes
+                                    : recvTok + ps * a.rowBytes;
+        sWRows[warp][j] = lane == me ? (a.inWeights != nullptr
+                                            ? a.inWeights + static_cast<size_t>(slot) * K
+                                            : nullptr)
+                                     : recvW + ps * K;
+      }
+      core::WarpSync();
+      const int vb = static_cast<int>(static_cast<long long>(vecs) * part / P);
+      const int ve = static_cast<int>(static_cast<long long>(vecs) * (part + 1) / P);
+      WarpReduceRows<Elem, kThreads>(
+          reinterpret_cast<uint4*>(a.outTokens + static_cast<size_t>(t) * a.rowBytes),
+          sRows[warp], n, vb, ve);
+      // outWeights is set only when this PE passed weights, so its own row has them.
+      if (part == 0 && a.outWeights != nullptr) {
+        for (int k = lane; k < K; k += kWarpSize) {
+          float acc = 0.0f;
+          for (int j = 0; j < n; j++) acc += sWRows[warp][j][k];  // ascending PE order
+          a.outWeights[static_cast<size_t>(t) * K + k] = acc;
+        }
+      }
+      core::WarpSync();  // the next item rewrites this warp's member lists
+    }
+  }
+
+  // ---- 5. check and reset the arrival counters; epoch --------------------------------------
+  __syncthreads();
+  if (tid == 0) {
+    EpTraceStamp(tr, 3);
+    EpTraceStamp(tr, 4);
+    if (sFailed != 0) atomicOr(&c.state->combineFailed, 1u);
+    __threadfence();
+    const unsigned old = atomicAdd(&c.state->combineBlocksDone, 1u);
+    if (tr != nullptr) {
+      EpTraceStamp(tr, 5);
+      tr[19] = static_cast<uint64_t>(old) + 1;
+    }
+    if (old == gridDim.x - 1) {
+      __threadfence();
+      const bool failed = atomicExch(&c.state->combineFailed, 0u) != 0;
+      c.state->combineBlocksDone = 0;
+      for (int p = 0; p < W; p++) {
+        if (p == me) continue;
+        const uint64_t expected =
+            static_cast<uint64_t>(c.state->sendCount[p]) * static_cast<uint64_t>(vecs);
+        const uint64_t got = core::AtomicLoadRelaxedSystem(arrived + p);
+        if (!failed && got != expected)
+          ReportError(wait, p, "EP combine: more rows pushed than this PE sent to that PE",
+                      arrived + p, expected, got);
+        core::AtomicStoreRelaxedSystem(arrived + p, static_cast<uint64_t>(0));
+      }
+      // The next kernel on the stream reads the epoch: the kernel boundary publishes it.
+      c.state->combineEpoch = epoch;
+      EpTraceStamp(tr, 6);
+    }
+  }
+}
+
+template <typename Elem>
+void LaunchPush(const EpCombineKernelArgs& args, int blocks, int threads, gpuStream_t stream) {
+  if (threads <= 256) {
+    EpCombinePushKernel<Elem, 256><<<blocks, threads, 0, stream>>>(args);
+  } else {
+    EpCombinePushKernel<Elem, kEpMaxThreadsPerBlock><<<blocks, threads, 0, stream>>>(args);
+  }
+}
+
+}  // namespace detail
+
+void LaunchEpCombinePush(const EpCombineKernelArgs& args, EpDataType dataType, int blocks,
+                         int threads, gpuStream_t stream) {
+  detail::WithCombineElem(dataType, [&](auto elem) {
+    detail::LaunchPush<decltype(elem)>(args, blocks, threads, stream);
+  });
+  MORI_CHECK_LAUNCH();
+}
+
+}  // namespace mori::ops
