@@ -7,7 +7,9 @@
 # Builds first when BUILD_DIR is not configured (CUDA, MORI_GPU_ARCHS, default 90; the Python module
 # too when pybind11 is found). Each program's output goes to ${OUT:-/tmp}/gpu-tests-<name>.log; the
 # run ends with a table (test | result | checks | seconds | log) and the failing lines of each
-# failed log. Env: BENCH=0 skips the benchmark; TEST_TIMEOUT (s, default 900) bounds each program.
+# failed log. Env: BENCH=0 skips the benchmark; TEST_TIMEOUT (s, default 900) bounds each program;
+# MORI_TEST_NPES=N runs the shmem tests and the C++ example with N PEs, sharing GPUs when there are
+# fewer (e.g. 4 PEs on a 1-GPU machine: the protocols between processes, no link).
 # Exit status: 0 when nothing failed (skips for lack of GPUs included), 1 otherwise.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -65,7 +67,7 @@ run() {  # run <name> <command...>
     0) result=PASS ;;
     77)
       # With two or more GPUs present a skip means the program could not use them: a failure.
-      if [[ ${ngpu:-0} -ge 2 ]]; then result="FAIL(skip)"; anyFailed=1; failedLogs+=("$log"); else result=SKIPPED; fi ;;
+      if [[ ${ngpu:-0} -ge 2 || -n ${MORI_TEST_NPES:-} ]]; then result="FAIL(skip)"; anyFailed=1; failedLogs+=("$log"); else result=SKIPPED; fi ;;
     124 | 137) result=TIMEOUT; anyFailed=1; failedLogs+=("$log") ;;
     *) result="FAIL($rc)"; anyFailed=1; failedLogs+=("$log") ;;
   esac
@@ -75,10 +77,14 @@ run() {  # run <name> <command...>
   echo "   $result ${checks:-}"
 }
 
+# MORI_TEST_NPES=N: N PEs in the shmem tests and the C++ example, several per GPU when N exceeds
+# the GPU count (the protocols run between processes; nothing crosses a link).
+npesArgs=()
+[[ -n ${MORI_TEST_NPES:-} ]] && npesArgs=(--npes "$MORI_TEST_NPES")
 for t in "${tests[@]}"; do
-  run "$t" "$build/tests/shmem/$t"
+  run "$t" "$build/tests/shmem/$t" "${npesArgs[@]}"
 done
-run put_get_cpp "$build/examples/put_get"
+run put_get_cpp "$build/examples/put_get" ${MORI_TEST_NPES:-}
 
 if [[ -f examples/python/put_get.py ]]; then
   # The build tree holds the whole package (sources mirrored next to _C); the source tree has no _C.

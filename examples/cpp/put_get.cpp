@@ -6,6 +6,7 @@
 //
 //   ./put_get            # all local GPUs (at least 2)
 //   ./put_get 2          # the first 2 GPUs
+//   ./put_get 4          # 4 PEs; on fewer GPUs they share them (round-robin)
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -45,8 +46,8 @@ __global__ void RingKernel(ShmemDeviceContext ctx, const int* send, int* recv, u
     if (got[i] != next * kInts + i) atomicAdd(errors, 1);
 }
 
-int RunPe(int rank, int npes, const UniqueId& id) {
-  MORI_CHECK_GPU(gpuSetDevice(rank));
+int RunPe(int rank, int npes, int gpus, const UniqueId& id) {
+  MORI_CHECK_GPU(gpuSetDevice(rank % gpus));  // more PEs than GPUs: they share GPUs
   ShmemInitWithUniqueId(rank, npes, id);
 
   auto* send = static_cast<int*>(ShmemMalloc(kBytes));
@@ -101,10 +102,10 @@ int CountGpus() {
 
 int main(int argc, char** argv) {
   const int gpus = CountGpus();
-  const int npes = argc > 1 ? std::atoi(argv[1]) : gpus;
-  if (npes < 2 || npes > gpus) {
-    std::printf("SKIPPED: put_get needs 2 to %d PEs, asked for %d (GPUs found: %d)\n", gpus, npes,
-                gpus);
+  const int npes = argc > 1 ? std::atoi(argv[1]) : gpus;  // `put_get 4` on 1 GPU: 4 PEs share it
+  if (npes < 2 || npes > 64 || gpus < 1) {
+    std::printf("SKIPPED: put_get needs 2 to 64 PEs and a GPU, asked for %d (GPUs found: %d)\n",
+                npes, gpus);
     return 77;
   }
   const UniqueId id = ShmemGetUniqueId();  // a socket address; rank 0 listens on it
@@ -115,7 +116,7 @@ int main(int argc, char** argv) {
     if (pid == 0) {
       int rc = 1;
       try {
-        rc = RunPe(rank, npes, id);
+        rc = RunPe(rank, npes, gpus, id);
       } catch (const std::exception& e) {
         std::printf("PE %d failed: %s\n", rank, e.what());
       }
