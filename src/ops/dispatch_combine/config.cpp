@@ -137,7 +137,7 @@ EpSymmetricLayout MakeEpSymmetricLayout(const EpDispatchCombineConfig& c) {
     return at;
   };
   l.countInbox = take(2 * w * w * sizeof(EpSignal));
-  l.expertInbox = take(2 * w * static_cast<size_t>(c.numExpertsPerRank) * sizeof(EpSignal));
+  l.expertInbox = take(2 * w * static_cast<size_t>(c.numExpertsPerRank) * sizeof(int32_t));
   l.readyInbox = take(2 * w * sizeof(EpSignal));
   l.doneInbox = take(w * sizeof(EpSignal));
   l.arrived = take(w * sizeof(uint64_t));

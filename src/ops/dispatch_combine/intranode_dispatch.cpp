@@ -8,9 +8,10 @@
 //   1. Every block scans all tokens' top-k ids once and builds, in shared memory, the bitmap of
 //      tokens that go to d (a token goes once per distinct destination) and its prefix counts.
 //      The list position of a token is its rank in that bitmap.
-//   2. The group leader (g == 0) announces count(rank -> d) to every PE and, to d, the per-local-
-//      expert histogram, in epoch-tagged signals (countInbox/expertInbox, parity-double-buffered).
-//      Block 0 first waits until every PE finished reading our buffers in the last combine; its
+//   2. The group leader (g == 0) announces count(rank -> d) to every PE in epoch-tagged signals
+//      (countInbox, parity-double-buffered) and writes, to d, the per-local-expert histogram
+//      (expertInbox, plain values published by the same fence as the count signals). Block 0
+//      first waits until every PE finished reading our buffers in the last combine; its
 //      announcement count(rank -> rank) therefore also says "our buffers may be written".
 //   3. A block with rows for d waits for count(s -> d) of every s < rank (its rows start at their
 //      sum on d: receivers see rows ordered by source PE, then token) and for count(d -> d) (d has
@@ -183,19 +184,27 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
     __syncthreads();
   }
   if (leader && sFailed == 0) {
-    // No fence: nothing of ours to publish yet, and block 0's done-waits are ordered before these
-    // release stores by the barrier above (causality is transitive through bar.sync).
+    // Values from all threads (relaxed), the barrier, ONE release fence (thread 0, cumulative over
+    // the barrier, as in 4c), then thread 0 stores the W tags: a release store per thread (Epr
+    // histogram entries, 256 with one PE) cost one system fence each. The tag of the count signal
+    // to d also publishes d's histogram. Block 0's done-waits are ordered before all of it by the
+    // barrier above (causality is transitive through bar.sync).
     const uint64_t packed = EpPackCount(static_cast<uint32_t>(countD), a.format);
-    for (int p = tid; p < W; p += nThreads) {
-      EpSignal* s = At<EpSignal>(PeerBlock(c, p), c.symm.countInbox) +
-                    EpCountInboxIndex(parity, me, dest, W);
-      SignalStore(s, packed, epoch);
-    }
-    if (tid == 0) c.state->sendCount[dest] = countD;  // for the push combine
-    EpSignal* ex = At<EpSignal>(PeerBlock(c, dest), c.symm.expertInbox);
+    const size_t countSlot = EpCountInboxIndex(parity, me, dest, W);
+    for (int p = tid; p < W; p += nThreads)
+      core::AtomicStoreRelaxedSystem(
+          &(At<EpSignal>(PeerBlock(c, p), c.symm.countInbox) + countSlot)->value, packed);
+    int32_t* ex = At<int32_t>(PeerBlock(c, dest), c.symm.expertInbox);
     for (int e = tid; e < Epr; e += nThreads)
-      SignalStore(ex + EpExpertInboxIndex(parity, me, e, W, Epr), static_cast<uint64_t>(hist[e]),
-                  epoch);
+      core::AtomicStoreRelaxedSystem(ex + EpExpertInboxIndex(parity, me, e, W, Epr), hist[e]);
+    __syncthreads();
+    if (tid == 0) {
+      core::FenceAcqRelSystem();
+      for (int p = 0; p < W; p++)
+        core::AtomicStoreRelaxedSystem(
+            &(At<EpSignal>(PeerBlock(c, p), c.symm.countInbox) + countSlot)->tag, epoch);
+      c.state->sendCount[dest] = countD;  // for the push combine
+    }
   }
   __syncthreads();  // every thread has seen sFailed before phase 3 may change it
   if (tid == 0) EpTraceStamp(tr, 1);
@@ -400,20 +409,15 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
       c.state->recvCount[s] = static_cast<int32_t>(cnt);  // for the push combine
       atomicAdd(&sTotal, static_cast<int>(cnt));
     }
+    // The histograms came with the count signals acquired above (by other threads of this
+    // block: the barrier carries the acquire to them).
     __syncthreads();
     if (tid == 0) *c.totalRecv = sTotal;
-    EpSignal* einbox = At<EpSignal>(c.symmLocal, c.symm.expertInbox);
+    int32_t* einbox = At<int32_t>(c.symmLocal, c.symm.expertInbox);
     for (int e = tid; e < Epr; e += nThreads) {
       int sum = 0;
-      for (int s = 0; s < W; s++) {
-        uint64_t v = 0;
-        if (!SignalWait(wait, einbox + EpExpertInboxIndex(parity, s, e, W, Epr), epoch, s,
-                        "EP dispatch: expert counts", &v)) {
-          sFailed = 1;
-          break;
-        }
-        sum += static_cast<int>(v);
-      }
+      for (int s = 0; s < W; s++)
+        sum += core::AtomicLoadRelaxedSystem(einbox + EpExpertInboxIndex(parity, s, e, W, Epr));
       c.localExpertCount[e] = sum;
     }
   }

@@ -7,7 +7,8 @@
 //
 // Symmetric block (one ShmemMallocAlign per handle), offsets from its start, each 256-aligned:
 //   countInbox    EpSignal[2][W][W]     [parity][src][dst]: src's token count for dst (+format)
-//   expertInbox   EpSignal[2][W][Epr]   [parity][src][e]:  src's tokens for our local expert e
+//   expertInbox   int32[2][W][Epr]      [parity][src][e]:  src's tokens for our local expert e
+//                                       (no tags: published with src's count signal to us)
 //   readyInbox    EpSignal[2][W]        [parity][src]:     src's combine input is ready (+source)
 //   doneInbox     EpSignal[W]           [src]:             src finished reading our buffers
 //   arrived       uint64[W]             [src]:             rows src has finished writing to us
