@@ -20,9 +20,12 @@
 //      the row from PE d is in pushRecvTokens[t][d], ours is in our input at the token's slot.
 //   5. The last block checks and resets pushArrived and bumps the combine epoch.
 // Why the receive slots of a parity are free when a PE pushes call k+2 into them: it finished
-// call k+1 first, which needed every PE's pushes of call k+1, which each PE makes after it
+// call k+1 first, which needed every PE's signal of call k+1, which each PE stores after it
 // finished call k (the last reader of those slots). The same holds for the counters and signals.
 // (Combine may run several times after one dispatch, so "the next dispatch" is no guard here.)
+// This needs step 3 to wait for EVERY PE's signal, also from PEs that pushed us nothing: else a
+// PE could finish call k+1 before a PE it has no rows from finished call k (the protocol model,
+// tests/python/test_ep_push_protocol_model.py, finds that race when the wait is skipped).
 #include "combine_reduce.hpp"
 #include "intranode.hpp"
 #include "intranode_device.hpp"
