@@ -25,7 +25,7 @@
 // (Combine may run several times after one dispatch, so "the next dispatch" is no guard here.)
 // This needs step 3 to wait for EVERY PE's signal, also from PEs that pushed us nothing: else a
 // PE could finish call k+1 before a PE it has no rows from finished call k (the protocol model,
-// tests/python/test_ep_push_protocol_model.py, finds that race when the wait is skipped).
+// tests/python/test_ep_protocol_model.py, finds that race when the wait is skipped).
 #include "combine_reduce.hpp"
 #include "intranode.hpp"
 #include "intranode_device.hpp"
