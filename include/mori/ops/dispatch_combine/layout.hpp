@@ -164,8 +164,8 @@ MORI_EP_HD inline uint64_t EpPackCount(uint32_t count, uint64_t format) {
 MORI_EP_HD inline uint32_t EpCountOf(uint64_t packed) { return static_cast<uint32_t>(packed); }
 MORI_EP_HD inline uint64_t EpFormatOf(uint64_t packed) { return packed >> 32; }
 
-// Where a PE's combine input rows (and weights) are, announced with its ready signal (pull
-// combine) or its done signal (push combine: there only "no weights" matters).
+// Where a PE's combine input rows (and weights) are, announced with its ready signal (readyInbox
+// value; the push combine sends the same value, and there only "no weights" matters).
 enum class EpCombineSource : uint32_t {
   kNone = 0,         // weights only: the PE passed no weights
   kRegistered = 1,   // combineInTokens / combineInWeights (zero-copy, or copied there)
