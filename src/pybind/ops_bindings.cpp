@@ -274,6 +274,7 @@ void RegisterOpsBindings(py::module_& m) {
       .def_property_readonly("symmetric_bytes", &EpDispatchCombineHandle::SymmetricBytes)
       .def_property_readonly("local_bytes", &EpDispatchCombineHandle::LocalBytes)
       .def_property_readonly("last_num_tokens", &EpDispatchCombineHandle::LastDispatchNumTokens)
+      .def_property_readonly("programmatic_launch", &EpDispatchCombineHandle::ProgrammaticLaunch)
       .def_property_readonly("last_row_bytes", &EpDispatchCombineHandle::LastDispatchRowBytes)
       .def_property_readonly("dispatch_out_tokens",
                              [](const EpDispatchCombineHandle& h) { return Int(h.DispatchOutTokens()); })

@@ -3,6 +3,8 @@ refusal to launch while a device error is pending, and its end once the error is
 Multi-rank behaviour (config agreement across ranks, release while peers still run) is in
 tests/ops/ep_intranode_test.py."""
 
+import os
+
 import pytest
 
 import mori
@@ -133,3 +135,37 @@ def test_release_after_finalize_only_frees_local_memory():
     h.release()  # no collective, no error
     with pytest.raises(mori.InvalidUsageError):
         empty_dispatch(h)
+
+
+PROGRAMMATIC_CHILD = """
+import mori
+from mori import _C
+from test_ep_handle_gpu import OneRank, config, empty_dispatch, empty_combine
+g = OneRank()
+_C._init_with_callbacks(0, 1, g.allgather, g.alltoall, g.barrier, 0)
+h = _C.ops.EpDispatchCombineHandle(config())
+for _ in range(3):  # launches of the chosen kind succeed
+    empty_dispatch(h)
+    empty_combine(h)
+mori.shmem.shmem_stream_synchronize(0)
+print("programmatic", h.programmatic_launch)
+h.release()
+mori.shmem.shmem_finalize()
+"""
+
+
+@needs_gpu
+def test_programmatic_launch_follows_env_and_device(run_python):
+    """MORI_EP_PDL picks the launch kind where the device has programmatic dependent launches
+    (NVIDIA sm_90+), and nothing elsewhere; launches of each kind run."""
+    info = mori.device_info()
+    arch = info["devices"][0]["arch"]
+    supported = info["backend"] == "CUDA" and arch.startswith("sm_") and int(arch[3:]) >= 90
+    here = os.path.dirname(os.path.abspath(__file__))
+    for setting, expected in (("0", False), ("1", True), (None, True)):
+        env = {}
+        if setting is not None:
+            env["MORI_EP_PDL"] = setting
+        r = run_python("import sys; sys.path.insert(0, %r)\n" % here + PROGRAMMATIC_CHILD, env)
+        assert r.returncode == 0, r.stderr
+        assert f"programmatic {expected and supported}" in r.stdout, (setting, r.stdout)

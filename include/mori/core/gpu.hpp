@@ -187,18 +187,20 @@ inline bool GpuModuleLoadingIsEager(std::string* setting) {
 #endif
 }
 
-// Whether kernels on this device can use the bulk copies of kHasBulkAsyncCopy (NVIDIA sm_90+; the
-// kernel must also have been built for it, which its own kHasBulkAsyncCopy says).
+// NVIDIA sm_90 (Hopper) or later: the devices with bulk asynchronous copies (kHasBulkAsyncCopy)
+// and programmatic dependent launches (GpuLaunchKernel). A kernel must also have been built for
+// sm_90+ to use them (kHasBulkAsyncCopy, GpuKernelHasGridDependency).
+inline bool GpuIsNvidiaSm90OrLater(const gpuDeviceProp_t& p) { return !kPlatformHip && p.major >= 9; }
+
+// Whether kernels on this device can use the bulk copies of kHasBulkAsyncCopy.
 // *smemOptinBytes: the dynamic shared memory a block may opt in to (0 where unused).
 inline bool GpuHasBulkAsyncCopy(const gpuDeviceProp_t& p, size_t* smemOptinBytes) {
 #if MORI_HIP
-  (void)p;
   *smemOptinBytes = 0;
-  return false;
 #else
   *smemOptinBytes = p.sharedMemPerBlockOptin;
-  return p.major >= 9;
 #endif
+  return GpuIsNvidiaSm90OrLater(p);
 }
 
 }  // namespace mori::core
@@ -529,6 +531,21 @@ MORI_DEVICE_INLINE bool MbarTryWait(uint64_t*, uint32_t) {
 #endif
 
 // ---------------------------------------------------------------------------------------------
+// Programmatic dependent launch (NVIDIA sm_90+). A kernel launched with GpuLaunchKernel(...,
+// programmatic = true, ...) may be launched before the kernel ahead of it on the stream has
+// finished: once every block of that kernel has exited. It must call GridDependencyWait() before
+// it touches anything an earlier kernel on the stream writes; the wait returns when those kernels
+// have completed and their memory is visible. What is gained is the launch latency, overlapped
+// with the previous kernel's completion. Elsewhere (HIP, older NVIDIA GPUs, a plain launch) the
+// wait does nothing and the launch is an ordinary one.
+// ---------------------------------------------------------------------------------------------
+MORI_DEVICE_INLINE void GridDependencyWait() {
+#if MORI_CUDA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
 // Time and back-off.
 // ---------------------------------------------------------------------------------------------
 // A monotonic clock in nanoseconds, comparable across the threads of one GPU.
@@ -560,6 +577,51 @@ MORI_DEVICE_INLINE void SpinPause() {
   __builtin_amdgcn_s_sleep(1);
 #else
   __nanosleep(32);
+#endif
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...), as a programmatic dependent launch when
+// `programmatic` (see GridDependencyWait; callers pass true only where
+// GpuIsNvidiaSm90OrLater and GpuKernelHasGridDependency hold). Returns the launch's status.
+template <typename... Params, typename... Args>
+inline gpuError_t GpuLaunchKernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                                  gpuStream_t stream, bool programmatic, Args&&... args) {
+#if MORI_HIP
+  (void)programmatic;
+  hipLaunchKernelGGL(kernel, grid, block, smem, stream, static_cast<Args&&>(args)...);
+  return hipGetLastError();
+#else
+  cudaLaunchAttribute attr[1] = {};
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = programmatic ? 1 : 0;
+  const cudaError_t launched = cudaLaunchKernelEx(&cfg, kernel, static_cast<Args&&>(args)...);
+  const cudaError_t last = cudaGetLastError();  // consumed here, as MORI_CHECK_LAUNCH would
+  return launched != cudaSuccess ? launched : last;
+#endif
+}
+
+// Whether `kernel`'s code for this device was compiled for a target with the grid-dependency
+// instructions (NVIDIA PTX ISA target sm_90+): only then does its GridDependencyWait wait, and
+// only then may it be launched programmatically.
+template <typename... Params>
+inline bool GpuKernelHasGridDependency(void (*kernel)(Params...)) {
+#if MORI_HIP
+  (void)kernel;
+  return false;
+#else
+  cudaFuncAttributes attr{};
+  if (cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(kernel)) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return attr.ptxVersion >= 90;
 #endif
 }
 

@@ -85,6 +85,8 @@ EpDispatchCombineHandle::EpDispatchCombineHandle(const EpDispatchCombineConfig& 
               EpCombineStagedSmemBytes(kEpMaxThreadsPerBlock / core::kWarpSize) + (16u << 10) <=
                   smemOptin;
           if (stagedCombine) PrepareEpCombineStaged();
+          programmatic = core::Env().epPdl && core::GpuIsNvidiaSm90OrLater(prop) &&
+                         EpKernelsHaveGridDependency();
         }
         pushCombine = EpPushCombineFits(config) && core::Env().epCombinePush;
         symmLayout = MakeEpSymmetricLayout(config);
@@ -317,6 +319,7 @@ void EpDispatchCombineHandle::FillCommonArgs(EpIntraNodeCommon* common) const {
   common->totalRecv = TotalRecvTokenNum();
   common->localExpertCount = LocalExpertCount();
   common->wait = shmemCtx.wait;
+  common->programmatic = programmatic ? 1 : 0;
   common->trace = traceBuf;
   common->traceSlots = traceSlots;
   common->traceMaxBlocks = traceMaxBlocks;

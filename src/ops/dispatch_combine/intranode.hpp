@@ -28,13 +28,14 @@ struct EpIntraNodeCommon {
   int32_t* totalRecv;
   int32_t* localExpertCount;       // [Epr]
   core::WaitContext wait;
+  // 1: the launchers launch the kernel as a programmatic dependent launch (MORI_EP_PDL, where the
+  // device and the kernels' code allow it; EpKernelEnter waits for the kernel ahead).
+  int32_t programmatic;
   // Debug only (EpDispatchCombineHandle::SetTrace; layout in trace.hpp). nullptr: off.
   uint64_t* trace;
   int32_t traceSlots;
   int32_t traceMaxBlocks;
 };
-
-// Diagnostic kernel variants, for A/B runs of tools/bench/ep_trace.py only.
 
 // How a scales row is copied: 4-byte words when its size and both bases allow, else bytes.
 enum class EpScaleCopy : int32_t { kNone = 0, kWords = 1, kBytes = 2 };
@@ -92,6 +93,9 @@ void LaunchEpDispatchIntraNode(const EpDispatchKernelArgs& args, EpIndexType ind
 void PrepareEpCombineStaged();
 void LaunchEpCombineIntraNode(const EpCombineKernelArgs& args, EpDataType dataType, int blocks,
                               int threads, gpuStream_t stream);
+// Whether the kernels' code for this device waits in EpKernelEnter (then they may be launched
+// programmatically: EpIntraNodeCommon::programmatic).
+bool EpKernelsHaveGridDependency();
 void LaunchEpCombinePush(const EpCombineKernelArgs& args, EpDataType dataType, int blocks,
                          int threads, gpuStream_t stream);
 

@@ -127,6 +127,7 @@ __global__ void __launch_bounds__(kThreads)
   constexpr bool kUseStages = kStaged && core::kHasBulkAsyncCopy;
 
   const EpIntraNodeCommon& c = a.c;
+  EpKernelEnter();
   // A private copy: the (rare) error path takes its address, which must not pull the whole
   // kernel parameter block into local memory.
   const core::WaitContext wait = c.wait;
@@ -401,15 +402,12 @@ __global__ void __launch_bounds__(kThreads)
 template <typename Elem>
 void LaunchCombineKernel(const EpCombineKernelArgs& args, int blocks, int threads,
                          gpuStream_t stream) {
-  if (args.staged != 0) {
-    EpCombineIntraNodeKernel<Elem, kEpMaxThreadsPerBlock, true>
-        <<<blocks, threads, EpCombineStagedSmemBytes(threads / kWarpSize), stream>>>(args);
-  } else if (threads <= 256) {
-    EpCombineIntraNodeKernel<Elem, 256, false><<<blocks, threads, 0, stream>>>(args);
-  } else {
-    EpCombineIntraNodeKernel<Elem, kEpMaxThreadsPerBlock, false><<<blocks, threads, 0, stream>>>(
-        args);
-  }
+  auto kernel = args.staged != 0 ? EpCombineIntraNodeKernel<Elem, kEpMaxThreadsPerBlock, true>
+                : threads <= 256    ? EpCombineIntraNodeKernel<Elem, 256, false>
+                                    : EpCombineIntraNodeKernel<Elem, kEpMaxThreadsPerBlock, false>;
+  const size_t smem = args.staged != 0 ? EpCombineStagedSmemBytes(threads / kWarpSize) : 0;
+  MORI_CHECK_GPU(core::GpuLaunchKernel(kernel, blocks, threads, smem, stream,
+                                       args.c.programmatic != 0, args));
 }
 // Above 48 KB a kernel's dynamic shared memory must be opted in to (per device).
 template <typename Elem>
@@ -434,7 +432,6 @@ void LaunchEpCombineIntraNode(const EpCombineKernelArgs& args, EpDataType dataTy
   detail::WithCombineElem(dataType, [&](auto elem) {
     detail::LaunchCombineKernel<decltype(elem)>(args, blocks, threads, stream);
   });
-  MORI_CHECK_LAUNCH();
 }
 
 }  // namespace mori::ops

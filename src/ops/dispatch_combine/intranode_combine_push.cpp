@@ -47,6 +47,7 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
   __shared__ int sFailed;
 
   const EpIntraNodeCommon& c = a.c;
+  EpKernelEnter();
   // A private copy: the (rare) error path takes its address (see the pull kernel).
   const core::WaitContext wait = c.wait;
   const int W = c.worldSize;
@@ -293,11 +294,11 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
 
 template <typename Elem>
 void LaunchPush(const EpCombineKernelArgs& args, int blocks, int threads, gpuStream_t stream) {
-  if (threads <= 256) {
-    EpCombinePushKernel<Elem, 256><<<blocks, threads, 0, stream>>>(args);
-  } else {
-    EpCombinePushKernel<Elem, kEpMaxThreadsPerBlock><<<blocks, threads, 0, stream>>>(args);
-  }
+  MORI_CHECK_GPU(core::GpuLaunchKernel(threads <= 256
+                                           ? EpCombinePushKernel<Elem, 256>
+                                           : EpCombinePushKernel<Elem, kEpMaxThreadsPerBlock>,
+                                       blocks, threads, 0, stream, args.c.programmatic != 0,
+                                       args));
 }
 
 }  // namespace detail
@@ -307,7 +308,6 @@ void LaunchEpCombinePush(const EpCombineKernelArgs& args, EpDataType dataType, i
   detail::WithCombineElem(dataType, [&](auto elem) {
     detail::LaunchPush<decltype(elem)>(args, blocks, threads, stream);
   });
-  MORI_CHECK_LAUNCH();
 }
 
 }  // namespace mori::ops

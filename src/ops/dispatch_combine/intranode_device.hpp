@@ -28,6 +28,12 @@ MORI_DEVICE_INLINE T* At(uint8_t* block, size_t offset) {
   return reinterpret_cast<T*>(block + offset);
 }
 
+// The first step of every EP kernel, before it reads anything an earlier kernel on the stream
+// wrote (its epoch, the caller's inputs): with a programmatic launch the kernel may start while
+// the one ahead of it is still finishing, and GridDependencyWait returns when that one completed
+// (a plain launch returns at once).
+MORI_DEVICE_INLINE void EpKernelEnter() { core::GridDependencyWait(); }
+
 // ---------------------------------------------------------------------------------------------
 // Signals: value first, then the epoch tag with release order (see EpSignal).
 // ---------------------------------------------------------------------------------------------

@@ -49,6 +49,7 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
   __shared__ int sTotal;
 
   const EpIntraNodeCommon& c = a.c;
+  EpKernelEnter();
   // A private copy: the (rare) error path takes its address, which must not pull the whole
   // kernel parameter block into local memory.
   const core::WaitContext wait = c.wait;
@@ -444,15 +445,15 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
 // The kernel's instantiations: one per index type.
 void LaunchEpDispatchIntraNode(const EpDispatchKernelArgs& args, EpIndexType indexType, int blocks,
                                int threads, size_t smemBytes, gpuStream_t stream) {
-  switch (indexType) {
-    case EpIndexType::kInt32:
-      detail::EpDispatchIntraNodeKernel<int32_t><<<blocks, threads, smemBytes, stream>>>(args);
-      break;
-    case EpIndexType::kInt64:
-      detail::EpDispatchIntraNodeKernel<int64_t><<<blocks, threads, smemBytes, stream>>>(args);
-      break;
-  }
-  MORI_CHECK_LAUNCH();
+  auto kernel = indexType == EpIndexType::kInt32 ? detail::EpDispatchIntraNodeKernel<int32_t>
+                                                  : detail::EpDispatchIntraNodeKernel<int64_t>;
+  MORI_CHECK_GPU(core::GpuLaunchKernel(kernel, blocks, threads, smemBytes, stream,
+                                       args.c.programmatic != 0, args));
+}
+
+bool EpKernelsHaveGridDependency() {
+  // Every kernel file is compiled with the same targets: one kernel answers for all.
+  return core::GpuKernelHasGridDependency(detail::EpDispatchIntraNodeKernel<int32_t>);
 }
 
 }  // namespace mori::ops

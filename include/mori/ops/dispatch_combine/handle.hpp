@@ -113,6 +113,9 @@ class EpDispatchCombineHandle {
   void* CombineOutTokens() const { return localBase + localLayout.combineOutTokens; }
   float* CombineOutWeights() const;
 
+  // Whether the kernels are programmatic dependent launches (decided at creation from MORI_EP_PDL,
+  // the device and the kernels' code).
+  bool ProgrammaticLaunch() const { return programmatic; }
   // Host view of the last dispatch call (-1 before the first).
   int LastDispatchNumTokens() const { return lastNumTokens; }
   int LastDispatchRowBytes() const { return static_cast<int>(lastRowBytes); }
@@ -138,6 +141,7 @@ class EpDispatchCombineHandle {
   int numSms = 0;
   bool stagedCombine = false;  // large-batch combine may use the staged (bulk-copy) kernel
   bool pushCombine = false;    // small-batch config: combine pushes rows (EpPushCombineFits)
+  bool programmatic = false;   // programmatic dependent launches (MORI_EP_PDL, where supported)
   uint8_t* symmBase = nullptr;   // local address of the symmetric block
   uint64_t symmHeapOffset = 0;   // its offset in every PE's heap
   uint8_t* localBase = nullptr;
