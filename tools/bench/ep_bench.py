@@ -145,7 +145,7 @@ class Bench:
         n_inner, n_rep = (5, 3) if self.args.quick else ((10, 5) if T > 1024 else (50, 5))
         log(self.rank, f"== {name}: {T} tokens/rank, hidden {HIDDEN}, top-{TOPK} of {EXPERTS}, {self.W} ranks; "
                        f"symmetric memory {symm_mib:.1f} MiB/rank, local {op.local_bytes / 2**20:.1f} MiB/rank; "
-                       f"programmatic launch {op._handle.programmatic_launch} (MORI_EP_PDL)")
+                       f"programmatic launch {getattr(op._handle, 'programmatic_launch', 'n/a')} (MORI_EP_PDL)")
         row_bf16 = HIDDEN * 2
         row_fp8 = HIDDEN + SCALE_DIM * 4
         for kind in dispatch_kinds:

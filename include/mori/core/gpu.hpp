@@ -190,7 +190,9 @@ inline bool GpuModuleLoadingIsEager(std::string* setting) {
 // NVIDIA sm_90 (Hopper) or later: the devices with bulk asynchronous copies (kHasBulkAsyncCopy)
 // and programmatic dependent launches (GpuLaunchKernel). A kernel must also have been built for
 // sm_90+ to use them (kHasBulkAsyncCopy, GpuKernelHasGridDependency).
-inline bool GpuIsNvidiaSm90OrLater(const gpuDeviceProp_t& p) { return !kPlatformHip && p.major >= 9; }
+inline bool GpuIsNvidiaSm90OrLater(const gpuDeviceProp_t& p) {
+  return !kPlatformHip && p.major >= 9;
+}
 
 // Whether kernels on this device can use the bulk copies of kHasBulkAsyncCopy.
 // *smemOptinBytes: the dynamic shared memory a block may opt in to (0 where unused).

@@ -40,9 +40,14 @@ constexpr int kDispatchScanBatch = 8;   // top-k ids loaded together per token i
 
 MORI_DEVICE_INLINE size_t AlignUp16(size_t v) { return (v + 15) & ~static_cast<size_t>(15); }
 
-template <typename IndexT>
-__global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
+// kThreads: the block size the kernel is built for (256, or kEpMaxThreadsPerBlock). The 256-thread
+// build has the registers to hold each warp's first item across the count wait (kEarlyLoad; about
+// 155 registers a thread, so one block per SM); in the 512-thread build (128 registers a thread)
+// that spilled, so it loads after the wait.
+template <typename IndexT, int kThreads>
+__global__ void __launch_bounds__(kThreads, 1)
     EpDispatchIntraNodeKernel(const EpDispatchKernelArgs a) {
+  constexpr bool kEarlyLoad = kThreads <= 256;
   extern __shared__ __align__(16) uint8_t smemDyn[];
   __shared__ int sFailed;
   __shared__ int sSendBase;
@@ -210,7 +215,89 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
   __syncthreads();  // every thread has seen sFailed before phase 3 may change it
   if (tid == 0) EpTraceStamp(tr, 1);
 
-  // ---- 3. where our rows go on `dest`, and may we write there -----------------------------
+  // ---- 3a. what this block copies, and the first item of each warp loaded now -------------
+  // Rows [i0, i1) of dest's list, in items of a row slice each. Which token an item is and which
+  // vectors it covers is known from the bitmap alone; only where it goes (sendBase) needs the
+  // counts. So each warp loads its first item's metadata and first round of vectors here, and the
+  // latency of those loads overlaps the count wait below (small batches: the whole copy of most
+  // warps is that one round).
+  const int i0 = static_cast<int>(static_cast<long long>(countD) * g / G);
+  const int i1 = static_cast<int>(static_cast<long long>(countD) * (g + 1) / G);
+  nRows = i1 - i0;
+  const int vecs = static_cast<int>(a.rowBytes / 16);
+  // Few rows (small batches): several warps share a row. parts = floor(warps / rows), so every
+  // warp has at most one item: with ceil, some warps took a second item and the block's copy took
+  // two rounds of load latency instead of one.
+  int parts = 1;
+  if (nRows > 0 && nRows < nWarps) {
+    parts = nWarps / nRows;
+    const int maxParts = vecs / (2 * kWarpSize) > 1 ? vecs / (2 * kWarpSize) : 1;
+    parts = parts < maxParts ? parts : maxParts;
+  }
+  const int items = sFailed == 0 ? nRows * parts : 0;
+  const int nScaleWords = static_cast<int>(a.scaleBytes / 4);
+  // Fast metadata (K <= warp, scales as <= 2 words per lane): loaded with the token vectors,
+  // stored after them, so they add no latency of their own.
+  const bool metaFast = K <= kWarpSize && a.scaleCopy != EpScaleCopy::kBytes &&
+                        (a.scaleCopy != EpScaleCopy::kWords || nScaleWords <= 2 * kWarpSize);
+  struct Item {
+    int t, p, vb, ve;
+    bool meta;      // the row's first part: it carries the row's metadata
+    bool fastMeta;  // ... loaded here (w, id, s0, s1), with the vectors
+    float w;
+    IndexT id;
+    uint32_t s0, s1;
+    uint4 r[kDispatchCopyUnroll];  // vectors [vb, vb + kDispatchCopyUnroll * kWarpSize), strided
+  };
+  // Locates `item` and loads its fast metadata and (kEarlyLoad) its first round into `it`.
+  auto loadItem = [&](int item, Item& it) {
+    const int r = item / parts;
+    const int part = item - r * parts;
+    it.p = i0 + r;
+    // The word holding list position p: the last word whose prefix is <= p.
+    int lo = 0, hi = nWords - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (prefix[mid] <= it.p) {
+        lo = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    it.t = lo * kWarpSize + WarpNthSetBit(words[lo], it.p - prefix[lo]);
+    it.vb = static_cast<int>(static_cast<long long>(vecs) * part / parts);
+    it.ve = static_cast<int>(static_cast<long long>(vecs) * (part + 1) / parts);
+    it.meta = part == 0;
+    it.fastMeta = it.meta && metaFast;
+    it.w = 0.0f;
+    it.id = 0;
+    it.s0 = it.s1 = 0;
+    if (it.fastMeta) {
+      if (lane < K) {
+        if (a.inWeights != nullptr) it.w = a.inWeights[static_cast<size_t>(it.t) * K + lane];
+        it.id = idx[static_cast<size_t>(it.t) * K + lane];
+      }
+      if (a.scaleCopy == EpScaleCopy::kWords) {
+        const uint32_t* src = reinterpret_cast<const uint32_t*>(
+            a.inScales + static_cast<size_t>(it.t) * a.scaleBytes);
+        if (lane < nScaleWords) it.s0 = src[lane];
+        if (lane + kWarpSize < nScaleWords) it.s1 = src[lane + kWarpSize];
+      }
+    }
+    if constexpr (kEarlyLoad) {
+      const uint4* src =
+          reinterpret_cast<const uint4*>(a.inTokens + static_cast<size_t>(it.t) * a.rowBytes);
+#pragma unroll
+      for (int u = 0; u < kDispatchCopyUnroll; u++) {
+        const int v = it.vb + lane + u * kWarpSize;
+        if (v < it.ve) it.r[u] = src[v];
+      }
+    }
+  };
+  Item it;  // the warp's current item (its first is loaded now where kEarlyLoad)
+  if (kEarlyLoad && warp < items) loadItem(warp, it);
+
+  // ---- 3b. where our rows go on `dest`, and may we write there ----------------------------
   if (countD > 0 && sFailed == 0) {
     EpSignal* inbox = At<EpSignal>(c.symmLocal, c.symm.countInbox);
     for (int s = tid; s < W; s += nThreads) {
@@ -262,102 +349,59 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
       }
     }
 
-    // ---- 4b. rows [i0, i1) of dest's list -------------------------------------------------
-    const int i0 = static_cast<int>(static_cast<long long>(countD) * g / G);
-    const int i1 = static_cast<int>(static_cast<long long>(countD) * (g + 1) / G);
-    nRows = i1 - i0;
-    if (nRows > 0) {
-      const int vecs = static_cast<int>(a.rowBytes / 16);
-      // Few rows (small batches): several warps share a row. parts = floor(warps / rows), so
-      // every warp has at most one item: with ceil, some warps took a second item and the
-      // block's copy took two rounds of load latency instead of one.
-      int parts = 1;
-      if (nRows < nWarps) {
-        parts = nWarps / nRows;
-        const int maxParts = vecs / (2 * kWarpSize) > 1 ? vecs / (2 * kWarpSize) : 1;
-        parts = parts < maxParts ? parts : maxParts;
+    // ---- 4b. the items: first round from registers, the rest streamed ---------------------
+    uint8_t* db = PeerBlock(c, dest);
+    uint8_t* outTok = db + c.symm.dispatchOutTokens;
+    float* outW = At<float>(db, c.symm.dispatchOutWeights);
+    uint8_t* outS = db + c.symm.dispatchOutScales;
+    IndexT* outIdx = At<IndexT>(db, c.symm.dispatchOutIndices);
+    int32_t* outPos = At<int32_t>(db, c.symm.dispatchOutSrcPos);
+    for (int item = warp; item < items; item += nWarps) {
+      if (!kEarlyLoad || item != warp) loadItem(item, it);
+      const int t = it.t;
+      const size_t slot = static_cast<size_t>(sendBase) + it.p;
+      uint4* dst = reinterpret_cast<uint4*>(outTok + slot * a.rowBytes);
+      int vFrom = it.vb;
+      if constexpr (kEarlyLoad) {
+#pragma unroll
+        for (int u = 0; u < kDispatchCopyUnroll; u++) {
+          const int v = it.vb + lane + u * kWarpSize;
+          if (v < it.ve) dst[v] = it.r[u];
+        }
+        vFrom += kDispatchCopyUnroll * kWarpSize;
       }
-      uint8_t* db = PeerBlock(c, dest);
-      uint8_t* outTok = db + c.symm.dispatchOutTokens;
-      float* outW = At<float>(db, c.symm.dispatchOutWeights);
-      uint8_t* outS = db + c.symm.dispatchOutScales;
-      IndexT* outIdx = At<IndexT>(db, c.symm.dispatchOutIndices);
-      int32_t* outPos = At<int32_t>(db, c.symm.dispatchOutSrcPos);
-      const int items = nRows * parts;
-      const int nScaleWords = static_cast<int>(a.scaleBytes / 4);
-      const bool metaFast = K <= kWarpSize && a.scaleCopy != EpScaleCopy::kBytes &&
-                            (a.scaleCopy != EpScaleCopy::kWords || nScaleWords <= 2 * kWarpSize);
-      for (int item = warp; item < items; item += nWarps) {
-        const int r = item / parts;
-        const int part = item - r * parts;
-        const int p = i0 + r;
-        // The word holding list position p: the last word whose prefix is <= p.
-        int lo = 0, hi = nWords - 1;
-        while (lo < hi) {
-          const int mid = (lo + hi + 1) >> 1;
-          if (prefix[mid] <= p) {
-            lo = mid;
-          } else {
-            hi = mid - 1;
-          }
+      WarpCopyVectors<kDispatchCopyUnroll>(
+          dst, reinterpret_cast<const uint4*>(a.inTokens + static_cast<size_t>(t) * a.rowBytes),
+          vFrom, it.ve);
+      if (it.fastMeta) {
+        if (lane < K) {
+          if (a.inWeights != nullptr) outW[slot * K + lane] = it.w;
+          outIdx[slot * K + lane] = it.id;
         }
-        const int t = lo * kWarpSize + WarpNthSetBit(words[lo], p - prefix[lo]);
-        const size_t slot = static_cast<size_t>(sendBase) + p;
-        const int vb = static_cast<int>(static_cast<long long>(vecs) * part / parts);
-        const int ve = static_cast<int>(static_cast<long long>(vecs) * (part + 1) / parts);
-        // Fast path (K <= warp, scales as <= 2 words per lane): the metadata loads are issued
-        // before the token vectors' and stored after them, so they add no latency of their own.
-        const bool fastMeta = part == 0 && metaFast;
-        float mW = 0.0f;
-        IndexT mIdx = 0;
-        uint32_t mS0 = 0, mS1 = 0;
-        if (fastMeta) {
-          if (lane < K) {
-            if (a.inWeights != nullptr) mW = a.inWeights[static_cast<size_t>(t) * K + lane];
-            mIdx = idx[static_cast<size_t>(t) * K + lane];
-          }
-          if (a.scaleCopy == EpScaleCopy::kWords) {
-            const uint32_t* src = reinterpret_cast<const uint32_t*>(
-                a.inScales + static_cast<size_t>(t) * a.scaleBytes);
-            if (lane < nScaleWords) mS0 = src[lane];
-            if (lane + kWarpSize < nScaleWords) mS1 = src[lane + kWarpSize];
-          }
+        if (a.scaleCopy == EpScaleCopy::kWords) {
+          uint32_t* dstS = reinterpret_cast<uint32_t*>(outS + slot * a.scaleBytes);
+          if (lane < nScaleWords) dstS[lane] = it.s0;
+          if (lane + kWarpSize < nScaleWords) dstS[lane + kWarpSize] = it.s1;
         }
-        WarpCopyVectors<kDispatchCopyUnroll>(
-            reinterpret_cast<uint4*>(outTok + slot * a.rowBytes),
-            reinterpret_cast<const uint4*>(a.inTokens + static_cast<size_t>(t) * a.rowBytes), vb,
-            ve);
-        if (fastMeta) {
-          if (lane < K) {
-            if (a.inWeights != nullptr) outW[slot * K + lane] = mW;
-            outIdx[slot * K + lane] = mIdx;
-          }
-          if (a.scaleCopy == EpScaleCopy::kWords) {
-            uint32_t* dst = reinterpret_cast<uint32_t*>(outS + slot * a.scaleBytes);
-            if (lane < nScaleWords) dst[lane] = mS0;
-            if (lane + kWarpSize < nScaleWords) dst[lane + kWarpSize] = mS1;
-          }
-          if (lane == 0) outPos[slot] = me * c.maxTokensPerRank + t;
-        } else if (part == 0) {
-          for (int k = lane; k < K; k += kWarpSize) {
-            if (a.inWeights != nullptr)
-              outW[slot * K + k] = a.inWeights[static_cast<size_t>(t) * K + k];
-            outIdx[slot * K + k] = idx[static_cast<size_t>(t) * K + k];
-          }
-          if (a.scaleCopy == EpScaleCopy::kWords) {
-            const int n = static_cast<int>(a.scaleBytes / 4);
-            const uint32_t* src =
-                reinterpret_cast<const uint32_t*>(a.inScales + static_cast<size_t>(t) * a.scaleBytes);
-            uint32_t* dst = reinterpret_cast<uint32_t*>(outS + slot * a.scaleBytes);
-            for (int i = lane; i < n; i += kWarpSize) dst[i] = src[i];
-          } else if (a.scaleCopy == EpScaleCopy::kBytes) {
-            const int n = static_cast<int>(a.scaleBytes);
-            const uint8_t* src = a.inScales + static_cast<size_t>(t) * a.scaleBytes;
-            uint8_t* dst = outS + slot * a.scaleBytes;
-            for (int i = lane; i < n; i += kWarpSize) dst[i] = src[i];
-          }
-          if (lane == 0) outPos[slot] = me * c.maxTokensPerRank + t;
+        if (lane == 0) outPos[slot] = me * c.maxTokensPerRank + t;
+      } else if (it.meta) {
+        for (int k = lane; k < K; k += kWarpSize) {
+          if (a.inWeights != nullptr)
+            outW[slot * K + k] = a.inWeights[static_cast<size_t>(t) * K + k];
+          outIdx[slot * K + k] = idx[static_cast<size_t>(t) * K + k];
         }
+        if (a.scaleCopy == EpScaleCopy::kWords) {
+          const uint32_t* src =
+              reinterpret_cast<const uint32_t*>(a.inScales + static_cast<size_t>(t) * a.scaleBytes);
+          uint32_t* dstS = reinterpret_cast<uint32_t*>(outS + slot * a.scaleBytes);
+          for (int i = lane; i < nScaleWords; i += kWarpSize) dstS[i] = src[i];
+        } else if (a.scaleCopy == EpScaleCopy::kBytes) {
+          const int n = static_cast<int>(a.scaleBytes);
+          const uint8_t* src = a.inScales + static_cast<size_t>(t) * a.scaleBytes;
+          uint8_t* dstS = outS + slot * a.scaleBytes;
+          for (int i = lane; i < n; i += kWarpSize) dstS[i] = src[i];
+        }
+        if (lane == 0) outPos[slot] = me * c.maxTokensPerRank + t;
       }
     }
   }
@@ -445,15 +489,19 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
 // The kernel's instantiations: one per index type.
 void LaunchEpDispatchIntraNode(const EpDispatchKernelArgs& args, EpIndexType indexType, int blocks,
                                int threads, size_t smemBytes, gpuStream_t stream) {
-  auto kernel = indexType == EpIndexType::kInt32 ? detail::EpDispatchIntraNodeKernel<int32_t>
-                                                  : detail::EpDispatchIntraNodeKernel<int64_t>;
+  const bool small = threads <= 256;
+  auto kernel = indexType == EpIndexType::kInt32
+                    ? (small ? detail::EpDispatchIntraNodeKernel<int32_t, 256>
+                             : detail::EpDispatchIntraNodeKernel<int32_t, kEpMaxThreadsPerBlock>)
+                    : (small ? detail::EpDispatchIntraNodeKernel<int64_t, 256>
+                             : detail::EpDispatchIntraNodeKernel<int64_t, kEpMaxThreadsPerBlock>);
   MORI_CHECK_GPU(core::GpuLaunchKernel(kernel, blocks, threads, smemBytes, stream,
                                        args.c.programmatic != 0, args));
 }
 
 bool EpKernelsHaveGridDependency() {
   // Every kernel file is compiled with the same targets: one kernel answers for all.
-  return core::GpuKernelHasGridDependency(detail::EpDispatchIntraNodeKernel<int32_t>);
+  return core::GpuKernelHasGridDependency(detail::EpDispatchIntraNodeKernel<int32_t, 256>);
 }
 
 }  // namespace mori::ops
