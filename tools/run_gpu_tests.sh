@@ -99,7 +99,11 @@ if [[ -f examples/python/put_get.py ]]; then
 fi
 
 if [[ ${BENCH:-1} != 0 ]]; then
-  run shmem_put_bench "$build/tools/shmem_put_bench"
+  if [[ $ngpu -lt 2 ]]; then  # it measures a link: GPUs cannot be shared here (MORI_TEST_NPES)
+    rows+=("$(printf '%-26s | %-9s | %-26s | %5ds | %s' shmem_put_bench SKIPPED "needs two distinct GPUs" 0 -)")
+  else
+    run shmem_put_bench "$build/tools/shmem_put_bench"
+  fi
 fi
 
 # ---- report ---------------------------------------------------------------------------------
