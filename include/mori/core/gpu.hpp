@@ -205,6 +205,19 @@ inline bool GpuHasBulkAsyncCopy(const gpuDeviceProp_t& p, size_t* smemOptinBytes
   return GpuIsNvidiaSm90OrLater(p);
 }
 
+// Whether GpuLaunchKernel's programmatic launches may be used on this device: sm_90+, and a
+// runtime and driver of CUDA 12.3 or later (from 12.3 on, stream capture records them as
+// programmatic graph edges, so captured EP calls behave as eager ones).
+inline bool GpuHasProgrammaticLaunch(const gpuDeviceProp_t& p) {
+  if (!GpuIsNvidiaSm90OrLater(p)) return false;
+  int runtime = 0, driver = 0;
+  if (gpuRuntimeGetVersion(&runtime) != gpuSuccess || gpuDriverGetVersion(&driver) != gpuSuccess) {
+    (void)gpuGetLastError();
+    return false;
+  }
+  return runtime >= 12030 && driver >= 12030;
+}
+
 }  // namespace mori::core
 
 namespace mori::core {
@@ -584,7 +597,7 @@ MORI_DEVICE_INLINE void SpinPause() {
 
 // kernel<<<grid, block, smem, stream>>>(args...), as a programmatic dependent launch when
 // `programmatic` (see GridDependencyWait; callers pass true only where
-// GpuIsNvidiaSm90OrLater and GpuKernelHasGridDependency hold). Returns the launch's status.
+// GpuHasProgrammaticLaunch and GpuKernelHasGridDependency hold). Returns the launch's status.
 template <typename... Params, typename... Args>
 inline gpuError_t GpuLaunchKernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
                                   gpuStream_t stream, bool programmatic, Args&&... args) {

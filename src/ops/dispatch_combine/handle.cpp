@@ -85,7 +85,7 @@ EpDispatchCombineHandle::EpDispatchCombineHandle(const EpDispatchCombineConfig& 
               EpCombineStagedSmemBytes(kEpMaxThreadsPerBlock / core::kWarpSize) + (16u << 10) <=
                   smemOptin;
           if (stagedCombine) PrepareEpCombineStaged();
-          programmatic = core::Env().epPdl && core::GpuIsNvidiaSm90OrLater(prop) &&
+          programmatic = core::Env().epPdl && core::GpuHasProgrammaticLaunch(prop) &&
                          EpKernelsHaveGridDependency();
         }
         pushCombine = EpPushCombineFits(config) && core::Env().epCombinePush;

@@ -15,7 +15,8 @@
 //      announcement count(rank -> rank) therefore also says "our buffers may be written".
 //   3. A block with rows for d waits for count(s -> d) of every s < rank (its rows start at their
 //      sum on d: receivers see rows ordered by source PE, then token) and for count(d -> d) (d has
-//      started this call, so its output buffers are free).
+//      started this call, so its output buffers are free). In the 256-thread build each warp has
+//      already loaded its first item (it needs no count) so the loads overlap this wait.
 //   4. It records the slot of each of its tokens on d (for combine), copies the rows (token,
 //      weights, indices, scales, source position) with 16-byte vectors (a row's small metadata is
 //      loaded before its token vectors, so its latency overlaps them), then ONE thread fences
@@ -486,7 +487,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 }  // namespace detail
 
-// The kernel's instantiations: one per index type.
+// The kernel's instantiations: per index type, for blocks of up to 256 threads and of up to
+// kEpMaxThreadsPerBlock.
 void LaunchEpDispatchIntraNode(const EpDispatchKernelArgs& args, EpIndexType indexType, int blocks,
                                int threads, size_t smemBytes, gpuStream_t stream) {
   const bool small = threads <= 256;
