@@ -73,8 +73,11 @@ run() {  # run <name> <command...>
   esac
   checks=$(grep -E '^[0-9]+ passed, [0-9]+ failed' "$log" | tail -1)
   [[ $result == SKIPPED ]] && checks=$(grep -m1 '^SKIPPED' "$log" | cut -c1-60)
-  rows+=("$(printf '%-26s | %-9s | %-26s | %5ds | %s' "$name" "$result" "${checks:--}" $((SECONDS - t0)) "$log")")
+  add_row "$name" "$result" "${checks:--}" $((SECONDS - t0)) "$log"
   echo "   $result ${checks:-}"
+}
+add_row() {  # add_row <name> <result> <checks> <seconds> <log>
+  rows+=("$(printf '%-26s | %-9s | %-26s | %5ds | %s' "$@")")
 }
 
 # MORI_TEST_NPES=N: N PEs in the shmem tests and the C++ example, several per GPU when N exceeds
@@ -90,9 +93,9 @@ if [[ -f examples/python/put_get.py ]]; then
   # The build tree holds the whole package (sources mirrored next to _C); the source tree has no _C.
   export PYTHONPATH="$PWD/$build/python${PYTHONPATH:+:$PYTHONPATH}"
   if ! command -v torchrun >/dev/null 2>&1 || ! $py -c 'import torch, mori' >/dev/null 2>&1; then
-    rows+=("$(printf '%-26s | %-9s | %-26s | %5ds | %s' put_get_python SKIPPED "torch/torchrun or mori missing" 0 -)")
+    add_row put_get_python SKIPPED "torch/torchrun or mori missing" 0 -
   elif [[ $ngpu -lt 2 ]]; then
-    rows+=("$(printf '%-26s | %-9s | %-26s | %5ds | %s' put_get_python SKIPPED "fewer than 2 GPUs" 0 -)")
+    add_row put_get_python SKIPPED "fewer than 2 GPUs" 0 -
   else
     run put_get_python torchrun --nproc-per-node="$ngpu" examples/python/put_get.py
   fi
@@ -100,7 +103,7 @@ fi
 
 if [[ ${BENCH:-1} != 0 ]]; then
   if [[ $ngpu -lt 2 ]]; then  # it measures a link: GPUs cannot be shared here (MORI_TEST_NPES)
-    rows+=("$(printf '%-26s | %-9s | %-26s | %5ds | %s' shmem_put_bench SKIPPED "needs two distinct GPUs" 0 -)")
+    add_row shmem_put_bench SKIPPED "needs two distinct GPUs" 0 -
   else
     run shmem_put_bench "$build/tools/shmem_put_bench"
   fi

@@ -243,8 +243,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                         (a.scaleCopy != EpScaleCopy::kWords || nScaleWords <= 2 * kWarpSize);
   struct Item {
     int t, p, vb, ve;
-    bool meta;      // the row's first part: it carries the row's metadata
-    bool fastMeta;  // ... loaded here (w, id, s0, s1), with the vectors
+    bool meta;  // the row's first part: it carries the row's metadata (fast: in w, id, s0, s1)
     float w;
     IndexT id;
     uint32_t s0, s1;
@@ -269,11 +268,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     it.vb = static_cast<int>(static_cast<long long>(vecs) * part / parts);
     it.ve = static_cast<int>(static_cast<long long>(vecs) * (part + 1) / parts);
     it.meta = part == 0;
-    it.fastMeta = it.meta && metaFast;
     it.w = 0.0f;
     it.id = 0;
     it.s0 = it.s1 = 0;
-    if (it.fastMeta) {
+    if (it.meta && metaFast) {
       if (lane < K) {
         if (a.inWeights != nullptr) it.w = a.inWeights[static_cast<size_t>(it.t) * K + lane];
         it.id = idx[static_cast<size_t>(it.t) * K + lane];
@@ -374,7 +372,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       WarpCopyVectors<kDispatchCopyUnroll>(
           dst, reinterpret_cast<const uint4*>(a.inTokens + static_cast<size_t>(t) * a.rowBytes),
           vFrom, it.ve);
-      if (it.fastMeta) {
+      if (it.meta && metaFast) {
         if (lane < K) {
           if (a.inWeights != nullptr) outW[slot * K + lane] = it.w;
           outIdx[slot * K + lane] = it.id;
