@@ -1,65 +1,101 @@
 #!/usr/bin/env bash
-# Multi-GPU test run: the shmem GPU test programs, the C++ example, the Python example (when
-# examples/python/put_get.py exists and torch imports) and the put benchmark, all on every local GPU.
+# GPU test run on all local GPUs: the shmem GPU test programs, the C++ example, the Python example
+# (when examples/python/put_get.py exists and torch imports), the EP correctness suites
+# (tests/ops/ep_intranode_test.py, and tests/ops/ep_internode_test.py between emulated nodes where
+# that file exists) and the put benchmark.
 #
-#   tools/run_gpu_tests.sh [BUILD_DIR]        default: build-gpu
+#   tools/run_gpu_tests.sh [--mps] [BUILD_DIR]        default BUILD_DIR: build-gpu
 #
 # Builds first when BUILD_DIR is not configured (CUDA, MORI_GPU_ARCHS, default 90; the Python module
-# too when pybind11 is found). Each program's output goes to ${OUT:-/tmp}/gpu-tests-<name>.log; the
-# run ends with a table (test | result | checks | seconds | log) and the failing lines of each
-# failed log. Env: BENCH=0 skips the benchmark; TEST_TIMEOUT (s, default 900) bounds each program;
-# MORI_TEST_NPES=N runs the shmem tests and the C++ example with N PEs, sharing GPUs when there are
-# fewer (e.g. 4 PEs on a 1-GPU machine: the protocols between processes, no link).
+# too when pybind11 is found). Writes two files into ${OUT:-/tmp}: gpu-tests-build.log (configure
+# and build) and gpu-tests.log (every program's output, one section each). The run ends with a
+# table (test | result | checks | seconds) and the failing lines of each failed program.
+# Env: BENCH=0 skips the benchmark; TEST_TIMEOUT (s, default 900) bounds each program;
+# MORI_TEST_NPES=N runs the shmem tests, the C++ example and the EP suites with N ranks, sharing
+# GPUs when there are fewer (e.g. 4 on a 1-GPU machine: the protocols between processes, no link);
+# MORI_EP_STRESS_ITERS (default 500) sets the EP suites' randomized stress iterations.
+# --mps (or MORI_TEST_MPS=1): ranks sharing a GPU run at the same time under CUDA MPS, each with
+# 100/(ranks per GPU) % of the SMs (tools/with_mps.sh), instead of taking turns.
 # Exit status: 0 when nothing failed (skips for lack of GPUs included), 1 otherwise.
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 # NVLink multicast stays off on shared machines (see docs); also for programs we start.
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 
-build=${1:-${MORI_BUILD_DIR:-build-gpu}}
+mps=${MORI_TEST_MPS:-0}
+args=()
+for a in "$@"; do
+  if [[ $a == --mps ]]; then mps=1; else args+=("$a"); fi
+done
+build=${args[0]:-${MORI_BUILD_DIR:-build-gpu}}
 out=${OUT:-/tmp}
 mkdir -p "$out"
+buildLog=$out/gpu-tests-build.log
+runLog=$out/gpu-tests.log
+tmp=$(mktemp -d "${TMPDIR:-/tmp}/mori-gpu-tests.XXXXXX")
+# shellcheck source=tools/with_mps.sh
+source tools/with_mps.sh
+trap 'mps_stop; rm -rf "$tmp"' EXIT
 py=${PYTHON:-python3}
 jobs=$(nproc 2>/dev/null || echo 4)
 tests=(shmem_put_get_test shmem_atomic_test shmem_barrier_test shmem_timeout_test shmem_init_finalize_test shmem_rdma_test)
 targets=("${tests[@]}" put_get shmem_put_bench)
 
 # ---- build ----------------------------------------------------------------------------------
+: >"$buildLog"
 if [[ ! -f $build/build.ninja ]]; then
   pybind_dir=$($py -m pybind11 --cmakedir 2>/dev/null || true)
   common=(-S . -B "$build" -G Ninja -DMORI_GPU_BACKEND=CUDA "-DMORI_GPU_ARCHS=${MORI_GPU_ARCHS:-90}")
   echo "== configuring $build"
   if ! cmake "${common[@]}" ${pybind_dir:+-Dpybind11_DIR=$pybind_dir} \
-      -DPython_EXECUTABLE="$(command -v "$py")" >"$out/gpu-tests-configure.log" 2>&1; then
-    echo "   configure with the Python module failed (see $out/gpu-tests-configure.log); retrying without"
+      -DPython_EXECUTABLE="$(command -v "$py")" >>"$buildLog" 2>&1; then
+    echo "   configure with the Python module failed (see $buildLog); retrying without"
     rm -rf "$build"
-    if ! cmake "${common[@]}" -DMORI_BUILD_PYTHON=OFF >>"$out/gpu-tests-configure.log" 2>&1; then
-      tail -30 "$out/gpu-tests-configure.log"
+    if ! cmake "${common[@]}" -DMORI_BUILD_PYTHON=OFF >>"$buildLog" 2>&1; then
+      tail -30 "$buildLog"
       echo "run_gpu_tests.sh: configure failed"
       exit 1
     fi
   fi
 fi
-echo "== building ${targets[*]}"
-if ! cmake --build "$build" -j "$jobs" --target "${targets[@]}" >"$out/gpu-tests-build.log" 2>&1; then
-  grep -E "error|Error" "$out/gpu-tests-build.log" | head -30
-  echo "run_gpu_tests.sh: build failed (log: $out/gpu-tests-build.log)"
+echo "== building ${targets[*]} in $build"
+if ! cmake --build "$build" -j "$jobs" --target "${targets[@]}" >>"$buildLog" 2>&1; then
+  grep -E "error|Error" "$buildLog" | head -30
+  echo "run_gpu_tests.sh: build failed (log: $buildLog)"
   exit 1
 fi
-# Everything else (the Python module) on a best-effort basis: only the Python example needs it.
-cmake --build "$build" -j "$jobs" >>"$out/gpu-tests-build.log" 2>&1 || echo "   (full build failed; see $out/gpu-tests-build.log)"
+# Everything else (the Python module) on a best-effort basis: the Python example and the EP
+# suites need it and fail without it.
+cmake --build "$build" -j "$jobs" >>"$buildLog" 2>&1 || echo "   (full build failed; see $buildLog)"
 
 ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 [[ ${ngpu:-0} -gt 0 ]] || ngpu=$($py -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
-echo "== $ngpu local GPUs; logs in $out/gpu-tests-*.log"
+ranks=${MORI_TEST_NPES:-$ngpu}  # ranks of the multi-rank programs
+echo "== $ngpu local GPUs; output in $runLog"
+if [[ $mps == 1 ]]; then
+  if [[ $ngpu -lt 1 ]]; then
+    echo "run_gpu_tests.sh: --mps needs a GPU"
+    exit 1
+  fi
+  mps_start $(((ranks + ngpu - 1) / ngpu)) || exit 1
+fi
 
 # ---- run ------------------------------------------------------------------------------------
+: >"$runLog"
 declare -a rows=() failedLogs=()
 anyFailed=0
+add_row() {  # add_row <name> <result> <checks> <seconds>
+  rows+=("$(printf '%-26s | %-10s | %-40s | %5ds' "$@")")
+}
+fail_row() {  # fail_row <name> <result> <reason>: a failure that ran nothing
+  add_row "$1" "$2" "$3" 0
+  anyFailed=1
+  echo "   $2 $3"
+}
 run() {  # run <name> <command...>
   local name=$1
   shift
-  local log="$out/gpu-tests-$name.log" t0=$SECONDS rc result checks
+  local log="$tmp/$name.log" t0=$SECONDS rc result checks
   echo "-- $name: $*"
   timeout -k 10 "${TEST_TIMEOUT:-900}" "$@" >"$log" 2>&1
   rc=$?
@@ -72,12 +108,15 @@ run() {  # run <name> <command...>
     *) result="FAIL($rc)"; anyFailed=1; failedLogs+=("$log") ;;
   esac
   checks=$(grep -E '^[0-9]+ passed, [0-9]+ failed' "$log" | tail -1)
-  [[ $result == SKIPPED ]] && checks=$(grep -m1 '^SKIPPED' "$log" | cut -c1-60)
-  add_row "$name" "$result" "${checks:--}" $((SECONDS - t0)) "$log"
+  if grep -q '^([0-9]* skipped)$' "$log"; then checks+=" $(grep '^([0-9]* skipped)$' "$log" | tail -1)"; fi
+  [[ $result == SKIPPED ]] && checks=$(grep -m1 '^SKIPPED' "$log" | cut -c1-40)
+  add_row "$name" "$result" "${checks:--}" $((SECONDS - t0))
+  {
+    echo "==== $name: $* (exit $rc, $((SECONDS - t0)) s)"
+    cat "$log"
+    echo
+  } >>"$runLog"
   echo "   $result ${checks:-}"
-}
-add_row() {  # add_row <name> <result> <checks> <seconds> <log>
-  rows+=("$(printf '%-26s | %-9s | %-26s | %5ds | %s' "$@")")
 }
 
 # MORI_TEST_NPES=N: N PEs in the shmem tests and the C++ example, several per GPU when N exceeds
@@ -89,21 +128,46 @@ for t in "${tests[@]}"; do
 done
 run put_get_cpp "$build/examples/put_get" ${MORI_TEST_NPES:-}
 
+# The build tree holds the whole package (sources mirrored next to _C); the source tree has no _C.
+export PYTHONPATH="$PWD/$build/python${PYTHONPATH:+:$PYTHONPATH}"
+export MORI_BUILD_DIR="$PWD/$build"
+pyOk=0
+$py -c 'import torch, mori' >/dev/null 2>&1 && pyOk=1
 if [[ -f examples/python/put_get.py ]]; then
-  # The build tree holds the whole package (sources mirrored next to _C); the source tree has no _C.
-  export PYTHONPATH="$PWD/$build/python${PYTHONPATH:+:$PYTHONPATH}"
-  if ! command -v torchrun >/dev/null 2>&1 || ! $py -c 'import torch, mori' >/dev/null 2>&1; then
-    add_row put_get_python SKIPPED "torch/torchrun or mori missing" 0 -
+  if ! command -v torchrun >/dev/null 2>&1 || [[ $pyOk == 0 ]]; then
+    add_row put_get_python SKIPPED "torch/torchrun or mori missing" 0
   elif [[ $ngpu -lt 2 ]]; then
-    add_row put_get_python SKIPPED "fewer than 2 GPUs" 0 -
+    add_row put_get_python SKIPPED "fewer than 2 GPUs" 0
   else
     run put_get_python torchrun --nproc-per-node="$ngpu" examples/python/put_get.py
   fi
 fi
 
+# The EP suites (every case, the stress with MORI_EP_STRESS_ITERS iterations).
+export MORI_EP_STRESS_ITERS=${MORI_EP_STRESS_ITERS:-500}
+if [[ $ngpu -lt 1 ]]; then
+  add_row ep_intranode SKIPPED "no GPU" 0
+elif [[ $pyOk == 0 ]]; then
+  fail_row ep_intranode "FAIL" "torch or mori ($build/python) missing"
+else
+  run ep_intranode "$py" tests/ops/ep_intranode_test.py --nproc "$ranks"
+fi
+if [[ -f tests/ops/ep_internode_test.py ]]; then
+  # Two or more emulated nodes: half the ranks per node (one per node for an odd count).
+  perNode=$((ranks % 2 == 0 ? ranks / 2 : 1))
+  if [[ $ranks -lt 2 ]]; then
+    add_row ep_internode SKIPPED "needs 2 ranks (MORI_TEST_NPES=4 shares a GPU)" 0
+  elif [[ $pyOk == 0 ]]; then
+    fail_row ep_internode "FAIL" "torch or mori ($build/python) missing"
+  else
+    run ep_internode env MORI_RDMA_EMULATE=1 CUDA_MODULE_LOADING=EAGER \
+      "$py" tests/ops/ep_internode_test.py --nproc "$ranks" --gpu-per-node "$perNode"
+  fi
+fi
+
 if [[ ${BENCH:-1} != 0 ]]; then
   if [[ $ngpu -lt 2 ]]; then  # it measures a link: GPUs cannot be shared here (MORI_TEST_NPES)
-    add_row shmem_put_bench SKIPPED "needs two distinct GPUs" 0 -
+    add_row shmem_put_bench SKIPPED "needs two distinct GPUs" 0
   else
     run shmem_put_bench "$build/tools/shmem_put_bench"
   fi
@@ -111,19 +175,20 @@ fi
 
 # ---- report ---------------------------------------------------------------------------------
 echo
-printf '%-26s | %-9s | %-26s | %6s | %s\n' test result checks time log
-printf '%s\n' "---------------------------+-----------+----------------------------+--------+-----"
+printf '%-26s | %-10s | %-40s | %6s\n' test result checks time
+printf '%s\n' "---------------------------+------------+------------------------------------------+-------"
 printf '%s\n' "${rows[@]}"
+echo "(output of each program: $runLog, build: $buildLog)"
 for log in "${failedLogs[@]}"; do
   echo
-  echo "==== failures in $log (FAIL / error lines, then the tail)"
+  echo "==== failures of $(basename "$log" .log) (FAIL / error lines, then the tail)"
   grep -E 'FAIL|DEVICE CHECK|EXCEPTION|exception|error|Error|killed|signal' "$log" | head -40
   echo "...."
   tail -15 "$log"
 done
-if [[ -f $out/gpu-tests-shmem_put_bench.log ]]; then
+if [[ -f $tmp/shmem_put_bench.log ]]; then
   echo
   echo "==== shmem_put_bench summary"
-  grep -E '^(latency|target|  (warp|block) scope|all results|SOME)' "$out/gpu-tests-shmem_put_bench.log"
+  grep -E '^(latency|target|  (warp|block) scope|all results|SOME)' "$tmp/shmem_put_bench.log"
 fi
 exit $anyFailed

@@ -66,12 +66,20 @@ def run_python(subprocess_env):
     return run
 
 
-def _gpu_missing_reason():
+def _visible_gpus():
+    """(count, why none) of the GPUs the runtime sees here."""
     import mori
 
     info = mori.device_info()
-    if info["count"] == 0:
-        return f"NEEDS GPU: none visible here ({info['error'] or 'no device'})"
+    return int(info["count"]), info["error"] or "no device"
+
+
+GPU_COUNT, _NO_GPU_WHY = _visible_gpus()
+
+
+def _gpu_missing_reason():
+    if GPU_COUNT == 0:
+        return f"NEEDS GPU: none visible here ({_NO_GPU_WHY})"
     return None
 
 
@@ -83,8 +91,32 @@ def _torch_missing_reason():
 
 # Markers for tests that need hardware or torch: they skip with the reason shown by -rs (never a
 # silent pass), reported at the test's own location.
-needs_gpu = pytest.mark.skipif(_gpu_missing_reason() is not None, reason=str(_gpu_missing_reason()))
 needs_torch = pytest.mark.skipif(_torch_missing_reason() is not None, reason=str(_torch_missing_reason()))
+
+
+def needs_gpu(test):
+    """Marks a GPU test (marker `gpu`): skipped with the reason where no GPU is visible. Where one
+    is, the test must run: a skip of it, for whatever reason, fails the run."""
+    test = pytest.mark.gpu(test)
+    return pytest.mark.skipif(GPU_COUNT == 0, reason=str(_gpu_missing_reason()))(test)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: a GPU test; skipping it while a GPU is visible fails the run")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A GPU test skipped (in set-up or in its body) while GPUs are visible is reported as failed:
+    on a GPU machine the test command must run what it claims, not pass by skipping."""
+    outcome = yield
+    rep = outcome.get_result()
+    if GPU_COUNT == 0 or not rep.skipped or hasattr(rep, "wasxfail") or item.get_closest_marker("gpu") is None:
+        return
+    reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+    reason = reason[len("Skipped: "):] if reason.startswith("Skipped: ") else reason
+    rep.outcome = "failed"
+    rep.longrepr = f"GPU test skipped although {GPU_COUNT} GPU(s) are visible: {reason}"
 
 
 def cpp_mori_info():

@@ -1,5 +1,10 @@
-"""Runs the EP GPU correctness suite (tests/ops/ep_intranode_test.py) on 2 GPUs, and on 4 when
-there are 4. Skips with the reason when there is no torch or fewer than 2 GPUs."""
+"""The EP GPU correctness suites in a short form, on any machine with a GPU (ranks share GPUs when
+there are fewer than ranks): tests/ops/ep_intranode_test.py with 2 and 4 ranks, and
+tests/ops/ep_internode_test.py with 4 ranks as 2 emulated nodes of 2 GPUs where that file exists.
+
+Short form: every case, the randomized stress with SHORT_ITERS iterations and SHORT_ITERS
+back-to-back iterations. A case the suite skips fails the test, as does a skip of the test itself
+while a GPU is visible (conftest.needs_gpu); without a GPU it skips with the reason."""
 
 import importlib.util
 import os
@@ -9,39 +14,45 @@ import sys
 
 import pytest
 
-import mori
+from conftest import needs_gpu
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SUITE = os.path.join(REPO, "tests", "ops", "ep_intranode_test.py")
+INTRANODE = os.path.join(REPO, "tests", "ops", "ep_intranode_test.py")
+INTERNODE = os.path.join(REPO, "tests", "ops", "ep_internode_test.py")
+SHORT_ITERS = 200
+
+# (suite, ranks, GPUs per emulated node or None for one node)
+RUNS = [(INTRANODE, 2, None), (INTRANODE, 4, None)]
+if os.path.exists(INTERNODE):
+    RUNS.append((INTERNODE, 4, 2))
 
 
-def _gpu_count():
-    try:
-        return int(mori.device_info()["count"])
-    except Exception:  # noqa: BLE001
-        return 0
+def _run_id(run):
+    suite, nranks, per_node = run
+    name = os.path.basename(suite)[: -len("_test.py")]
+    return f"{name}-{nranks}ranks" + (f"-{per_node}pernode" if per_node else "")
 
 
-def _skip_reason(nranks):
+@needs_gpu
+@pytest.mark.parametrize("run", RUNS, ids=[_run_id(r) for r in RUNS])
+def test_ep_suite_short(run, subprocess_env):
+    suite, nranks, per_node = run
     if importlib.util.find_spec("torch") is None:
-        return "NEEDS TORCH: torch is not installed for " + sys.executable
-    n = _gpu_count()
-    if n < nranks:
-        return f"NEEDS {nranks} GPUs: {n} visible"
-    return None
-
-
-@pytest.mark.parametrize("nranks", [2, 4])
-def test_ep_intranode_suite(nranks, subprocess_env):
-    reason = _skip_reason(nranks)
-    if reason:
-        pytest.skip(reason)
+        pytest.skip("NEEDS TORCH: torch is not installed for " + sys.executable)
     env = dict(subprocess_env)
     env["MORI_BUILD_DIR"] = os.environ.get("MORI_BUILD_DIR", "")
-    proc = subprocess.run([sys.executable, SUITE, "--nproc", str(nranks)], env=env, capture_output=True,
-                          text=True, timeout=3600)
+    env["MORI_EP_STRESS_ITERS"] = str(SHORT_ITERS)
+    cmd = [sys.executable, suite, "--nproc", str(nranks), "--b2b-iters", str(SHORT_ITERS)]
+    if per_node is not None:
+        # The inter-node path runs between emulated nodes through the RDMA queue emulator.
+        cmd += ["--gpu-per-node", str(per_node)]
+        env.update(MORI_RDMA_EMULATE="1", CUDA_MODULE_LOADING="EAGER")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     out = proc.stdout + proc.stderr
+    tail = f"$ {' '.join(cmd)}\n" + out[-4000:]
     m = re.search(r"^(\d+) passed, (\d+) failed$", proc.stdout, re.M)
-    assert m is not None, out[-4000:]
-    assert int(m.group(2)) == 0 and proc.returncode == 0, out[-4000:]
-    assert int(m.group(1)) > 10, out[-4000:]
+    assert m is not None, tail
+    skipped = re.findall(r"^\[SKIP\] .*$", proc.stdout, re.M)
+    assert not skipped, "cases skipped on a GPU machine:\n" + "\n".join(skipped)
+    assert int(m.group(2)) == 0 and proc.returncode == 0, tail
+    assert int(m.group(1)) > 10, tail
