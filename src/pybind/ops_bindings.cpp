@@ -43,38 +43,24 @@ EpIndexType IndexTypeFromInt(int code) {
   return static_cast<EpIndexType>(code);
 }
 
+// {"symmetric": {...}, "local": {...}}: name -> offset of every region the config uses (and
+// "total_bytes"), plus "regions": [(block, name, offset, bytes, role)] of every region, used or not.
 py::dict LayoutDict(const EpDispatchCombineConfig& c) {
   c.Validate();
-  ops::EpSymmetricLayout s = ops::MakeEpSymmetricLayout(c);
-  ops::EpLocalLayout l = ops::MakeEpLocalLayout(c);
-  py::dict symm, local, d;
-  symm["count_inbox"] = s.countInbox;
-  symm["expert_inbox"] = s.expertInbox;
-  symm["ready_inbox"] = s.readyInbox;
-  symm["done_inbox"] = s.doneInbox;
-  symm["arrived"] = s.arrived;
-  symm["dispatch_out_tokens"] = s.dispatchOutTokens;
-  symm["dispatch_out_weights"] = s.dispatchOutWeights;
-  symm["dispatch_out_scales"] = s.dispatchOutScales;
-  symm["dispatch_out_indices"] = s.dispatchOutIndices;
-  symm["dispatch_out_src_pos"] = s.dispatchOutSrcPos;
-  symm["combine_in_tokens"] = s.combineInTokens;
-  symm["combine_in_weights"] = s.combineInWeights;
-  if (ops::EpPushCombineFits(c)) {  // the push combine's buffers exist only then
-    symm["push_arrived"] = s.pushArrived;
-    symm["push_recv_tokens"] = s.pushRecvTokens;
-    symm["push_recv_weights"] = s.pushRecvWeights;
-  }
-  symm["total_bytes"] = s.totalBytes;
-  local["state"] = l.state;
-  local["total_recv"] = l.totalRecv;
-  local["local_expert_count"] = l.localExpertCount;
-  local["token_slot"] = l.tokenSlot;
-  local["combine_out_weights"] = l.combineOutWeights;
-  local["combine_out_tokens"] = l.combineOutTokens;
-  local["total_bytes"] = l.totalBytes;
-  d["symmetric"] = symm;
-  d["local"] = local;
+  py::dict d;
+  py::list all;
+  auto add = [&](const char* block, const std::vector<ops::EpRegionInfo>& regions, size_t total) {
+    py::dict offsets;
+    for (const ops::EpRegionInfo& r : regions) {
+      if (r.bytes > 0) offsets[r.name] = r.offset;
+      all.append(py::make_tuple(block, r.name, r.offset, r.bytes, ops::EpRegionRoleName(r.role)));
+    }
+    offsets["total_bytes"] = total;
+    d[block] = offsets;
+  };
+  add("symmetric", ops::EpSymmetricRegions(c), ops::MakeEpSymmetricLayout(c).totalBytes);
+  add("local", ops::EpLocalRegions(c), ops::MakeEpLocalLayout(c).totalBytes);
+  d["regions"] = all;
   return d;
 }
 
@@ -135,7 +121,7 @@ void RegisterOpsBindings(py::module_& m) {
                        int maxTokenTypeSize, int maxNumInpTokenPerRank, int numExpertsPerRank,
                        int numExpertsPerToken, int warpNumPerBlock, int blockNum,
                        bool useExternalInpBuf, int kernelType, int gpuPerNode, int rdmaBlockNum,
-                       int numQpPerPe) {
+                       int numQpPerPe, int maxTotalRecvTokens) {
              EpDispatchCombineConfig c;
              c.rank = rank;
              c.worldSize = worldSize;
@@ -153,6 +139,7 @@ void RegisterOpsBindings(py::module_& m) {
              c.gpuPerNode = gpuPerNode;
              c.rdmaBlockNum = rdmaBlockNum;
              c.numQpPerPe = numQpPerPe;
+             c.maxTotalRecvTokens = maxTotalRecvTokens;
              return c;
            }),
            py::arg("rank"), py::arg("world_size"), py::arg("hidden_dim"), py::arg("scale_dim"),
@@ -161,7 +148,7 @@ void RegisterOpsBindings(py::module_& m) {
            py::arg("num_experts_per_token"), py::arg("warp_num_per_block") = 8,
            py::arg("block_num") = 80, py::arg("use_external_inp_buf") = true,
            py::arg("kernel_type") = 0, py::arg("gpu_per_node") = 8, py::arg("rdma_block_num") = 0,
-           py::arg("num_qp_per_pe") = 1)
+           py::arg("num_qp_per_pe") = 1, py::arg("max_total_recv_tokens") = 0)
       .def_readonly("rank", &EpDispatchCombineConfig::rank)
       .def_readonly("world_size", &EpDispatchCombineConfig::worldSize)
       .def_readonly("hidden_dim", &EpDispatchCombineConfig::hiddenDim)
@@ -181,6 +168,7 @@ void RegisterOpsBindings(py::module_& m) {
       .def_readonly("gpu_per_node", &EpDispatchCombineConfig::gpuPerNode)
       .def_readonly("rdma_block_num", &EpDispatchCombineConfig::rdmaBlockNum)
       .def_readonly("num_qp_per_pe", &EpDispatchCombineConfig::numQpPerPe)
+      .def_readonly("max_total_recv_tokens", &EpDispatchCombineConfig::maxTotalRecvTokens)
       .def("validate", &EpDispatchCombineConfig::Validate,
            "Raise InvalidUsageError naming the first bad field")
       .def("max_num_recv_tokens", &EpDispatchCombineConfig::MaxNumRecvTokens)
@@ -276,6 +264,10 @@ void RegisterOpsBindings(py::module_& m) {
       .def_property_readonly("last_num_tokens", &EpDispatchCombineHandle::LastDispatchNumTokens)
       .def_property_readonly("programmatic_launch", &EpDispatchCombineHandle::ProgrammaticLaunch)
       .def_property_readonly("last_row_bytes", &EpDispatchCombineHandle::LastDispatchRowBytes)
+      .def_property_readonly("symmetric_base",
+                             [](const EpDispatchCombineHandle& h) { return Int(h.SymmetricBase()); })
+      .def_property_readonly("local_base",
+                             [](const EpDispatchCombineHandle& h) { return Int(h.LocalBase()); })
       .def_property_readonly("dispatch_out_tokens",
                              [](const EpDispatchCombineHandle& h) { return Int(h.DispatchOutTokens()); })
       .def_property_readonly("dispatch_out_weights",

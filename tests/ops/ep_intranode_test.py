@@ -53,6 +53,13 @@ class Env:
         self.ops = []
         self.mori = None
 
+    def config(self, **kw):
+        """An EpDispatchCombineConfig of this run's kernel type (--kernel-type, --gpu-per-node)
+        unless the case names one."""
+        kw.setdefault("kernel_type", self.args.kernel_type)
+        kw.setdefault("gpu_per_node", self.args.gpu_per_node or self.W)
+        return self.mori.ops.EpDispatchCombineConfig(**kw)
+
     def dt(self, name):
         t = self.torch
         if name == "fp8":
@@ -280,7 +287,7 @@ def roundtrip(env, spec, op=None, label=""):
             sdim = spec.scale[0]
             stsz = 4 if spec.scale[1] == "f32" else 1
         launch = spec.cfg_launch or (80, 8)
-        cfg = mori.ops.EpDispatchCombineConfig(
+        cfg = env.config(
             rank=r, world_size=W, hidden_dim=spec.cfg_H or spec.H(0), scale_dim=sdim, scale_type_size=stsz,
             max_token_type_size=tts, max_num_inp_token_per_rank=spec.M, num_experts_per_rank=spec.Epr,
             num_experts_per_token=spec.K, block_num=launch[0], warp_num_per_block=launch[1],
@@ -516,7 +523,7 @@ def case_cuda_graph(env):
     r, W = env.rank, env.W
     T = 100
     spec = Spec(H=2048, K=8, Epr=8, M=128, t_mode=T, routing="random_neg", poison=False, seed=40)
-    cfg = mori.ops.EpDispatchCombineConfig(rank=r, world_size=W, hidden_dim=2048, scale_dim=0, scale_type_size=0,
+    cfg = env.config(rank=r, world_size=W, hidden_dim=2048, scale_dim=0, scale_type_size=0,
                                            max_token_type_size=2, max_num_inp_token_per_rank=128,
                                            num_experts_per_rank=8, num_experts_per_token=8, use_external_inp_buf=False)
     op = env.new_op(cfg)  # check_inputs=True: skipped automatically while capturing
@@ -570,7 +577,7 @@ def case_bad_inputs(env):
     mori = env.mori
     r, W = env.rank, env.W
     H, K, Epr, M = 256, 4, 2, 64
-    mk = lambda **kw: mori.ops.EpDispatchCombineConfig(**{**dict(  # noqa: E731
+    mk = lambda **kw: env.config(**{**dict(  # noqa: E731
         rank=r, world_size=W, hidden_dim=H, scale_dim=0, scale_type_size=0, max_token_type_size=2,
         max_num_inp_token_per_rank=M, num_experts_per_rank=Epr, num_experts_per_token=K), **kw})
     errors = []
@@ -586,7 +593,14 @@ def case_bad_inputs(env):
         errors.append(f"{what}: no error")
 
     # config errors (every rank raises; nothing is allocated)
-    expect("kernel_type InterNode", lambda: env.new_op(mk(kernel_type=mori.ops.EpDispatchCombineKernelType.InterNode)))
+    expect("kernel_type InterNodeV1 (not built)",
+           lambda: env.new_op(mk(kernel_type=mori.ops.EpDispatchCombineKernelType.InterNodeV1)))
+    G = env.args.gpu_per_node or W
+    if env.args.kernel_type == "IntraNode" and W > 1:
+        expect("InterNode with gpu_per_node 1 on one node", lambda: env.new_op(mk(kernel_type="InterNode", gpu_per_node=1)))
+    if env.args.kernel_type == "InterNode" and G < W:
+        expect("IntraNode across nodes", lambda: env.new_op(mk(kernel_type="IntraNode")))
+        expect("gpu_per_node other than shmem's", lambda: env.new_op(mk(gpu_per_node=W)))
     expect("world_size mismatch", lambda: env.new_op(mk(world_size=W + 1)))
     expect("top-k 0", lambda: env.new_op(mk(num_experts_per_token=0)))
     op = env.new_op(mk())
@@ -649,7 +663,7 @@ def small_cfg(env, **kw):
                 max_token_type_size=2, max_num_inp_token_per_rank=128, num_experts_per_rank=8,
                 num_experts_per_token=8)
     base.update(kw)
-    return env.mori.ops.EpDispatchCombineConfig(**base)
+    return env.config(**base)
 
 
 def sleep_ms(env, ms):
@@ -759,6 +773,43 @@ def case_copy_on_side_stream(env):
     _raise_on_counters(env, spec, op, cnt, None, "copy on a side stream", 1)
     if errors:
         raise CaseFailure("; ".join(errors))
+
+
+def case_receive_cap(env):
+    """max_total_recv_tokens below what rank 0 receives (every token goes to rank 0): rank 0's
+    dispatch raises an error naming the cap (from the device record) instead of writing past its
+    buffers; senders whose rows would not fit report it too and write nothing. A new op works."""
+    mori = env.mori
+    W, r = env.W, env.rank
+    if W < 2:
+        raise SkipCase("needs 2 ranks (rank 0 must receive more than one rank's tokens)")
+    M = 64
+    spec = Spec(H=1024, M=M, routing="one_rank", t_mode="max", seed=61, poison=False, weights=True)
+    cfg = env.config(rank=r, world_size=W, hidden_dim=1024, scale_dim=0, scale_type_size=0, max_token_type_size=2,
+                     max_num_inp_token_per_rank=M, num_experts_per_rank=spec.Epr, num_experts_per_token=spec.K,
+                     max_total_recv_tokens=M + M // 2)
+    op = env.new_op(cfg, check_inputs=False)
+    X, IDX, WT, SC, Ts = make_data(env, spec, 0, spec.seed)
+    env.barrier()
+    op.dispatch(X[r, :M].contiguous(), WT[r, :M].contiguous(), None, IDX[r, :M].contiguous())
+    msg = None
+    try:
+        env.torch.cuda.synchronize()
+        mori.shmem.shmem_check_device_error()
+    except Exception as e:  # noqa: BLE001
+        msg = str(e)
+    errors = []
+    # rank 0 receives W * M rows > cap; senders s >= 2 start beyond the cap (s * M + M > cap)
+    must_fail = r == 0 or r * M + M > M + M // 2
+    if must_fail and (msg is None or "max_total_recv_tokens" not in msg):
+        errors.append(f"expected an error naming max_total_recv_tokens, got {msg!r}")
+    if not must_fail and msg is not None:
+        errors.append(f"unexpected error: {msg}")
+    env.barrier()
+    env.close_ops()
+    if errors:
+        raise CaseFailure("; ".join(errors))
+    roundtrip(env, Spec(H=1024, M=M, seed=62), label="after the receive-cap error")
 
 
 def case_refused_after_device_abort(env):
@@ -918,6 +969,7 @@ CASES = [
     ("bad_inputs", case_bad_inputs),
     ("config_mismatch_across_ranks", case_config_mismatch_across_ranks),
     ("copy_on_side_stream", case_copy_on_side_stream),
+    ("receive_cap_overflow", case_receive_cap),
     ("refused_after_device_abort", case_refused_after_device_abort),
     ("destroy_while_peers_combine", case_destroy_while_peers_combine),
     ("back_to_back_iterations", case_back_to_back),
@@ -960,7 +1012,7 @@ def worker(rank, world, local_rank, args):
         t0 = time.time()
         msg = None
         try:
-            cfg = mori.ops.EpDispatchCombineConfig(rank=rank, world_size=world, hidden_dim=256, scale_dim=0,
+            cfg = env.config(rank=rank, world_size=world, hidden_dim=256, scale_dim=0,
                                                    scale_type_size=0, max_token_type_size=2,
                                                    max_num_inp_token_per_rank=8, num_experts_per_rank=1,
                                                    num_experts_per_token=1)
@@ -975,7 +1027,7 @@ def worker(rank, world, local_rank, args):
 
     mori.shmem.shmem_torch_process_group_init("default")
     if rank == 0:
-        print(f"mori EP IntraNode suite: {world} ranks, {torch.cuda.get_device_name(local_rank)}, "
+        print(f"mori EP {args.kernel_type} suite: {world} ranks, gpu_per_node {args.gpu_per_node or world}, {torch.cuda.get_device_name(local_rank)}, "
               f"backend {mori.backend() if callable(getattr(mori, 'backend', None)) else '?'}", flush=True)
         if world > torch.cuda.device_count():
             print(f"note: {world} ranks share {torch.cuda.device_count()} GPU(s): the protocol runs between "
@@ -1015,7 +1067,7 @@ def worker(rank, world, local_rank, args):
         t0 = time.time()
         msg = None
         try:
-            cfg = mori.ops.EpDispatchCombineConfig(rank=rank, world_size=world, hidden_dim=256, scale_dim=0,
+            cfg = env.config(rank=rank, world_size=world, hidden_dim=256, scale_dim=0,
                                                    scale_type_size=0, max_token_type_size=2,
                                                    max_num_inp_token_per_rank=8, num_experts_per_rank=1,
                                                    num_experts_per_token=1)
@@ -1056,14 +1108,25 @@ def _collect(env, record, name, msg, secs):
     record(name, "FAIL" if bad else "PASS", " | ".join(bad), secs)
 
 
-def main():
+def main(argv=None, default_kernel_type="IntraNode"):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=0, help="spawn this many ranks (default: all GPUs) when not under torchrun")
     p.add_argument("-k", action="append", default=[], help="run cases whose name contains this (repeatable)")
     p.add_argument("--b2b-iters", type=int, default=1000, help="iterations of back_to_back_iterations")
+    p.add_argument("--kernel-type", default=default_kernel_type, choices=("IntraNode", "InterNode"),
+                   help="kernel family under test (default %(default)s)")
+    p.add_argument("--gpu-per-node", type=int, default=0,
+                   help="PEs per (virtual) node; InterNode with fewer than the ranks emulates RDMA between "
+                        "nodes (MORI_GPU_PER_NODE, MORI_RDMA_EMULATE=1, CUDA_MODULE_LOADING=EAGER)")
     p.add_argument("--list", action="store_true")
     p.add_argument("-v", "--verbose", action="store_true")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if args.gpu_per_node > 0:
+        # Nodes are emulated: shmem's topology (and the emulated NIC between nodes) come from these,
+        # set before any rank initialises CUDA.
+        os.environ["MORI_GPU_PER_NODE"] = str(args.gpu_per_node)
+        os.environ.setdefault("MORI_RDMA_EMULATE", "1")
+        os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
     if args.list:
         for n, _ in CASES:
             print(n)

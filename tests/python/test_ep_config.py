@@ -69,12 +69,61 @@ def test_non_int_field():
         make(hidden_dim="7168").validate()
 
 
-@pytest.mark.parametrize("kt", ["InterNode", "InterNodeV1", "InterNodeV1LL"])
+@pytest.mark.parametrize("kt", ["InterNodeV1", "InterNodeV1LL"])
 def test_other_kernel_types_not_built(kt):
     with pytest.raises(mori.InvalidUsageError, match="not built yet"):
         make(kernel_type=ops.EpDispatchCombineKernelType[kt]).validate()
     with pytest.raises(mori.InvalidUsageError, match="not built yet"):
         make(kernel_type=kt).validate()  # names work too
+
+
+def test_internode_config_needs_equal_nodes():
+    make(kernel_type="InterNode", world_size=4, gpu_per_node=2).validate()
+    make(kernel_type="InterNode", world_size=4, gpu_per_node=8).validate()  # one node of 4
+    with pytest.raises(mori.InvalidUsageError, match="multiple of gpu_per_node"):
+        make(kernel_type="InterNode", world_size=6, gpu_per_node=4).validate()
+
+
+def _regions(c):
+    return {(blk, name): (off, nbytes, role) for blk, name, off, nbytes, role in ops.ep_layout(c)["regions"]}
+
+
+def test_region_table_is_the_layout():
+    # ep_layout's offsets, the region list and the size hint come from one table: every region
+    # used by the config appears in both views with the same offset, unused ones have 0 bytes.
+    for kt in ("IntraNode", "InterNode"):
+        c = make(kernel_type=kt, world_size=4, gpu_per_node=2, max_num_inp_token_per_rank=128)
+        lay = ops.ep_layout(c)
+        regs = _regions(c)
+        for (blk, name), (off, nbytes, role) in regs.items():
+            assert role in ("control", "output", "input", "staging")
+            if nbytes > 0:
+                assert lay[blk][name] == off
+            else:
+                assert name not in lay[blk] and off == 0
+        ends = sorted((off, off + n) for (blk, _), (off, n, _) in regs.items() if blk == "symmetric" and n > 0)
+        assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:])), "regions overlap"
+        assert ends[-1][1] <= lay["symmetric"]["total_bytes"] == ops.ep_symmetric_bytes(c)
+        inter = {n for (b, n), (_, nb, _) in regs.items() if nb > 0 and n.startswith(("stage_", "landing_", "inter_"))}
+        push = {n for (b, n), (_, nb, _) in regs.items() if nb > 0 and n.startswith("push_")}
+        if kt == "InterNode":
+            assert inter and not push
+        else:
+            assert push and not inter
+
+
+def test_max_total_recv_tokens_sizes_receive_regions():
+    full = make(world_size=8, max_num_inp_token_per_rank=512)
+    capped = make(world_size=8, max_num_inp_token_per_rank=512, max_total_recv_tokens=1024)
+    assert full.max_num_recv_tokens == 8 * 512 and capped.max_num_recv_tokens == 1024
+    assert make(world_size=2, max_num_inp_token_per_rank=512, max_total_recv_tokens=1 << 20).max_num_recv_tokens == 1024
+    rf, rc = _regions(full), _regions(capped)
+    row = 7168 * 2
+    assert rf[("symmetric", "dispatch_out_tokens")][1] == 8 * 512 * row
+    assert rc[("symmetric", "dispatch_out_tokens")][1] == 1024 * row
+    assert rc[("symmetric", "combine_in_tokens")][1] == 1024 * row
+    with pytest.raises(mori.InvalidUsageError, match="max_total_recv_tokens"):
+        make(max_total_recv_tokens=-1).validate()
 
 
 def test_size_hints_ht_config_under_1gib():

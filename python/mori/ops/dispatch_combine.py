@@ -57,6 +57,7 @@ class EpDispatchCombineConfig:
     rdma_block_num: int = 0
     num_qp_per_pe: int = 1
     data_type: object = None
+    max_total_recv_tokens: int = 0
 
     def to_native(self):
         def as_int(name):
@@ -98,6 +99,7 @@ class EpDispatchCombineConfig:
             gpu_per_node=as_int("gpu_per_node"),
             rdma_block_num=as_int("rdma_block_num"),
             num_qp_per_pe=as_int("num_qp_per_pe"),
+            max_total_recv_tokens=as_int("max_total_recv_tokens"),
         )
 
     def validate(self):
@@ -110,7 +112,9 @@ class EpDispatchCombineConfig:
 
     @property
     def max_num_recv_tokens(self):
-        return self.world_size * self.max_num_inp_token_per_rank
+        """Receive capacity in rows (world_size * max_num_inp_token_per_rank, or
+        max_total_recv_tokens when set and smaller)."""
+        return self.to_native().max_num_recv_tokens()
 
 
 def ep_symmetric_bytes(config):
@@ -515,23 +519,12 @@ class EpDispatchCombineOp:
         inside a call of this op (e.g. after a host barrier): peers write and read these buffers
         during calls."""
         torch = _torch()
-        cfg = self.config
         h = self._h()
-        row = cfg.hidden_dim * cfg.max_token_type_size
-        regions = [
-            ("dispatch_out_tokens", self._rmax * row),
-            ("dispatch_out_weights", self._rmax * self._K * 4),
-            ("dispatch_out_indices", self._rmax * self._K * 8),
-            ("dispatch_src_token_pos", self._rmax * 4),
-            ("total_recv_token_num", 4),
-            ("local_expert_count", cfg.num_experts_per_rank * 4),
-            ("combine_out_tokens", self._M * row),
-            ("combine_out_weights", self._M * self._K * 4),
-        ]
-        if cfg.scale_dim > 0:
-            regions.append(("dispatch_out_scales", self._rmax * cfg.scale_dim * cfg.scale_type_size))
-        for attr, nbytes in regions:
-            _tensor_from_ptr(getattr(h, attr), (nbytes,), torch.uint8, self._device_index).fill_(value & 0xFF)
+        bases = {"symmetric": h.symmetric_base, "local": h.local_base}
+        for block, _name, offset, nbytes, role in ep_layout(self.config)["regions"]:
+            if role == "output" and nbytes > 0:
+                t = _tensor_from_ptr(bases[block] + offset, (nbytes,), torch.uint8, self._device_index)
+                t.fill_(value & 0xFF)
 
     def check_device_error(self):
         """Raise mori.TimeoutError if a device-side wait expired (e.g. a peer never called), and

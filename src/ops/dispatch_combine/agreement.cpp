@@ -13,6 +13,7 @@ namespace {
 // kConfig fields, in the order they are checked: the config fields first (the first difference
 // named is the one the user set), then the layout derived from them (catches PEs running
 // different mori builds).
+#define MORI_EP_AGREE_NAME(field, name, bytes, role) "layout." name,
 constexpr const char* kConfigFieldNames[] = {
     "world_size",
     "hidden_dim",
@@ -23,26 +24,15 @@ constexpr const char* kConfigFieldNames[] = {
     "scale_dim",
     "scale_type_size",
     "kernel_type",
+    "gpu_per_node",
+    "max_total_recv_tokens",
     "symmetric_bytes",
-    "layout.count_inbox",
-    "layout.expert_inbox",
-    "layout.ready_inbox",
-    "layout.done_inbox",
-    "layout.arrived",
-    "layout.dispatch_out_tokens",
-    "layout.dispatch_out_weights",
-    "layout.dispatch_out_scales",
-    "layout.dispatch_out_indices",
-    "layout.dispatch_out_src_pos",
-    "layout.combine_in_tokens",
-    "layout.combine_in_weights",
-    "layout.push_arrived",
-    "layout.push_recv_tokens",
-    "layout.push_recv_weights",
+    MORI_EP_SYMMETRIC_REGIONS(MORI_EP_AGREE_NAME, _)
     "push combine (MORI_EP_COMBINE_PUSH)",
 };
+#undef MORI_EP_AGREE_NAME
 constexpr int kNumConfigFields = static_cast<int>(sizeof(kConfigFieldNames) / sizeof(char*));
-constexpr int kSymmetricBytesField = 9;
+constexpr int kSymmetricBytesField = 11;
 static_assert(kNumConfigFields <= kEpAgreementMaxFields, "raise kEpAgreementMaxFields");
 
 EpAgreementRow EmptyRow(EpAgreementStage stage) {
@@ -92,6 +82,7 @@ const char* EpAgreementFieldName(EpAgreementStage stage, int index) {
 EpAgreementRow MakeEpConfigAgreementRow(const EpDispatchCombineConfig& c, uint64_t heapFreeBytes,
                                         bool pushCombine) {
   const EpSymmetricLayout s = MakeEpSymmetricLayout(c);
+#define MORI_EP_AGREE_VALUE(field, name, bytes, role) static_cast<int64_t>(s.field),
   const int64_t values[] = {
       c.worldSize,
       c.hiddenDim,
@@ -102,24 +93,13 @@ EpAgreementRow MakeEpConfigAgreementRow(const EpDispatchCombineConfig& c, uint64
       c.scaleDim,
       c.scaleTypeSize,
       static_cast<int64_t>(c.kernelType),
+      c.gpuPerNode,
+      c.MaxNumRecvTokens(),
       static_cast<int64_t>(s.totalBytes),
-      static_cast<int64_t>(s.countInbox),
-      static_cast<int64_t>(s.expertInbox),
-      static_cast<int64_t>(s.readyInbox),
-      static_cast<int64_t>(s.doneInbox),
-      static_cast<int64_t>(s.arrived),
-      static_cast<int64_t>(s.dispatchOutTokens),
-      static_cast<int64_t>(s.dispatchOutWeights),
-      static_cast<int64_t>(s.dispatchOutScales),
-      static_cast<int64_t>(s.dispatchOutIndices),
-      static_cast<int64_t>(s.dispatchOutSrcPos),
-      static_cast<int64_t>(s.combineInTokens),
-      static_cast<int64_t>(s.combineInWeights),
-      static_cast<int64_t>(s.pushArrived),
-      static_cast<int64_t>(s.pushRecvTokens),
-      static_cast<int64_t>(s.pushRecvWeights),
+      MORI_EP_SYMMETRIC_REGIONS(MORI_EP_AGREE_VALUE, _)
       pushCombine ? 1 : 0,
   };
+#undef MORI_EP_AGREE_VALUE
   static_assert(sizeof(values) / sizeof(values[0]) == kNumConfigFields,
                 "one value per kConfigFieldNames entry");
   EpAgreementRow row = EmptyRow(EpAgreementStage::kConfig);
@@ -190,7 +170,7 @@ std::string FindEpDisagreement(EpAgreementStage stage, const EpAgreementRow* row
           "the EP op config differs across PEs: PE %d has %s = %lld but PE 0 has %lld (every PE "
           "must use the same world_size, hidden_dim, max_token_type_size, "
           "max_num_inp_token_per_rank, num_experts_per_rank, num_experts_per_token, scale_dim, "
-          "scale_type_size and kernel_type; block_num and warp_num_per_block may differ)",
+          "scale_type_size, kernel_type, gpu_per_node and max_total_recv_tokens; block_num and warp_num_per_block may differ)",
           p, EpAgreementFieldName(stage, f), mine, first);
     }
   }

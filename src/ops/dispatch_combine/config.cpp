@@ -97,14 +97,21 @@ void EpDispatchCombineConfig::Validate() const {
   CheckRange("gpu_per_node", gpuPerNode, 1, 1 << 16);
   CheckRange("rdma_block_num", rdmaBlockNum, 0, 1 << 16);
   CheckRange("num_qp_per_pe", numQpPerPe, 1, 1 << 10);
+  CheckRange("max_total_recv_tokens", maxTotalRecvTokens, 0, 1 << 30,
+             "0 means world_size * max_num_inp_token_per_rank");
   switch (kernelType) {
     case EpDispatchCombineKernelType::kIntraNode: break;
     case EpDispatchCombineKernelType::kInterNode:
+      MORI_ENSURE(worldSize % LocalSize() == 0, InvalidUsageError,
+                  "EpDispatchCombineConfig: kernel_type InterNode needs nodes of equal size, but "
+                  "world_size = %d is not a multiple of gpu_per_node = %d",
+                  worldSize, gpuPerNode);
+      break;
     case EpDispatchCombineKernelType::kInterNodeV1:
     case EpDispatchCombineKernelType::kInterNodeV1LL:
       MORI_THROW(InvalidUsageError,
                  "EpDispatchCombineConfig.kernel_type = %s: not built yet (this build has the "
-                 "IntraNode kernels only; every PE must be reachable over NVLink/xGMI)",
+                 "IntraNode and InterNode kernels)",
                  EpKernelTypeName(kernelType));
     default:
       MORI_THROW(InvalidUsageError, "EpDispatchCombineConfig.kernel_type = %d is not a kernel type",
@@ -125,59 +132,91 @@ size_t EpDispatchSmemBytes(const EpDispatchCombineConfig& c, int warpSize) {
          AlignUp(static_cast<size_t>(c.numExpertsPerRank) * sizeof(int32_t), 16);
 }
 
-EpSymmetricLayout MakeEpSymmetricLayout(const EpDispatchCombineConfig& c) {
-  const size_t w = static_cast<size_t>(c.worldSize);
-  const size_t k = static_cast<size_t>(c.numExpertsPerToken);
-  const size_t rmax = static_cast<size_t>(c.MaxNumRecvTokens());
-  EpSymmetricLayout l;
-  size_t off = 0;
-  auto take = [&](size_t bytes) {
-    size_t at = off;
-    off = AlignUp(off + bytes, kEpBufferAlign);
-    return at;
-  };
-  l.countInbox = take(2 * w * w * sizeof(EpSignal));
-  l.expertInbox = take(2 * w * static_cast<size_t>(c.numExpertsPerRank) * sizeof(int32_t));
-  l.readyInbox = take(2 * w * sizeof(EpSignal));
-  l.doneInbox = take(w * sizeof(EpSignal));
-  l.arrived = take(w * sizeof(uint64_t));
-  l.dispatchOutTokens = take(rmax * c.MaxTokenRowBytes());
-  l.dispatchOutWeights = take(rmax * k * sizeof(float));
-  l.dispatchOutScales = take(rmax * c.ScaleRowBytes());
-  l.dispatchOutIndices = take(rmax * k * sizeof(int64_t));
-  l.dispatchOutSrcPos = take(rmax * sizeof(int32_t));
-  l.combineInTokens = take(rmax * c.MaxTokenRowBytes());
-  l.combineInWeights = take(rmax * k * sizeof(float));
-  if (EpPushCombineFits(c)) {
-    const size_t slots = 2 * static_cast<size_t>(c.maxNumInpTokenPerRank) * w;  // 2 parities
-    l.pushArrived = take(2 * w * sizeof(uint64_t));
-    l.pushRecvTokens = take(slots * c.MaxTokenRowBytes());
-    l.pushRecvWeights = take(slots * k * sizeof(float));
+const char* EpRegionRoleName(EpRegionRole role) {
+  switch (role) {
+    case EpRegionRole::kControl: return "control";
+    case EpRegionRole::kOutput: return "output";
+    case EpRegionRole::kInput: return "input";
+    case EpRegionRole::kStaging: return "staging";
   }
-  l.totalBytes = off;
+  return "unknown";
+}
+
+EpLayoutDims MakeEpLayoutDims(const EpDispatchCombineConfig& c) {
+  EpLayoutDims d{};
+  d.w = static_cast<size_t>(c.worldSize);
+  d.k = static_cast<size_t>(c.numExpertsPerToken);
+  d.m = static_cast<size_t>(c.maxNumInpTokenPerRank);
+  d.epr = static_cast<size_t>(c.numExpertsPerRank);
+  d.rmax = static_cast<size_t>(c.MaxNumRecvTokens());
+  d.row = c.MaxTokenRowBytes();
+  d.scaleRow = c.ScaleRowBytes();
+  d.push = EpPushCombineFits(c) ? 1 : 0;
+  d.inter = c.kernelType == EpDispatchCombineKernelType::kInterNode ? 1 : 0;
+  d.landing = d.m * std::min(d.k, d.w);
+  return d;
+}
+
+namespace {
+
+// Lays out the regions of one table in order, each kEpBufferAlign-aligned; unused regions (0
+// bytes) get offset 0 and take no room.
+struct RegionPlacer {
+  size_t off = 0;
+  std::vector<EpRegionInfo>* out = nullptr;
+  size_t Take(const char* name, size_t bytes, EpRegionRole role) {
+    const size_t at = bytes == 0 ? 0 : off;
+    if (bytes != 0) off = AlignUp(off + bytes, kEpBufferAlign);
+    if (out != nullptr) out->push_back(EpRegionInfo{name, at, bytes, role});
+    return at;
+  }
+};
+
+}  // namespace
+
+#define MORI_EP_PLACE(field, name, bytes, role) l.field = p.Take(name, bytes, EpRegionRole::role);
+
+EpSymmetricLayout MakeEpSymmetricLayout(const EpDispatchCombineConfig& c) {
+  const EpLayoutDims d = MakeEpLayoutDims(c);
+  EpSymmetricLayout l;
+  RegionPlacer p;
+  MORI_EP_SYMMETRIC_REGIONS(MORI_EP_PLACE, d)
+  l.totalBytes = p.off;
   return l;
 }
 
 EpLocalLayout MakeEpLocalLayout(const EpDispatchCombineConfig& c) {
-  const size_t w = static_cast<size_t>(c.worldSize);
-  const size_t k = static_cast<size_t>(c.numExpertsPerToken);
-  const size_t m = static_cast<size_t>(c.maxNumInpTokenPerRank);
+  const EpLayoutDims d = MakeEpLayoutDims(c);
   EpLocalLayout l;
-  size_t off = 0;
-  auto take = [&](size_t bytes) {
-    size_t at = off;
-    off = AlignUp(off + bytes, kEpBufferAlign);
-    return at;
-  };
-  l.state = take(sizeof(EpDeviceState));
-  l.totalRecv = take(sizeof(int32_t));
-  l.localExpertCount = take(static_cast<size_t>(c.numExpertsPerRank) * sizeof(int32_t));
-  l.tokenSlot = take(m * w * sizeof(int32_t));
-  l.combineOutWeights = take(m * k * sizeof(float));
-  l.combineOutTokens = take(m * c.MaxTokenRowBytes());
-  l.totalBytes = off;
+  RegionPlacer p;
+  MORI_EP_LOCAL_REGIONS(MORI_EP_PLACE, d)
+  l.totalBytes = p.off;
   return l;
 }
+
+std::vector<EpRegionInfo> EpSymmetricRegions(const EpDispatchCombineConfig& c) {
+  const EpLayoutDims d = MakeEpLayoutDims(c);
+  std::vector<EpRegionInfo> out;
+  EpSymmetricLayout l;
+  RegionPlacer p;
+  p.out = &out;
+  MORI_EP_SYMMETRIC_REGIONS(MORI_EP_PLACE, d)
+  (void)l;  // the tables are the product here
+  return out;
+}
+
+std::vector<EpRegionInfo> EpLocalRegions(const EpDispatchCombineConfig& c) {
+  const EpLayoutDims d = MakeEpLayoutDims(c);
+  std::vector<EpRegionInfo> out;
+  EpLocalLayout l;
+  RegionPlacer p;
+  p.out = &out;
+  MORI_EP_LOCAL_REGIONS(MORI_EP_PLACE, d)
+  (void)l;
+  return out;
+}
+
+#undef MORI_EP_PLACE
 
 size_t EpSymmetricBytes(const EpDispatchCombineConfig& config) {
   config.Validate();

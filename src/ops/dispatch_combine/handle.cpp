@@ -22,6 +22,44 @@ namespace {
 
 bool Aligned(const void* p, size_t a) { return (reinterpret_cast<uintptr_t>(p) % a) == 0; }
 
+bool LoadStore(shmem::TransportType t) {
+  return t == shmem::TransportType::kSelf || t == shmem::TransportType::kP2P;
+}
+
+// The kernel family's requirement on shmem's topology. IntraNode: every PE by load/store. InterNode:
+// nodes of config.LocalSize() consecutive PEs, load/store within a node and RDMA across nodes; the
+// config's gpu_per_node must be what shmem sees (MORI_GPU_PER_NODE / the hosts).
+void CheckEpTopology(const EpDispatchCombineConfig& c) {
+  const int pe = c.rank;
+  int localSize = 0;
+  for (int p = 0; p < c.worldSize; p++) localSize += LoadStore(shmem::ShmemTransportType(p)) ? 1 : 0;
+  if (c.kernelType == EpDispatchCombineKernelType::kIntraNode) {
+    for (int p = 0; p < c.worldSize; p++) {
+      const shmem::TransportType t = shmem::ShmemTransportType(p);
+      MORI_ENSURE(LoadStore(t), InvalidUsageError,
+                  "EpDispatchCombineHandle: kernel_type IntraNode needs load/store (P2P over "
+                  "NVLink/xGMI) access to every PE, but PE %d is reached by '%s' from PE %d (use "
+                  "kernel_type InterNode across nodes)",
+                  p, shmem::TransportTypeName(t), pe);
+    }
+    return;
+  }
+  MORI_ENSURE(localSize == c.LocalSize(), InvalidUsageError,
+              "EpDispatchCombineHandle: config gpu_per_node = %d (%d PEs per node in this group of "
+              "%d) but shmem reaches %d PEs from PE %d by load/store (its node; set gpu_per_node "
+              "to the GPUs per node, as MORI_GPU_PER_NODE when nodes are emulated)",
+              c.gpuPerNode, c.LocalSize(), c.worldSize, localSize, pe);
+  for (int p = 0; p < c.worldSize; p++) {
+    const shmem::TransportType t = shmem::ShmemTransportType(p);
+    const bool sameNode = p / c.LocalSize() == pe / c.LocalSize();
+    MORI_ENSURE(sameNode ? LoadStore(t) : t == shmem::TransportType::kRdma, InvalidUsageError,
+                "EpDispatchCombineHandle: with gpu_per_node = %d, PE %d is %s node of PE %d and "
+                "must be reached by %s, but shmem reaches it by '%s' (nodes are consecutive PEs)",
+                c.gpuPerNode, p, sameNode ? "on the" : "not on the", pe,
+                sameNode ? "load/store" : "RDMA", shmem::TransportTypeName(t));
+  }
+}
+
 // Runs `step`; on failure returns its message (and keeps the exception in *error) instead of
 // raising, so this PE can still tell its peers in the next agreement exchange.
 template <typename F>
@@ -64,14 +102,7 @@ EpDispatchCombineHandle::EpDispatchCombineHandle(const EpDispatchCombineConfig& 
                     "EpDispatchCombineHandle: config rank/world_size = %d/%d but shmem has PE %d "
                     "of %d",
                     config.rank, config.worldSize, pe, npes);
-        for (int p = 0; p < npes; p++) {
-          shmem::TransportType t = shmem::ShmemTransportType(p);
-          MORI_ENSURE(t == shmem::TransportType::kSelf || t == shmem::TransportType::kP2P,
-                      InvalidUsageError,
-                      "EpDispatchCombineHandle: kernel_type IntraNode needs load/store (P2P over "
-                      "NVLink/xGMI) access to every PE, but PE %d is reached by '%s' from PE %d",
-                      p, shmem::TransportTypeName(t), pe);
-        }
+        CheckEpTopology(config);
         MORI_CHECK_GPU(gpuGetDevice(&device));
         MORI_CHECK_GPU(gpuDeviceGetAttribute(&numSms, gpuDevAttrMultiProcessorCount, device));
         {
@@ -126,6 +157,7 @@ EpDispatchCombineHandle::EpDispatchCombineHandle(const EpDispatchCombineConfig& 
         shmem::ShmemDeviceSynchronize();
         symmHeapOffset = shmem::ShmemQueryMemObj(symmBase).heapOffset;
         for (int p = 0; p < npes; p++) {
+          if (!LoadStore(shmem::ShmemTransportType(p))) continue;  // reached by RDMA
           MORI_ENSURE(shmem::ShmemPtrP2p(symmBase, p) != nullptr, InvalidUsageError,
                       "EpDispatchCombineHandle: PE %d's symmetric heap is not mapped on PE %d", p,
                       pe);
@@ -302,7 +334,12 @@ void EpDispatchCombineHandle::ResolveLaunch(int numTokens, int blockNum, int war
 
 void EpDispatchCombineHandle::Reset(gpuStream_t) {}
 
-void EpDispatchCombineHandle::FillCommonArgs(EpIntraNodeCommon* common) const {
+EpFamily EpDispatchCombineHandle::Family() const {
+  return config.kernelType == EpDispatchCombineKernelType::kInterNode ? EpFamily::kInterNode
+                                                                       : EpFamily::kIntraNode;
+}
+
+void EpDispatchCombineHandle::FillCommonArgs(EpKernelCommon* common) const {
   const EpDispatchCombineConfig& c = config;
   common->rank = c.rank;
   common->worldSize = c.worldSize;
@@ -310,7 +347,10 @@ void EpDispatchCombineHandle::FillCommonArgs(EpIntraNodeCommon* common) const {
   common->numExpertsPerRank = c.numExpertsPerRank;
   common->numExperts = c.NumExperts();
   common->topK = c.numExpertsPerToken;
-  common->peerHeapBases = shmemCtx.peerHeapBases;
+  common->localSize = c.kernelType == EpDispatchCombineKernelType::kIntraNode ? c.worldSize
+                                                                              : c.LocalSize();
+  common->maxRecvRows = c.MaxNumRecvTokens();
+  common->shmem = shmemCtx;
   common->symmHeapOffset = symmHeapOffset;
   common->symm = symmLayout;
   common->symmLocal = symmBase;
@@ -318,7 +358,6 @@ void EpDispatchCombineHandle::FillCommonArgs(EpIntraNodeCommon* common) const {
   common->tokenSlot = reinterpret_cast<int32_t*>(localBase + localLayout.tokenSlot);
   common->totalRecv = TotalRecvTokenNum();
   common->localExpertCount = LocalExpertCount();
-  common->wait = shmemCtx.wait;
   common->programmatic = programmatic ? 1 : 0;
   common->trace = traceBuf;
   common->traceSlots = traceSlots;
@@ -394,7 +433,7 @@ void EpDispatchCombineHandle::Dispatch(const EpDispatchArgs& args, gpuStream_t s
                               static_cast<int>(args.indexType));
 
   const size_t smem = EpDispatchSmemBytes(c, core::kWarpSize);
-  LaunchEpDispatchIntraNode(k, args.indexType, blocks, warps * core::kWarpSize, smem, stream);
+  LaunchEpDispatch(k, Family(), args.indexType, blocks, warps * core::kWarpSize, smem, stream);
   lastNumTokens = args.numTokens;
   lastRowBytes = k.rowBytes;
 }
@@ -481,7 +520,7 @@ void EpDispatchCombineHandle::Combine(const EpCombineArgs& args, gpuStream_t str
   // the loads in flight bound the rate; small batches keep the register path (one item per warp,
   // latency-bound either way), and so does a combine that first copies an external input (measured
   // on 2x H200, HT: staged 227 -> 204 us zero-copy, but 330 -> 349 us with the copy).
-  k.staged = stagedCombine && k.copyTokens == 0 &&
+  k.staged = stagedCombine && Family() == EpFamily::kIntraNode && k.copyTokens == 0 &&
                      static_cast<long long>(lastNumTokens) * parts > totalWarps
                  ? 1
                  : 0;
@@ -498,7 +537,7 @@ void EpDispatchCombineHandle::Combine(const EpCombineArgs& args, gpuStream_t str
     LaunchEpCombinePush(k, args.dataType, blocks, warps * core::kWarpSize, stream);
     return;
   }
-  LaunchEpCombineIntraNode(k, args.dataType, blocks, warps * core::kWarpSize, stream);
+  LaunchEpCombine(k, Family(), args.dataType, blocks, warps * core::kWarpSize, stream);
 }
 
 }  // namespace mori::ops

@@ -1,5 +1,6 @@
-// IntraNode dispatch/combine: kernel argument structs and launchers (internal to src/ops).
-// Kernels: intranode_dispatch.cpp, intranode_combine.cpp. Protocol: docs/ep.md.
+// Dispatch/combine kernels: argument structs and launchers (internal to src/ops). The IntraNode
+// and InterNode families share the kernels (intranode_dispatch.cpp, intranode_combine.cpp; the
+// family is a template parameter); the push combine is IntraNode-only. Protocol: docs/ep.md.
 #pragma once
 
 #include <cstdint>
@@ -8,18 +9,24 @@
 #include "mori/core/gpu.hpp"
 #include "mori/ops/dispatch_combine/config.hpp"
 #include "mori/ops/dispatch_combine/layout.hpp"
+#include "mori/shmem/shmem_types.hpp"
 
 namespace mori::ops {
 
+// Kernel family of a launch (template parameter of the shared kernels).
+enum class EpFamily : int32_t { kIntraNode = 0, kInterNode = 1 };
+
 // What both kernels need about the group and the handle's buffers.
-struct EpIntraNodeCommon {
+struct EpKernelCommon {
   int32_t rank;
   int32_t worldSize;
   int32_t maxTokensPerRank;   // M
   int32_t numExpertsPerRank;  // Epr
   int32_t numExperts;
   int32_t topK;               // K
-  const uintptr_t* peerHeapBases;  // [worldSize]: PE p's heap as mapped here
+  int32_t localSize;          // PEs per node (node of PE p: p / localSize)
+  int32_t maxRecvRows;        // receive capacity (config MaxNumRecvTokens)
+  shmem::ShmemDeviceContext shmem;  // peers' heaps (P2P), RDMA endpoints, the wait context
   uint64_t symmHeapOffset;         // offset of the handle's symmetric block in every heap
   EpSymmetricLayout symm;          // offsets inside that block
   uint8_t* symmLocal;              // this PE's symmetric block
@@ -27,7 +34,6 @@ struct EpIntraNodeCommon {
   int32_t* tokenSlot;              // [M][W]
   int32_t* totalRecv;
   int32_t* localExpertCount;       // [Epr]
-  core::WaitContext wait;
   // 1: the launchers launch the kernel as a programmatic dependent launch (MORI_EP_PDL, where the
   // device and the kernels' code allow it; EpKernelEnter waits for the kernel ahead).
   int32_t programmatic;
@@ -41,7 +47,7 @@ struct EpIntraNodeCommon {
 enum class EpScaleCopy : int32_t { kNone = 0, kWords = 1, kBytes = 2 };
 
 struct EpDispatchKernelArgs {
-  EpIntraNodeCommon c;
+  EpKernelCommon c;
   const uint8_t* inTokens;    // [T][rowBytes]
   const float* inWeights;     // [T][K] or nullptr
   const uint8_t* inScales;    // [T][scaleBytes] or nullptr
@@ -54,7 +60,7 @@ struct EpDispatchKernelArgs {
 };
 
 struct EpCombineKernelArgs {
-  EpIntraNodeCommon c;
+  EpKernelCommon c;
   const uint8_t* inTokens;         // source of the copy when tokenSource == kCopy
   int64_t inRows;                  // rows readable at inTokens (copy only)
   const float* inWeights;          // source of the weights copy when weightCopy
@@ -86,16 +92,18 @@ inline size_t EpCombineStagedSmemBytes(int warps) {
 }
 
 // Launchers (kernel instantiations live next to the kernels).
-void LaunchEpDispatchIntraNode(const EpDispatchKernelArgs& args, EpIndexType indexType, int blocks,
-                               int threads, size_t smemBytes, gpuStream_t stream);
-// args.staged selects the staged kernel (dynamic shared memory EpCombineStagedSmemBytes), which
-// needs PrepareEpCombineStaged() once on the launching device (its shared-memory opt-in).
+void LaunchEpDispatch(const EpDispatchKernelArgs& args, EpFamily family, EpIndexType indexType,
+                      int blocks, int threads, size_t smemBytes, gpuStream_t stream);
+// args.staged (IntraNode only) selects the staged kernel (dynamic shared memory
+// EpCombineStagedSmemBytes), which needs PrepareEpCombineStaged() once on the launching device (its
+// shared-memory opt-in).
 void PrepareEpCombineStaged();
-void LaunchEpCombineIntraNode(const EpCombineKernelArgs& args, EpDataType dataType, int blocks,
-                              int threads, gpuStream_t stream);
+void LaunchEpCombine(const EpCombineKernelArgs& args, EpFamily family, EpDataType dataType,
+                     int blocks, int threads, gpuStream_t stream);
 // Whether the kernels' code for this device waits in EpKernelEnter (then they may be launched
-// programmatically: EpIntraNodeCommon::programmatic).
+// programmatically: EpKernelCommon::programmatic).
 bool EpKernelsHaveGridDependency();
+// IntraNode only.
 void LaunchEpCombinePush(const EpCombineKernelArgs& args, EpDataType dataType, int blocks,
                          int threads, gpuStream_t stream);
 

@@ -113,9 +113,65 @@ MORI_DEVICE_INLINE bool WarpReduceRowsStaged(uint4* __restrict__ out, const uint
   return true;
 }
 
-template <typename Elem, int kThreads, bool kStaged>
+// InterNode: returns the rows (and weights) we received from each PE of another node to that PE's
+// landing region, where it sums them: rows of source s start at our recvBase(s) and land at
+// landingBase(s) = the rows s sent to PEs of other nodes below us (its count words, which every
+// PE received in dispatch). Waits until s finished reading its landing region in its last combine
+// (done), then WRITEs and the landing-ready word, on one QP. One thread; completed by the quiet at
+// the end of the combine. Returns false on failure (recorded).
+template <typename Elem>
+MORI_DEVICE_INLINE bool InterReturnRows(const EpCombineKernelArgs& a, const core::WaitContext& wait,
+                                        uint64_t epoch, uint64_t ready) {
+  const EpKernelCommon& c = a.c;
+  const int W = c.worldSize;
+  const int me = c.rank;
+  const int K = c.topK;
+  const uint64_t dEpoch = *reinterpret_cast<volatile uint64_t*>(&c.state->dispatchEpoch);
+  const int dParity = static_cast<int>(dEpoch & 1);
+  uint8_t* L = c.symmLocal;
+  const uint8_t* tok = L + (a.tokenSource == EpCombineSource::kDispatchOut ? c.symm.dispatchOutTokens
+                                                                           : c.symm.combineInTokens);
+  const uint8_t* wts = a.weightSource == EpCombineSource::kNone
+                           ? nullptr
+                           : L + (a.weightSource == EpCombineSource::kDispatchOut
+                                      ? c.symm.dispatchOutWeights
+                                      : c.symm.combineInWeights);
+  const uint64_t landed = EpTagWord(epoch, EpLandingValue(ready, wts != nullptr));
+  EpSignal* done = At<EpSignal>(L, c.symm.doneInbox);
+  size_t recvBase = 0;
+  for (int s = 0; s < W; s++) {
+    const size_t n = static_cast<size_t>(c.state->recvCount[s]);
+    if (n > 0 && IsRemote(c, s)) {
+      size_t landingBase = 0;
+      for (int d = 0; d < me; d++) {
+        if (NodeOf(c, d) == NodeOf(c, s)) continue;
+        uint32_t cnt = 0;
+        if (!TagWait(wait,
+                     At<uint64_t>(L, c.symm.interCount) + EpInterCountIndex(dParity, s, d, W),
+                     dEpoch, s, "EP combine: count word of the last dispatch", &cnt))
+          return false;
+        landingBase += cnt;
+      }
+      if (!core::WaitUntil(wait, &done[s].tag, CmpOp::kGe, epoch - 1, s,
+                           "EP combine: peer done reading landing (last)"))
+        return false;
+      bool ok = RdmaWrite(c, s, L + c.symm.landingTokens + landingBase * a.rowBytes,
+                          tok + recvBase * a.rowBytes, n * a.rowBytes);
+      if (ok && wts != nullptr)
+        ok = RdmaWrite(c, s, L + c.symm.landingWeights + landingBase * K * sizeof(float),
+                       wts + recvBase * K * sizeof(float), n * K * sizeof(float));
+      if (ok) ok = RdmaWrite(c, s, At<uint64_t>(L, c.symm.landingReady) + me, &landed, 8);
+      if (!ok) return false;
+    }
+    recvBase += n;
+  }
+  return true;
+}
+
+template <typename Elem, int kThreads, bool kStaged, EpFamily kFamily>
 __global__ void __launch_bounds__(kThreads)
-    EpCombineIntraNodeKernel(const EpCombineKernelArgs a) {
+    EpCombineKernel(const EpCombineKernelArgs a) {
+  constexpr bool kInter = kFamily == EpFamily::kInterNode;
   __shared__ const uint8_t* sTok[kEpMaxWorldSize];
   __shared__ const float* sW[kEpMaxWorldSize];
   __shared__ const uint8_t* sRows[kCombineMaxWarps][kEpMaxWorldSize];
@@ -126,11 +182,11 @@ __global__ void __launch_bounds__(kThreads)
   extern __shared__ __align__(128) uint8_t sStages[];  // staged: [warps][stages][stage bytes]
   constexpr bool kUseStages = kStaged && core::kHasBulkAsyncCopy;
 
-  const EpIntraNodeCommon& c = a.c;
+  const EpKernelCommon& c = a.c;
   EpKernelEnter();
   // A private copy: the (rare) error path takes its address, which must not pull the whole
   // kernel parameter block into local memory.
-  const core::WaitContext wait = c.wait;
+  const core::WaitContext wait = c.shmem.wait;
   const int W = c.worldSize;
   const int me = c.rank;
   const int T = a.numTokens;
@@ -198,18 +254,30 @@ __global__ void __launch_bounds__(kThreads)
           SignalStoreAll(
               W,
               [&](int p) {
-                return At<EpSignal>(PeerBlock(c, p), c.symm.readyInbox) +
-                       EpReadyInboxIndex(parity, me, W);
+                return kInter && IsRemote(c, p)
+                           ? nullptr
+                           : At<EpSignal>(PeerBlock(c, p), c.symm.readyInbox) +
+                                 EpReadyInboxIndex(parity, me, W);
               },
               ready, epoch);
+          if constexpr (kInter) {
+            // SignalStoreAll's fence also orders the copies before the NIC reads them.
+            if (!InterReturnRows<Elem>(a, wait, epoch, ready)) sFailed = 1;
+          }
         }
       }
     }
   } else if (blockIdx.x == 0) {
-    for (int p = tid; p < W; p += nThreads)
+    for (int p = tid; p < W; p += nThreads) {
+      if (kInter && IsRemote(c, p)) continue;
       SignalStore(At<EpSignal>(PeerBlock(c, p), c.symm.readyInbox) +
                       EpReadyInboxIndex(parity, me, W),
                   ready, epoch);
+    }
+    if constexpr (kInter) {
+      // The input (written by earlier kernels) is in place: return other nodes' rows.
+      if (tid == 0 && !InterReturnRows<Elem>(a, wait, epoch, ready)) sFailed = 1;
+    }
   }
   if (tid == 0) EpTraceStamp(tr, 1);
 
@@ -218,6 +286,32 @@ __global__ void __launch_bounds__(kThreads)
     EpSignal* inbox = At<EpSignal>(c.symmLocal, c.symm.readyInbox);
     const uint64_t myFormat = EpReadyFormat(ready);
     for (int p = tid; p < W; p += nThreads) {
+      if (kInter && IsRemote(c, p)) {
+        // Rows from another node's PE arrive in our landing region, after its rows for lower
+        // PEs of other nodes (landing order: destination, then list index = the token's slot).
+        size_t off = 0;
+        for (int d = 0; d < p; d++)
+          if (IsRemote(c, d)) off += static_cast<size_t>(c.state->sendCount[d]);
+        sTok[p] = nullptr;
+        sW[p] = nullptr;
+        if (c.state->sendCount[p] == 0) continue;  // none of our tokens went there
+        uint32_t v = 0;
+        uint64_t* w = At<uint64_t>(c.symmLocal, c.symm.landingReady) + p;
+        if (!TagWait(wait, w, epoch, p, "EP combine: rows landed from PE", &v)) {
+          sFailed = 1;
+          continue;
+        }
+        const uint32_t myFormat = EpLandingValue(ready, false);
+        if ((v & ~0x10u) != myFormat) {
+          ReportError(wait, p, "EP combine: PEs called combine with different dtype/hidden", w,
+                      static_cast<uint64_t>(myFormat), static_cast<uint64_t>(v & ~0x10u));
+          sFailed = 1;
+          continue;
+        }
+        sTok[p] = c.symmLocal + c.symm.landingTokens + off * a.rowBytes;
+        if ((v & 0x10u) != 0) sW[p] = At<const float>(c.symmLocal, c.symm.landingWeights) + off * K;
+        continue;
+      }
       uint64_t v = 0;
       if (!SignalWait(wait, inbox + EpReadyInboxIndex(parity, p, W), epoch, p,
                       "EP combine: peer input ready", &v)) {
@@ -388,9 +482,19 @@ __global__ void __launch_bounds__(kThreads)
       // this one fence publish them, without a release store (an NVLink round trip) per peer.
       core::FenceAcqRelSystem();
       if (!aborted) {
-        for (int p = 0; p < W; p++)
-          core::AtomicStoreRelaxedSystem(&(At<EpSignal>(PeerBlock(c, p), c.symm.doneInbox) + me)->tag,
-                                         epoch);
+        if constexpr (kInter) {
+          // Our WRITEs read our input buffers until they complete: complete them first.
+          shmem::ShmemQuietThread(c.shmem);
+        }
+        for (int p = 0; p < W; p++) {
+          uint64_t* tag = &(At<EpSignal>(c.symmLocal, c.symm.doneInbox) + me)->tag;
+          if (kInter && IsRemote(c, p)) {
+            RdmaWrite(c, p, tag, &epoch, sizeof(epoch));
+          } else {
+            core::AtomicStoreRelaxedSystem(&(At<EpSignal>(PeerBlock(c, p), c.symm.doneInbox) + me)->tag,
+                                           epoch);
+          }
+        }
       }
       // The next kernel on the stream reads the epoch: the kernel boundary publishes it.
       c.state->combineEpoch = epoch;
@@ -400,11 +504,15 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <typename Elem>
-void LaunchCombineKernel(const EpCombineKernelArgs& args, int blocks, int threads,
+void LaunchCombineKernel(const EpCombineKernelArgs& args, EpFamily family, int blocks, int threads,
                          gpuStream_t stream) {
-  auto kernel = args.staged != 0 ? EpCombineIntraNodeKernel<Elem, kEpMaxThreadsPerBlock, true>
-                : threads <= 256    ? EpCombineIntraNodeKernel<Elem, 256, false>
-                                    : EpCombineIntraNodeKernel<Elem, kEpMaxThreadsPerBlock, false>;
+  constexpr int kMaxT = kEpMaxThreadsPerBlock;
+  constexpr EpFamily kIntra = EpFamily::kIntraNode;
+  auto kernel = family == EpFamily::kInterNode
+                    ? EpCombineKernel<Elem, kMaxT, false, EpFamily::kInterNode>
+                : args.staged != 0 ? EpCombineKernel<Elem, kMaxT, true, kIntra>
+                : threads <= 256   ? EpCombineKernel<Elem, 256, false, kIntra>
+                                   : EpCombineKernel<Elem, kMaxT, false, kIntra>;
   const size_t smem = args.staged != 0 ? EpCombineStagedSmemBytes(threads / kWarpSize) : 0;
   MORI_CHECK_GPU(core::GpuLaunchKernel(kernel, blocks, threads, smem, stream,
                                        args.c.programmatic != 0, args));
@@ -413,7 +521,8 @@ void LaunchCombineKernel(const EpCombineKernelArgs& args, int blocks, int thread
 template <typename Elem>
 void OptInStagedSmem() {
   MORI_CHECK_GPU(gpuFuncSetAttribute(
-      reinterpret_cast<const void*>(EpCombineIntraNodeKernel<Elem, kEpMaxThreadsPerBlock, true>),
+      reinterpret_cast<const void*>(
+          EpCombineKernel<Elem, kEpMaxThreadsPerBlock, true, EpFamily::kIntraNode>),
       gpuFuncAttributeMaxDynamicSharedMemorySize,
       static_cast<int>(EpCombineStagedSmemBytes(kEpMaxThreadsPerBlock / kWarpSize))));
 }
@@ -425,12 +534,12 @@ void PrepareEpCombineStaged() {
   detail::OptInStagedSmem<detail::EpFp32Elem>();
 }
 
-// The kernel's instantiations: one per token type combine can sum, each for blocks of up to 256
-// threads and of up to kEpMaxThreadsPerBlock (EpCombineShape).
-void LaunchEpCombineIntraNode(const EpCombineKernelArgs& args, EpDataType dataType, int blocks,
-                              int threads, gpuStream_t stream) {
+// The kernel's instantiations: one per token type combine can sum; IntraNode for blocks of up to
+// 256 threads and of up to kEpMaxThreadsPerBlock, and staged; InterNode one build (register path).
+void LaunchEpCombine(const EpCombineKernelArgs& args, EpFamily family, EpDataType dataType,
+                     int blocks, int threads, gpuStream_t stream) {
   detail::WithCombineElem(dataType, [&](auto elem) {
-    detail::LaunchCombineKernel<decltype(elem)>(args, blocks, threads, stream);
+    detail::LaunchCombineKernel<decltype(elem)>(args, family, blocks, threads, stream);
   });
 }
 

@@ -46,10 +46,10 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
   __shared__ unsigned long long sPushed[kEpMaxWorldSize];  // vectors this block stored per PE
   __shared__ int sFailed;
 
-  const EpIntraNodeCommon& c = a.c;
+  const EpKernelCommon& c = a.c;
   EpKernelEnter();
   // A private copy: the (rare) error path takes its address (see the pull kernel).
-  const core::WaitContext wait = c.wait;
+  const core::WaitContext wait = c.shmem.wait;
   const int W = c.worldSize;
   const int me = c.rank;
   const int M = c.maxTokensPerRank;

@@ -7,6 +7,7 @@
 #include "mori/core/device/wait.hpp"
 #include "mori/core/gpu.hpp"
 #include "mori/ops/dispatch_combine/layout.hpp"
+#include "mori/shmem/shmem_device_api.hpp"
 #include "intranode.hpp"
 
 
@@ -19,8 +20,8 @@ using core::LaneMask;
 // Addressing
 // ---------------------------------------------------------------------------------------------
 // Base of PE `pe`'s symmetric block as mapped here (the host checked every PE is mapped).
-MORI_DEVICE_INLINE uint8_t* PeerBlock(const EpIntraNodeCommon& c, int pe) {
-  return reinterpret_cast<uint8_t*>(c.peerHeapBases[pe] + c.symmHeapOffset);
+MORI_DEVICE_INLINE uint8_t* PeerBlock(const EpKernelCommon& c, int pe) {
+  return reinterpret_cast<uint8_t*>(c.shmem.peerHeapBases[pe] + c.symmHeapOffset);
 }
 
 template <typename T>
@@ -47,12 +48,16 @@ MORI_DEVICE_INLINE void SignalStore(EpSignal* s, uint64_t value, uint64_t epoch)
 // thread is acknowledged, so W release stores in a row to W peers cost W NVLink round trips
 // (measured: 6.4 us for W = 4 at the end of every combine); this costs one. A reader that acquires
 // a tag sees its value and everything ordered before the fence (fence + relaxed store = release).
-// `slot(p)` returns PE p's slot.
+// `slot(p)` returns PE p's slot (nullptr: PE p gets none).
 template <typename SlotOf>
 MORI_DEVICE_INLINE void SignalStoreAll(int W, SlotOf slot, uint64_t value, uint64_t epoch) {
-  for (int p = 0; p < W; p++) core::AtomicStoreRelaxedSystem(&slot(p)->value, value);
+  for (int p = 0; p < W; p++) {
+    if (slot(p) != nullptr) core::AtomicStoreRelaxedSystem(&slot(p)->value, value);
+  }
   core::FenceAcqRelSystem();
-  for (int p = 0; p < W; p++) core::AtomicStoreRelaxedSystem(&slot(p)->tag, epoch);
+  for (int p = 0; p < W; p++) {
+    if (slot(p) != nullptr) core::AtomicStoreRelaxedSystem(&slot(p)->tag, epoch);
+  }
 }
 
 // Records a protocol violation in the shared device error record (the host raises it) without a
@@ -75,6 +80,53 @@ MORI_DEVICE_INLINE bool SignalWait(const core::WaitContext& ctx, EpSignal* s, ui
   }
   *value = core::AtomicLoadRelaxedSystem(&s->value);
   return true;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Inter-node helpers: PEs of another node are reached by RDMA (the shmem device API posts the
+// work requests); every signal they receive is one tagged word (EpTagWord).
+// ---------------------------------------------------------------------------------------------
+MORI_DEVICE_INLINE int NodeOf(const EpKernelCommon& c, int pe) { return pe / c.localSize; }
+MORI_DEVICE_INLINE bool IsRemote(const EpKernelCommon& c, int pe) {
+  return NodeOf(c, pe) != NodeOf(c, c.rank);
+}
+constexpr uint64_t kEpTagMask = 0xFFFFFFFF00000000ull;
+
+// Waits until the tagged word at `w` carries `epoch`; *value = its value.
+MORI_DEVICE_INLINE bool TagWait(const core::WaitContext& wait, uint64_t* w, uint64_t epoch,
+                                int peer, const char* label, uint32_t* value) {
+  uint64_t seen = 0;
+  if (!core::WaitUntilMasked(wait, w, kEpTagMask, EpTagWord(epoch, 0), peer, label, &seen))
+    return false;
+  *value = EpTagValue(seen);
+  return true;
+}
+
+// Waits for the tagged pair {count, format} of src's tokens for dst (interCount) of this call;
+// false on timeout/abort or a format other than `format` (recorded). *count: the count.
+MORI_DEVICE_INLINE bool InterCountWait(const EpKernelCommon& c, const core::WaitContext& wait,
+                                       int parity, int src, int dst, uint64_t epoch,
+                                       uint64_t format, const char* label, uint32_t* count) {
+  uint64_t* w = At<uint64_t>(c.symmLocal, c.symm.interCount) +
+                EpInterCountIndex(parity, src, dst, c.worldSize);
+  uint32_t fmt = 0;
+  if (!TagWait(wait, w, epoch, src, label, count) || !TagWait(wait, w + 1, epoch, src, label, &fmt))
+    return false;
+  if (fmt != static_cast<uint32_t>(format)) {
+    ReportError(wait, src, "EP dispatch: PEs called dispatch with different dtype/hidden/index type",
+                w + 1, static_cast<uint64_t>(static_cast<uint32_t>(format)),
+                static_cast<uint64_t>(fmt));
+    return false;
+  }
+  return true;
+}
+
+// RDMA WRITE of `bytes` from `src` (in this PE's heap, or <= 64 bytes from anywhere) to PE pe's
+// copy of our symmetric address `dst`, on the calling thread's QP to pe (so a later write of the
+// same thread lands after it). Failures are recorded by the shmem device API.
+MORI_DEVICE_INLINE bool RdmaWrite(const EpKernelCommon& c, int pe, void* dst, const void* src,
+                                  size_t bytes) {
+  return bytes == 0 || shmem::ShmemPutMemNbiThread(c.shmem, dst, src, bytes, pe);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -45,20 +45,21 @@ MORI_DEVICE_INLINE size_t AlignUp16(size_t v) { return (v + 15) & ~static_cast<s
 // build has the registers to hold each warp's first item across the count wait (kEarlyLoad; about
 // 155 registers a thread, so one block per SM); in the 512-thread build (128 registers a thread)
 // that spilled, so it loads after the wait.
-template <typename IndexT, int kThreads>
+template <typename IndexT, int kThreads, EpFamily kFamily>
 __global__ void __launch_bounds__(kThreads, 1)
-    EpDispatchIntraNodeKernel(const EpDispatchKernelArgs a) {
+    EpDispatchKernel(const EpDispatchKernelArgs a) {
   constexpr bool kEarlyLoad = kThreads <= 256;
+  constexpr bool kInter = kFamily == EpFamily::kInterNode;
   extern __shared__ __align__(16) uint8_t smemDyn[];
   __shared__ int sFailed;
   __shared__ int sSendBase;
   __shared__ int sTotal;
 
-  const EpIntraNodeCommon& c = a.c;
+  const EpKernelCommon& c = a.c;
   EpKernelEnter();
   // A private copy: the (rare) error path takes its address, which must not pull the whole
   // kernel parameter block into local memory.
-  const core::WaitContext wait = c.wait;
+  const core::WaitContext wait = c.shmem.wait;
   const int W = c.worldSize;
   const int me = c.rank;
   const int T = a.numTokens;
@@ -73,6 +74,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   int dest = 0, g = 0, G = 1;
   EpDispatchBlockRole(b, static_cast<int>(gridDim.x), W, me, &dest, &g, &G);
   const bool leader = g == 0;
+  // InterNode: `dest` is on another node. Its rows are staged in our block (stage*[dest], list
+  // order) and the group's last block WRITEs them to their final rows on dest by RDMA.
+  const bool destRemote = kInter && IsRemote(c, dest);
   const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(&c.state->dispatchEpoch) + 1;
   const int parity = static_cast<int>(epoch & 1);
 
@@ -190,27 +194,64 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     __syncthreads();
   }
-  if (leader && sFailed == 0) {
-    // Values from all threads (relaxed), the barrier, ONE release fence (thread 0, cumulative over
-    // the barrier, as in 4c), then thread 0 stores the W tags: a release store per thread (Epr
-    // histogram entries, 256 with one PE) cost one system fence each. The tag of the count signal
-    // to d also publishes d's histogram. Block 0's done-waits are ordered before all of it by the
-    // barrier above (causality is transitive through bar.sync).
-    const uint64_t packed = EpPackCount(static_cast<uint32_t>(countD), a.format);
-    const size_t countSlot = EpCountInboxIndex(parity, me, dest, W);
-    for (int p = tid; p < W; p += nThreads)
-      core::AtomicStoreRelaxedSystem(
-          &(At<EpSignal>(PeerBlock(c, p), c.symm.countInbox) + countSlot)->value, packed);
-    int32_t* ex = At<int32_t>(PeerBlock(c, dest), c.symm.expertInbox);
-    for (int e = tid; e < Epr; e += nThreads)
-      core::AtomicStoreRelaxedSystem(ex + EpExpertInboxIndex(parity, me, e, W, Epr), hist[e]);
+  if constexpr (!kInter) {
+    if (leader && sFailed == 0) {
+      // Values from all threads (relaxed), the barrier, ONE release fence (thread 0, cumulative over
+      // the barrier, as in 4c), then thread 0 stores the W tags: a release store per thread (Epr
+      // histogram entries, 256 with one PE) cost one system fence each. The tag of the count signal
+      // to d also publishes d's histogram. Block 0's done-waits are ordered before all of it by the
+      // barrier above (causality is transitive through bar.sync).
+      const uint64_t packed = EpPackCount(static_cast<uint32_t>(countD), a.format);
+      const size_t countSlot = EpCountInboxIndex(parity, me, dest, W);
+      for (int p = tid; p < W; p += nThreads)
+        core::AtomicStoreRelaxedSystem(
+            &(At<EpSignal>(PeerBlock(c, p), c.symm.countInbox) + countSlot)->value, packed);
+      int32_t* ex = At<int32_t>(PeerBlock(c, dest), c.symm.expertInbox);
+      for (int e = tid; e < Epr; e += nThreads)
+        core::AtomicStoreRelaxedSystem(ex + EpExpertInboxIndex(parity, me, e, W, Epr), hist[e]);
+      __syncthreads();
+      if (tid == 0) {
+        core::FenceAcqRelSystem();
+        for (int p = 0; p < W; p++)
+          core::AtomicStoreRelaxedSystem(
+              &(At<EpSignal>(PeerBlock(c, p), c.symm.countInbox) + countSlot)->tag, epoch);
+        c.state->sendCount[dest] = countD;  // for the push combine
+      }
+    }
+  } else if (leader && sFailed == 0) {
+    // InterNode: the histogram (stores to a same-node dest, staged for a remote one), the barrier,
+    // ONE release fence, then tagged {count, format} words: stores to same-node PEs, 16-byte RDMA
+    // WRITEs to the others. A remote dest gets its histogram by RDMA first, on the QP that then
+    // carries its count words (RC order: the words land after it).
+    const size_t countSlot = EpInterCountIndex(parity, me, dest, W);
+    int32_t* ex = destRemote ? At<int32_t>(c.symmLocal, c.symm.stageHist) + static_cast<size_t>(dest) * Epr
+                             : At<int32_t>(PeerBlock(c, dest), c.symm.expertInbox) +
+                                   EpExpertInboxIndex(parity, me, 0, W, Epr);
+    for (int e = tid; e < Epr; e += nThreads) core::AtomicStoreRelaxedSystem(ex + e, hist[e]);
     __syncthreads();
     if (tid == 0) {
       core::FenceAcqRelSystem();
-      for (int p = 0; p < W; p++)
-        core::AtomicStoreRelaxedSystem(
-            &(At<EpSignal>(PeerBlock(c, p), c.symm.countInbox) + countSlot)->tag, epoch);
-      c.state->sendCount[dest] = countD;  // for the push combine
+      const uint64_t words[2] = {EpTagWord(epoch, static_cast<uint32_t>(countD)),
+                                 EpTagWord(epoch, static_cast<uint32_t>(a.format))};
+      uint64_t* mine = At<uint64_t>(c.symmLocal, c.symm.interCount) + countSlot;
+      bool ok = true;
+      if (destRemote)
+        ok = RdmaWrite(c, dest,
+                       At<int32_t>(c.symmLocal, c.symm.expertInbox) +
+                           EpExpertInboxIndex(parity, me, 0, W, Epr),
+                       ex, static_cast<size_t>(Epr) * sizeof(int32_t));
+      for (int i = 0; i < W && ok; i++) {
+        const int p = (dest + i) % W;  // dest first: its words follow its histogram
+        if (IsRemote(c, p)) {
+          ok = RdmaWrite(c, p, mine, words, sizeof(words));
+        } else {
+          uint64_t* w = At<uint64_t>(PeerBlock(c, p), c.symm.interCount) + countSlot;
+          core::AtomicStoreRelaxedSystem(w, words[0]);
+          core::AtomicStoreRelaxedSystem(w + 1, words[1]);
+        }
+      }
+      if (!ok) sFailed = 1;
+      c.state->sendCount[dest] = countD;
     }
   }
   __syncthreads();  // every thread has seen sFailed before phase 3 may change it
@@ -301,6 +342,16 @@ __global__ void __launch_bounds__(kThreads, 1)
     EpSignal* inbox = At<EpSignal>(c.symmLocal, c.symm.countInbox);
     for (int s = tid; s < W; s += nThreads) {
       if (s >= me && s != dest) continue;
+      if constexpr (kInter) {
+        uint32_t n = 0;
+        if (!InterCountWait(c, wait, parity, s, dest, epoch, a.format,
+                            "EP dispatch: token count of a lower PE", &n)) {
+          sFailed = 1;
+        } else if (s < me) {
+          atomicAdd(&sSendBase, static_cast<int>(n));
+        }
+        continue;
+      }
       uint64_t v = 0;
       if (!SignalWait(wait, inbox + EpCountInboxIndex(parity, s, dest, W), epoch, s,
                       "EP dispatch: token count of a lower PE", &v)) {
@@ -320,11 +371,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (sFailed == 0) {
     const int sendBase = sSendBase;
-    if (countD > 0 && tid == 0 &&
-        static_cast<long long>(sendBase) + countD >
-            static_cast<long long>(W) * c.maxTokensPerRank) {
-      ReportError(wait, dest, "EP dispatch: receive buffer overflow (inconsistent counts)",
-                  &sSendBase, W * c.maxTokensPerRank, sendBase + countD);
+    if (countD > 0 && tid == 0 && static_cast<long long>(sendBase) + countD > c.maxRecvRows) {
+      ReportError(wait, dest, "EP dispatch: PE rows > max_total_recv_tokens",
+                  &sSendBase, c.maxRecvRows, sendBase + countD);
       sFailed = 1;
     }
     __syncthreads();
@@ -333,6 +382,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (tid == 0) EpTraceStamp(tr, 4);
   if (sFailed == 0) {
     const int sendBase = sSendBase;
+    // Rows for a remote dest are staged at their list index (the WRITE places them at sendBase);
+    // the slot combine keeps for them is that index too (their landing position).
+    const int slotBase = destRemote ? 0 : sendBase;
     // ---- 4a. slots of our tokens on `dest` (combine reads them) ---------------------------
     {
       const int t0 = static_cast<int>(static_cast<long long>(T) * g / G);
@@ -343,22 +395,36 @@ __global__ void __launch_bounds__(kThreads, 1)
         const LaneMask word = words[w];
         int slot = -1;
         if (((word >> bit) & static_cast<LaneMask>(1)) != 0)
-          slot = sendBase + prefix[w] + core::PopCount(word & LowerLanesMask(bit));
+          slot = slotBase + prefix[w] + core::PopCount(word & LowerLanesMask(bit));
         c.tokenSlot[static_cast<size_t>(t) * W + dest] = slot;
       }
     }
 
     // ---- 4b. the items: first round from registers, the rest streamed ---------------------
-    uint8_t* db = PeerBlock(c, dest);
-    uint8_t* outTok = db + c.symm.dispatchOutTokens;
-    float* outW = At<float>(db, c.symm.dispatchOutWeights);
-    uint8_t* outS = db + c.symm.dispatchOutScales;
-    IndexT* outIdx = At<IndexT>(db, c.symm.dispatchOutIndices);
-    int32_t* outPos = At<int32_t>(db, c.symm.dispatchOutSrcPos);
+    uint8_t* outTok;
+    float* outW;
+    uint8_t* outS;
+    IndexT* outIdx;
+    int32_t* outPos;
+    if (destRemote) {
+      const size_t rows = static_cast<size_t>(dest) * c.maxTokensPerRank;  // stage*[dest]
+      outTok = c.symmLocal + c.symm.stageTokens + rows * a.rowBytes;
+      outW = At<float>(c.symmLocal, c.symm.stageWeights) + rows * K;
+      outS = c.symmLocal + c.symm.stageScales + rows * a.scaleBytes;
+      outIdx = At<IndexT>(c.symmLocal, c.symm.stageIndices) + rows * K;
+      outPos = At<int32_t>(c.symmLocal, c.symm.stageSrcPos) + rows;
+    } else {
+      uint8_t* db = PeerBlock(c, dest);
+      outTok = db + c.symm.dispatchOutTokens;
+      outW = At<float>(db, c.symm.dispatchOutWeights);
+      outS = db + c.symm.dispatchOutScales;
+      outIdx = At<IndexT>(db, c.symm.dispatchOutIndices);
+      outPos = At<int32_t>(db, c.symm.dispatchOutSrcPos);
+    }
     for (int item = warp; item < items; item += nWarps) {
       if (!kEarlyLoad || item != warp) loadItem(item, it);
       const int t = it.t;
-      const size_t slot = static_cast<size_t>(sendBase) + it.p;
+      const size_t slot = static_cast<size_t>(slotBase) + it.p;
       uint4* dst = reinterpret_cast<uint4*>(outTok + slot * a.rowBytes);
       int vFrom = it.vb;
       if constexpr (kEarlyLoad) {
@@ -410,7 +476,46 @@ __global__ void __launch_bounds__(kThreads, 1)
   // barrier orders every thread's row stores before thread 0's release fence, which is cumulative.
   __syncthreads();
   if (tid == 0) EpTraceStamp(tr, 6);
-  if (tid == 0 && nRows > 0 && sFailed == 0) {
+  if (destRemote) {
+    // The group's last block to have staged its rows WRITEs the whole list (each array one
+    // contiguous range of dest's outputs) and then the tail word, all from one thread (one QP: the
+    // tail lands after the rows), then waits for their completion (the staging is reusable when
+    // the kernel ends, and a later call's tail cannot overtake this one).
+    if (tid == 0) {
+      core::FenceAcqRelSystem();
+      const unsigned old = atomicAdd(&c.state->stagedBlocks[dest], 1u);
+      if (old == static_cast<unsigned>(G) - 1) {
+        c.state->stagedBlocks[dest] = 0;
+        core::FenceAcqRelSystem();  // acquire the other blocks' staging (through the counter)
+        if (countD > 0 && sFailed == 0 && !core::DeviceAborted(wait)) {
+          const size_t rows = static_cast<size_t>(dest) * c.maxTokensPerRank;
+          const size_t n = static_cast<size_t>(countD);
+          const size_t at = static_cast<size_t>(sSendBase);
+          uint8_t* L = c.symmLocal;
+          const size_t idxBytes = sizeof(IndexT) * K;
+          bool ok = RdmaWrite(c, dest, L + c.symm.dispatchOutTokens + at * a.rowBytes,
+                              L + c.symm.stageTokens + rows * a.rowBytes, n * a.rowBytes);
+          if (ok && a.inWeights != nullptr)
+            ok = RdmaWrite(c, dest, L + c.symm.dispatchOutWeights + at * K * sizeof(float),
+                           L + c.symm.stageWeights + rows * K * sizeof(float),
+                           n * K * sizeof(float));
+          if (ok && a.scaleCopy != EpScaleCopy::kNone)
+            ok = RdmaWrite(c, dest, L + c.symm.dispatchOutScales + at * a.scaleBytes,
+                           L + c.symm.stageScales + rows * a.scaleBytes, n * a.scaleBytes);
+          if (ok)
+            ok = RdmaWrite(c, dest, L + c.symm.dispatchOutIndices + at * idxBytes,
+                           L + c.symm.stageIndices + rows * idxBytes, n * idxBytes);
+          if (ok)
+            ok = RdmaWrite(c, dest, L + c.symm.dispatchOutSrcPos + at * sizeof(int32_t),
+                           L + c.symm.stageSrcPos + rows * sizeof(int32_t), n * sizeof(int32_t));
+          const uint64_t tail = EpTagWord(epoch, static_cast<uint32_t>(countD));
+          if (ok)
+            ok = RdmaWrite(c, dest, At<uint64_t>(L, c.symm.interTail) + me, &tail, sizeof(tail));
+          if (ok) shmem::ShmemQuietThread(c.shmem, dest);
+        }
+      }
+    }
+  } else if (tid == 0 && nRows > 0 && sFailed == 0) {
     core::FenceAcqRelSystem();
     core::AtomicFetchAddSystem(At<uint64_t>(PeerBlock(c, dest), c.symm.arrived) + me,
                                static_cast<uint64_t>(nRows));
@@ -418,40 +523,71 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (tid == 0) EpTraceStamp(tr, 2);
 
   // ---- 5. receive side (block 0) -------------------------------------------------------------
+  // Two passes: every source's count (their sum is checked against the receive capacity before
+  // any row is waited for: a sender whose rows would not fit writes none), then the rows.
   if (b == 0 && sFailed == 0) {
     EpSignal* inbox = At<EpSignal>(c.symmLocal, c.symm.countInbox);
+    for (int s = tid; s < W; s += nThreads) {
+      uint32_t cnt = 0;
+      if constexpr (kInter) {
+        if (!InterCountWait(c, wait, parity, s, me, epoch, a.format,
+                            "EP dispatch: token count for this PE", &cnt))
+          sFailed = 1;
+      } else {
+        uint64_t v = 0;
+        if (!SignalWait(wait, inbox + EpCountInboxIndex(parity, s, me, W), epoch, s,
+                        "EP dispatch: token count for this PE", &v)) {
+          sFailed = 1;
+        } else if (EpFormatOf(v) != a.format) {
+          ReportError(wait, s, "EP dispatch: PEs called dispatch with different dtype/hidden/"
+                      "index type", &inbox->value, a.format, EpFormatOf(v));
+          sFailed = 1;
+        } else {
+          cnt = EpCountOf(v);
+        }
+      }
+      c.state->recvCount[s] = static_cast<int32_t>(cnt);  // for the push and InterNode combines
+      atomicAdd(&sTotal, static_cast<int>(cnt));
+    }
+    __syncthreads();
+    if (tid == 0 && sFailed == 0 && sTotal > c.maxRecvRows) {
+      ReportError(wait, -1, "EP dispatch: rows exceed max_total_recv_tokens", &sTotal,
+                  c.maxRecvRows, sTotal);
+      sFailed = 1;
+    }
+    __syncthreads();
+  }
+  if (b == 0 && sFailed == 0) {
     uint64_t* arrived = At<uint64_t>(c.symmLocal, c.symm.arrived);
     for (int s = tid; s < W; s += nThreads) {
-      uint64_t v = 0;
-      if (!SignalWait(wait, inbox + EpCountInboxIndex(parity, s, me, W), epoch, s,
-                      "EP dispatch: token count for this PE", &v)) {
+      const uint64_t cnt = static_cast<uint64_t>(c.state->recvCount[s]);
+      if (cnt == 0) continue;
+      if (kInter && IsRemote(c, s)) {
+        // Rows from another node: the tail word follows them on the sender's QP.
+        uint64_t* tailWord = At<uint64_t>(c.symmLocal, c.symm.interTail) + s;
+        uint32_t rows = 0;
+        if (!TagWait(wait, tailWord, epoch, s, "EP dispatch: RDMA rows (tail) from PE", &rows)) {
+          sFailed = 1;
+        } else if (rows != cnt) {
+          ReportError(wait, s, "EP dispatch: RDMA tail != announced count", tailWord,
+                      cnt, static_cast<uint64_t>(rows));
+          sFailed = 1;
+        }
+        continue;
+      }
+      if (!core::WaitUntil(wait, arrived + s, CmpOp::kGe, cnt, s,
+                           "EP dispatch: rows arrived from PE")) {
         sFailed = 1;
         continue;
       }
-      if (EpFormatOf(v) != a.format) {
-        ReportError(wait, s, "EP dispatch: PEs called dispatch with different dtype/hidden/"
-                    "index type", &inbox->value, a.format, EpFormatOf(v));
+      const uint64_t got = core::AtomicLoadAcquireSystem(arrived + s);
+      if (got != cnt) {
+        ReportError(wait, s, "EP dispatch: more rows arrived than announced", arrived + s, cnt,
+                    got);
         sFailed = 1;
         continue;
       }
-      const uint64_t cnt = EpCountOf(v);
-      if (cnt > 0) {
-        if (!core::WaitUntil(wait, arrived + s, CmpOp::kGe, cnt, s,
-                             "EP dispatch: rows arrived from PE")) {
-          sFailed = 1;
-          continue;
-        }
-        const uint64_t got = core::AtomicLoadAcquireSystem(arrived + s);
-        if (got != cnt) {
-          ReportError(wait, s, "EP dispatch: more rows arrived than announced", arrived + s, cnt,
-                      got);
-          sFailed = 1;
-          continue;
-        }
-        core::AtomicStoreRelaxedSystem(arrived + s, static_cast<uint64_t>(0));
-      }
-      c.state->recvCount[s] = static_cast<int32_t>(cnt);  // for the push combine
-      atomicAdd(&sTotal, static_cast<int>(cnt));
+      core::AtomicStoreRelaxedSystem(arrived + s, static_cast<uint64_t>(0));
     }
     // The histograms came with the count signals acquired above (by other threads of this
     // block: the barrier carries the acquire to them).
@@ -485,23 +621,30 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 }  // namespace detail
 
-// The kernel's instantiations: per index type, for blocks of up to 256 threads and of up to
-// kEpMaxThreadsPerBlock.
-void LaunchEpDispatchIntraNode(const EpDispatchKernelArgs& args, EpIndexType indexType, int blocks,
-                               int threads, size_t smemBytes, gpuStream_t stream) {
+// The kernel's instantiations: IntraNode per index type, for blocks of up to 256 threads and of up
+// to kEpMaxThreadsPerBlock; InterNode per index type, one build for any block size.
+void LaunchEpDispatch(const EpDispatchKernelArgs& args, EpFamily family, EpIndexType indexType,
+                      int blocks, int threads, size_t smemBytes, gpuStream_t stream) {
+  using detail::EpDispatchKernel;
+  constexpr int kMaxT = kEpMaxThreadsPerBlock;
+  constexpr EpFamily kIntra = EpFamily::kIntraNode, kInter = EpFamily::kInterNode;
   const bool small = threads <= 256;
-  auto kernel = indexType == EpIndexType::kInt32
-                    ? (small ? detail::EpDispatchIntraNodeKernel<int32_t, 256>
-                             : detail::EpDispatchIntraNodeKernel<int32_t, kEpMaxThreadsPerBlock>)
-                    : (small ? detail::EpDispatchIntraNodeKernel<int64_t, 256>
-                             : detail::EpDispatchIntraNodeKernel<int64_t, kEpMaxThreadsPerBlock>);
+  const bool i32 = indexType == EpIndexType::kInt32;
+  auto kernel = family == kInter
+                    ? (i32 ? EpDispatchKernel<int32_t, kMaxT, kInter>
+                           : EpDispatchKernel<int64_t, kMaxT, kInter>)
+                : i32 ? (small ? EpDispatchKernel<int32_t, 256, kIntra>
+                               : EpDispatchKernel<int32_t, kMaxT, kIntra>)
+                      : (small ? EpDispatchKernel<int64_t, 256, kIntra>
+                               : EpDispatchKernel<int64_t, kMaxT, kIntra>);
   MORI_CHECK_GPU(core::GpuLaunchKernel(kernel, blocks, threads, smemBytes, stream,
                                        args.c.programmatic != 0, args));
 }
 
 bool EpKernelsHaveGridDependency() {
   // Every kernel file is compiled with the same targets: one kernel answers for all.
-  return core::GpuKernelHasGridDependency(detail::EpDispatchIntraNodeKernel<int32_t, 256>);
+  return core::GpuKernelHasGridDependency(
+      detail::EpDispatchKernel<int32_t, 256, EpFamily::kIntraNode>);
 }
 
 }  // namespace mori::ops

@@ -38,7 +38,7 @@ MORI_DEVICE_INLINE uint64_t EpCycles() { return static_cast<uint64_t>(clock64())
 
 // This block's record of this launch, or nullptr when tracing is off (or the block is beyond the
 // buffer). Only thread 0 writes the stamps; other threads may write their own words.
-MORI_DEVICE_INLINE uint64_t* EpTraceRecord(const EpIntraNodeCommon& c, int kind, uint64_t epoch) {
+MORI_DEVICE_INLINE uint64_t* EpTraceRecord(const EpKernelCommon& c, int kind, uint64_t epoch) {
   if (c.trace == nullptr || static_cast<int>(blockIdx.x) >= c.traceMaxBlocks || c.traceSlots <= 0)
     return nullptr;
   const size_t slot = static_cast<size_t>(epoch % static_cast<uint64_t>(c.traceSlots));

@@ -29,7 +29,7 @@ MORI_HOST_DEVICE inline const char* CmpOpName(CmpOp op) {
   return "?";
 }
 
-constexpr int kDeviceErrorLabelLen = 48;
+constexpr int kDeviceErrorLabelLen = 64;  // "<op>: <what>": the longest op name plus text fit
 
 // Shared by host and device; lives in host-pinned memory mapped into the GPU.
 struct DeviceErrorRecord {
@@ -154,17 +154,19 @@ __device__ __noinline__ void RecordWaitTimeout(const WaitContext& ctx, int peer,
 constexpr uint64_t kAbortCheckFirstNs = 20000;    // the first look, after 20 us of waiting
 constexpr uint64_t kAbortCheckPeriodNs = 200000;  // then every 200 us
 
-// Spin with acquire loads until `*addr op target`. See the header comment for the contract.
-template <typename T>
-MORI_DEVICE_INLINE bool WaitUntil(const WaitContext& ctx, T* addr, CmpOp op, T target, int peer,
-                                  const char* label) {
+namespace detail {
+// The bounded spin behind WaitUntil and WaitUntilMasked: acquire loads until `done(v)`; on timeout
+// records `*addr op target`, seen v.
+template <typename T, typename Done>
+MORI_DEVICE_INLINE bool SpinUntil(const WaitContext& ctx, T* addr, Done done, CmpOp op, T target,
+                                  int peer, const char* label) {
   T v = AtomicLoadAcquireSystem(addr);
-  if (CompareValues(v, op, target)) return true;
+  if (done(v)) return true;
   const uint64_t start = WallClockNs();
   uint64_t nextAbortCheck = kAbortCheckFirstNs;
   for (uint32_t iter = 1;; iter++) {
     v = AtomicLoadAcquireSystem(addr);
-    if (CompareValues(v, op, target)) return true;
+    if (done(v)) return true;
     if ((iter & 63u) == 0) {
       const uint64_t elapsed = WallClockNs() - start;
       if (elapsed >= nextAbortCheck) {
@@ -178,6 +180,33 @@ MORI_DEVICE_INLINE bool WaitUntil(const WaitContext& ctx, T* addr, CmpOp op, T t
       SpinPause();
     }
   }
+}
+}  // namespace detail
+
+// Spin with acquire loads until `*addr op target`. See the header comment for the contract.
+template <typename T>
+MORI_DEVICE_INLINE bool WaitUntil(const WaitContext& ctx, T* addr, CmpOp op, T target, int peer,
+                                  const char* label) {
+  return detail::SpinUntil(
+      ctx, addr, [&](T v) { return CompareValues(v, op, target); }, op, target, peer, label);
+}
+
+// Spin until `(*addr & mask) == (target & mask)` (tagged words: wait for a tag, whatever the
+// value beside it). Same contract as WaitUntil; a timeout records `== target` and the whole word
+// seen. On success *seen is the word (when seen != nullptr).
+template <typename T>
+MORI_DEVICE_INLINE bool WaitUntilMasked(const WaitContext& ctx, T* addr, T mask, T target,
+                                        int peer, const char* label, T* seen = nullptr) {
+  T last = 0;
+  const bool ok = detail::SpinUntil(
+      ctx, addr,
+      [&](T v) {
+        last = v;
+        return (v & mask) == (target & mask);
+      },
+      CmpOp::kEq, target, peer, label);
+  if (seen != nullptr) *seen = last;
+  return ok;
 }
 
 #endif  // MORI_GPU_COMPILER

@@ -24,7 +24,7 @@
 
 namespace mori::ops {
 
-constexpr int kEpAgreementMaxFields = 32;
+constexpr int kEpAgreementMaxFields = 64;
 constexpr int kEpAgreementReasonBytes = 256;
 
 // Distinct values, not 0/1/2, so that a row from a different collective call (a PE that is

@@ -8,8 +8,10 @@
 
 namespace mori::ops {
 
-// Which kernel family moves the tokens. Only kIntraNode (every PE reachable by load/store over
-// NVLink/xGMI) is built; the others are reserved with MORI's numbering and rejected clearly.
+// Which kernel family moves the tokens (MORI's numbering). kIntraNode: every PE reachable by
+// load/store over NVLink/xGMI. kInterNode: nodes of gpuPerNode PEs; same-node PEs by load/store,
+// other nodes by GPU-posted RDMA, one copy per destination PE. kInterNodeV1/kInterNodeV1LL (node-
+// deduplicated) are not built yet and are rejected clearly.
 enum class EpDispatchCombineKernelType : int32_t {
   kIntraNode = 0,
   kInterNode = 1,
@@ -63,13 +65,22 @@ struct EpDispatchCombineConfig {
   int gpuPerNode = 8;                // inter-node kernels only
   int rdmaBlockNum = 0;              // inter-node kernels only
   int numQpPerPe = 1;                // inter-node kernels only
+  // Rows one PE can receive in one dispatch (sizes the receive buffers); 0: W * M (every token of
+  // every PE). A dispatch that would exceed it records an error naming the PEs instead of writing.
+  int maxTotalRecvTokens = 0;
 
   // Raises InvalidUsageError naming the first bad field, its value and the allowed range.
   void Validate() const;
 
   int NumExperts() const { return worldSize * numExpertsPerRank; }
-  // Receive capacity: every source token reaches a PE at most once.
-  int MaxNumRecvTokens() const { return worldSize * maxNumInpTokenPerRank; }
+  // Receive capacity: every source token reaches a PE at most once, so W * M rows always suffice;
+  // maxTotalRecvTokens lowers it.
+  int MaxNumRecvTokens() const {
+    const int all = worldSize * maxNumInpTokenPerRank;
+    return maxTotalRecvTokens > 0 && maxTotalRecvTokens < all ? maxTotalRecvTokens : all;
+  }
+  // PEs per node as the kernels see it (an op within one node has one node of worldSize PEs).
+  int LocalSize() const { return gpuPerNode < worldSize ? gpuPerNode : worldSize; }
   size_t MaxTokenRowBytes() const {
     return static_cast<size_t>(hiddenDim) * static_cast<size_t>(maxTokenTypeSize);
   }

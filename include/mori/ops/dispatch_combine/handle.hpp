@@ -63,13 +63,15 @@ struct EpCombineArgs {
   int warpPerBlock = -1;
 };
 
-struct EpIntraNodeCommon;  // kernel arguments (src/ops/dispatch_combine/intranode.hpp)
+struct EpKernelCommon;  // kernel arguments (src/ops/dispatch_combine/intranode.hpp)
+enum class EpFamily : int32_t;
 
 class EpDispatchCombineHandle {
  public:
   // Collective over the shmem PEs (allocates symmetric memory, zeroes it). Raises
   // InvalidUsageError for a bad config, a kernel type that is not built, shmem not initialised,
-  // rank/worldSize not matching shmem, or a PE not reachable by load/store. Before allocating,
+  // rank/worldSize not matching shmem, or a topology the kernel type cannot serve (IntraNode: a PE
+  // not reachable by load/store; InterNode: gpu_per_node not matching shmem's nodes). Before allocating,
   // the PEs exchange their configs through the bootstrap and after allocating the heap offset of
   // the block: if any PE's config (or layout) differs, a PE cannot create the handle, a PE lacks
   // heap, or the offsets differ, every PE raises InvalidUsageError naming the first PE and field
@@ -97,6 +99,9 @@ class EpDispatchCombineHandle {
   int Device() const { return device; }
   size_t SymmetricBytes() const { return symmLayout.totalBytes; }
   size_t LocalBytes() const { return localLayout.totalBytes; }
+  // Starts of the two blocks (offsets: EpSymmetricRegions / EpLocalRegions of Config()).
+  void* SymmetricBase() const { return symmBase; }
+  void* LocalBase() const { return localBase; }
 
   // Dispatch outputs (first *TotalRecvTokenNum() rows are valid).
   void* DispatchOutTokens() const { return symmBase + symmLayout.dispatchOutTokens; }
@@ -131,8 +136,9 @@ class EpDispatchCombineHandle {
 
  private:
   void CheckUsable(const char* what) const;
+  EpFamily Family() const;
   // The part of the kernel arguments dispatch and combine share.
-  void FillCommonArgs(EpIntraNodeCommon* common) const;
+  void FillCommonArgs(EpKernelCommon* common) const;
 
   EpDispatchCombineConfig config;
   EpSymmetricLayout symmLayout;

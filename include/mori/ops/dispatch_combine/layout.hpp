@@ -1,48 +1,36 @@
 // Every byte the dispatch/combine handle allocates, in one place: the symmetric block (same
-// offsets on every PE, reached by peers over P2P) and the local block (this PE only), plus the
-// size hints callers can use before allocating anything.
+// offsets on every PE, reached by peers over P2P or RDMA) and the local block (this PE only), plus
+// the size hints callers can use before allocating anything.
 //
 // Plain C++ (usable without a GPU runtime); the index helpers are host+device when compiled by
 // a GPU compiler.
 //
-// Symmetric block (one ShmemMallocAlign per handle), offsets from its start, each 256-aligned:
-//   countInbox    EpSignal[2][W][W]     [parity][src][dst]: src's token count for dst (+format)
-//   expertInbox   int32[2][W][Epr]      [parity][src][e]:  src's tokens for our local expert e
-//                                       (no tags: published with src's count signal to us)
-//   readyInbox    EpSignal[2][W]        [parity][src]:     src's combine input is ready (+source)
-//   doneInbox     EpSignal[W]           [src]:             src finished reading our buffers
-//   arrived       uint64[W]             [src]:             rows src has finished writing to us
-//   dispatchOutTokens   [Rmax][rowBytes]          rows received by dispatch (compact)
-//   dispatchOutWeights  [Rmax][K] float
-//   dispatchOutScales   [Rmax][scaleBytes]        (absent when scaleDim == 0)
-//   dispatchOutIndices  [Rmax][K] int64-sized     (int32 calls use a [Rmax][K] int32 prefix)
-//   dispatchOutSrcPos   [Rmax] int32              srcRank * maxNumInpTokenPerRank + srcToken
-//   combineInTokens     [Rmax][rowBytes]          the registered (zero-copy) combine input
-//   combineInWeights    [Rmax][K] float
-//   pushArrived         uint64[2][W]              [parity][src]: 16-byte vectors src pushed to us
-//   pushRecvTokens      [2][M][W][rowBytes]       [parity][t][d]: row of our token t from PE d
-//   pushRecvWeights     [2][M][W][K] float        (the push buffers only when EpPushCombineFits)
-// where W = worldSize, Epr = numExpertsPerRank, K = numExpertsPerToken, Rmax = W *
-// maxNumInpTokenPerRank, rowBytes = hiddenDim * maxTokenTypeSize at most (a call packs its rows
-// with its own row size).
+// The regions are ONE table per block (MORI_EP_SYMMETRIC_REGIONS / MORI_EP_LOCAL_REGIONS below):
+// name, size for a config, and role. The offsets (EpSymmetricLayout / EpLocalLayout), the
+// creation-time agreement rows (agreement.cpp), mori.ops.ep_layout() and the test helper
+// debug_fill_buffers (regions of role kOutput) are all derived from it. A region a config does not
+// use (the push buffers of a large-batch config, the inter-node regions of an IntraNode op) has
+// size 0 and offset 0.
 //
-// Push combine (small-batch configs, EpPushCombineFits): instead of every PE pulling its tokens'
-// rows from the PEs that hold them, each PE pushes the rows it holds to their tokens' PEs
+// W = worldSize, Epr = numExpertsPerRank, K = numExpertsPerToken, M = maxNumInpTokenPerRank,
+// Rmax = MaxNumRecvTokens() (W * M, or max_total_recv_tokens when set), rowBytes = hiddenDim *
+// maxTokenTypeSize at most (a call packs its rows with its own row size), G = gpuPerNode.
+//
+// Push combine (small-batch IntraNode configs, EpPushCombineFits): instead of every PE pulling its
+// tokens' rows from the PEs that hold them, each PE pushes the rows it holds to their tokens' PEs
 // (pushRecvTokens, one slot per token and PE), then sums locally. Double-buffered by the combine
 // epoch's parity, as readyInbox (which carries the push combine's format signal): combine may be
 // called several times after one dispatch, and a PE may then be one call ahead. See docs/ep.md.
 //
-// Local block (one device allocation per handle):
-//   state         EpDeviceState              epochs and grid counters (kernels update them)
-//   totalRecv     int32                      rows received by the last dispatch
-//   localExpertCount int32[Epr]              received tokens per local expert (last dispatch)
-//   tokenSlot     int32[M][W]                row of token t on PE d, or -1 (last dispatch)
-//   combineOutWeights [M][K] float
-//   combineOutTokens  [M][rowBytes]
+// Inter-node regions (kernel type InterNode): PEs of other nodes are reached by RDMA, so every
+// signal they write is one tagged 8-byte word (EpTagWord: the call's epoch in the high half), rows
+// travel from registered staging by RDMA WRITE, and combine rows come back into a landing region of
+// their token's PE. See docs/ep.md.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "mori/ops/dispatch_combine/config.hpp"
 #include "mori/core/hd.hpp"
@@ -73,51 +61,122 @@ struct EpDeviceState {
                                    // resets it
   uint32_t combineFailed;           // push combine: a block failed (the last block then does not
                                    // judge the arrival counts); last block resets it
-  // Written by dispatch for the push combine: sendCount[d] = our tokens routed to PE d,
-  // recvCount[s] = rows received from PE s (last dispatch).
+  // Written by dispatch for the push and InterNode combines: sendCount[d] = our tokens routed to
+  // PE d, recvCount[s] = rows received from PE s (last dispatch).
   int32_t sendCount[kEpMaxWorldSize];
   int32_t recvCount[kEpMaxWorldSize];
+  // InterNode dispatch: blocks of the group serving another node's PE d that have staged their
+  // rows; the last one posts the group's RDMA WRITEs and resets it.
+  uint32_t stagedBlocks[kEpMaxWorldSize];
 };
 
+// The sizes regions are computed from (EpLayoutDims(config)).
+struct EpLayoutDims {
+  size_t w, k, m, epr;
+  size_t rmax;      // receive capacity in rows
+  size_t row;       // largest token row, bytes
+  size_t scaleRow;  // scales row, bytes
+  size_t push;      // 1: the push-combine buffers exist (EpPushCombineFits), else 0
+  size_t inter;     // 1: the inter-node regions exist (kernel type InterNode), else 0
+  size_t landing;   // rows of the landing region: M * min(K, W)
+};
+
+// What a region holds: kControl (signals, counters: zeroed at creation, kernels keep them
+// consistent), kOutput (results callers read; debug_fill_buffers poisons them), kInput (buffers
+// callers may write, e.g. the zero-copy combine input), kStaging (kernel-private data).
+enum class EpRegionRole : int32_t { kControl = 0, kOutput = 1, kInput = 2, kStaging = 3 };
+const char* EpRegionRoleName(EpRegionRole role);
+
+// X(field, python name, bytes, role). Order is layout order.
+#define MORI_EP_SYMMETRIC_REGIONS(X, d)                                                           \
+  /* [parity][src][dst] src's token count for dst (+format); IntraNode */                         \
+  X(countInbox, "count_inbox", 2 * d.w * d.w * sizeof(EpSignal), kControl)                       \
+  /* [parity][src][e] src's tokens for our local expert e (published with src's count signal) */ \
+  X(expertInbox, "expert_inbox", 2 * d.w * d.epr * sizeof(int32_t), kControl)                    \
+  /* [parity][src] src's combine input is ready (+ where it is) */                                 \
+  X(readyInbox, "ready_inbox", 2 * d.w * sizeof(EpSignal), kControl)                             \
+  /* [src] src finished reading our buffers (tag only) */                                          \
+  X(doneInbox, "done_inbox", d.w * sizeof(EpSignal), kControl)                                   \
+  /* [src] rows src (same node) has finished writing to us */                                      \
+  X(arrived, "arrived", d.w * sizeof(uint64_t), kControl)                                        \
+  X(dispatchOutTokens, "dispatch_out_tokens", d.rmax * d.row, kOutput)                           \
+  X(dispatchOutWeights, "dispatch_out_weights", d.rmax * d.k * sizeof(float), kOutput)           \
+  X(dispatchOutScales, "dispatch_out_scales", d.rmax * d.scaleRow, kOutput)                      \
+  /* int64-sized; int32 calls use a [Rmax][K] int32 prefix */                                      \
+  X(dispatchOutIndices, "dispatch_out_indices", d.rmax * d.k * sizeof(int64_t), kOutput)         \
+  /* srcRank * M + srcToken */                                                                     \
+  X(dispatchOutSrcPos, "dispatch_out_src_pos", d.rmax * sizeof(int32_t), kOutput)                \
+  X(combineInTokens, "combine_in_tokens", d.rmax * d.row, kInput)                                \
+  X(combineInWeights, "combine_in_weights", d.rmax * d.k * sizeof(float), kInput)                \
+  /* [parity][src] 16-byte vectors src pushed to us */                                             \
+  X(pushArrived, "push_arrived", d.push * 2 * d.w * sizeof(uint64_t), kControl)                  \
+  /* [parity][t][d] row of our token t from PE d */                                                \
+  X(pushRecvTokens, "push_recv_tokens", d.push * 2 * d.m * d.w * d.row, kStaging)                \
+  X(pushRecvWeights, "push_recv_weights", d.push * 2 * d.m * d.w * d.k * sizeof(float),          \
+    kStaging)                                                                                     \
+  /* InterNode: [parity][src][dst][2] tagged words {count, format} of src's tokens for dst */     \
+  X(interCount, "inter_count", d.inter * 2 * d.w * d.w * 2 * sizeof(uint64_t), kControl)         \
+  /* InterNode: [src] tagged word: src's RDMA rows to us are complete (value: rows) */             \
+  X(interTail, "inter_tail", d.inter * d.w * sizeof(uint64_t), kControl)                         \
+  /* InterNode: [dst] tagged word: dst's combine rows for us have landed (value: format) */        \
+  X(landingReady, "landing_ready", d.inter * d.w * sizeof(uint64_t), kControl)                   \
+  /* InterNode: [dst][M] rows (and metadata) for another node's PE dst, packed before the WRITE */ \
+  X(stageTokens, "stage_tokens", d.inter * d.w * d.m * d.row, kStaging)                          \
+  X(stageWeights, "stage_weights", d.inter * d.w * d.m * d.k * sizeof(float), kStaging)          \
+  X(stageScales, "stage_scales", d.inter * d.w * d.m * d.scaleRow, kStaging)                     \
+  X(stageIndices, "stage_indices", d.inter * d.w * d.m * d.k * sizeof(int64_t), kStaging)        \
+  X(stageSrcPos, "stage_src_pos", d.inter * d.w * d.m * sizeof(int32_t), kStaging)               \
+  X(stageHist, "stage_hist", d.inter * d.w * d.epr * sizeof(int32_t), kStaging)                  \
+  /* InterNode: rows of our tokens returned by other nodes' PEs, by destination then list index */ \
+  X(landingTokens, "landing_tokens", d.inter * d.landing * d.row, kStaging)                      \
+  X(landingWeights, "landing_weights", d.inter * d.landing * d.k * sizeof(float), kStaging)
+
+#define MORI_EP_LOCAL_REGIONS(X, d)                                                               \
+  /* epochs and grid counters (kernels update them) */                                             \
+  X(state, "state", sizeof(EpDeviceState), kControl)                                             \
+  /* rows received by the last dispatch */                                                         \
+  X(totalRecv, "total_recv", sizeof(int32_t), kOutput)                                           \
+  /* received tokens per local expert (last dispatch) */                                           \
+  X(localExpertCount, "local_expert_count", d.epr * sizeof(int32_t), kOutput)                    \
+  /* [M][W] row of token t on PE d, or -1 (last dispatch) */                                       \
+  X(tokenSlot, "token_slot", d.m * d.w * sizeof(int32_t), kControl)                              \
+  X(combineOutWeights, "combine_out_weights", d.m * d.k * sizeof(float), kOutput)                \
+  X(combineOutTokens, "combine_out_tokens", d.m * d.row, kOutput)
+
+#define MORI_EP_LAYOUT_FIELD(field, name, bytes, role) size_t field = 0;
 struct EpSymmetricLayout {
-  size_t countInbox = 0;
-  size_t expertInbox = 0;
-  size_t readyInbox = 0;
-  size_t doneInbox = 0;
-  size_t arrived = 0;
-  size_t dispatchOutTokens = 0;
-  size_t dispatchOutWeights = 0;
-  size_t dispatchOutScales = 0;
-  size_t dispatchOutIndices = 0;
-  size_t dispatchOutSrcPos = 0;
-  size_t combineInTokens = 0;
-  size_t combineInWeights = 0;
-  size_t pushArrived = 0;      // the push buffers' offsets are 0 (and their sizes 0) when the
-  size_t pushRecvTokens = 0;   // config has too many tokens per rank for them
-  size_t pushRecvWeights = 0;
+  MORI_EP_SYMMETRIC_REGIONS(MORI_EP_LAYOUT_FIELD, _)
   size_t totalBytes = 0;
 };
-
 struct EpLocalLayout {
-  size_t state = 0;
-  size_t totalRecv = 0;
-  size_t localExpertCount = 0;
-  size_t tokenSlot = 0;
-  size_t combineOutWeights = 0;
-  size_t combineOutTokens = 0;
+  MORI_EP_LOCAL_REGIONS(MORI_EP_LAYOUT_FIELD, _)
   size_t totalBytes = 0;
+};
+#undef MORI_EP_LAYOUT_FIELD
+
+// One region of a layout, as the table describes it (bytes 0: unused by this config).
+struct EpRegionInfo {
+  const char* name;
+  size_t offset;
+  size_t bytes;
+  EpRegionRole role;
 };
 
 // Push combine buffers exist (and the push combine may run) when a config has at most this many
 // tokens per rank: they cost maxNumInpTokenPerRank x W rows per PE.
 constexpr int kEpPushCombineMaxTokens = 256;
 inline bool EpPushCombineFits(const EpDispatchCombineConfig& config) {
-  return config.maxNumInpTokenPerRank <= kEpPushCombineMaxTokens;
+  return config.kernelType == EpDispatchCombineKernelType::kIntraNode &&
+         config.maxNumInpTokenPerRank <= kEpPushCombineMaxTokens;
 }
 
+EpLayoutDims MakeEpLayoutDims(const EpDispatchCombineConfig& config);
 // Layouts for a config (Validate() it first; sizes are computed in size_t).
 EpSymmetricLayout MakeEpSymmetricLayout(const EpDispatchCombineConfig& config);
 EpLocalLayout MakeEpLocalLayout(const EpDispatchCombineConfig& config);
+// The tables with offsets, in layout order (every region, used or not).
+std::vector<EpRegionInfo> EpSymmetricRegions(const EpDispatchCombineConfig& config);
+std::vector<EpRegionInfo> EpLocalRegions(const EpDispatchCombineConfig& config);
 
 // Size hints: bytes of symmetric heap (MORI_SHMEM_HEAP_SIZE must leave room for it) and of
 // ordinary device memory a handle for `config` allocates. They validate the config.
@@ -185,5 +244,24 @@ MORI_EP_HD inline EpCombineSource EpReadyWeights(uint64_t v) {
   return static_cast<EpCombineSource>((v >> 4) & 0xF);
 }
 MORI_EP_HD inline uint64_t EpReadyFormat(uint64_t v) { return v >> 8; }
+
+// --- tagged words (inter-node signals) -------------------------------------------------------
+// A signal a NIC writes must be ONE aligned 8-byte word: an RDMA WRITE gives the reader no order
+// inside a message. The high half is the call's epoch (mod 2^32: readers compare it for equality,
+// and a slot is rewritten at most two calls later), the low half a 32-bit value.
+MORI_EP_HD inline uint64_t EpTagWord(uint64_t epoch, uint32_t value) {
+  return (epoch << 32) | static_cast<uint64_t>(value);
+}
+MORI_EP_HD inline uint32_t EpTagOf(uint64_t word) { return static_cast<uint32_t>(word >> 32); }
+MORI_EP_HD inline uint32_t EpTagValue(uint64_t word) { return static_cast<uint32_t>(word); }
+// interCount slot of src's count word pair for dst ([parity][src][dst][2]: count, then format).
+MORI_EP_HD inline size_t EpInterCountIndex(int parity, int src, int dst, int worldSize) {
+  return ((static_cast<size_t>(parity) * worldSize + src) * worldSize + dst) * 2;
+}
+// landingReady value: the combine format (EpReadyFormat: dtype bits 0..3, row bytes from bit 8;
+// Validate keeps rows within 16 MiB, so it fits 32 bits) and bit 4 = weights were sent.
+MORI_EP_HD inline uint32_t EpLandingValue(uint64_t ready, bool weights) {
+  return static_cast<uint32_t>(EpReadyFormat(ready)) | (weights ? 0x10u : 0u);
+}
 
 }  // namespace mori::ops
