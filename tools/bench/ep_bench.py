@@ -3,6 +3,7 @@
 
     torchrun --nproc_per_node=4 tools/bench/ep_bench.py            # all local GPUs
     python3 tools/bench/ep_bench.py --nproc 2 [--configs ht,ll] [--max-sms 24] [--quick]
+    python3 tools/bench/ep_bench.py --nproc 4      # on fewer GPUs: ranks share GPUs
 
 mori is imported from an installation, $MORI_BUILD_DIR/python, or <repo>/build*/python.
 
@@ -12,7 +13,10 @@ combine. Routing: top-k of random scores (as DeepEP's tests). Times come from CU
 back-to-back calls (no host overhead), per rank; GB/s are per rank:
   logical  = received rows x row bytes (FP8: + scale bytes) / time   (DeepEP's and MORI's metric)
   physical = rows received from other ranks (crossed a link) x row bytes / time
-Combine moves the same rows back, so it uses the same byte counts. A block/warp sweep keeps the
+Combine moves the same rows back, so it uses the same byte counts. Ranks may share a GPU (--nproc
+above the GPU count, as the test suites do): the kernels and the protocol between ranks run, but no
+row crosses a link, so the physical column and the multi-GPU targets are left out, and the torch
+baseline too (NCCL takes one GPU per rank). A block/warp sweep keeps the
 fastest setting per phase; "SMs" = blocks (one block per SM). The baseline is what users write
 without us: count exchange, permutation, all_to_all_single of rows, and back with index_add_.
 The result table is printed last.
@@ -36,12 +40,13 @@ def log(rank, *a):
 
 
 class Bench:
-    def __init__(self, rank, world, local_rank, args):
+    def __init__(self, rank, world, local_rank, args, shared):
         import torch
         import torch.distributed as dist
 
         self.torch, self.dist = torch, dist
         self.rank, self.W, self.args = rank, world, args
+        self.shared = shared  # ranks share GPUs: nothing crosses a link
         self.dev = torch.device("cuda", local_rank)
         self.mori = U.import_mori()
         self.fp8 = U.fp8_dtype(torch)
@@ -184,7 +189,7 @@ class Bench:
         secs_ext = self.time_calls(lambda: op.combine(ext, None, idx, block_num=lw[0], warp_per_block=lw[1]), n_inner, n_rep)
         secs_ext = max(self.allgather(secs_ext))
         self.record(f"{name} combine BF16 (external input)", secs_ext, recv * row_bf16, recv_remote * row_bf16, lw)
-        if not self.args.no_baseline:
+        if not self.args.no_baseline and not self.shared:
             self.baseline(name, x, x8, scales, idx, w, recv, recv_remote, dispatch_kinds)
         op.close()
         return symm_mib
@@ -267,6 +272,39 @@ class Bench:
         return statistics.median(times)
 
 
+def print_results(rows, symm, setup, linked, four_gpus):
+    """The result table. `linked`: every rank has its own GPU and there are several, so rows from
+    other ranks crossed a link and the physical column means something. `four_gpus`: 4 ranks on
+    4 GPUs, the setting the targets are stated for."""
+    print()
+    print(f"Results: {setup}; per-rank GB/s (mean / min over ranks); time = slowest rank, CUDA-graph replays")
+    cols = [("phase", 34), ("time us", 9), ("logical GB/s", 15)]
+    if linked:
+        cols.append(("physical GB/s", 13))
+    cols += [("blocks x warps (SMs)", 20), ("vs torch", 8)]
+    print("| " + " | ".join(f"{n:<{w}}" if n == "phase" else f"{n:>{w}}" for n, w in cols) + " |")
+    print("|" + "|".join("-" * (w + 2) for _, w in cols) + "|")
+    torch_us = {r["label"].replace(" [torch]", ""): r["us"] for r in rows if r["label"].endswith("[torch]")}
+    for r in rows:
+        lw = f"{r['launch'][0]} x {r['launch'][1]} ({r['launch'][0]})" if r["launch"] else "-"
+        base = torch_us.get(r["label"].replace(" (external input)", ""))
+        sp = f"{base / r['us']:.1f}x" if base and not r["label"].endswith("[torch]") else ""
+        cells = [f"{r['label']:<34}", f"{r['us']:>9.1f}", f"{r['gl_mean']:>7.1f} / {r['gl_min']:>5.1f}"]
+        if linked:
+            cells.append(f"{r['gp_mean']:>13.1f}")
+        cells += [f"{lw:>20}", f"{sp:>8}"]
+        print("| " + " | ".join(cells) + " |")
+    for k, v in symm.items():
+        print(f"symmetric memory per rank, {k} config: {v:.1f} MiB")
+    if not linked:
+        print("(no physical GB/s: no row crossed a link in this run)")
+    if four_gpus:
+        print("targets (4x H200): HT dispatch BF16 >= 380 GB/s, FP8 >= 350, combine >= 425 with <= 24 SMs; "
+              "LL dispatch <= 20 us, combine <= 25 us; >= 3x torch; HT symmetric memory <= 1024 MiB")
+    else:
+        print("(the targets are stated for 4 ranks on 4 GPUs: not shown for this run)")
+
+
 def parse_grid(spec):
     """"b1,b2,...:w1,w2,..." -> (blocks, warps); an empty side keeps the default."""
     bs, _, ws = spec.partition(":")
@@ -296,16 +334,25 @@ def worker(rank, world, local_rank, args):
     import torch
     import torch.distributed as dist
 
+    # More ranks than GPUs: ranks share GPUs round-robin (shmem maps peers on one GPU as plain device
+    # memory; their kernels take turns on it). NCCL takes one GPU per rank, so they talk over gloo.
+    ngpus = torch.cuda.device_count()
+    shared = world > ngpus
+    local_rank %= max(1, ngpus)
     torch.cuda.set_device(local_rank)
-    dist.init_process_group(backend="cpu:gloo,cuda:nccl", rank=rank, world_size=world)
-    b = Bench(rank, world, local_rank, args)
+    dist.init_process_group(backend="gloo" if shared else "cpu:gloo,cuda:nccl", rank=rank, world_size=world)
+    b = Bench(rank, world, local_rank, args, shared)
     mori = b.mori
     mori.shmem.shmem_torch_process_group_init("default")
     sm_count = torch.cuda.get_device_properties(local_rank).multi_processor_count
     o = mori._C.ops
     max_warps = o.MAX_THREADS_PER_BLOCK // o.WARP_SIZE
-    log(rank, f"mori EP benchmark: {world} x {torch.cuda.get_device_name(local_rank)} ({sm_count} SMs), "
-              f"torch {torch.__version__}, HT SM cap {args.max_sms}")
+    gpu_name = torch.cuda.get_device_name(local_rank)
+    n_used = min(world, ngpus)
+    setup = f"{world} rank(s) on {n_used} x {gpu_name}" + (" (ranks share GPUs: no row crosses a link)" if shared else "")
+    log(rank, f"mori EP benchmark: {setup} ({sm_count} SMs), torch {torch.__version__}, HT SM cap {args.max_sms}")
+    if shared and not args.no_baseline:
+        log(rank, "  (no torch baseline: NCCL takes one GPU per rank)")
     symm = {}
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     if "ht" in configs:
@@ -316,22 +363,7 @@ def worker(rank, world, local_rank, args):
                                   launch_grid("ll", world, args.max_sms, sm_count, max_warps, args.ll_grid))
     mori.shmem.shmem_finalize()
     if rank == 0:
-        print()
-        print(f"Results: {world} ranks, {torch.cuda.get_device_name(local_rank)}; per-rank GB/s (mean / min over ranks); "
-              "time = slowest rank, CUDA-graph replays")
-        hdr = f"| {'phase':<34} | {'time us':>9} | {'logical GB/s':>15} | {'physical GB/s':>13} | {'blocks x warps (SMs)':>20} | {'vs torch':>8} |"
-        print(hdr)
-        print("|" + "|".join("-" * (len(c)) for c in hdr.split("|")[1:-1]) + "|")
-        torch_us = {r["label"].replace(" [torch]", ""): r["us"] for r in b.rows if r["label"].endswith("[torch]")}
-        for r in b.rows:
-            lw = f"{r['launch'][0]} x {r['launch'][1]} ({r['launch'][0]})" if r["launch"] else "-"
-            base = torch_us.get(r["label"].replace(" (external input)", ""))
-            sp = f"{base / r['us']:.1f}x" if base and not r["label"].endswith("[torch]") else ""
-            print(f"| {r['label']:<34} | {r['us']:>9.1f} | {r['gl_mean']:>7.1f} / {r['gl_min']:>5.1f} | {r['gp_mean']:>13.1f} | {lw:>20} | {sp:>8} |")
-        for k, v in symm.items():
-            print(f"symmetric memory per rank, {k} config: {v:.1f} MiB")
-        print("targets (4x H200): HT dispatch BF16 >= 380 GB/s, FP8 >= 350, combine >= 425 with <= 24 SMs; "
-              "LL dispatch <= 20 us, combine <= 25 us; >= 3x torch; HT symmetric memory <= 1024 MiB")
+        print_results(b.rows, symm, setup, linked=world > 1 and not shared, four_gpus=world == 4 and not shared)
     dist.barrier()
     dist.destroy_process_group()
     return 0
@@ -352,6 +384,9 @@ def main():
         import torch
 
         nproc = torch.cuda.device_count()
+        if nproc < 1:
+            print("SKIPPED: needs a GPU, found none")
+            return 77
     return U.launch(worker, nproc, args)
 
 
