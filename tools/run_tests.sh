@@ -46,6 +46,11 @@ else
   echo "run_tests.sh: no GPU visible: the GPU tests report SKIPPED with the reason"
 fi
 
+if [[ ! -d $build/tests/core ]]; then
+  echo "run_tests.sh: note: $build has no GoogleTest host suites (GoogleTest was not found when it" \
+    "was configured): CTest runs the GPU test programs only"
+fi
+
 ctest_log=$(mktemp)
 trap 'rm -f "$ctest_log"' EXIT
 ctest_rc=0
