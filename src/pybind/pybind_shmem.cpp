@@ -318,6 +318,12 @@ void RegisterShmem(py::module_& m) {
       [](uintptr_t stream) { CallLibrary([&] { shmem::ShmemBarrierOnStream(ToStream(stream)); }); },
       py::arg("stream"));
   m.def(
+      "shmem_node_of", [](int pe) { return CallLibrary([&] { return shmem::ShmemNodeOf(pe); }); },
+      py::arg("pe"), "Node of PE `pe` (nodes numbered 0.. in the order of their lowest PE).");
+  m.def("shmem_num_nodes", [] { return CallLibrary([] { return shmem::ShmemNumNodes(); }); });
+  m.def("shmem_local_rank", [] { return CallLibrary([] { return shmem::ShmemLocalRank(); }); });
+  m.def("shmem_local_size", [] { return CallLibrary([] { return shmem::ShmemLocalSize(); }); });
+  m.def(
       "shmem_stream_synchronize",
       [](uintptr_t stream) {
         CallLibrary([&] { shmem::ShmemStreamSynchronize(ToStream(stream)); });

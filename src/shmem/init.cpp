@@ -44,6 +44,8 @@ struct ShmemState {
   core::DeviceErrorRecord* errDev = nullptr;
   uintptr_t* peerBasesDev = nullptr;
   TransportType* transportDev = nullptr;
+  int32_t* nodeOfDev = nullptr;
+  int32_t* localRankOfDev = nullptr;
   uint64_t* barrierEpochDev = nullptr;
   uint64_t syncAreaOffset = 0;
   ShmemDeviceContext devCtx{};
@@ -82,10 +84,14 @@ void DestroyState(ShmemState& s) {
   if (s.heap) s.heap.reset();
   if (s.peerBasesDev) (void)gpuFree(s.peerBasesDev);
   if (s.transportDev) (void)gpuFree(s.transportDev);
+  if (s.nodeOfDev) (void)gpuFree(s.nodeOfDev);
+  if (s.localRankOfDev) (void)gpuFree(s.localRankOfDev);
   if (s.barrierEpochDev) (void)gpuFree(s.barrierEpochDev);
   if (s.errHost) (void)gpuFreeHost(s.errHost);
   s.peerBasesDev = nullptr;
   s.transportDev = nullptr;
+  s.nodeOfDev = nullptr;
+  s.localRankOfDev = nullptr;
   s.barrierEpochDev = nullptr;
   s.errHost = nullptr;
   s.context.reset();
@@ -176,6 +182,8 @@ void BuildState(ShmemState& s) {
 
   s.peerBasesDev = DeviceCopyOf(s.heap->PeerBases());
   s.transportDev = DeviceCopyOf(s.context->Transports());
+  s.nodeOfDev = DeviceCopyOf(s.context->NodesOfPes());
+  s.localRankOfDev = DeviceCopyOf(s.context->LocalRanksOfPes());
   s.barrierEpochDev = DeviceCopyOf(std::vector<uint64_t>{0});
 
   ShmemDeviceContext& c = s.devCtx;
@@ -185,6 +193,9 @@ void BuildState(ShmemState& s) {
   c.heapSize = s.heap->Size();
   c.peerHeapBases = s.peerBasesDev;
   c.transport = s.transportDev;
+  c.nodeOf = s.nodeOfDev;
+  c.localRankOf = s.localRankOfDev;
+  c.numNodes = s.context->NumNodes();
   c.syncArea = reinterpret_cast<uint64_t*>(c.heapBase + s.syncAreaOffset);
   c.barrierEpoch = s.barrierEpochDev;
   c.wait.err = s.errDev;
@@ -413,6 +424,16 @@ TransportType ShmemTransportType(int pe) {
               pe, s.devCtx.worldSize);
   return s.context->Transport(pe);
 }
+
+int ShmemNodeOf(int pe) {
+  ShmemState& s = State("shmem_node_of");
+  MORI_ENSURE(pe >= 0 && pe < s.devCtx.worldSize, InvalidUsageError,
+              "shmem_node_of: pe %d out of range [0, %d)", pe, s.devCtx.worldSize);
+  return s.context->NodeOf(pe);
+}
+int ShmemNumNodes() { return State("shmem_num_nodes").context->NumNodes(); }
+int ShmemLocalRank() { return State("shmem_local_rank").context->LocalRank(); }
+int ShmemLocalSize() { return State("shmem_local_size").context->LocalSize(); }
 
 ShmemDeviceContext ShmemGetDeviceContext() { return State("ShmemGetDeviceContext").devCtx; }
 

@@ -202,6 +202,11 @@ def test_single_rank_init_malloc_free_finalize():
         assert mori.shmem.shmem_is_initialized()
         assert (mori.shmem.shmem_mype(), mori.shmem.shmem_npes()) == (0, 1)
         assert mori.shmem.shmem_transport_type(0) == "self"
+        assert mori.shmem.shmem_node_of(0) == 0 and mori.shmem.shmem_num_nodes() == 1
+        assert (mori.shmem.shmem_local_rank(), mori.shmem.shmem_local_size()) == (0, 1)
+        for bad in (-1, 1):
+            with pytest.raises(mori.InvalidUsageError, match=f"pe {bad} out of range"):
+                mori.shmem.shmem_node_of(bad)
         free_before = mori.shmem.shmem_heap_free_bytes()
         ptr = mori.shmem.shmem_malloc(1 << 20)
         assert ptr % 256 == 0
@@ -299,3 +304,21 @@ def test_buffer_registration_before_init_is_invalid_usage():
         mori.shmem.shmem_register_buffer(0x1000, 64)
     with pytest.raises(mori.InvalidUsageError, match="not initialised"):
         mori.shmem.shmem_deregister_buffer(0x1000)
+
+
+def test_topology_queries_before_init_are_invalid_usage():
+    if mori.shmem.shmem_is_initialized():
+        pytest.skip("shmem is initialised in this process")
+    for name, fn in [
+        ("shmem_node_of", lambda: mori.shmem.shmem_node_of(0)),
+        ("shmem_num_nodes", mori.shmem.shmem_num_nodes),
+        ("shmem_local_rank", mori.shmem.shmem_local_rank),
+        ("shmem_local_size", mori.shmem.shmem_local_size),
+    ]:
+        with pytest.raises(mori.InvalidUsageError, match=f"{name}: shmem is not initialised"):
+            fn()
+    # The argument is checked by the binding before the library sees it.
+    with pytest.raises(TypeError):
+        mori.shmem.shmem_node_of("0")
+    with pytest.raises(TypeError):
+        mori.shmem.shmem_node_of(None)

@@ -39,6 +39,14 @@ int ShmemMyPe();
 int ShmemNPes();
 TransportType ShmemTransportType(int pe);
 // The struct kernels take by value to use the device API.
+// Topology. A node is the set of PEs with the same host (boot id, or MORI_NODE_ID) and the same
+// MORI_GPU_PER_NODE group (rank / MORI_GPU_PER_NODE when set); its PEs are reached by P2P where
+// the GPUs allow it, PEs of other nodes by RDMA. Nodes are numbered 0.. in the order of their
+// lowest PE; the local rank is this PE's index among its node's PEs in PE order.
+int ShmemNodeOf(int pe);  // node of PE `pe` (InvalidUsageError if out of range)
+int ShmemNumNodes();
+int ShmemLocalRank();  // this PE's index on its node
+int ShmemLocalSize();  // number of PEs on this PE's node
 ShmemDeviceContext ShmemGetDeviceContext();
 
 // --- symmetric memory ------------------------------------------------------------------------

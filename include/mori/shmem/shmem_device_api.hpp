@@ -14,10 +14,10 @@
 //    stores; PEs reached only by RDMA through mlx5 work requests the calling thread (the scope's
 //    leader) posts itself (device/rdma.hpp states what differs there: local buffers of large
 //    puts and of gets must be in the heap, gets complete at quiet, atomics are 64-bit, one QP per
-//    warp). An unreachable or out-of-range PE, or an address outside the heap, records a device
-//    error (see device/resolve.hpp; the host raises it from ShmemCheckDeviceError /
-//    ShmemStreamSynchronize) and returns false / a zero value without touching memory. Every thread
-//    of the scope gets the same result.
+//    warp unless a ...Qp function names the channel). An unreachable or out-of-range PE, or an
+//    address outside the heap, records a device error (see device/resolve.hpp; the host raises it
+//    from ShmemCheckDeviceError / ShmemStreamSynchronize) and returns false / a zero value without
+//    touching memory. Every thread of the scope gets the same result.
 //  * Nbi ("non-blocking") puts are complete, i.e. visible to the target PE, after ShmemQuiet{Thread,
 //    Warp,Block} covering the issuing thread (or, for load/store peers, the end of the kernel; for
 //    RDMA peers a kernel's end completes nothing: quiet, the device barrier or the host's
@@ -36,6 +36,12 @@
 //    serialise GPU-wide.
 //  * Ordering between puts to different PEs, and between puts and atomics, needs
 //    ShmemFenceThread/ShmemQuietThread; put-with-signal and the barrier order the data for you.
+//  * Signals: every signal that may cross nodes is ONE naturally aligned 8-byte word; pack an epoch
+//    (or sequence number) and the value into it. An RDMA WRITE of a larger struct (e.g. {epoch,
+//    count}) is one message with no order inside it: the reader can see the new epoch with the
+//    old count, or the reverse. The NIC writes an 8-byte inline WRITE (SignalOp::kSet) and an
+//    8-byte FETCH_ADD (kAdd) single-copy atomically, ordered after the data posted before it on
+//    the same QP.
 #pragma once
 
 #include <cstddef>
@@ -62,6 +68,19 @@ MORI_DEVICE_INLINE int ShmemMyPe(const ShmemDeviceContext& ctx) {
 MORI_DEVICE_INLINE int ShmemNPes(const ShmemDeviceContext& ctx) {
   return ctx.worldSize;
 }
+// Topology (the host's ShmemNodeOf / ShmemLocalRank agree): nodes are numbered 0.. in the order of
+// their lowest PE; a PE's local rank is its index among its node's PEs in PE order. -1 for a pe out
+// of range (a query: no error is recorded).
+MORI_DEVICE_INLINE int ShmemNumNodes(const ShmemDeviceContext& ctx) {
+  return ctx.numNodes;
+}
+MORI_DEVICE_INLINE int ShmemNodeOf(const ShmemDeviceContext& ctx, int pe) {
+  return static_cast<unsigned>(pe) < static_cast<unsigned>(ctx.worldSize) ? ctx.nodeOf[pe] : -1;
+}
+MORI_DEVICE_INLINE int ShmemLocalRankOf(const ShmemDeviceContext& ctx, int pe) {
+  return static_cast<unsigned>(pe) < static_cast<unsigned>(ctx.worldSize) ? ctx.localRankOf[pe]
+                                                                          : -1;
+}
 
 // PE `pe`'s copy of the symmetric object at `addr`, usable with plain loads/stores from this
 // kernel; nullptr when `pe` is not load/store reachable or `addr` is not in the heap. No error is
@@ -84,24 +103,44 @@ namespace detail {
 // scope's leader; the route and addresses are the same for every thread of the scope, so all of
 // them return the same result.
 // ---------------------------------------------------------------------------------------------
+// How an Nbi put or signal is posted to an RDMA peer (load/store peers ignore it).
+struct PostOpts {
+  int64_t qp = kWarpQp;              // a channel (>= 0, used mod numQps) or the calling warp's QP
+  CqeMode cqe = CqeMode::kRequested;  // for the data of a put without signal
+  uint64_t* ticket = nullptr;        // receives the ticket (0: nothing to complete)
+};
+
+// The leader's RDMA outcome shared with the whole scope in one broadcast: the ticket, or
+// kFailedPost (tickets never reach it).
+constexpr uint64_t kFailedPost = ~0ull;
+template <class Scope>
+MORI_DEVICE_INLINE bool ShareRdmaOutcome(bool ok, uint64_t ticket, const PostOpts& o) {
+  const uint64_t word = Scope::BroadcastWord(ok ? ticket : kFailedPost);
+  if (o.ticket != nullptr) *o.ticket = word == kFailedPost ? 0 : word;
+  return word != kFailedPost;
+}
+
 template <class Scope>
 MORI_DEVICE_INLINE bool PutMemNbi(const ShmemDeviceContext& ctx, void* dest, const void* src,
-                                  size_t bytes, int pe, const char* op) {
+                                  size_t bytes, int pe, const char* op, const PostOpts& o = {}) {
   CallStatus st;
   switch (RouteTo(ctx, pe, st)) {
     case Route::kLoadStore: {
       const uintptr_t remote = ResolveSymmetric(ctx, dest, bytes, pe, 1, st);
       if (remote == 0) break;
       ScopedCopy<Scope>(reinterpret_cast<void*>(remote), src, bytes);
+      if (o.ticket != nullptr) *o.ticket = 0;
       return true;
     }
     case Route::kRdma: {
       // The scope's source data (written by any of its threads) is in place before the leader
-      // posts one work request for the whole range.
+      // posts the work requests for the whole range.
       Scope::Sync();
-      const bool ok = Scope::Rank() != 0 || RdmaPut(ctx, pe, dest, src, bytes, op, st);
+      uint64_t ticket = 0;
+      const RdmaPutArgs a{dest, src, bytes, nullptr, 0, SignalOp::kNone, o.cqe};
+      const bool ok = Scope::Rank() != 0 || RdmaPutSignal(ctx, pe, o.qp, a, &ticket, op, st);
       if (!ok && st.code != CallError::kNone) ReportCallError(ctx.wait, pe, op, st);
-      return Scope::Broadcast(ok);
+      return ShareRdmaOutcome<Scope>(ok, ticket, o);
     }
     default:
       break;
@@ -162,7 +201,8 @@ MORI_DEVICE_INLINE void ApplySignalAfterFence(uint64_t* remoteSig, uint64_t valu
 template <class Scope>
 MORI_DEVICE_INLINE bool PutMemSignalNbi(const ShmemDeviceContext& ctx, void* dest, const void* src,
                                         size_t bytes, uint64_t* sigAddr, uint64_t sigValue,
-                                        SignalOp sigOp, int pe, const char* op) {
+                                        SignalOp sigOp, int pe, const char* op,
+                                        const PostOpts& o = {}) {
   CallStatus st;
   switch (RouteTo(ctx, pe, st)) {
     case Route::kLoadStore: {
@@ -181,6 +221,7 @@ MORI_DEVICE_INLINE bool PutMemSignalNbi(const ShmemDeviceContext& ctx, void* des
         core::FenceAcqRelSystem();
         ApplySignalAfterFence(reinterpret_cast<uint64_t*>(remoteSig), sigValue, sigOp);
       }
+      if (o.ticket != nullptr) *o.ticket = 0;
       return true;
     }
     case Route::kRdma: {
@@ -188,18 +229,68 @@ MORI_DEVICE_INLINE bool PutMemSignalNbi(const ShmemDeviceContext& ctx, void* des
         st.Set(CallError::kBadSignalOp, 0, static_cast<uint64_t>(sigOp));
         break;
       }
-      // Data, then the signal, on the leader's QP: RC order delivers the data first.
+      // Data, then the signal, on one QP in one reservation: RC order delivers the data first.
       Scope::Sync();
-      const bool ok = Scope::Rank() != 0 ||
-                      ((bytes == 0 || RdmaPut(ctx, pe, dest, src, bytes, op, st)) &&
-                       RdmaSignal(ctx, pe, sigAddr, sigValue, sigOp, op, st));
+      uint64_t ticket = 0;
+      const RdmaPutArgs a{dest, src, bytes, sigAddr, sigValue, sigOp, CqeMode::kRequested};
+      const bool ok = Scope::Rank() != 0 || RdmaPutSignal(ctx, pe, o.qp, a, &ticket, op, st);
       if (!ok && st.code != CallError::kNone) ReportCallError(ctx.wait, pe, op, st);
-      return Scope::Broadcast(ok);
+      return ShareRdmaOutcome<Scope>(ok, ticket, o);
     }
     default:
       break;
   }
   if (Scope::Rank() == 0) ReportCallError(ctx.wait, pe, op, st);
+  return false;
+}
+
+// Warp-batched put (see ShmemPutMemBatchSignalNbiWarp). Load/store route: the warp copies every
+// lane's range in turn, then (with a signal) syncs and the leader runs one system acq_rel fence
+// and updates the signal.
+MORI_DEVICE_INLINE bool PutMemBatchSignalNbiWarp(const ShmemDeviceContext& ctx, void* dest,
+                                                 const void* src, size_t bytes, uint64_t* sigAddr,
+                                                 uint64_t sigValue, SignalOp sigOp, int pe,
+                                                 int64_t qp, uint64_t* ticket, const char* op) {
+  const int lane = WarpScope::Rank();
+  CallStatus st;
+  const Route route = RouteTo(ctx, pe, st);
+  if (route != Route::kFailed && sigOp != SignalOp::kSet && sigOp != SignalOp::kAdd &&
+      sigOp != SignalOp::kNone) {
+    st.Set(CallError::kBadSignalOp, 0, static_cast<uint64_t>(sigOp));
+  } else if (route == Route::kRdma) {
+    const RdmaPutArgs a{dest, src, bytes, sigAddr, sigValue, sigOp, CqeMode::kRequested};
+    return RdmaPutBatchWarp(ctx, pe, qp, a, ticket, op);
+  } else if (route == Route::kLoadStore) {
+    uintptr_t remote = 0, remoteSig = 0;
+    bool ok = bytes == 0 || (remote = ResolveSymmetric(ctx, dest, bytes, pe, 1, st)) != 0;
+    if (ok && lane == 0 && sigOp != SignalOp::kNone) {
+      remoteSig = ResolveSymmetric(ctx, sigAddr, sizeof(uint64_t), pe, sizeof(uint64_t), st);
+      ok = remoteSig != 0;
+    }
+    const core::LaneMask bad = core::WarpBallot(!ok);
+    if (bad != 0) {  // the lowest failing lane reports
+      if (!ok && (bad & ((core::LaneMask(1) << lane) - 1)) == 0) ReportCallError(ctx.wait, pe, op, st);
+      return false;
+    }
+    for (int l = 0; l < core::kWarpSize; l++) {
+      const unsigned long long n = core::WarpShfl(static_cast<unsigned long long>(bytes), l);
+      if (n == 0) continue;
+      const auto to = core::WarpShfl(static_cast<unsigned long long>(remote), l);
+      const auto from =
+          core::WarpShfl(static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(src)), l);
+      ScopedCopy<WarpScope>(reinterpret_cast<void*>(to), reinterpret_cast<const void*>(from), n);
+    }
+    if (sigOp != SignalOp::kNone) {
+      WarpScope::Sync();
+      if (lane == 0) {
+        core::FenceAcqRelSystem();
+        ApplySignalAfterFence(reinterpret_cast<uint64_t*>(remoteSig), sigValue, sigOp);
+      }
+    }
+    if (ticket != nullptr) *ticket = 0;
+    return true;
+  }
+  if (lane == 0) ReportCallError(ctx.wait, pe, op, st);
   return false;
 }
 
@@ -462,6 +553,143 @@ MORI_DEVICE_INLINE bool ShmemSignalThread(const ShmemDeviceContext& ctx, uint64_
 }
 
 // =============================================================================================
+// Channels: explicit QPs, tickets, selective signalling and warp-batched puts. For bulk traffic
+// to RDMA peers; to load/store peers each call behaves as its counterpart above (qp and CqeMode
+// are ignored, the ticket is 0).
+//  * `qp` picks the RDMA queue pair to `pe`: qp mod ShmemRdmaNumQps(ctx, pe). The requests of one
+//    (pe, qp) execute in the order they were published (RC), whichever threads post them, so a
+//    channel that owns a QP can send its signal after its data with a later call. Order between
+//    posters on one QP is the order in which their calls published (one call after another
+//    returned, or program order within a thread). Requests on different QPs are not ordered by
+//    ShmemFenceThread: order them with ShmemQuietThreadQp / ShmemRdmaWaitCompleted.
+//  * Tickets: `*ticket` (when the pointer is not null; every thread of the scope gets it) is the
+//    SQ block count after the call's requests on (pe, qp), 0 when nothing was posted (load/store
+//    peers, empty puts). Every request up to a ticket has completed once ShmemRdmaCompleted(ctx,
+//    pe, qp, ticket) returns true: the NIC has read the local sources (staging may be reused) and
+//    the remote writes are done.
+//  * Completions: a signal, a batch and a put with CqeMode::kRequested request a CQE for their
+//    last request, so their tickets complete by themselves. Puts with CqeMode::kSkipped request
+//    none: they complete with the next CQE-requesting request on that QP (by any caller), or with
+//    ShmemRdmaWaitCompleted / quiet, which post a CQE-requesting NOP when none is pending.
+//  * Data plus signal: the data WRITEs and the signal (kSet: 8-byte inline WRITE, kAdd: 8-byte
+//    FETCH_ADD) are reserved together and published with one doorbell.
+// =============================================================================================
+// Number of RDMA queue pairs to `pe` (0 when `pe` is not reached by RDMA or out of range).
+MORI_DEVICE_INLINE uint32_t ShmemRdmaNumQps(const ShmemDeviceContext& ctx, int pe) {
+  return detail::IsRdma(ctx, pe) ? ctx.rdmaPeers[pe].numQps : 0;
+}
+
+// Nbi put on channel `qp` (scopes as ShmemPutMemNbi{Thread,Warp,Block}).
+MORI_DEVICE_INLINE bool ShmemPutMemNbiThreadQp(const ShmemDeviceContext& ctx, void* dest,
+                                               const void* src, size_t bytes, int pe, uint32_t qp,
+                                               CqeMode cqe = CqeMode::kRequested,
+                                               uint64_t* ticket = nullptr) {
+  return detail::PutMemNbi<detail::ThreadScope>(ctx, dest, src, bytes, pe, "ShmemPutMemNbiThreadQp",
+                                                detail::PostOpts{qp, cqe, ticket});
+}
+MORI_DEVICE_INLINE bool ShmemPutMemNbiWarpQp(const ShmemDeviceContext& ctx, void* dest,
+                                             const void* src, size_t bytes, int pe, uint32_t qp,
+                                             CqeMode cqe = CqeMode::kRequested,
+                                             uint64_t* ticket = nullptr) {
+  return detail::PutMemNbi<detail::WarpScope>(ctx, dest, src, bytes, pe, "ShmemPutMemNbiWarpQp",
+                                              detail::PostOpts{qp, cqe, ticket});
+}
+MORI_DEVICE_INLINE bool ShmemPutMemNbiBlockQp(const ShmemDeviceContext& ctx, void* dest,
+                                              const void* src, size_t bytes, int pe, uint32_t qp,
+                                              CqeMode cqe = CqeMode::kRequested,
+                                              uint64_t* ticket = nullptr) {
+  return detail::PutMemNbi<detail::BlockScope>(ctx, dest, src, bytes, pe, "ShmemPutMemNbiBlockQp",
+                                               detail::PostOpts{qp, cqe, ticket});
+}
+
+// Put with signal on channel `qp`: data and signal in one reservation and one doorbell (RDMA);
+// semantics as ShmemPutMemSignalNbi{Thread,Warp,Block}.
+MORI_DEVICE_INLINE bool ShmemPutMemSignalNbiThreadQp(const ShmemDeviceContext& ctx, void* dest,
+                                                     const void* src, size_t bytes,
+                                                     uint64_t* sigAddr, uint64_t sigValue,
+                                                     SignalOp op, int pe, uint32_t qp,
+                                                     uint64_t* ticket = nullptr) {
+  return detail::PutMemSignalNbi<detail::ThreadScope>(
+      ctx, dest, src, bytes, sigAddr, sigValue, op, pe, "ShmemPutMemSignalNbiThreadQp",
+      detail::PostOpts{qp, CqeMode::kRequested, ticket});
+}
+MORI_DEVICE_INLINE bool ShmemPutMemSignalNbiWarpQp(const ShmemDeviceContext& ctx, void* dest,
+                                                   const void* src, size_t bytes,
+                                                   uint64_t* sigAddr, uint64_t sigValue,
+                                                   SignalOp op, int pe, uint32_t qp,
+                                                   uint64_t* ticket = nullptr) {
+  return detail::PutMemSignalNbi<detail::WarpScope>(
+      ctx, dest, src, bytes, sigAddr, sigValue, op, pe, "ShmemPutMemSignalNbiWarpQp",
+      detail::PostOpts{qp, CqeMode::kRequested, ticket});
+}
+MORI_DEVICE_INLINE bool ShmemPutMemSignalNbiBlockQp(const ShmemDeviceContext& ctx, void* dest,
+                                                    const void* src, size_t bytes,
+                                                    uint64_t* sigAddr, uint64_t sigValue,
+                                                    SignalOp op, int pe, uint32_t qp,
+                                                    uint64_t* ticket = nullptr) {
+  return detail::PutMemSignalNbi<detail::BlockScope>(
+      ctx, dest, src, bytes, sigAddr, sigValue, op, pe, "ShmemPutMemSignalNbiBlockQp",
+      detail::PostOpts{qp, CqeMode::kRequested, ticket});
+}
+
+// Signal only, on channel `qp` (Thread scope): ordered after everything published earlier on
+// (pe, qp), e.g. a channel's Nbi puts; for load/store peers after this thread's earlier puts.
+MORI_DEVICE_INLINE bool ShmemSignalThreadQp(const ShmemDeviceContext& ctx, uint64_t* sigAddr,
+                                            uint64_t sigValue, SignalOp op, int pe, uint32_t qp,
+                                            uint64_t* ticket = nullptr) {
+  return detail::PutMemSignalNbi<detail::ThreadScope>(
+      ctx, sigAddr, nullptr, 0, sigAddr, sigValue, op, pe, "ShmemSignalThreadQp",
+      detail::PostOpts{qp, CqeMode::kRequested, ticket});
+}
+
+// Warp-batched put with one trailing signal. Every lane of a full warp calls it with its OWN
+// (dest: symmetric, src: local, bytes; bytes == 0: the lane has nothing) and the SAME sigAddr,
+// sigValue, sigOp (kSet, kAdd or kNone: no signal), pe and qp. Every lane gets the same result
+// (false: nothing was posted or copied, error recorded by the first failing lane) and ticket.
+//   RDMA: one reservation for every lane's WRITEs plus the signal, each lane writes its own WQEs,
+//   one doorbell; only the last request (the signal, else the last WRITE) requests a CQE. Sources
+//   of more than 64 bytes must be registered (heap or ShmemRegisterBuffer) and stay unchanged
+//   until the ticket completes. The batch must fit one reservation: every lane's requests (an
+//   inline WRITE of <= 64 B takes 1-2 blocks, else one block per GiB) plus the signal, at most
+//   3/4 of the SQ ring plus one block (193 blocks of the default 256-block ring); otherwise the
+//   call records "RDMA request refused". Lanes post without waiting for each other, so this is
+//   also how several lanes of one AMD wavefront post at once (Thread-scope RDMA calls must come
+//   from one lane per wavefront there).
+//   Load/store: the warp copies every lane's range in turn; with a signal, one system release
+//   fence, then the signal store / atomic, so a PE that observes the signal sees every lane's data.
+MORI_DEVICE_INLINE bool ShmemPutMemBatchSignalNbiWarp(const ShmemDeviceContext& ctx, void* dest,
+                                                      const void* src, size_t bytes,
+                                                      uint64_t* sigAddr, uint64_t sigValue,
+                                                      SignalOp sigOp, int pe, uint32_t qp,
+                                                      uint64_t* ticket = nullptr) {
+  return detail::PutMemBatchSignalNbiWarp(ctx, dest, src, bytes, sigAddr, sigValue, sigOp, pe, qp,
+                                          ticket, "ShmemPutMemBatchSignalNbiWarp");
+}
+
+// Non-blocking (Thread scope): true once every request up to `ticket` on (pe, qp) has completed;
+// always true for load/store peers and ticket 0. It only drains completions that arrived: a ticket
+// whose last request skipped its CQE needs a later CQE-requesting request on the QP (or
+// ShmemRdmaWaitCompleted). An error completion is recorded (as by quiet) and returns true, so a
+// caller polling it stops; the abort flag then makes the kernel's bounded waits give up.
+MORI_DEVICE_INLINE bool ShmemRdmaCompleted(const ShmemDeviceContext& ctx, int pe, uint32_t qp,
+                                           uint64_t ticket) {
+  if (ticket == 0 || !detail::IsRdma(ctx, pe)) return true;
+  const ShmemRdmaPeer& p = ctx.rdmaPeers[pe];
+  return detail::RdmaCompleted(ctx, pe, detail::RdmaQpIndex(p, qp), ticket, "ShmemRdmaCompleted");
+}
+
+// Bounded wait (Thread scope) until every request up to `ticket` on (pe, qp) has completed,
+// posting a CQE-requesting NOP first when no pending request would complete them. False on
+// timeout or an error completion (recorded).
+MORI_DEVICE_INLINE bool ShmemRdmaWaitCompleted(const ShmemDeviceContext& ctx, int pe, uint32_t qp,
+                                               uint64_t ticket) {
+  if (ticket == 0 || !detail::IsRdma(ctx, pe)) return true;
+  const ShmemRdmaPeer& p = ctx.rdmaPeers[pe];
+  return detail::RdmaWaitCompleted(ctx, pe, detail::RdmaQpIndex(p, qp), ticket,
+                                   "ShmemRdmaWaitCompleted");
+}
+
+// =============================================================================================
 // Atomics (Thread scope, system-scope atomics on PE `pe`'s copy of symmetric `dest`).
 // T: uint32_t, uint64_t, int32_t, int64_t; `dest` aligned to sizeof(T). FetchAdd, Add,
 // CompareSwap and Swap are relaxed (order them with ShmemFenceThread); Fetch is an acquire load,
@@ -600,6 +828,15 @@ MORI_DEVICE_INLINE void ShmemQuietThread(const ShmemDeviceContext& ctx) {
 MORI_DEVICE_INLINE void ShmemQuietThread(const ShmemDeviceContext& ctx, int pe) {
   core::FenceSystem();
   if (detail::IsRdma(ctx, pe)) detail::RdmaQuietPe(ctx, pe, "ShmemQuietThread");
+}
+// Quiet of one channel (Thread scope): a system fence, then every request published so far on
+// (pe, qp) (by any thread) is complete on `pe`. Other QPs to `pe` are not waited for. False on
+// timeout or an error completion (recorded).
+MORI_DEVICE_INLINE bool ShmemQuietThreadQp(const ShmemDeviceContext& ctx, int pe, uint32_t qp) {
+  core::FenceSystem();
+  if (!detail::IsRdma(ctx, pe)) return true;
+  const ShmemRdmaPeer& p = ctx.rdmaPeers[pe];
+  return detail::RdmaQuietQp(ctx, pe, detail::RdmaQpIndex(p, qp), "ShmemQuietThreadQp");
 }
 MORI_DEVICE_INLINE void ShmemQuietWarp(const ShmemDeviceContext& ctx) {
   detail::WarpScope::Sync();

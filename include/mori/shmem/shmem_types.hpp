@@ -54,6 +54,11 @@ struct ShmemDeviceContext {
   uint32_t heapLkey;               // this PE's heap key (local side of RDMA work requests)
   const ShmemUserRegion* userRegions;  // [kMaxUserRegions] in device memory (registered buffers);
                                        // nullptr without RDMA
+  // Topology (see application/context/context.hpp): nodes are numbered 0..numNodes-1 in the order
+  // of their lowest PE; a PE's local rank is its index among its node's PEs in PE order.
+  const int32_t* nodeOf;       // [worldSize]: node of every PE
+  const int32_t* localRankOf;  // [worldSize]: local rank of every PE
+  int32_t numNodes;
 };
 
 // A symmetric allocation: same offset in every PE's heap.

@@ -98,6 +98,27 @@ def shmem_transport_type(pe: int) -> str:
     return _C.shmem_transport_type(pe)
 
 
+# A node is the set of PEs on one host (boot id, or MORI_NODE_ID) and in one MORI_GPU_PER_NODE
+# group; nodes are numbered 0.. in the order of their lowest PE.
+def shmem_node_of(pe: int) -> int:
+    """The node of PE `pe` (mori.InvalidUsageError when out of range)."""
+    return _C.shmem_node_of(pe)
+
+
+def shmem_num_nodes() -> int:
+    return _C.shmem_num_nodes()
+
+
+def shmem_local_rank() -> int:
+    """This PE's index among its node's PEs, in PE order."""
+    return _C.shmem_local_rank()
+
+
+def shmem_local_size() -> int:
+    """The number of PEs on this PE's node."""
+    return _C.shmem_local_size()
+
+
 # --- symmetric memory ------------------------------------------------------------------------
 def shmem_malloc(size: int) -> int:
     """Collective: every PE allocates `size` bytes at the same heap offset. Returns the address."""

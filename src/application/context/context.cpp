@@ -4,6 +4,8 @@
 
 #include <cstring>
 #include <fstream>
+#include <map>
+#include <utility>
 
 #include "mori/core/env.hpp"
 #include "mori/core/gpu_check.hpp"
@@ -44,6 +46,7 @@ Context::Context(BootstrapNetwork& boot, int device)
 
   peers.resize(worldSize);
   boot.Allgather(&self, peers.data(), sizeof(PeerRecord));
+  NumberNodes();
 
   sameNode.assign(worldSize, false);
   canP2P.assign(worldSize, false);
@@ -51,13 +54,8 @@ Context::Context(BootstrapNetwork& boot, int device)
   const bool disableP2P = core::Env().disableP2P;
   for (int pe = 0; pe < worldSize; pe++) {
     const PeerRecord& p = peers[pe];
-    bool same = std::strncmp(p.nodeId, self.nodeId, sizeof(self.nodeId)) == 0 &&
-                p.syntheticNode == self.syntheticNode;
+    const bool same = nodeOf[pe] == nodeOf[rank];
     sameNode[pe] = same;
-    if (same) {
-      if (pe < rank) localRank++;
-      localSize++;
-    }
     if (pe == rank) {
       canP2P[pe] = true;
       transport[pe] = TransportType::kSelf;
@@ -84,8 +82,27 @@ Context::Context(BootstrapNetwork& boot, int device)
     MORI_DEBUG(kLogTopo, "pe %d: node %s bus %s same-node %d p2p %d -> %s", pe, p.nodeId, p.busId,
                (int)same, (int)canP2P[pe], TransportTypeName(transport[pe]));
   }
-  MORI_INFO(kLogTopo, "rank %d/%d: local rank %d of %d on node %s, GPU %s", rank, worldSize,
-            localRank, localSize, self.nodeId, self.busId);
+  MORI_INFO(kLogTopo, "rank %d/%d: local rank %d of %d on node %d of %d (%s), GPU %s", rank,
+            worldSize, localRank, localSize, nodeOf[rank], numNodes, self.nodeId, self.busId);
+}
+
+void Context::NumberNodes() {
+  std::map<std::pair<std::string, int32_t>, int32_t> nodeIndex;  // node key -> node number
+  std::vector<int32_t> nodeSize;
+  nodeOf.assign(worldSize, -1);
+  localRankOf.assign(worldSize, -1);
+  for (int pe = 0; pe < worldSize; pe++) {
+    const PeerRecord& p = peers[pe];
+    const std::string id(p.nodeId, strnlen(p.nodeId, sizeof(p.nodeId)));
+    auto it = nodeIndex.emplace(std::make_pair(id, p.syntheticNode),
+                                static_cast<int32_t>(nodeSize.size())).first;
+    if (it->second == static_cast<int32_t>(nodeSize.size())) nodeSize.push_back(0);
+    nodeOf[pe] = it->second;
+    localRankOf[pe] = nodeSize[it->second]++;
+  }
+  numNodes = static_cast<int>(nodeSize.size());
+  localRank = localRankOf[rank];
+  localSize = nodeSize[nodeOf[rank]];
 }
 
 }  // namespace mori::application

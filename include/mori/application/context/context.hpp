@@ -1,5 +1,11 @@
 // Topology of the job as seen from this PE: which PEs share the node, which are reachable by
 // P2P load/store, and the transport used for each PE. Built collectively at shmem init.
+//
+// A node is the set of PEs with the same node identity (LocalNodeId()) and the same synthetic node
+// (rank / MORI_GPU_PER_NODE when that is set). Every PE computes the same numbering from the same
+// allgathered records: nodes are numbered 0.. in the order of their lowest PE, and a PE's local
+// rank is its index among its node's PEs in PE order. Same-node peers are reached by P2P when the
+// GPUs allow it (and MORI_DISABLE_P2P is off), otherwise by RDMA; other nodes always by RDMA.
 #pragma once
 
 #include <cstdint>
@@ -28,6 +34,11 @@ class Context {
   int WorldSize() const { return worldSize; }
   int LocalRank() const { return localRank; }    // index among same-node PEs
   int LocalSize() const { return localSize; }    // number of same-node PEs
+  int NumNodes() const { return numNodes; }
+  int NodeOf(int pe) const { return nodeOf[pe]; }            // pe in [0, WorldSize())
+  int LocalRankOf(int pe) const { return localRankOf[pe]; }  // pe's index on its node
+  const std::vector<int32_t>& NodesOfPes() const { return nodeOf; }
+  const std::vector<int32_t>& LocalRanksOfPes() const { return localRankOf; }
   bool SameNode(int pe) const { return sameNode[pe]; }
   bool CanP2P(int pe) const { return canP2P[pe]; }
   TransportType Transport(int pe) const { return transport[pe]; }
@@ -35,11 +46,17 @@ class Context {
   const PeerRecord& Peer(int pe) const { return peers[pe]; }
 
  private:
+  // Fills nodeOf, localRankOf, numNodes, localRank and localSize from `peers`.
+  void NumberNodes();
+
   int rank;
   int worldSize;
   int localRank = 0;
   int localSize = 0;
+  int numNodes = 0;
   std::vector<PeerRecord> peers;
+  std::vector<int32_t> nodeOf;       // [worldSize]
+  std::vector<int32_t> localRankOf;  // [worldSize]
   std::vector<bool> sameNode;
   std::vector<bool> canP2P;
   std::vector<TransportType> transport;

@@ -7,13 +7,28 @@
 //
 //   reserved  : next free block; ReserveSlots fetch-adds it (many threads at once)
 //   ready     : blocks published; a thread publishes [start, start+n) only when ready == start
+//   signalled : end of the newest published WQE that requested a CQE (written by the publisher)
 //   completed : blocks whose WQEs completed (advanced by whoever drains the CQ)
 //
-// Contract: every WQE posted through WriteWqe requests a CQE (kCtrlCqUpdate), so `completed` is
-// exact and Quiet is "completed == ready". The CQ must have at least as many entries as the SQ
-// has basic blocks (no overrun possible). A WQE may span several blocks and cross the ring end:
-// it is staged and copied in 16-byte units. After any wait fails (timeout) the endpoint is dead:
-// reserved slots that were never published block everyone behind them (same as a device abort).
+// Tickets: the value of `ready` right after a post's WQEs ("everything before this block") is the
+// post's ticket; the post has completed once completed >= ticket (IsCompleted, WaitCompleted).
+//
+// Selective signalling: a WQE may be posted without a CQE request (WqeDesc::unsignalled). RC
+// completes a QP's WQEs in order, so a CQE for a WQE also completes every earlier one; PollCq
+// advances `completed` to the end of the WQE named by the CQE's wqe_counter, so `completed` stays
+// exact at CQE granularity and never passes a WQE that has not completed. Two rules keep every
+// wait finite:
+//  * WriteWqe requests a CQE anyway for a WQE that holds the last block of a signal period
+//    (SignalPeriod: a quarter of the ring), and a reservation is at most MaxReserveBlocks. A
+//    reserver waiting for ring space needs completions up to its own start minus at most
+//    (ring - period + 1 - n) blocks; the WQE holding the last block of the period before its
+//    start requested a CQE, and that CQE covers them.
+//  * WaitCompleted (and Quiet) post a CQE-requesting NOP when `signalled` is below the target:
+//    nothing else would ever complete the unsignalled tail.
+// The CQ must have at least as many entries as the SQ has basic blocks (no overrun possible). A
+// WQE may span several blocks and cross the ring end: it is staged and copied in 16-byte units.
+// After any wait fails (timeout) the endpoint is dead: reserved slots that were never published
+// block everyone behind them (same as a device abort).
 //
 // Memory ordering: WQE bytes are plain stores; the doorbell record is a release store made only by
 // the thread whose turn it is (it acquired `ready` from its predecessor), so the consumer of the
@@ -49,6 +64,7 @@ struct SqHandle {
   uint32_t qpn;
   uint64_t* reserved;   // counters (see the header comment)
   uint64_t* ready;
+  uint64_t* signalled;
   uint32_t* dbrec;      // SQ doorbell record (DBR dword 1): BE32(producer & 0xffff)
   uint64_t* doorbell;   // UAR register or mailbox: first 8 bytes of the last published ctrl seg
   DoorbellMode doorbellMode;
@@ -86,6 +102,7 @@ struct QpEndpoint {
 struct alignas(64) QpCounters {
   alignas(64) uint64_t reserved;
   alignas(64) uint64_t ready;
+  uint64_t signalled;  // written with ready, by the same (publishing) thread
   alignas(64) uint64_t completed;
   uint64_t consumer;
   uint32_t pollLock;
@@ -228,14 +245,30 @@ MORI_HD_INLINE void CopyToRing(const SqHandle& sq, uint64_t start, const uint8_t
 }
 }  // namespace detail
 
-// Reserves `numBlocks` consecutive basic blocks; result.value = the first block's counter. Waits
-// (bounded, draining the CQ) until the ring has room for them. Fails fast with kQpError once the
-// QP has seen an error completion (nothing is reserved then).
+// Blocks per signal period: WriteWqe requests a CQE for every WQE that holds the last block of a
+// period (see the header comment).
+MORI_HD_INLINE uint32_t SignalPeriod(const SqHandle& sq) {
+  return sq.numBlocks >= 4 ? sq.numBlocks / 4 : 1;
+}
+// The largest reservation (in blocks) that cannot wait on WQEs nobody will complete.
+MORI_HD_INLINE uint32_t MaxReserveBlocks(const SqHandle& sq) {
+  return sq.numBlocks - SignalPeriod(sq) + 1;
+}
+// Whether a WQE of `blocks` blocks at `block` holds the last block of a signal period.
+MORI_HD_INLINE bool HoldsPeriodEnd(const SqHandle& sq, uint64_t block, uint32_t blocks) {
+  const uint64_t period = SignalPeriod(sq);
+  return (block + blocks) / period != block / period;
+}
+
+// Reserves `numBlocks` consecutive basic blocks (at most MaxReserveBlocks); result.value = the
+// first block's counter. Waits (bounded, draining the CQ) until the ring has room for them. Fails
+// fast with kQpError once the QP has seen an error completion (nothing is reserved then).
 MORI_HD_INLINE QueueResult ReserveSlots(const QpEndpoint& ep, uint32_t numBlocks,
                                         const PostContext& ctx) {
-  if (numBlocks == 0 || numBlocks > ep.sq.numBlocks || numBlocks > mlx5::kMaxWqeBasicBlocks * 64) {
-    return QueueResult{QueueStatus::kInvalid, "block count within the ring", nullptr,
-                       ep.sq.numBlocks, numBlocks, 0, 0};
+  if (numBlocks == 0 || numBlocks > MaxReserveBlocks(ep.sq) ||
+      numBlocks > mlx5::kMaxWqeBasicBlocks * 64) {
+    return QueueResult{QueueStatus::kInvalid, "block count within MaxReserveBlocks", nullptr,
+                       MaxReserveBlocks(ep.sq), numBlocks, 0, 0};
   }
   if (QpInError(ep.cq)) {
     return QueueResult{QueueStatus::kQpError, "no error completion", nullptr, 0, 0, 0, 0};
@@ -264,6 +297,7 @@ enum class WqeKind : uint32_t {
 struct WqeDesc {
   WqeKind kind;
   uint8_t fence;           // 0 or mlx5::kCtrlFence / kCtrlInitiatorSmallFence
+  bool unsignalled;        // request no CQE (a later CQE of this SQ covers it; see HoldsPeriodEnd)
   mlx5::Mlx5LocalBuf local;    // write source / read destination / atomic result (8 bytes)
   mlx5::Mlx5RemoteBuf remote;  // write/read/atomic target
   uint64_t swapAdd;            // atomics: addend or new value
@@ -283,12 +317,14 @@ MORI_HD_INLINE uint32_t WqeBlocks(const WqeDesc& d) {
   return 1;
 }
 
-// Writes one WQE into reserved blocks starting at `block` (signalled: requests a CQE). Returns
-// the blocks written (0: the description does not fit, e.g. inline payload too large).
+// Writes one WQE into reserved blocks starting at `block`. It requests a CQE unless
+// d.unsignalled (and it does not hold the end of a signal period). Returns the blocks written (0:
+// the description does not fit, e.g. inline payload too large).
 MORI_HD_INLINE uint32_t WriteWqe(const SqHandle& sq, uint64_t block, const WqeDesc& d) {
-  const mlx5::Mlx5WqeHeader h{static_cast<uint16_t>(block), sq.qpn,
-                              static_cast<uint8_t>(mlx5::kCtrlCqUpdate | d.fence)};
   const uint32_t blocks = WqeBlocks(d);
+  const bool cqe = !d.unsignalled || HoldsPeriodEnd(sq, block, blocks);
+  const mlx5::Mlx5WqeHeader h{static_cast<uint16_t>(block), sq.qpn,
+                              static_cast<uint8_t>((cqe ? mlx5::kCtrlCqUpdate : 0) | d.fence)};
   if (d.kind == WqeKind::kWriteInline && d.local.len > kMaxInlinePayload) return 0;
   const bool contiguous = (static_cast<uint32_t>(block) & (sq.numBlocks - 1)) + blocks <= sq.numBlocks;
   alignas(16) uint8_t staging[kMaxInlineBlocks * mlx5::kSendWqeBasicBlock];
@@ -328,13 +364,15 @@ MORI_HD_INLINE uint32_t WriteWqe(const SqHandle& sq, uint64_t block, const WqeDe
 // Publishes blocks [start, start + numBlocks) once every earlier reservation is published
 // (bounded wait on `ready`), then rings: doorbell record = new producer index (release), then the
 // doorbell with the first 8 bytes of the ctrl segment of the last WQE (at block `lastWqe`).
+// One doorbell publishes every WQE of the range. result.value = start + numBlocks (the ticket).
 MORI_HD_INLINE QueueResult RingDoorbell(const QpEndpoint& ep, uint64_t start, uint32_t numBlocks,
                                         uint64_t lastWqe, const PostContext& ctx) {
-  // The doorbell value is read before publication: once the record moves, the WQE may complete
-  // and its slot be reused by another poster.
+  // The doorbell value and the last WQE's CQE request are read before publication: once the
+  // record moves, the WQE may complete and its slot be reused by another poster.
   const uint8_t* ctrl = static_cast<const uint8_t*>(
       mlx5::SqBasicBlock(ep.sq.ring, static_cast<uint32_t>(lastWqe), ep.sq.numBlocks));
   const uint64_t db = mlx5::detail::LoadWord<uint64_t>(ctrl, 0);
+  const bool lastRequestsCqe = ((mlx5::detail::Load32(ctrl, 8) >> 24) & mlx5::kCtrlCqUpdate) != 0;
   hd::FenceRelease();  // this thread's WQE bytes before its publication
   QueueResult r = detail::WaitCounterAtLeast(ep, ep.sq.ready, start, false, ctx,
                                              "earlier SQ reservations published");
@@ -342,11 +380,15 @@ MORI_HD_INLINE QueueResult RingDoorbell(const QpEndpoint& ep, uint64_t start, ui
   const uint64_t end = start + numBlocks;
   hd::StoreRelease<uint32_t>(ep.sq.dbrec, mlx5::SqDoorbellRecord(static_cast<uint32_t>(end)));
   hd::StoreRelease<uint64_t>(ep.sq.doorbell, db);
+  // Publishers run one at a time (in `ready` order), so `signalled` only grows; the release
+  // store of `ready` orders it for readers that acquire `ready`.
+  if (lastRequestsCqe) hd::StoreRelaxed<uint64_t>(ep.sq.signalled, end);
   hd::StoreRelease<uint64_t>(ep.sq.ready, end);
   return QueueOk(end);
 }
 
-// Reserve + write + ring one WQE. result.value = its first block.
+// Reserve + write + ring one WQE. result.value = its first block (its ticket is that plus
+// WqeBlocks(d)).
 MORI_HD_INLINE QueueResult PostWqe(const QpEndpoint& ep, const WqeDesc& d, const PostContext& ctx) {
   const uint32_t blocks = WqeBlocks(d);
   if (d.kind == WqeKind::kWriteInline && d.local.len > kMaxInlinePayload) {
@@ -362,35 +404,100 @@ MORI_HD_INLINE QueueResult PostWqe(const QpEndpoint& ep, const WqeDesc& d, const
   return QueueOk(start);
 }
 
-// Write followed by a signal on the same QP (RC executes in order, so the target sees the data
-// before the signal): a fetch-add of `signalAdd` on `signal` (old value into `signalResult`).
-// Both WQEs are reserved together and published with one doorbell.
+// Posts d[0..n) in this order with one reservation and one doorbell (n >= 1; their blocks together
+// at most MaxReserveBlocks). Each WQE requests a CQE as its description says. result.value = the
+// ticket (the block after the last WQE).
+MORI_HD_INLINE QueueResult PostWqes(const QpEndpoint& ep, const WqeDesc* d, uint32_t n,
+                                    const PostContext& ctx) {
+  uint32_t blocks = 0;
+  for (uint32_t i = 0; i < n; i++) {
+    if (d[i].kind == WqeKind::kWriteInline && d[i].local.len > kMaxInlinePayload) {
+      return QueueResult{QueueStatus::kInvalid, "inline payload within kMaxInlinePayload", nullptr,
+                         kMaxInlinePayload, d[i].local.len, 0, 0};
+    }
+    blocks += WqeBlocks(d[i]);
+  }
+  QueueResult r = ReserveSlots(ep, blocks, ctx);
+  if (r.status != QueueStatus::kOk) return r;
+  const uint64_t start = r.value;
+  uint64_t at = start, last = start;
+  for (uint32_t i = 0; i < n; i++) {
+    last = at;
+    at += WriteWqe(ep.sq, at, d[i]);
+  }
+  return RingDoorbell(ep, start, blocks, last, ctx);
+}
+
+// How a signal word is updated after its data (same QP: RC executes in order, so the target sees
+// the data before the signal). kSet: an 8-byte inline WRITE (single-copy atomic at the target);
+// kAdd: an 8-byte FETCH_ADD (old value into `addResult`).
+enum class SignalUpdate : uint32_t { kSet, kAdd };
+
+// The signal WQE; `value` must stay alive until the WQE is written (kSet copies it inline). It
+// requests a CQE.
+MORI_HD_INLINE WqeDesc SignalWqe(SignalUpdate update, const mlx5::Mlx5RemoteBuf& word,
+                                 const uint64_t& value, const mlx5::Mlx5LocalBuf& addResult) {
+  WqeDesc s{};
+  s.remote = word;
+  if (update == SignalUpdate::kSet) {
+    s.kind = WqeKind::kWriteInline;
+    s.inlineData = &value;
+    s.local = mlx5::Mlx5LocalBuf{0, 0, sizeof(uint64_t)};
+  } else {
+    s.kind = WqeKind::kFetchAdd;
+    s.local = addResult;
+    s.swapAdd = value;
+  }
+  return s;
+}
+
+// Data followed by its signal on the same QP, both in one reservation and one doorbell. `data` may
+// be unsignalled: the signal's CQE covers it. result.value = the ticket.
+MORI_HD_INLINE QueueResult PostWriteWithSignal(const QpEndpoint& ep, const WqeDesc& data,
+                                               const WqeDesc& signal, const PostContext& ctx) {
+  const WqeDesc d[2] = {data, signal};
+  return PostWqes(ep, d, 2, ctx);
+}
+
+// RDMA WRITE of `src` to `dst`, then a fetch-add of `signalAdd` on `signal` (old value into
+// `signalResult`), one reservation and one doorbell.
 MORI_HD_INLINE QueueResult PostWriteWithSignal(const QpEndpoint& ep, const mlx5::Mlx5LocalBuf& src,
                                                const mlx5::Mlx5RemoteBuf& dst,
                                                const mlx5::Mlx5LocalBuf& signalResult,
                                                const mlx5::Mlx5RemoteBuf& signal,
                                                uint64_t signalAdd, const PostContext& ctx) {
-  QueueResult r = ReserveSlots(ep, 2, ctx);
-  if (r.status != QueueStatus::kOk) return r;
-  const uint64_t start = r.value;
   WqeDesc w{};
   w.kind = WqeKind::kWrite;
   w.local = src;
   w.remote = dst;
-  WriteWqe(ep.sq, start, w);
-  WqeDesc s{};
-  s.kind = WqeKind::kFetchAdd;
-  s.local = signalResult;
-  s.remote = signal;
-  s.swapAdd = signalAdd;
-  WriteWqe(ep.sq, start + 1, s);
-  return RingDoorbell(ep, start, 2, start + 1, ctx);
+  return PostWriteWithSignal(ep, w, SignalWqe(SignalUpdate::kAdd, signal, signalAdd, signalResult),
+                             ctx);
 }
 
-// Waits (bounded, draining the CQ) until every published WQE has completed. kQpError when an
-// error completion was seen (its details are in ep.cq.error).
-MORI_HD_INLINE QueueResult Quiet(const QpEndpoint& ep, const PostContext& ctx) {
-  const uint64_t target = hd::LoadAcquire(ep.sq.ready);
+// Non-blocking: true once every WQE before block `ticket` has completed (successfully or not: see
+// QpInError). Drains ready CQEs once unless another thread is draining. Unsignalled WQEs complete
+// only with a later CQE of this SQ: a ticket whose last WQE requested a CQE completes by itself;
+// WaitCompleted and Quiet request one when needed.
+MORI_HD_INLINE bool IsCompleted(const QpEndpoint& ep, uint64_t ticket) {
+  if (hd::LoadAcquire(ep.cq.completed) >= ticket) return true;
+  PollCq(ep.sq, ep.cq);
+  return hd::LoadAcquire(ep.cq.completed) >= ticket;
+}
+
+// Waits (bounded, draining the CQ) until every WQE before block `ticket` (<= the published
+// count) has completed. When no published CQE request covers the ticket (`signalled` < ticket),
+// it first posts a NOP that requests one. kQpError when an error completion was seen (details in
+// ep.cq.error). result.value = the block count waited for.
+MORI_HD_INLINE QueueResult WaitCompleted(const QpEndpoint& ep, uint64_t ticket,
+                                         const PostContext& ctx) {
+  uint64_t target = ticket;
+  if (hd::LoadAcquire(ep.cq.completed) < target && hd::LoadAcquire(ep.sq.signalled) < target) {
+    WqeDesc nop{};
+    nop.kind = WqeKind::kNop;
+    const QueueResult r = PostWqe(ep, nop, ctx);
+    if (r.status != QueueStatus::kOk) return r;
+    target = r.value + 1;
+  }
   QueueResult r = detail::WaitCounterAtLeast(ep, ep.cq.completed, target, true, ctx,
                                              "SQ completions (quiet)");
   if (r.status != QueueStatus::kOk) return r;
@@ -398,6 +505,11 @@ MORI_HD_INLINE QueueResult Quiet(const QpEndpoint& ep, const PostContext& ctx) {
     return QueueResult{QueueStatus::kQpError, "no error completion", nullptr, 0, 0, 0, target};
   }
   return QueueOk(target);
+}
+
+// Waits (bounded, draining the CQ) until every published WQE has completed.
+MORI_HD_INLINE QueueResult Quiet(const QpEndpoint& ep, const PostContext& ctx) {
+  return WaitCompleted(ep, hd::LoadAcquire(ep.sq.ready), ctx);
 }
 
 // Builds an endpoint over `c` with the given rings (host tests, emulator set-up).
@@ -409,6 +521,7 @@ MORI_HD_INLINE QpEndpoint MakeEndpoint(void* sqRing, uint32_t sqBlocks, uint32_t
   ep.sq.qpn = qpn;
   ep.sq.reserved = &c->reserved;
   ep.sq.ready = &c->ready;
+  ep.sq.signalled = &c->signalled;
   ep.sq.dbrec = &c->sqDbrec[1];
   ep.sq.doorbell = &c->doorbellMailbox;
   ep.sq.doorbellMode = DoorbellMode::kMailbox;

@@ -80,9 +80,8 @@ struct CallStatus {
 };
 
 // Writes the error record (first error of the PE wins, as in core::RecordWaitTimeout) with
-// label "<op>: <what>" (the longest op name, 25 characters, plus ": " plus the longest text, 20,
-// fits kDeviceErrorLabelLen - 1), prints
-// one line, raises the abort flag.
+// label "<op>: <what>" (the longest op name, 29 characters, plus ": " plus the longest text, 23,
+// fits kDeviceErrorLabelLen - 1), prints one line, raises the abort flag.
 __device__ __noinline__ inline void ReportCallError(const core::WaitContext& w, int peer,
                                                     const char* op, const CallStatus& st) {
   const char* what = CallErrorText(st.code);
