@@ -7,4 +7,5 @@ PYBIND11_MODULE(_C, m) {
   mori::pybind::RegisterInfo(m);
   mori::pybind::RegisterShmem(m);
   mori::pybind::RegisterOpsBindings(m);
+  mori::pybind::RegisterEpTestBindings(m);
 }

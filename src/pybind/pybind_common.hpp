@@ -16,5 +16,7 @@ void RegisterInfo(py::module_& m);
 void RegisterShmem(py::module_& m);
 // mori._C.ops: dispatch/combine config and handle (ops_bindings.cpp).
 void RegisterOpsBindings(py::module_& m);
+// mori._C._testing: the EP kernels' host-callable arithmetic, for the tests (ep_test_bindings.cpp).
+void RegisterEpTestBindings(py::module_& m);
 
 }  // namespace mori::pybind

@@ -1,14 +1,23 @@
-"""A pure-Python model of the IntraNode dispatch kernel's index arithmetic (no GPU, no torch):
-block -> destination groups, the per-destination membership bitmap in warp-sized words, its
-prefix counts, the binary search + n-th-set-bit lookup of a list position, the row range of each
-block, the slot table, and the split of a row into parts. It checks that, for many shapes, every
-(source, token) row lands exactly once at the documented slot on its destination (rows ordered by
-source rank, then source token) and that the slot table combine reads agrees.
-
-The arithmetic mirrors src/ops/dispatch_combine/intranode_dispatch.cpp line by line; when one
-changes, change the other."""
+"""A model of the IntraNode dispatch kernel's indexing (no GPU, no torch), built on the kernel's
+own work splits (src/ops/dispatch_combine/intranode_device.hpp and combine_reduce.hpp, called
+through mori._C._testing): block roles (EpDispatchBlockRole), the rows and tokens of each block
+(EpShareBegin), the warps per row (EpPartsPerRow), the word that holds a list position
+(EpWordOfPosition) and the staged combine's chunks (EpStagedChunk*). The warp primitives are
+modelled by what they compute: the membership bitmap in warp-sized words (ballot), its exclusive
+prefix counts (warp scan), the n-th set bit of a word (WarpNthSetBit). It checks that, for many
+shapes, every (source, token) row lands exactly once at the documented slot on its destination
+(rows ordered by source rank, then source token), that the slot table combine reads agrees, and
+the splits' own contracts."""
 
 import random
+
+
+def _testing():
+    """mori._C._testing, imported on first use (tools/bench/ep_trace.py imports block_role before
+    it has made mori importable)."""
+    from mori import _C
+
+    return _C._testing
 
 
 def popcount(x):
@@ -50,33 +59,25 @@ def nth_set_bit(word, n, warp):
 
 
 def position_to_token(words, prefix, p, warp):
-    lo, hi = 0, len(words) - 1
-    while lo < hi:
-        mid = (lo + hi + 1) >> 1
-        if prefix[mid] <= p:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo * warp + nth_set_bit(words[lo], p - prefix[lo], warp)
+    w = _testing().ep_word_of_position(prefix, len(words), p)
+    return w * warp + nth_set_bit(words[w], p - prefix[w], warp)
 
 
 def block_role(b, nb, W, me):
-    """EpDispatchBlockRole (intranode_device.hpp): (dest, g, G) of block b of nb on PE me."""
-    if W <= 1 or nb < 3 * W:
-        return (b + me) % W, b // W, (nb - 1 - (b % W)) // W + 1
-    n_local = max(1, nb // (2 * W - 1))
-    if b < n_local:
-        return me, b, n_local
-    r, n_remote = b - n_local, nb - n_local
-    q = r % (W - 1)
-    return (me + 1 + q) % W, r // (W - 1), (n_remote - 1 - q) // (W - 1) + 1
+    """EpDispatchBlockRole: (dest, g, G) of dispatch block b of nb on PE me."""
+    return _testing().ep_dispatch_block_role(b, nb, W, me)
+
+
+def share(n, i, parts):
+    """[begin, end) of share i of n items in `parts` shares (EpShareBegin)."""
+    return _testing().ep_share_begin(n, i, parts), _testing().ep_share_begin(n, i + 1, parts)
 
 
 def test_block_roles_cover_every_destination():
     for W in range(1, 9):
         for nb in range(W, 140):
             for me in range(W):
-                roles = [block_role(b, nb, W, me) for b in range(nb)]
+                roles = _testing().ep_dispatch_block_roles(nb, W, me)
                 assert roles[0][0] == me and roles[0][1] == 0  # block 0 leads the local destination
                 for d in range(W):
                     gs = sorted(g for dest, g, _ in roles if dest == d)
@@ -100,7 +101,7 @@ def simulate(W, epr, routing, grid, warp, n_warps):
             assert count_d == count[s][dest]
             send_base = sum(count[x][dest] for x in range(s))
             # slot table of tokens [t0, t1)
-            t0, t1 = T * g // G, T * (g + 1) // G
+            t0, t1 = share(T, g, G)
             for t in range(t0, t1):
                 w, bit = t // warp, t % warp
                 word = words[w]
@@ -111,15 +112,12 @@ def simulate(W, epr, routing, grid, warp, n_warps):
                 assert key not in slot_table[s], ("slot written twice", s, key)
                 slot_table[s][key] = slot
             # rows [i0, i1)
-            i0, i1 = count_d * g // G, count_d * (g + 1) // G
+            i0, i1 = share(count_d, g, G)
             n_rows = i1 - i0
             if n_rows <= 0:
                 continue
-            parts = 1
             vecs = 448
-            if n_rows < n_warps:
-                parts = n_warps // n_rows
-                parts = min(parts, max(1, vecs // (2 * warp)))
+            parts = _testing().ep_parts_per_row(n_rows, n_warps, vecs)
             for item in range(n_rows * parts):
                 r, part = divmod(item, parts)
                 p = i0 + r
@@ -209,42 +207,66 @@ def test_dispatch_model_edge_grids():
     check(2, 8, 8, [300, 300], 132, 32, 16, "random", 3)
 
 
-def test_row_parts_cover_row():
-    for vecs in (1, 2, 63, 448, 896, 1000):
+def test_shares_cover_in_order_and_differ_by_at_most_one():
+    for n in (0, 1, 2, 63, 448, 896, 1000, 4096, 1 << 20):
         for parts in range(1, 20):
-            covered = []
-            for part in range(parts):
-                vb, ve = vecs * part // parts, vecs * (part + 1) // parts
-                covered.extend(range(vb, ve))
-            assert covered == list(range(vecs))
+            bounds = [share(n, i, parts) for i in range(parts)]
+            assert bounds[0][0] == 0 and bounds[-1][1] == n
+            assert all(bounds[i][1] == bounds[i + 1][0] for i in range(parts - 1))
+            sizes = [e - b for b, e in bounds]
+            assert min(sizes) >= 0 and max(sizes) - min(sizes) <= 1, (n, parts, sizes)
+
+
+def test_parts_per_row_one_item_per_warp_and_two_vectors_per_lane():
+    W = _testing().WARP_SIZE
+    for warps in (1, 4, 8, 16, 32, 64, 256, 1024):
+        for rows in range(0, 40):
+            for vecs in (1, 2 * W - 1, 2 * W, 4 * W + 1, 448, 896, 4096):
+                parts = _testing().ep_parts_per_row(rows, warps, vecs)
+                if rows == 0 or rows >= warps:
+                    assert parts == 1, (rows, warps, vecs, parts)
+                    continue
+                assert parts >= 1 and rows * parts <= warps, (rows, warps, vecs, parts)
+                assert parts == 1 or vecs >= 2 * W * parts, (rows, warps, vecs, parts)
+                # and no larger count keeps both
+                bigger = parts + 1
+                assert rows * bigger > warps or vecs < 2 * W * bigger, (rows, warps, vecs, parts)
+
+
+def test_word_of_position_holds_the_position():
+    rnd = random.Random(7)
+    for _ in range(400):
+        warp = rnd.choice([32, 64])
+        words = [rnd.choice([0, 0, rnd.getrandbits(warp), (1 << warp) - 1]) for _ in range(rnd.randint(1, 40))]
+        prefix = exclusive_prefix(words)
+        for p in range(prefix[-1]):
+            w = _testing().ep_word_of_position(prefix, len(words), p)
+            assert prefix[w] <= p < prefix[w] + popcount(words[w]), (words, p, w)
 
 
 # --- staged combine (intranode_combine.cpp: WarpReduceRowsStaged) -----------------------------
-STAGES, STAGE_BYTES, STAGE_ROWS = 3, 4096, 4  # kEpCombineStages / StageBytes / StageRows
-
-
 def staged_chunks(n, vb, ve):
     """(chunk bytes per row, [(offset, bytes)]) of one item, as the kernel streams it."""
-    chunk = (STAGE_BYTES // n) & ~15
+    chunk = _testing().ep_staged_chunk_bytes(n)
     begin, end = vb * 16, ve * 16
-    n_chunks = (end - begin + chunk - 1) // chunk
     out = []
-    for c in range(n_chunks):
+    for c in range(_testing().ep_staged_chunk_count(begin, end, chunk)):
         off = begin + c * chunk
-        out.append((off, min(chunk, end - off)))
+        out.append((off, _testing().ep_staged_chunk_length(off, end, chunk)))
     return chunk, out
 
 
 def test_staged_chunks_cover_the_row_once_and_fit_the_stage():
     rnd = random.Random(5)
     for _ in range(3000):
-        n = rnd.randint(1, STAGE_ROWS)
+        n = rnd.randint(1, _testing().EP_COMBINE_STAGE_ROWS)
         vecs = rnd.randint(1, 2000)
         parts = rnd.randint(1, 8)
-        part = rnd.randrange(parts)
-        vb, ve = vecs * part // parts, vecs * (part + 1) // parts
+        vb, ve = share(vecs, rnd.randrange(parts), parts)
+        if vb == ve:
+            continue
         chunk, chunks = staged_chunks(n, vb, ve)
-        assert chunk % 16 == 0 and chunk * n <= STAGE_BYTES and chunk >= 16
+        assert chunk % 16 == 0 and chunk * n <= _testing().EP_COMBINE_STAGE_BYTES and chunk >= 16
         covered = []
         for off, nbytes in chunks:
             assert off % 16 == 0 and nbytes % 16 == 0 and 0 < nbytes <= chunk
@@ -252,9 +274,18 @@ def test_staged_chunks_cover_the_row_once_and_fit_the_stage():
         assert covered == list(range(vb, ve))  # every vector once, in order
 
 
+def test_staged_arguments_out_of_range_raise():
+    import pytest
+
+    for n in (0, _testing().EP_COMBINE_STAGE_ROWS + 1):
+        with pytest.raises(ValueError):
+            _testing().ep_staged_chunk_bytes(n)
+
+
 def test_staged_stage_reuse_waits_for_the_previous_use():
     """A warp's chunk k uses stage k % S and barrier phase (k // S) & 1; chunk k + S refills the
     stage only after chunk k was summed (issued at step k + 1, after step k's warp barrier)."""
+    STAGES = _testing().EP_COMBINE_STAGES
     rnd = random.Random(6)
     for _ in range(300):
         uses = 0

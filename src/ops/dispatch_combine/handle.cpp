@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "intranode.hpp"
+#include "intranode_device.hpp"
 #include "mori/core/env.hpp"
 #include "mori/core/errors.hpp"
 #include "mori/core/gpu_check.hpp"
@@ -510,11 +511,7 @@ void EpDispatchCombineHandle::Combine(const EpCombineArgs& args, gpuStream_t str
   const int totalWarps = blocks * warps;
   // Small batches: several warps per token, at most one item per warp (floor: with ceil, some
   // warps reduce twice in a row while others idle, two rounds of peer-load latency).
-  int parts = 1;
-  if (lastNumTokens > 0 && lastNumTokens < totalWarps) {
-    parts = totalWarps / lastNumTokens;
-    parts = std::min(parts, std::max(1, vecs / (2 * core::kWarpSize)));
-  }
+  const int parts = detail::EpPartsPerRow(lastNumTokens, totalWarps, vecs);
   k.partsPerToken = parts;
   // Staged (bulk copies into shared memory) for large batches, where warps take many items and
   // the loads in flight bound the rate; small batches keep the register path (one item per warp,

@@ -71,16 +71,16 @@ MORI_DEVICE_INLINE bool WarpReduceRowsStaged(uint4* __restrict__ out, const uint
                                              const core::WaitContext& wait) {
   constexpr int S = kEpCombineStages;
   const int lane = core::LaneId();
-  const uint32_t chunk = (static_cast<uint32_t>(kEpCombineStageBytes) / n) & ~15u;
+  const uint32_t chunk = EpStagedChunkBytes(n);
   const uint32_t begin = static_cast<uint32_t>(vb) * 16, end = static_cast<uint32_t>(ve) * 16;
-  const int nChunks = static_cast<int>((end - begin + chunk - 1) / chunk);
+  const int nChunks = static_cast<int>(EpStagedChunkCount(begin, end, chunk));
   const uint32_t k0 = *uses;
   auto issue = [&](int c) {
     if (lane == 0) {
       const uint32_t k = k0 + c;
       uint64_t* bar = bars + k % S;
       const uint32_t off = begin + c * chunk;
-      const uint32_t bytes = end - off < chunk ? end - off : chunk;
+      const uint32_t bytes = EpStagedChunkLength(off, end, chunk);
       uint8_t* dst = stages + (k % S) * kEpCombineStageBytes;
       core::MbarArriveExpectTx(bar, bytes * n);
       for (int j = 0; j < n; j++)
@@ -95,7 +95,7 @@ MORI_DEVICE_INLINE bool WarpReduceRowsStaged(uint4* __restrict__ out, const uint
     if (!WarpWaitStage(wait, bars + k % S, (k / S) & 1u)) return false;
     const uint8_t* st = stages + (k % S) * kEpCombineStageBytes;
     const uint32_t off = begin + c * chunk;
-    const int vecs = static_cast<int>((end - off < chunk ? end - off : chunk) / 16);
+    const int vecs = static_cast<int>(EpStagedChunkLength(off, end, chunk) / 16);
     uint4* o = out + off / 16;
     for (int v = lane; v < vecs; v += kWarpSize) {
       float acc[Elem::kPerVec];
@@ -390,8 +390,8 @@ __global__ void __launch_bounds__(kThreads)
         sSlot[warp][j] = slot;
       }
       core::WarpSync();
-      const int vb = static_cast<int>(static_cast<long long>(vecs) * part / P);
-      const int ve = static_cast<int>(static_cast<long long>(vecs) * (part + 1) / P);
+      const int vb = EpShareBegin(vecs, part, P);
+      const int ve = EpShareBegin(vecs, part + 1, P);
       // Weights (part 0): the first kCombinePeerBatch rows' values for k = lane are loaded before
       // the token rows, so their peer latency overlaps the row reduction; a PE that returned rows
       // without weights contributes 0 and is reported.

@@ -110,19 +110,14 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
     const int selfCount = c.state->recvCount[me];
     const int nPush = R - selfCount;
     // As the reduce: several warps per row when rows are fewer than warps, one item per warp.
-    int parts = 1;
-    if (nPush > 0 && nPush < totalWarps) {
-      parts = totalWarps / nPush;
-      const int maxParts = vecs / (2 * kWarpSize) > 1 ? vecs / (2 * kWarpSize) : 1;
-      parts = parts < maxParts ? parts : maxParts;
-    }
+    const int parts = EpPartsPerRow(nPush, totalWarps, vecs);
     const int items = nPush * parts;
     for (int item = gWarp; item < items; item += totalWarps) {
       const int q = item / parts;
       const int part = item - q * parts;
       const int r = q < selfBegin ? q : q + selfCount;
-      const int vb = static_cast<int>(static_cast<long long>(vecs) * part / parts);
-      const int ve = static_cast<int>(static_cast<long long>(vecs) * (part + 1) / parts);
+      const int vb = EpShareBegin(vecs, part, parts);
+      const int ve = EpShareBegin(vecs, part + 1, parts);
       // The row's first kPushUnroll vectors per lane (all of them for small batches) and its
       // weights are loaded before the source position, on which only the destination depends:
       // the two latencies overlap.
@@ -242,8 +237,8 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
                                      : recvW + ps * K;
       }
       core::WarpSync();
-      const int vb = static_cast<int>(static_cast<long long>(vecs) * part / P);
-      const int ve = static_cast<int>(static_cast<long long>(vecs) * (part + 1) / P);
+      const int vb = EpShareBegin(vecs, part, P);
+      const int ve = EpShareBegin(vecs, part + 1, P);
       WarpReduceRows<Elem, kThreads>(
           reinterpret_cast<uint4*>(a.outTokens + static_cast<size_t>(t) * a.rowBytes),
           sRows[warp], n, vb, ve);

@@ -138,7 +138,7 @@ MORI_DEVICE_INLINE bool RdmaWrite(const EpKernelCommon& c, int pe, void* dst, co
 // (measured, HT dispatch on 2x H200: 40 vs 21 GB/s per block), and every destination gets about
 // the same number of rows, so each local block should carry about twice a peer block's rows.
 // (nb / (2W) left the local-copy blocks the last to finish by 30 us of 164 on 2 PEs.)
-// Mirrored by tests/python/test_ep_kernel_model.py (block_role).
+// Tested through mori._C._testing (src/pybind/ep_test_bindings.cpp), as the work splits below.
 // ---------------------------------------------------------------------------------------------
 MORI_HOST_DEVICE inline void EpDispatchBlockRole(int b, int nb, int W, int me, int* dest, int* g,
                                                  int* G) {
@@ -162,6 +162,42 @@ MORI_HOST_DEVICE inline void EpDispatchBlockRole(int b, int nb, int W, int me, i
   *dest = (me + 1 + q) % W;
   *g = r / (W - 1);
   *G = (nRemote - 1 - q) / (W - 1) + 1;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Work splits of the kernels (host-callable: the launcher and the tests use them too).
+// ---------------------------------------------------------------------------------------------
+// Start of share i when n items are cut into `parts` contiguous shares: share i is
+// [EpShareBegin(n, i, parts), EpShareBegin(n, i + 1, parts)); the shares cover [0, n) once, in
+// order, and their sizes differ by at most one.
+MORI_HOST_DEVICE inline int EpShareBegin(int n, int i, int parts) {
+  return static_cast<int>(static_cast<long long>(n) * i / parts);
+}
+
+// How many warps share one row (of `vecs` 16-byte vectors) when `rows` rows go to `warps` warps:
+// floor(warps / rows) while rows are fewer than warps, so that every warp has at most one item
+// (with ceil some warps took two, two rounds of load latency instead of one), but no more parts
+// than leave each part two vectors per lane; 1 otherwise.
+MORI_HOST_DEVICE inline int EpPartsPerRow(int rows, int warps, int vecs) {
+  if (rows <= 0 || rows >= warps) return 1;
+  const int parts = warps / rows;
+  const int maxParts = vecs / (2 * kWarpSize) > 1 ? vecs / (2 * kWarpSize) : 1;
+  return parts < maxParts ? parts : maxParts;
+}
+
+// The word of a membership bitmap that holds list position p: the last of words [0, nWords)
+// whose exclusive prefix count is <= p (prefix non-decreasing, prefix[0] == 0 <= p).
+MORI_HOST_DEVICE inline int EpWordOfPosition(const int* prefix, int nWords, int p) {
+  int lo = 0, hi = nWords - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (prefix[mid] <= p) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
 }
 
 // ---------------------------------------------------------------------------------------------

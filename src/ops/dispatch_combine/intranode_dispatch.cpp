@@ -263,19 +263,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   // counts. So each warp loads its first item's metadata and first round of vectors here, and the
   // latency of those loads overlaps the count wait below (small batches: the whole copy of most
   // warps is that one round).
-  const int i0 = static_cast<int>(static_cast<long long>(countD) * g / G);
-  const int i1 = static_cast<int>(static_cast<long long>(countD) * (g + 1) / G);
+  const int i0 = EpShareBegin(countD, g, G);
+  const int i1 = EpShareBegin(countD, g + 1, G);
   nRows = i1 - i0;
   const int vecs = static_cast<int>(a.rowBytes / 16);
-  // Few rows (small batches): several warps share a row. parts = floor(warps / rows), so every
-  // warp has at most one item: with ceil, some warps took a second item and the block's copy took
-  // two rounds of load latency instead of one.
-  int parts = 1;
-  if (nRows > 0 && nRows < nWarps) {
-    parts = nWarps / nRows;
-    const int maxParts = vecs / (2 * kWarpSize) > 1 ? vecs / (2 * kWarpSize) : 1;
-    parts = parts < maxParts ? parts : maxParts;
-  }
+  // Few rows (small batches): several warps share a row, every warp has at most one item.
+  const int parts = EpPartsPerRow(nRows, nWarps, vecs);
   const int items = sFailed == 0 ? nRows * parts : 0;
   const int nScaleWords = static_cast<int>(a.scaleBytes / 4);
   // Fast metadata (K <= warp, scales as <= 2 words per lane): loaded with the token vectors,
@@ -295,19 +288,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int r = item / parts;
     const int part = item - r * parts;
     it.p = i0 + r;
-    // The word holding list position p: the last word whose prefix is <= p.
-    int lo = 0, hi = nWords - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (prefix[mid] <= it.p) {
-        lo = mid;
-      } else {
-        hi = mid - 1;
-      }
-    }
+    const int lo = EpWordOfPosition(prefix, nWords, it.p);
     it.t = lo * kWarpSize + WarpNthSetBit(words[lo], it.p - prefix[lo]);
-    it.vb = static_cast<int>(static_cast<long long>(vecs) * part / parts);
-    it.ve = static_cast<int>(static_cast<long long>(vecs) * (part + 1) / parts);
+    it.vb = EpShareBegin(vecs, part, parts);
+    it.ve = EpShareBegin(vecs, part + 1, parts);
     it.meta = part == 0;
     it.w = 0.0f;
     it.id = 0;
@@ -387,8 +371,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int slotBase = destRemote ? 0 : sendBase;
     // ---- 4a. slots of our tokens on `dest` (combine reads them) ---------------------------
     {
-      const int t0 = static_cast<int>(static_cast<long long>(T) * g / G);
-      const int t1 = static_cast<int>(static_cast<long long>(T) * (g + 1) / G);
+      const int t0 = EpShareBegin(T, g, G);
+      const int t1 = EpShareBegin(T, g + 1, G);
       for (int t = t0 + tid; t < t1; t += nThreads) {
         const int w = t / kWarpSize;
         const int bit = t - w * kWarpSize;

@@ -1,0 +1,103 @@
+// mori._C._testing: the host-callable work splits of the EP kernels (src/ops/dispatch_combine),
+// bound so that tests check the functions the kernels call rather than copies of them
+// (tests/python/test_ep_kernel_model.py, tests/ops/test_ep_block_roles.py). Not an API.
+// Compiled by the GPU compiler: the helpers live in the kernels' device headers.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <tuple>
+#include <vector>
+
+#include "../ops/dispatch_combine/combine_reduce.hpp"
+#include "../ops/dispatch_combine/intranode_device.hpp"
+#include "pybind_common.hpp"
+
+namespace mori::pybind {
+
+namespace {
+
+namespace ep = mori::ops::detail;
+using Role = std::tuple<int, int, int>;  // (dest, g, G)
+
+// The helpers divide by and index with their arguments: out-of-range values raise ValueError
+// here instead of faulting.
+void Require(bool ok, const char* what) {
+  if (!ok) throw py::value_error(what);
+}
+
+Role BlockRole(int b, int nb, int world, int me) {
+  Require(world >= 1 && me >= 0 && me < world, "need world >= 1 and 0 <= me < world");
+  Require(nb >= 1 && b >= 0 && b < nb, "need nb >= 1 and 0 <= b < nb");
+  int dest = 0, g = 0, G = 0;
+  ep::EpDispatchBlockRole(b, nb, world, me, &dest, &g, &G);
+  return {dest, g, G};
+}
+
+}  // namespace
+
+void RegisterEpTestBindings(py::module_& m) {
+  py::module_ t = m.def_submodule("_testing", "EP kernel arithmetic, bound for the tests only");
+  t.attr("WARP_SIZE") = core::kWarpSize;
+  t.attr("EP_COMBINE_STAGES") = ops::kEpCombineStages;
+  t.attr("EP_COMBINE_STAGE_BYTES") = ops::kEpCombineStageBytes;
+  t.attr("EP_COMBINE_STAGE_ROWS") = ops::kEpCombineStageRows;
+
+  t.def("ep_dispatch_block_role", &BlockRole, py::arg("b"), py::arg("nb"), py::arg("world"),
+        py::arg("me"), "EpDispatchBlockRole: (dest, g, G) of dispatch block b of nb on PE me");
+  t.def(
+      "ep_dispatch_block_roles",
+      [](int nb, int world, int me) {
+        std::vector<Role> roles;
+        for (int b = 0; b < nb; b++) roles.push_back(BlockRole(b, nb, world, me));
+        return roles;
+      },
+      py::arg("nb"), py::arg("world"), py::arg("me"),
+      "[EpDispatchBlockRole(b) for b in range(nb)]");
+  t.def(
+      "ep_share_begin",
+      [](int n, int i, int parts) {
+        Require(parts >= 1 && n >= 0 && i >= 0 && i <= parts,
+                "need parts >= 1, n >= 0, 0 <= i <= parts");
+        return ep::EpShareBegin(n, i, parts);
+      },
+      py::arg("n"), py::arg("i"), py::arg("parts"), "EpShareBegin: start of share i of n items");
+  t.def(
+      "ep_parts_per_row",
+      [](int rows, int warps, int vecs) {
+        Require(rows >= 0 && warps >= 1 && vecs >= 1, "need rows >= 0, warps >= 1, vecs >= 1");
+        return ep::EpPartsPerRow(rows, warps, vecs);
+      },
+      py::arg("rows"), py::arg("warps"), py::arg("vecs"), "EpPartsPerRow: warps sharing one row");
+  t.def(
+      "ep_word_of_position",
+      [](const std::vector<int>& prefix, int nWords, int p) {
+        Require(nWords >= 1 && static_cast<size_t>(nWords) <= prefix.size(),
+                "need 1 <= n_words <= len(prefix)");
+        return ep::EpWordOfPosition(prefix.data(), nWords, p);
+      },
+      py::arg("prefix"), py::arg("n_words"), py::arg("p"),
+      "EpWordOfPosition: the bitmap word holding list position p");
+  t.def(
+      "ep_staged_chunk_bytes",
+      [](int n) {
+        Require(n >= 1 && n <= ops::kEpCombineStageRows, "need 1 <= n <= EP_COMBINE_STAGE_ROWS");
+        return ep::EpStagedChunkBytes(n);
+      },
+      py::arg("n"), "EpStagedChunkBytes: chunk bytes per row when n rows share a stage");
+  t.def(
+      "ep_staged_chunk_count",
+      [](uint32_t begin, uint32_t end, uint32_t chunk) {
+        Require(chunk >= 1 && begin <= end, "need chunk >= 1 and begin <= end");
+        return ep::EpStagedChunkCount(begin, end, chunk);
+      },
+      py::arg("begin"), py::arg("end"), py::arg("chunk"), "EpStagedChunkCount");
+  t.def(
+      "ep_staged_chunk_length",
+      [](uint32_t off, uint32_t end, uint32_t chunk) {
+        Require(off < end, "need off < end");
+        return ep::EpStagedChunkLength(off, end, chunk);
+      },
+      py::arg("off"), py::arg("end"), py::arg("chunk"), "EpStagedChunkLength");
+}
+
+}  // namespace mori::pybind
