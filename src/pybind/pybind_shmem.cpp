@@ -203,6 +203,51 @@ gpuStream_t ToStream(uintptr_t s) {
   return reinterpret_cast<gpuStream_t>(s);
 }
 
+// ShmemRdmaStats as plain Python data (keys documented in mori.shmem.rdma_stats). GIL held.
+py::dict RdmaStatsToDict(const application::RdmaWireStats& st) {
+  py::list rows;
+  for (const application::RdmaOpStats& r : st.perPeer) {
+    py::dict hist;  // lower bound of each non-empty power-of-two bucket -> count
+    for (int k = 0; k < application::kRdmaSizeBuckets; k++) {
+      if (r.sizeHist[k] != 0) hist[py::int_(application::RdmaSizeBucketLow(k))] = r.sizeHist[k];
+    }
+    py::dict row;
+    row["src"] = r.srcPe;
+    row["dst"] = r.dstPe;
+    row["opcode"] = application::RdmaOpcodeName(r.opcode);
+    row["wqes"] = r.wqes;
+    row["bytes"] = r.bytes;
+    row["inline"] = r.inlineWqes;
+    row["atomics"] = r.atomics;
+    row["errors"] = r.errors;
+    row["flushed"] = r.flushed;
+    row["size_hist"] = hist;
+    rows.append(row);
+  }
+  py::list trace;
+  for (const application::RdmaTraceEntry& e : st.trace) {
+    py::dict t;
+    t["time_ns"] = e.timeNs;
+    t["qp"] = e.qp;
+    t["qpn"] = e.qpn;
+    t["src"] = e.srcPe;
+    t["dst"] = e.dstPe;
+    t["opcode"] = application::RdmaOpcodeName(e.opcode);
+    t["bytes"] = e.bytes;
+    t["wqe_index"] = e.wqeIndex;
+    t["outcome"] = application::RdmaWqeOutcomeName(e.outcome);
+    trace.append(t);
+  }
+  py::dict out;
+  out["available"] = st.available;
+  out["source"] = st.source;
+  out["per_peer"] = rows;
+  out["trace"] = trace;
+  out["trace_dropped"] = st.traceDropped;
+  out["trace_capacity"] = st.traceCapacity;
+  return out;
+}
+
 }  // namespace
 
 void RegisterShmem(py::module_& m) {
@@ -297,6 +342,14 @@ void RegisterShmem(py::module_& m) {
       "shmem_deregister_buffer",
       [](uintptr_t ptr) { CallLibrary([&] { shmem::ShmemDeregisterBuffer(ToPtr(ptr)); }); },
       py::arg("ptr"));
+  m.def(
+      "shmem_rdma_stats",
+      [](bool reset) {
+        return RdmaStatsToDict(CallLibrary([&] { return shmem::ShmemRdmaStats(reset); }));
+      },
+      py::arg("reset") = false,
+      "RDMA work requests this PE put on the wire (per peer and opcode) and the trace ring, as a "
+      "dict; reset=True zeroes them after reading.");
   m.def(
       "shmem_ptr_p2p",
       [](uintptr_t ptr, int myPe, int destPe) {

@@ -523,6 +523,16 @@ void ShmemDeregisterBuffer(void* ptr) {
   MORI_THROW(InvalidUsageError, "shmem_deregister_buffer: %p is not registered", ptr);
 }
 
+application::RdmaWireStats ShmemRdmaStats(bool reset) {
+  std::lock_guard<std::mutex> lock(gMutex);  // finalize cannot drop the transport meanwhile
+  ShmemState& s = State("shmem_rdma_stats");
+  if (s.rdma) return s.rdma->WireStats(reset);
+  application::RdmaWireStats none;
+  none.available = true;
+  none.source = "no RDMA peers (every PE is reached by load/store)";
+  return none;
+}
+
 size_t ShmemHeapFreeBytes() { return State("shmem_heap_free_bytes").heap->Allocator().FreeBytes(); }
 
 void ShmemStreamSynchronize(gpuStream_t stream) {

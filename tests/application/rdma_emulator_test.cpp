@@ -1,17 +1,21 @@
 // The RDMA posting protocol (core/transport/rdma_queue.hpp) driven by host threads against the
 // software queue emulator: data, atomics, ordering, 16-bit wrap, SQ full, error CQEs and flush,
-// bounded waits. Every WQE goes through the mlx5 encoders into a real ring; the emulator executes
-// the bytes it finds there.
+// bounded waits, selective signalling, wire statistics and the trace ring, chaos mode. Every WQE
+// goes through the mlx5 encoders into a real ring; the emulator executes the bytes it finds there.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <numeric>
+#include <string>
 #include <thread>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "mori/application/rdma/queue_emulator.hpp"
@@ -53,7 +57,9 @@ struct Loop {
     application::EmuInitCqRing(cq.get(), numCqes);
     ep = crdma::MakeEndpoint(sq.get(), sqBlocks, qpn, cq.get(), numCqes, counters.get());
   }
-  void Attach(QueueEmulator& emu) { qpIndex = emu.AddQp(application::EmuQpFromEndpoint(ep, 0, 1)); }
+  void Attach(QueueEmulator& emu, int pe = 0, int remotePe = 1) {
+    qpIndex = emu.AddQp(application::EmuQpFromEndpoint(ep, pe, remotePe));
+  }
 };
 
 crdma::PostContext Ctx(uint64_t timeoutNs = kLongTimeoutNs) {
@@ -545,6 +551,570 @@ TEST(RdmaEmulator, StartStopAndManualProcessing) {
   application::EmuQpConfig bad = application::EmuQpFromEndpoint(loop.ep, 0, 1);
   bad.sqBlocks = 6;
   EXPECT_THROW(emu.AddQp(bad), core::InvalidUsageError);
+}
+
+// --- wire statistics, trace ring, selective signalling, chaos mode ---------------------------
+
+using application::EmuOptions;
+using application::RdmaOpcode;
+using application::RdmaOpStats;
+using application::RdmaWireStats;
+using application::RdmaWqeOutcome;
+
+crdma::WqeDesc WriteDesc(const void* src, uint32_t len, application::EmuMemoryRegion smr,
+                         const void* dst, application::EmuMemoryRegion dmr) {
+  crdma::WqeDesc d{};
+  d.kind = crdma::WqeKind::kWrite;
+  d.local = Local(src, len, smr);
+  d.remote = Remote(dst, dmr);
+  return d;
+}
+
+crdma::WqeDesc NopDesc() {
+  crdma::WqeDesc d{};
+  d.kind = crdma::WqeKind::kNop;
+  return d;
+}
+
+// Posts one WQE and lets the emulator execute it in this thread.
+void PostAndProcess(QueueEmulator& emu, Loop& loop, const crdma::WqeDesc& d) {
+  Check(crdma::PostWqe(loop.ep, d, Ctx()), loop.ep);
+  EXPECT_EQ(emu.ProcessOnce(), 1u);
+}
+
+const RdmaOpStats* FindRow(const RdmaWireStats& s, int src, int dst, RdmaOpcode op) {
+  for (const RdmaOpStats& r : s.perPeer) {
+    if (r.srcPe == src && r.dstPe == dst && r.opcode == op) return &r;
+  }
+  return nullptr;
+}
+
+// Expected row: counts, then the non-empty histogram buckets as {bucket, count}.
+struct ExpectRow {
+  int src, dst;
+  RdmaOpcode op;
+  uint64_t wqes, bytes, inlineWqes, atomics, errors, flushed;
+  std::vector<std::pair<int, uint64_t>> hist;
+};
+
+void ExpectRows(const RdmaWireStats& s, const std::vector<ExpectRow>& rows) {
+  ASSERT_EQ(s.perPeer.size(), rows.size());
+  for (const ExpectRow& e : rows) {
+    const RdmaOpStats* r = FindRow(s, e.src, e.dst, e.op);
+    ASSERT_NE(r, nullptr) << e.src << "->" << e.dst << " " << application::RdmaOpcodeName(e.op);
+    SCOPED_TRACE(std::to_string(e.src) + "->" + std::to_string(e.dst) + " " +
+                 application::RdmaOpcodeName(e.op));
+    EXPECT_EQ(r->wqes, e.wqes);
+    EXPECT_EQ(r->bytes, e.bytes);
+    EXPECT_EQ(r->inlineWqes, e.inlineWqes);
+    EXPECT_EQ(r->atomics, e.atomics);
+    EXPECT_EQ(r->errors, e.errors);
+    EXPECT_EQ(r->flushed, e.flushed);
+    std::array<uint64_t, application::kRdmaSizeBuckets> want{};
+    for (auto [bucket, count] : e.hist) want[bucket] = count;
+    for (int k = 0; k < application::kRdmaSizeBuckets; k++)
+      EXPECT_EQ(r->sizeHist[k], want[k]) << "size bucket " << k;
+  }
+  // Sorted by (src, dst, opcode).
+  for (size_t i = 1; i < s.perPeer.size(); i++) {
+    const RdmaOpStats &a = s.perPeer[i - 1], &b = s.perPeer[i];
+    EXPECT_TRUE(std::make_tuple(a.srcPe, a.dstPe, a.opcode) <
+                std::make_tuple(b.srcPe, b.dstPe, b.opcode));
+  }
+}
+
+TEST(RdmaEmulatorStats, SizeBucketsAndNames) {
+  using application::RdmaSizeBucket;
+  EXPECT_EQ(RdmaSizeBucket(0), 0);
+  EXPECT_EQ(RdmaSizeBucket(1), 1);
+  EXPECT_EQ(RdmaSizeBucket(2), 2);
+  EXPECT_EQ(RdmaSizeBucket(3), 2);
+  EXPECT_EQ(RdmaSizeBucket(4), 3);
+  EXPECT_EQ(RdmaSizeBucket(8), 4);
+  EXPECT_EQ(RdmaSizeBucket(4095), 12);
+  EXPECT_EQ(RdmaSizeBucket(4096), 13);
+  EXPECT_EQ(RdmaSizeBucket(0xffffffffull), 32);
+  EXPECT_EQ(RdmaSizeBucket(1ull << 40), application::kRdmaSizeBuckets - 1);
+  EXPECT_EQ(application::RdmaSizeBucketLow(0), 0u);
+  EXPECT_EQ(application::RdmaSizeBucketLow(1), 1u);
+  EXPECT_EQ(application::RdmaSizeBucketLow(13), 4096u);
+  const char* names[] = {"write",        "write_inline", "read", "fetch_add",
+                         "compare_swap", "write_imm",    "nop",  "other"};
+  for (int op = 0; op < application::kRdmaNumOpcodes; op++)
+    EXPECT_STREQ(application::RdmaOpcodeName(static_cast<RdmaOpcode>(op)), names[op]);
+}
+
+// Every opcode on two QPs to PE 1 (counted together) and one QP to PE 2 that fails: exact
+// counts, bytes, inline and atomic counts, histogram buckets, errors and flushes; then reset.
+TEST(RdmaEmulatorStats, ExactCountsPerPeerAndOpcodeAndReset) {
+  Loop a(64, 64, 0x100), b(64, 64, 0x101), c(64, 64, 0x102);
+  QueueEmulator emu;
+  a.Attach(emu, 0, 1);
+  b.Attach(emu, 0, 1);
+  c.Attach(emu, 0, 2);
+  std::vector<uint8_t> src(8192), dst1(8192, 0), dst2(256, 0), back(256);
+  for (size_t i = 0; i < src.size(); i++) src[i] = static_cast<uint8_t>(i * 13 + 5);
+  alignas(8) uint64_t words[4] = {0, 0, 0, 0}, results[8] = {};
+  auto srcMr = emu.RegisterMemory(0, src.data(), src.size(), EmuAccess::kEmuAllAccess);
+  auto backMr = emu.RegisterMemory(0, back.data(), back.size(), EmuAccess::kEmuAllAccess);
+  auto resMr = emu.RegisterMemory(0, results, sizeof(results), EmuAccess::kEmuAllAccess);
+  auto dst1Mr = emu.RegisterMemory(1, dst1.data(), dst1.size(), EmuAccess::kEmuAllAccess);
+  auto wordsMr = emu.RegisterMemory(1, words, sizeof(words), EmuAccess::kEmuAllAccess);
+  auto dst2Mr = emu.RegisterMemory(2, dst2.data(), dst2.size(), EmuAccess::kEmuAllAccess);
+
+  uint32_t off = 0;
+  for (uint32_t len : {1u, 8u, 64u, 100u, 4096u}) {  // buckets 1, 4, 7, 7, 13
+    PostAndProcess(emu, a, WriteDesc(&src[off], len, srcMr, &dst1[off], dst1Mr));
+    off += len;
+  }
+  uint8_t payload[200];
+  for (uint32_t i = 0; i < sizeof(payload); i++) payload[i] = static_cast<uint8_t>(i ^ 0x5a);
+  for (uint32_t len : {5u, 64u, 200u}) {  // buckets 3, 7, 8
+    crdma::WqeDesc d{};
+    d.kind = crdma::WqeKind::kWriteInline;
+    d.local.len = len;
+    d.inlineData = payload;
+    d.remote = Remote(&dst1[6000], dst1Mr);
+    PostAndProcess(emu, a, d);
+  }
+  crdma::WqeDesc rd{};
+  rd.kind = crdma::WqeKind::kRead;
+  rd.local = Local(back.data(), 256, backMr);
+  rd.remote = Remote(&dst1[0], dst1Mr);
+  PostAndProcess(emu, a, rd);  // bucket 9
+  for (int i = 0; i < 3; i++) {
+    crdma::WqeDesc fa{};
+    fa.kind = crdma::WqeKind::kFetchAdd;
+    fa.local = Local(&results[i], 8, resMr);
+    fa.remote = Remote(&words[0], wordsMr);
+    fa.swapAdd = 10;
+    PostAndProcess(emu, a, fa);
+  }
+  for (int i = 0; i < 2; i++) {
+    crdma::WqeDesc cs{};
+    cs.kind = crdma::WqeKind::kCompareSwap;
+    cs.local = Local(&results[3 + i], 8, resMr);
+    cs.remote = Remote(&words[1], wordsMr);
+    cs.compare = 0;
+    cs.swapAdd = 77;  // succeeds once
+    PostAndProcess(emu, a, cs);
+  }
+  PostAndProcess(emu, a, NopDesc());
+  PostAndProcess(emu, a, NopDesc());
+  crdma::WqeDesc imm = WriteDesc(&src[100], 16, srcMr, &dst1[7000], dst1Mr);
+  imm.kind = crdma::WqeKind::kWriteImm;
+  imm.immHost = 42;
+  PostAndProcess(emu, a, imm);  // bucket 5
+  PostAndProcess(emu, b, WriteDesc(&src[200], 8, srcMr, &dst1[7100], dst1Mr));
+  PostAndProcess(emu, b, WriteDesc(&src[208], 8, srcMr, &dst1[7108], dst1Mr));
+  // To PE 2: one good write (bucket 6), a bad rkey, then a fetch-add and an inline write that
+  // are flushed.
+  PostAndProcess(emu, c, WriteDesc(&src[0], 32, srcMr, &dst2[0], dst2Mr));
+  crdma::WqeDesc bad = WriteDesc(&src[0], 32, srcMr, &dst2[64], dst2Mr);
+  bad.remote.rkey ^= 0x100;
+  Check(crdma::PostWqe(c.ep, bad, Ctx()), c.ep);
+  crdma::WqeDesc fa{};
+  fa.kind = crdma::WqeKind::kFetchAdd;
+  fa.local = Local(&results[7], 8, resMr);
+  fa.remote = Remote(&words[3], wordsMr);
+  fa.swapAdd = 1;
+  Check(crdma::PostWqe(c.ep, fa, Ctx()), c.ep);
+  crdma::WqeDesc inl{};
+  inl.kind = crdma::WqeKind::kWriteInline;
+  inl.local.len = 4;
+  inl.inlineData = payload;
+  inl.remote = Remote(&dst2[128], dst2Mr);
+  Check(crdma::PostWqe(c.ep, inl, Ctx()), c.ep);
+  EXPECT_EQ(emu.ProcessOnce(), 3u);
+  Check(crdma::Quiet(a.ep, Ctx()), a.ep);
+  Check(crdma::Quiet(b.ep, Ctx()), b.ep);
+  EXPECT_EQ(crdma::Quiet(c.ep, Ctx()).status, crdma::QueueStatus::kQpError);
+  // The data moved as counted.
+  EXPECT_EQ(std::memcmp(dst1.data(), src.data(), 4269), 0);
+  EXPECT_EQ(std::memcmp(back.data(), src.data(), 256), 0);
+  EXPECT_EQ(words[0], 30u);
+  EXPECT_EQ(words[1], 77u);
+  EXPECT_EQ(words[3], 0u);
+  EXPECT_EQ(dst2[128], 0u);
+
+  const std::vector<ExpectRow> expected = {
+      {0, 1, RdmaOpcode::kWrite, 7, 4269 + 16, 0, 0, 0, 0, {{1, 1}, {4, 3}, {7, 2}, {13, 1}}},
+      {0, 1, RdmaOpcode::kWriteInline, 3, 269, 3, 0, 0, 0, {{3, 1}, {7, 1}, {8, 1}}},
+      {0, 1, RdmaOpcode::kRead, 1, 256, 0, 0, 0, 0, {{9, 1}}},
+      {0, 1, RdmaOpcode::kFetchAdd, 3, 24, 0, 3, 0, 0, {{4, 3}}},
+      {0, 1, RdmaOpcode::kCompareSwap, 2, 16, 0, 2, 0, 0, {{4, 2}}},
+      {0, 1, RdmaOpcode::kWriteImm, 1, 16, 0, 0, 0, 0, {{5, 1}}},
+      {0, 1, RdmaOpcode::kNop, 2, 0, 0, 0, 0, 0, {{0, 2}}},
+      {0, 2, RdmaOpcode::kWrite, 1, 32, 0, 0, 1, 0, {{6, 1}}},
+      {0, 2, RdmaOpcode::kWriteInline, 0, 0, 0, 0, 0, 1, {}},
+      {0, 2, RdmaOpcode::kFetchAdd, 0, 0, 0, 0, 0, 1, {}},
+  };
+  const RdmaWireStats s = emu.WireStats(true);
+  EXPECT_TRUE(s.available);
+  EXPECT_EQ(s.source, "software queue emulator");
+  ExpectRows(s, expected);
+  EXPECT_TRUE(s.trace.empty());
+  EXPECT_EQ(s.traceCapacity, 0u);
+  EXPECT_EQ(s.traceDropped, 0u);
+  EXPECT_EQ(emu.Stats().wqesExecuted, 20u);
+  EXPECT_EQ(emu.Stats().errors, 1u);
+  EXPECT_EQ(emu.Stats().wqesFlushed, 2u);
+  // Reset: zero after the read above; counting goes on from there.
+  EXPECT_TRUE(emu.WireStats().perPeer.empty());
+  PostAndProcess(emu, b, NopDesc());
+  PostAndProcess(emu, b, WriteDesc(&src[300], 3, srcMr, &dst1[7200], dst1Mr));
+  ExpectRows(emu.WireStats(), {{0, 1, RdmaOpcode::kWrite, 1, 3, 0, 0, 0, 0, {{2, 1}}},
+                               {0, 1, RdmaOpcode::kNop, 1, 0, 0, 0, 0, 0, {{0, 1}}}});
+  ExpectRows(emu.WireStats(), {{0, 1, RdmaOpcode::kWrite, 1, 3, 0, 0, 0, 0, {{2, 1}}},
+                               {0, 1, RdmaOpcode::kNop, 1, 0, 0, 0, 0, 0, {{0, 1}}}});
+}
+
+// The trace ring keeps the newest entries in execution order and counts the overwritten ones.
+TEST(RdmaEmulatorStats, TraceRingOrderWrapAndDropped) {
+  Loop a(32, 32, 0x200), b(32, 32, 0x201);
+  EmuOptions opts;
+  opts.traceEntries = 8;
+  QueueEmulator emu(nullptr, opts);
+  a.Attach(emu, 3, 5);
+  b.Attach(emu, 3, 6);
+  std::vector<uint8_t> src(64, 1), dst5(64, 0), dst6(64, 0);
+  auto srcMr = emu.RegisterMemory(3, src.data(), src.size(), EmuAccess::kEmuAllAccess);
+  auto d5 = emu.RegisterMemory(5, dst5.data(), dst5.size(), EmuAccess::kEmuAllAccess);
+  auto d6 = emu.RegisterMemory(6, dst6.data(), dst6.size(), EmuAccess::kEmuAllAccess);
+  // Writes of 1..12 bytes, alternating QPs: odd sizes on a, even sizes on b.
+  const uint64_t t0 = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                                std::chrono::steady_clock::now().time_since_epoch())
+                                                .count());
+  auto post = [&](uint32_t len) {
+    if (len % 2 == 1) {
+      PostAndProcess(emu, a, WriteDesc(src.data(), len, srcMr, dst5.data(), d5));
+    } else {
+      PostAndProcess(emu, b, WriteDesc(src.data(), len, srcMr, dst6.data(), d6));
+    }
+  };
+  for (uint32_t len = 1; len <= 5; len++) post(len);
+  RdmaWireStats s = emu.WireStats();
+  EXPECT_EQ(s.traceCapacity, 8u);
+  EXPECT_EQ(s.traceDropped, 0u);
+  ASSERT_EQ(s.trace.size(), 5u);
+  for (uint32_t len = 6; len <= 12; len++) post(len);
+  s = emu.WireStats(true);
+  EXPECT_EQ(s.traceDropped, 4u);
+  ASSERT_EQ(s.trace.size(), 8u);
+  uint64_t lastTime = t0;
+  for (size_t i = 0; i < s.trace.size(); i++) {
+    const application::RdmaTraceEntry& e = s.trace[i];
+    const uint32_t len = static_cast<uint32_t>(5 + i);  // sizes 5..12 survive, oldest first
+    const bool onA = len % 2 == 1;
+    SCOPED_TRACE("entry " + std::to_string(i));
+    EXPECT_EQ(e.bytes, len);
+    EXPECT_EQ(e.opcode, RdmaOpcode::kWrite);
+    EXPECT_EQ(e.outcome, RdmaWqeOutcome::kOk);
+    EXPECT_EQ(e.qp, onA ? a.qpIndex : b.qpIndex);
+    EXPECT_EQ(e.qpn, onA ? 0x200u : 0x201u);
+    EXPECT_EQ(e.srcPe, 3);
+    EXPECT_EQ(e.dstPe, onA ? 5 : 6);
+    EXPECT_EQ(e.wqeIndex, (len - 1) / 2);  // each QP's own WQE count
+    EXPECT_GE(e.timeNs, lastTime);
+    lastTime = e.timeNs;
+  }
+  // After the reset: empty, nothing dropped; new entries start over.
+  s = emu.WireStats();
+  EXPECT_TRUE(s.trace.empty());
+  EXPECT_EQ(s.traceDropped, 0u);
+  PostAndProcess(emu, a, NopDesc());
+  s = emu.WireStats();
+  ASSERT_EQ(s.trace.size(), 1u);
+  EXPECT_EQ(s.trace[0].opcode, RdmaOpcode::kNop);
+  EXPECT_EQ(s.trace[0].wqeIndex, 6u);
+  // The ring size is bounded.
+  EmuOptions tooBig;
+  tooBig.traceEntries = application::kEmuMaxTraceEntries + 1;
+  EXPECT_THROW(QueueEmulator(nullptr, tooBig), core::InvalidUsageError);
+}
+
+// Clears the CQ-update request of the WQE at `block` (the posting side's WriteWqe signals every
+// WQE).
+void Unsignal(const crdma::SqHandle& sq, uint64_t block) {
+  auto* ctrl = static_cast<uint8_t*>(
+      mlx5::SqBasicBlock(sq.ring, static_cast<uint32_t>(block), sq.numBlocks));
+  ctrl[11] = static_cast<uint8_t>(ctrl[11] & ~mlx5::kCtrlCqUpdate);
+}
+
+// Posts `descs` with one doorbell; all but those marked in `signalled` carry no CQ-update flag.
+uint64_t PostBatch(const crdma::QpEndpoint& ep, const std::vector<crdma::WqeDesc>& descs,
+                   const std::vector<bool>& signalled) {
+  uint32_t blocks = 0;
+  for (const auto& d : descs) blocks += crdma::WqeBlocks(d);
+  crdma::QueueResult r = crdma::ReserveSlots(ep, blocks, Ctx());
+  Check(r, ep);
+  uint64_t at = r.value, last = r.value;
+  for (size_t i = 0; i < descs.size(); i++) {
+    last = at;
+    at += crdma::WriteWqe(ep.sq, at, descs[i]);
+    if (!signalled[i]) Unsignal(ep.sq, last);
+  }
+  Check(crdma::RingDoorbell(ep, r.value, blocks, last, Ctx()), ep);
+  return r.value;
+}
+
+// WQEs without kCtrlCqUpdate execute without a CQE; the next signalled CQE completes them all
+// (`completed` advances exactly over every block up to and including the signalled WQE).
+TEST(RdmaEmulatorSignalling, UnsignalledCompleteThroughNextSignalledCqe) {
+  Loop loop(16, 16);
+  QueueEmulator emu;
+  loop.Attach(emu);
+  std::vector<uint8_t> src(1024), dst(1024, 0);
+  for (size_t i = 0; i < src.size(); i++) src[i] = static_cast<uint8_t>(i * 7 + 3);
+  auto srcMr = emu.RegisterMemory(0, src.data(), src.size(), EmuAccess::kEmuAllAccess);
+  auto dstMr = emu.RegisterMemory(1, dst.data(), dst.size(), EmuAccess::kEmuAllAccess);
+  uint8_t payload[200];
+  for (uint32_t i = 0; i < sizeof(payload); i++) payload[i] = static_cast<uint8_t>(200 - i);
+  crdma::WqeDesc inl{};
+  inl.kind = crdma::WqeKind::kWriteInline;
+  inl.local.len = 200;  // 4 blocks
+  inl.inlineData = payload;
+  inl.remote = Remote(&dst[512], dstMr);
+  // Three unsignalled WQEs (1 + 4 + 1 blocks): executed, no CQE, nothing completes.
+  PostBatch(loop.ep,
+            {WriteDesc(&src[0], 64, srcMr, &dst[0], dstMr), inl,
+             WriteDesc(&src[64], 64, srcMr, &dst[64], dstMr)},
+            {false, false, false});
+  EXPECT_EQ(emu.ProcessOnce(), 3u);
+  EXPECT_EQ(emu.Stats().wqesExecuted, 3u);
+  EXPECT_EQ(emu.Stats().cqesWritten, 0u);
+  EXPECT_EQ(std::memcmp(dst.data(), src.data(), 128), 0);
+  EXPECT_EQ(std::memcmp(&dst[512], payload, 200), 0);
+  EXPECT_EQ(crdma::PollCq(loop.ep.sq, loop.ep.cq), 0u);
+  EXPECT_EQ(loop.counters->completed, 0u);
+  // A signalled NOP: one CQE naming it, and completed covers all 7 blocks.
+  PostBatch(loop.ep, {NopDesc()}, {true});
+  EXPECT_EQ(emu.ProcessOnce(), 1u);
+  EXPECT_EQ(emu.Stats().cqesWritten, 1u);
+  const mlx5::Mlx5CqeFields f = mlx5::DecodeCqe(loop.cq.get());
+  EXPECT_EQ(f.opcode, mlx5::kCqeReq);
+  EXPECT_EQ(f.wqeCounter, 6u);
+  EXPECT_EQ(crdma::PollCq(loop.ep.sq, loop.ep.cq), 1u);
+  EXPECT_EQ(loop.counters->completed, 7u);
+  Check(crdma::Quiet(loop.ep, Ctx()), loop.ep);
+
+  // Many laps of the 16-block ring in batches of 3 unsignalled + 1 signalled WQE, emulator
+  // running: completed ends exactly at ready, one CQE per batch.
+  emu.Start();
+  constexpr int kBatches = 3000;
+  for (int i = 0; i < kBatches; i++) {
+    const uint32_t o = static_cast<uint32_t>(i % 8) * 64;
+    PostBatch(loop.ep,
+              {WriteDesc(&src[o], 8, srcMr, &dst[o], dstMr), inl,
+               WriteDesc(&src[o + 8], 8, srcMr, &dst[o + 8], dstMr), NopDesc()},
+              {false, false, false, true});
+  }
+  Check(crdma::Quiet(loop.ep, Ctx()), loop.ep);
+  emu.Stop();
+  EXPECT_EQ(loop.counters->completed, loop.counters->ready);
+  EXPECT_EQ(loop.counters->ready, 7u + kBatches * 7u);
+  EXPECT_EQ(emu.Stats().cqesWritten, 1u + kBatches);
+  EXPECT_EQ(emu.Stats().wqesExecuted, 4u + kBatches * 4u);
+}
+
+// An unsignalled WQE that fails still writes its error CQE, and every later WQE (signalled or
+// not) a flush CQE; unsignalled WQEs before it executed.
+TEST(RdmaEmulatorSignalling, ErrorsAlwaysCompleteWithCqes) {
+  Loop loop(16, 16, 0x77);
+  QueueEmulator emu;
+  loop.Attach(emu);
+  std::vector<uint64_t> src = {1, 2, 3, 4}, dst(4, 0);
+  auto srcMr = emu.RegisterMemory(0, src.data(), 32, EmuAccess::kEmuAllAccess);
+  auto dstMr = emu.RegisterMemory(1, dst.data(), 32, EmuAccess::kEmuAllAccess);
+  crdma::WqeDesc bad = WriteDesc(&src[1], 8, srcMr, &dst[1], dstMr);
+  bad.remote.rkey ^= 0x100;
+  const uint64_t start = PostBatch(
+      loop.ep,
+      {WriteDesc(&src[0], 8, srcMr, &dst[0], dstMr), bad,
+       WriteDesc(&src[2], 8, srcMr, &dst[2], dstMr), WriteDesc(&src[3], 8, srcMr, &dst[3], dstMr)},
+      {false, false, false, true});
+  EXPECT_EQ(emu.ProcessOnce(), 4u);
+  EXPECT_EQ(dst, (std::vector<uint64_t>{1, 0, 0, 0}));
+  EXPECT_EQ(emu.Stats().cqesWritten, 3u);  // the error and two flushes; none for the first write
+  for (int i = 0; i < 3; i++) {
+    const mlx5::Mlx5CqeFields f = mlx5::DecodeCqe(loop.cq.get() + i * 64);
+    EXPECT_EQ(f.opcode, mlx5::kCqeReqErr);
+    EXPECT_EQ(f.wqeCounter, static_cast<uint16_t>(start + 1 + i));
+    EXPECT_EQ(f.syndrome, i == 0 ? uint8_t(mlx5::kSyndromeRemoteAccessErr)
+                                 : uint8_t(mlx5::kSyndromeWrFlushErr));
+  }
+  EXPECT_EQ(crdma::Quiet(loop.ep, Ctx()).status, crdma::QueueStatus::kQpError);
+  EXPECT_EQ(loop.counters->completed, start + 4);
+  EXPECT_EQ(loop.counters->error.wqeCounter, static_cast<uint16_t>(start + 1));
+  ExpectRows(emu.WireStats(), {{0, 1, RdmaOpcode::kWrite, 1, 8, 0, 0, 1, 2, {{4, 1}}}});
+}
+
+// Chaos mode, single-threaded: 4 QPs with 24 WQEs each, all published before processing starts.
+// Returns the execution order as (QP index, wqe index) from the trace; checks that every WQE ran
+// once, in order within its QP, and that every CQE arrives (in order) in the end.
+struct ChaosRun {
+  std::vector<std::pair<uint32_t, uint16_t>> order;
+  size_t lateAfterExecution = 0;
+};
+
+ChaosRun RunChaosSchedule(uint64_t seed) {
+  constexpr int kQps = 4, kPerQp = 24;
+  std::vector<std::unique_ptr<Loop>> loops;
+  for (int q = 0; q < kQps; q++) loops.push_back(std::make_unique<Loop>(32, 32, 0x300 + q));
+  EmuOptions opts;
+  opts.chaosSeed = seed;
+  opts.traceEntries = 1024;
+  QueueEmulator emu(nullptr, opts);
+  for (auto& l : loops) l->Attach(emu);
+  alignas(8) static uint64_t counters[kQps];
+  std::vector<uint64_t> olds(kQps * kPerQp, ~0ull);
+  for (auto& c : counters) c = 0;
+  auto ctrMr = emu.RegisterMemory(1, counters, sizeof(counters), EmuAccess::kEmuAllAccess);
+  auto oldMr = emu.RegisterMemory(0, olds.data(), olds.size() * 8, EmuAccess::kEmuAllAccess);
+  for (int q = 0; q < kQps; q++) {
+    for (int i = 0; i < kPerQp; i++) {
+      crdma::WqeDesc fa{};
+      fa.kind = crdma::WqeKind::kFetchAdd;
+      fa.local = Local(&olds[q * kPerQp + i], 8, oldMr);
+      fa.remote = Remote(&counters[q], ctrMr);
+      fa.swapAdd = 1;
+      Check(crdma::PostWqe(loops[q]->ep, fa, Ctx()), loops[q]->ep);
+    }
+  }
+  ChaosRun run;
+  for (int round = 0; emu.Stats().wqesExecuted < kQps * kPerQp && round < 100000; round++) {
+    emu.ProcessOnce();
+  }
+  EXPECT_EQ(emu.Stats().wqesExecuted, uint64_t(kQps) * kPerQp);
+  run.lateAfterExecution = emu.PendingCqes();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (emu.PendingCqes() > 0 && std::chrono::steady_clock::now() < deadline) {
+    EXPECT_EQ(emu.ProcessOnce(), 0u);
+    std::this_thread::yield();
+  }
+  EXPECT_EQ(emu.PendingCqes(), 0u);
+  for (int q = 0; q < kQps; q++) {
+    Check(crdma::Quiet(loops[q]->ep, Ctx()), loops[q]->ep);
+    EXPECT_EQ(loops[q]->counters->completed, uint64_t(kPerQp));
+    EXPECT_EQ(counters[q], uint64_t(kPerQp)) << "QP " << q;
+    for (int i = 0; i < kPerQp; i++) {
+      // The i-th fetch-add of a QP saw exactly the i before it: once each, in RC order.
+      EXPECT_EQ(olds[q * kPerQp + i], uint64_t(i)) << "QP " << q << " WQE " << i;
+      const mlx5::Mlx5CqeFields f = mlx5::DecodeCqe(loops[q]->cq.get() + i * 64);
+      EXPECT_EQ(f.opcode, mlx5::kCqeReq);
+      EXPECT_EQ(f.wqeCounter, uint16_t(i)) << "CQEs of one QP stay in order";
+    }
+  }
+  const RdmaWireStats s = emu.WireStats();
+  EXPECT_EQ(s.source, seed == 0
+                          ? std::string("software queue emulator")
+                          : "software queue emulator (chaos seed " + std::to_string(seed) + ")");
+  EXPECT_EQ(s.traceDropped, 0u);
+  std::vector<uint16_t> next(kQps, 0);
+  for (const auto& e : s.trace) {
+    EXPECT_EQ(e.wqeIndex, next[e.qp]) << "QP " << e.qp << " out of order";
+    next[e.qp] = static_cast<uint16_t>(e.wqeIndex + 1);
+    run.order.emplace_back(e.qp, e.wqeIndex);
+  }
+  EXPECT_EQ(run.order.size(), size_t(kQps) * kPerQp);
+  return run;
+}
+
+TEST(RdmaEmulatorChaos, ServesQpsOutOfOrderKeepsRcOrderAndIsSeeded) {
+  const ChaosRun plain = RunChaosSchedule(0);
+  EXPECT_EQ(plain.lateAfterExecution, 0u);
+  for (size_t i = 0; i < plain.order.size(); i++) {
+    ASSERT_EQ(plain.order[i].first, i / 24) << "plain mode drains QP after QP";
+  }
+  int reordered = 0;
+  size_t late = 0;
+  for (uint64_t seed : {1ull, 2ull, 3ull, 0x9e3779b97f4a7c15ull}) {
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    const ChaosRun a = RunChaosSchedule(seed);
+    const ChaosRun b = RunChaosSchedule(seed);
+    EXPECT_EQ(a.order, b.order) << "the same seed must give the same schedule";
+    reordered += a.order != plain.order ? 1 : 0;
+    late += a.lateAfterExecution;
+  }
+  EXPECT_GT(reordered, 0) << "chaos mode never changed the order in which QPs were served";
+  EXPECT_GT(late, 0u) << "chaos mode never held a completion back";
+  EXPECT_NE(RunChaosSchedule(1).order, RunChaosSchedule(2).order);
+}
+
+// Chaos mode with the worker: one poster thread per QP posts write + signal pairs on small rings
+// (completions held back make posters wait for ring space). Every WQE executes exactly once, each
+// QP's fetch-adds see their predecessors in order, and the counted traffic is exact.
+TEST(RdmaEmulatorChaos, ConcurrentPostersExactlyOnce) {
+  constexpr int kQps = 4, kOps = 400, kRec = 64;
+  std::vector<std::unique_ptr<Loop>> loops;
+  for (int q = 0; q < kQps; q++) loops.push_back(std::make_unique<Loop>(8, 8, 0x400 + q));
+  EmuOptions opts;
+  opts.chaosSeed = 12345;
+  opts.traceEntries = 2 * kQps * kOps;
+  QueueEmulator emu(nullptr, opts);
+  for (auto& l : loops) l->Attach(emu);
+  std::vector<uint8_t> src(size_t(kQps) * kOps * kRec), dst(src.size(), 0);
+  for (size_t i = 0; i < src.size(); i++) src[i] = static_cast<uint8_t>(i * 29 + i / 509);
+  std::vector<uint64_t> sig(kQps, 0), res(size_t(kQps) * kOps, ~0ull);
+  auto srcMr = emu.RegisterMemory(0, src.data(), src.size(), EmuAccess::kEmuAllAccess);
+  auto dstMr = emu.RegisterMemory(1, dst.data(), dst.size(), EmuAccess::kEmuAllAccess);
+  auto sigMr = emu.RegisterMemory(1, sig.data(), sig.size() * 8, EmuAccess::kEmuAllAccess);
+  auto resMr = emu.RegisterMemory(0, res.data(), res.size() * 8, EmuAccess::kEmuAllAccess);
+  emu.Start();
+  std::vector<std::thread> posters;
+  for (int q = 0; q < kQps; q++) {
+    posters.emplace_back([&, q] {
+      try {
+        const crdma::QpEndpoint& ep = loops[q]->ep;
+        for (int i = 0; i < kOps; i++) {
+          const size_t k = size_t(q) * kOps + i;
+          Check(crdma::PostWriteWithSignal(ep, Local(&src[k * kRec], kRec, srcMr),
+                                           Remote(&dst[k * kRec], dstMr), Local(&res[k], 8, resMr),
+                                           Remote(&sig[q], sigMr), 1, Ctx()),
+                ep);
+        }
+        Check(crdma::Quiet(ep, Ctx()), ep);
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << e.what();
+      }
+    });
+  }
+  for (auto& t : posters) t.join();
+  emu.Stop();
+  EXPECT_EQ(dst, src);
+  for (int q = 0; q < kQps; q++) {
+    EXPECT_EQ(sig[q], uint64_t(kOps));
+    EXPECT_EQ(loops[q]->counters->completed, 2u * kOps);
+    for (int i = 0; i < kOps; i++) ASSERT_EQ(res[size_t(q) * kOps + i], uint64_t(i)) << "QP " << q;
+  }
+  const RdmaWireStats s = emu.WireStats();
+  ExpectRows(s, {{0,
+                  1,
+                  RdmaOpcode::kWrite,
+                  uint64_t(kQps) * kOps,
+                  uint64_t(kQps) * kOps * kRec,
+                  0,
+                  0,
+                  0,
+                  0,
+                  {{7, uint64_t(kQps) * kOps}}},
+                 {0,
+                  1,
+                  RdmaOpcode::kFetchAdd,
+                  uint64_t(kQps) * kOps,
+                  uint64_t(kQps) * kOps * 8,
+                  0,
+                  uint64_t(kQps) * kOps,
+                  0,
+                  0,
+                  {{4, uint64_t(kQps) * kOps}}}});
+  ASSERT_EQ(s.trace.size(), size_t(2) * kQps * kOps);
+  std::vector<uint32_t> next(kQps, 0);
+  for (const auto& e : s.trace) {
+    ASSERT_EQ(e.wqeIndex, static_cast<uint16_t>(next[e.qp])) << "QP " << e.qp;
+    next[e.qp]++;
+  }
+  EXPECT_EQ(emu.PendingCqes(), 0u);
 }
 
 }  // namespace

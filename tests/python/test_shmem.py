@@ -322,3 +322,108 @@ def test_topology_queries_before_init_are_invalid_usage():
         mori.shmem.shmem_node_of("0")
     with pytest.raises(TypeError):
         mori.shmem.shmem_node_of(None)
+
+
+def test_rdma_stats_before_init_is_invalid_usage():
+    if mori.shmem.shmem_is_initialized():
+        pytest.skip("shmem is initialised in this process")
+    assert "rdma_stats" in mori.shmem.__all__
+    for reset in (False, True):
+        with pytest.raises(mori.InvalidUsageError, match="shmem_rdma_stats: shmem is not initialised"):
+            mori.shmem.rdma_stats(reset=reset)
+    with pytest.raises(TypeError):
+        _C.shmem_rdma_stats("yes")
+
+
+@needs_gpu
+def test_rdma_stats_without_rdma_peers_is_empty():
+    g = FakeGroup(rank=0, world=1)
+    _C._init_with_callbacks(0, 1, g.allgather, g.alltoall, g.barrier, 0)
+    try:
+        stats = mori.shmem.rdma_stats()
+        assert stats == {
+            "available": True,
+            "source": stats["source"],
+            "per_peer": [],
+            "trace": [],
+            "trace_dropped": 0,
+            "trace_capacity": 0,
+        }
+        assert "no RDMA peers" in stats["source"]
+        assert mori.shmem.rdma_stats(reset=True)["per_peer"] == []
+    finally:
+        mori.shmem.shmem_finalize()
+
+
+# Two ranks, each its own node (MORI_GPU_PER_NODE=1), RDMA through the queue emulator: every
+# device barrier sends one 8-byte fetch-add to the other rank, and nothing else goes on the wire.
+# Rank 0 creates the unique id (its process serves the id's root address) and prints it first.
+_RDMA_STATS_RANK = r"""
+import json, sys
+from mori import shmem
+rank, nranks = int(sys.argv[1]), int(sys.argv[2])
+if rank == 0:
+    uid = shmem.shmem_get_unique_id()
+    print("UID " + uid.hex(), flush=True)
+else:
+    uid = bytes.fromhex(sys.argv[3])
+shmem.shmem_init_attr(shmem.MORI_SHMEM_INIT_WITH_UNIQUEID, rank, nranks, uid)
+try:
+    out = {"transport": shmem.shmem_transport_type(1 - rank), "before": shmem.rdma_stats()}
+    for _ in range(5):
+        shmem.shmem_barrier_on_stream(0)
+    shmem.shmem_stream_synchronize(0)
+    shmem.shmem_barrier_all()
+    out["first"] = shmem.rdma_stats(reset=True)
+    out["after"] = shmem.rdma_stats()
+    print("STATS " + json.dumps(out), flush=True)
+finally:
+    shmem.shmem_finalize()
+"""
+
+
+@needs_gpu
+@pytest.mark.parametrize("chaos", [0, 11], ids=["plain", "chaos"])
+def test_rdma_stats_count_device_barriers_between_emulated_nodes(chaos, subprocess_env):
+    import json
+    import subprocess
+    import sys
+
+    env = dict(subprocess_env)
+    env.update(MORI_GPU_PER_NODE="1", MORI_RDMA_EMULATE="1", CUDA_MODULE_LOADING="EAGER",
+               MORI_RDMA_EMULATE_TRACE="4", MORI_RDMA_EMULATE_CHAOS=str(chaos),
+               MORI_BOOTSTRAP_TIMEOUT="60")
+
+    def start(*args):
+        return subprocess.Popen([sys.executable, "-c", _RDMA_STATS_RANK, *args], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    procs = [start("0", "2")]
+    first_line = procs[0].stdout.readline()
+    if not first_line.startswith("UID "):
+        procs[0].kill()
+        pytest.fail("rank 0 printed no unique id:\n" + first_line + procs[0].communicate()[0][-3000:])
+    procs.append(start("1", "2", first_line.split()[1]))
+    outs = [p.communicate(timeout=180)[0] for p in procs]
+    for rank, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"rank {rank}:\n{out[-3000:]}"
+        line = [ln for ln in out.splitlines() if ln.startswith("STATS ")]
+        assert line, f"rank {rank}:\n{out[-3000:]}"
+        got = json.loads(line[0][len("STATS "):])
+        peer = 1 - rank
+        assert got["transport"] == "rdma"
+        assert got["before"]["available"] and got["before"]["per_peer"] == []
+        first = got["first"]
+        assert first["available"] and first["source"].startswith("software queue emulator")
+        assert ("chaos seed 11" in first["source"]) == (chaos != 0)
+        assert first["per_peer"] == [{
+            "src": rank, "dst": peer, "opcode": "fetch_add", "wqes": 5, "bytes": 40, "inline": 0,
+            "atomics": 5, "errors": 0, "flushed": 0, "size_hist": {"8": 5},
+        }]
+        assert (first["trace_capacity"], first["trace_dropped"], len(first["trace"])) == (4, 1, 4)
+        for i, e in enumerate(first["trace"]):
+            assert (e["src"], e["dst"], e["opcode"], e["bytes"], e["outcome"]) == (rank, peer, "fetch_add", 8, "ok")
+            assert e["wqe_index"] == first["trace"][0]["wqe_index"] + i
+            assert i == 0 or e["time_ns"] >= first["trace"][i - 1]["time_ns"]
+        assert got["after"]["per_peer"] == [] and got["after"]["trace"] == []
+        assert got["after"]["trace_dropped"] == 0

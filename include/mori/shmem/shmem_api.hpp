@@ -8,6 +8,7 @@
 #include <string>
 
 #include "mori/application/bootstrap/bootstrap.hpp"
+#include "mori/application/rdma/rdma_stats.hpp"
 #include "mori/core/gpu.hpp"
 #include "mori/shmem/shmem_types.hpp"
 
@@ -96,5 +97,13 @@ void ShmemBootstrapAllgather(const void* send, void* recv, size_t bytesPerPe);
 // Identifies the current init: 0 when not initialised, a new value after every init. Objects that
 // hold symmetric memory compare it to notice a finalize (and re-init) under them.
 uint64_t ShmemInitGeneration();
+
+// --- RDMA statistics --------------------------------------------------------------------------
+// The RDMA work requests this PE put on the wire since init (or the last reset): per (this PE,
+// peer, opcode) counts, bytes and size histogram, plus the trace ring (MORI_RDMA_EMULATE_TRACE).
+// Counted by the software queue emulator (MORI_RDMA_EMULATE=1); the verbs transport returns
+// `available == false` with the reason in `source`. Without any RDMA peer in the job: empty, and
+// available. `reset` zeroes the counters and the trace after reading. Not collective.
+application::RdmaWireStats ShmemRdmaStats(bool reset = false);
 
 }  // namespace mori::shmem

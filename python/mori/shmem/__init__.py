@@ -6,12 +6,13 @@ Init (collective, once per process, binds to the current GPU):
   shmem_mpi_init()                            MPI_COMM_WORLD (MPI builds only)
 Pointers are ints (device addresses); streams are ints, torch streams or None (the current torch
 stream when torch is loaded, else the default stream). tensor_from_ptr() views device memory as a
-torch tensor.
+torch tensor. rdma_stats() tells what this PE put on the RDMA wire (counted by the emulator).
 """
 
 from .api import (  # noqa: F401
     MORI_SHMEM_INIT_WITH_MPI_COMM,
     MORI_SHMEM_INIT_WITH_UNIQUEID,
+    rdma_stats,
     shmem_abort_device_waits,
     shmem_barrier_all,
     shmem_barrier_on_stream,
@@ -44,6 +45,7 @@ from .tensor import tensor_from_ptr  # noqa: F401
 __all__ = [
     "MORI_SHMEM_INIT_WITH_MPI_COMM",
     "MORI_SHMEM_INIT_WITH_UNIQUEID",
+    "rdma_stats",
     "shmem_abort_device_waits",
     "shmem_barrier_all",
     "shmem_barrier_on_stream",

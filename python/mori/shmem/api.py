@@ -146,6 +146,30 @@ def shmem_deregister_buffer(ptr) -> None:
     _C.shmem_deregister_buffer(_as_ptr(ptr))
 
 
+# --- RDMA statistics -------------------------------------------------------------------------
+def rdma_stats(reset: bool = False) -> dict:
+    """The RDMA work requests this PE put on the wire since init (or the last reset=True call).
+
+    Counted by the software queue emulator (MORI_RDMA_EMULATE=1): each process's emulator executes
+    what its own PE posted. Returns a dict:
+      available      False when the transport does not count (the verbs back-end); source says why
+      source         what the numbers come from
+      per_peer       list of {src, dst, opcode, wqes, bytes, inline, atomics, errors, flushed,
+                     size_hist}, sorted by (src, dst, opcode); opcode is one of "write",
+                     "write_inline", "read", "fetch_add", "compare_swap", "write_imm", "nop",
+                     "other"; wqes/bytes/inline/atomics/size_hist count executed requests,
+                     errors/flushed those that completed in error; size_hist maps a bucket's lower
+                     bound b (0, 1, 2, 4, ...) to the requests of [b, 2b) bytes (b = 0: empty ones)
+      trace          the newest executed requests, oldest first (MORI_RDMA_EMULATE_TRACE entries):
+                     {time_ns (CLOCK_MONOTONIC, as time.monotonic_ns()), qp, qpn, src, dst, opcode,
+                     bytes, wqe_index, outcome ("ok", "error", "flushed")}
+      trace_dropped  older entries overwritten since the last reset
+      trace_capacity the ring's size (0: no trace)
+    reset=True zeroes counters and trace after reading. Raises mori.InvalidUsageError before init.
+    """
+    return _C.shmem_rdma_stats(bool(reset))
+
+
 def shmem_ptr_p2p(dest_ptr, my_pe: int, dest_pe: int) -> int:
     """dest_pe's copy of the symmetric address dest_ptr, as mapped in this process (0 if dest_pe
     is not load/store reachable). my_pe must be this PE (MORI's signature)."""

@@ -132,6 +132,21 @@ struct EmuHeapKey {
 
 constexpr size_t kPage = 4096;
 
+EmuOptions EmulatorOptionsFromEnv() {
+  const core::EnvValues env = core::Env();
+  MORI_ENSURE(env.rdmaEmulateChaos >= 0, InvalidUsageError,
+              "MORI_RDMA_EMULATE_CHAOS=%lld: the seed must be >= 0 (0 = off)",
+              static_cast<long long>(env.rdmaEmulateChaos));
+  MORI_ENSURE(env.rdmaEmulateTrace >= 0 &&
+                  static_cast<uint64_t>(env.rdmaEmulateTrace) <= kEmuMaxTraceEntries,
+              InvalidUsageError, "MORI_RDMA_EMULATE_TRACE=%lld is out of range [0, %zu]",
+              static_cast<long long>(env.rdmaEmulateTrace), kEmuMaxTraceEntries);
+  EmuOptions o;
+  o.chaosSeed = static_cast<uint64_t>(env.rdmaEmulateChaos);
+  o.traceEntries = static_cast<size_t>(env.rdmaEmulateTrace);
+  return o;
+}
+
 size_t RoundUp(size_t v, size_t to) { return (v + to - 1) / to * to; }
 
 // Mapped pinned host memory, freed on destruction.
@@ -157,7 +172,9 @@ class EmulatedRdmaTransport : public RdmaTransport {
                 config.sqBlocks);
     int device = 0;
     MORI_CHECK_GPU(gpuGetDevice(&device));
-    emulator = std::make_unique<QueueEmulator>(std::make_unique<GpuMemoryAccessor>(device));
+    const EmuOptions options = EmulatorOptionsFromEnv();
+    emulator =
+        std::make_unique<QueueEmulator>(std::make_unique<GpuMemoryAccessor>(device), options);
 
     // Keys: our own heap, then everyone's {base, key}.
     const EmuMemoryRegion mine = emulator->RegisterMemory(rank, heap.Base(), heap.Size(), kEmuAllAccess);
@@ -217,8 +234,11 @@ class EmulatedRdmaTransport : public RdmaTransport {
         emulator->AddQp(EmuQpFromEndpoint(hostEp, rank, pe));
       }
     }
-    describe = "emulated (QueueEmulator thread, " + std::to_string(config.numQpPerPe) +
-               " QP per peer, SQ " + std::to_string(config.sqBlocks) + " blocks)";
+    describe =
+        "emulated (QueueEmulator thread, " + std::to_string(config.numQpPerPe) +
+        " QP per peer, SQ " + std::to_string(config.sqBlocks) + " blocks" +
+        (options.chaosSeed != 0 ? ", chaos seed " + std::to_string(options.chaosSeed) : "") +
+        (options.traceEntries != 0 ? ", trace " + std::to_string(options.traceEntries) : "") + ")";
     if (rdmaPeers > 0) emulator->Start();
     MORI_INFO(kLogRdma, "rank %d: RDMA transport %s to %d peers", rank, describe.c_str(), rdmaPeers);
   }
@@ -239,6 +259,7 @@ class EmulatedRdmaTransport : public RdmaTransport {
     if (emulator && emulator->Running()) emulator->Stop(static_cast<int>(core::Env().hostTimeoutMs));
   }
   std::string FatalError() const override { return emulator ? emulator->FatalError() : ""; }
+  RdmaWireStats WireStats(bool reset) override { return emulator->WireStats(reset); }
   uint32_t RegisterLocal(void* ptr, size_t bytes) override {
     MORI_ENSURE(ptr != nullptr && bytes > 0, InvalidUsageError,
                 "RDMA buffer registration: empty range (%p, %zu bytes)", ptr, bytes);

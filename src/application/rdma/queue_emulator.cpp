@@ -1,8 +1,11 @@
 // Software mlx5 queue emulator (see include/mori/application/rdma/queue_emulator.hpp).
 #include "mori/application/rdma/queue_emulator.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <numeric>
+#include <thread>
 
 #include "mori/core/errors.hpp"
 #include "mori/core/logging.hpp"
@@ -53,6 +56,30 @@ struct WqeFailure {
   const char* why;
 };
 
+uint64_t NowNs() {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                   std::chrono::steady_clock::now().time_since_epoch())
+                                   .count());
+}
+
+RdmaOpcode CountedOpcode(uint8_t opcode, bool isInline) {
+  switch (opcode) {
+    case mlx5::kOpNop:
+      return RdmaOpcode::kNop;
+    case mlx5::kOpRdmaWrite:
+      return isInline ? RdmaOpcode::kWriteInline : RdmaOpcode::kWrite;
+    case mlx5::kOpRdmaWriteImm:
+      return RdmaOpcode::kWriteImm;
+    case mlx5::kOpRdmaRead:
+      return RdmaOpcode::kRead;
+    case mlx5::kOpAtomicFa:
+      return RdmaOpcode::kFetchAdd;
+    case mlx5::kOpAtomicCs:
+      return RdmaOpcode::kCompareSwap;
+  }
+  return RdmaOpcode::kOther;
+}
+
 }  // namespace
 
 std::unique_ptr<EmuMemoryAccessor> MakeHostMemoryAccessor() {
@@ -81,8 +108,15 @@ void EmuInitCqRing(void* cqRing, uint32_t numCqes) {
   }
 }
 
-QueueEmulator::QueueEmulator(std::unique_ptr<EmuMemoryAccessor> accessor)
-    : mem(accessor ? std::move(accessor) : MakeHostMemoryAccessor()) {}
+QueueEmulator::QueueEmulator(std::unique_ptr<EmuMemoryAccessor> accessor, const EmuOptions& opts)
+    : options(opts),
+      mem(accessor ? std::move(accessor) : MakeHostMemoryAccessor()),
+      rng(opts.chaosSeed) {
+  MORI_ENSURE(options.traceEntries <= kEmuMaxTraceEntries, InvalidUsageError,
+              "queue emulator: a trace ring of %zu entries is above the limit of %zu",
+              options.traceEntries, kEmuMaxTraceEntries);
+  trace.resize(options.traceEntries);
+}
 
 QueueEmulator::~QueueEmulator() {
   try {
@@ -136,6 +170,28 @@ size_t QueueEmulator::AddQp(const EmuQpConfig& cfg) {
   std::lock_guard<std::mutex> lock(mu);
   auto qp = std::make_unique<Qp>();
   qp->cfg = cfg;
+  qp->index = static_cast<uint32_t>(qps.size());
+  {
+    // Counter rows are shared by every QP of one (pe, remotePe) pair.
+    std::lock_guard<std::mutex> statsLock(statsMu);
+    size_t base = statRows.size();
+    for (size_t i = 0; i < statRows.size(); i += kRdmaNumOpcodes) {
+      if (statRows[i].srcPe == cfg.pe && statRows[i].dstPe == cfg.remotePe) {
+        base = i;
+        break;
+      }
+    }
+    if (base == statRows.size()) {
+      for (int op = 0; op < kRdmaNumOpcodes; op++) {
+        RdmaOpStats row;
+        row.srcPe = cfg.pe;
+        row.dstPe = cfg.remotePe;
+        row.opcode = static_cast<RdmaOpcode>(op);
+        statRows.push_back(row);
+      }
+    }
+    qp->statBase = base;
+  }
   qps.push_back(std::move(qp));
   return qps.size() - 1;
 }
@@ -161,7 +217,66 @@ void QueueEmulator::SetFatal(const std::string& what) {
   }
 }
 
-void QueueEmulator::WriteCqe(Qp& qp, const mlx5::Mlx5CqeFields& fields) {
+void QueueEmulator::CompleteWqe(Qp& qp, const mlx5::Mlx5CqeFields& fields) {
+  if (options.chaosSeed == 0) {
+    PublishCqe(qp, fields);
+    return;
+  }
+  // Late, but never ahead of an earlier CQE of this QP.
+  uint64_t due = NowNs() + rng() % (uint64_t{kEmuChaosMaxCqeLateUs} * 1000 + 1);
+  if (!qp.late.empty() && qp.late.back().dueNs > due) due = qp.late.back().dueNs;
+  qp.late.push_back(PendingCqe{fields, due});
+  nLate.fetch_add(1, std::memory_order_relaxed);
+}
+
+size_t QueueEmulator::ReleaseLateCqes(Qp& qp, bool all) {
+  if (qp.late.empty()) return 0;
+  const uint64_t now = NowNs();
+  size_t n = 0;
+  while (!qp.late.empty() && (all || qp.late.front().dueNs <= now)) {
+    PublishCqe(qp, qp.late.front().fields);
+    qp.late.pop_front();
+    n++;
+  }
+  nLate.fetch_sub(n, std::memory_order_relaxed);
+  return n;
+}
+
+void QueueEmulator::Record(const Qp& qp, RdmaOpcode op, RdmaWqeOutcome outcome, uint32_t bytes,
+                           bool isInline, uint16_t wqeIndex) {
+  const uint64_t now = options.traceEntries > 0 ? NowNs() : 0;
+  std::lock_guard<std::mutex> lock(statsMu);
+  RdmaOpStats& row = statRows[qp.statBase + static_cast<size_t>(op)];
+  switch (outcome) {
+    case RdmaWqeOutcome::kOk:
+      row.wqes++;
+      row.bytes += bytes;
+      row.inlineWqes += isInline ? 1 : 0;
+      row.atomics += (op == RdmaOpcode::kFetchAdd || op == RdmaOpcode::kCompareSwap) ? 1 : 0;
+      row.sizeHist[RdmaSizeBucket(bytes)]++;
+      break;
+    case RdmaWqeOutcome::kError:
+      row.errors++;
+      break;
+    case RdmaWqeOutcome::kFlushed:
+      row.flushed++;
+      break;
+  }
+  if (trace.empty()) return;
+  RdmaTraceEntry& e = trace[traceTotal % trace.size()];
+  e.timeNs = now;
+  e.qpn = qp.cfg.qpn & mlx5::kQpnMask;
+  e.qp = qp.index;
+  e.srcPe = qp.cfg.pe;
+  e.dstPe = qp.cfg.remotePe;
+  e.opcode = op;
+  e.outcome = outcome;
+  e.wqeIndex = wqeIndex;
+  e.bytes = outcome == RdmaWqeOutcome::kOk ? bytes : 0;
+  traceTotal++;
+}
+
+void QueueEmulator::PublishCqe(Qp& qp, const mlx5::Mlx5CqeFields& fields) {
   const EmuQpConfig& c = qp.cfg;
   if (c.cqDbrec != nullptr) {
     const uint32_t ci = mlx5::BeToHost32(__atomic_load_n(c.cqDbrec, __ATOMIC_ACQUIRE)) & 0xffffffu;
@@ -239,17 +354,24 @@ uint32_t QueueEmulator::ExecuteWqe(Qp& qp, uint64_t blk) {
   cqe.wqeCounter = wqeIndex;
   cqe.sendOpcode = opcode;
 
+  // For counting WQEs that do not execute: a WRITE whose first segment is inline.
+  const bool firstSegInline =
+      dsOk && bytes > 32 && (mlx5::BeToHost32(mlx5::detail::Load32(w, 32)) & mlx5::kInlineSegFlag);
+  const uint16_t slot = static_cast<uint16_t>(blk);
+
   if (qp.state.load(std::memory_order_relaxed) != 0) {
     cqe.opcode = mlx5::kCqeReqErr;
     cqe.syndrome = mlx5::kSyndromeWrFlushErr;
-    cqe.wqeCounter = static_cast<uint16_t>(blk);
-    WriteCqe(qp, cqe);
+    cqe.wqeCounter = slot;
+    CompleteWqe(qp, cqe);
     nFlushed.fetch_add(1, std::memory_order_relaxed);
+    Record(qp, CountedOpcode(opcode, firstSegInline), RdmaWqeOutcome::kFlushed, 0, false, slot);
     return blocks;
   }
 
   WqeFailure fail{0, nullptr};
   uint32_t byteCount = 0;
+  bool sawInline = false;
   auto failWith = [&](uint8_t syn, const char* why) {
     if (fail.why == nullptr) fail = WqeFailure{syn, why};
   };
@@ -291,6 +413,7 @@ uint32_t QueueEmulator::ExecuteWqe(Qp& qp, uint64_t blk) {
               break;
             }
             pieces[numPieces++] = Piece{nullptr, w + off + 4, len};
+            sawInline = true;
             total += len;
             off += mlx5::InlineSegBytes(len);
           } else {
@@ -379,46 +502,78 @@ uint32_t QueueEmulator::ExecuteWqe(Qp& qp, uint64_t blk) {
     mem->Flush();
     cqe.opcode = mlx5::kCqeReqErr;
     cqe.syndrome = fail.syndrome;
-    WriteCqe(qp, cqe);
+    CompleteWqe(qp, cqe);  // error completions are written whether or not the WQE was signalled
+    Record(qp, CountedOpcode(opcode, firstSegInline), RdmaWqeOutcome::kError, 0, false, slot);
     return blocks;
   }
   nExecuted.fetch_add(1, std::memory_order_relaxed);
+  Record(qp, CountedOpcode(opcode, sawInline), RdmaWqeOutcome::kOk, byteCount, sawInline, slot);
   // Execution is synchronous and in order, so every fence mode is honoured trivially.
-  if (fm & 0x0c) {  // any CE bits: signalled
+  // Completion request (fm_ce_se bits 3-2) 2 or 3 asks for a CQE; 0 and 1 complete silently: the
+  // next CQE of this QP covers the WQE (the poller advances past every WQE up to the one named).
+  if (fm & mlx5::kCtrlCqUpdate) {
     mem->Flush();
     cqe.opcode = mlx5::kCqeReq;
     cqe.byteCount = byteCount;
-    WriteCqe(qp, cqe);
+    CompleteWqe(qp, cqe);
   }
   return blocks;
 }
 
-size_t QueueEmulator::ProcessQp(Qp& qp) {
+size_t QueueEmulator::ProcessQp(Qp& qp, uint64_t limit, bool* more) {
   const uint32_t dbr = mlx5::BeToHost32(__atomic_load_n(qp.cfg.sqDbrec, __ATOMIC_ACQUIRE));
   const uint16_t pi = static_cast<uint16_t>(dbr & 0xffff);
   const uint64_t end = qp.consumed + static_cast<uint16_t>(pi - static_cast<uint16_t>(qp.consumed));
   size_t n = 0;
-  while (qp.consumed < end) {
+  while (qp.consumed < end && n < limit) {
+    if (options.chaosSeed != 0) {
+      const uint64_t r = rng();
+      if (r % kEmuChaosDelayOneIn == 0) {
+        std::this_thread::sleep_for(
+            std::chrono::microseconds(1 + (r / kEmuChaosDelayOneIn) % kEmuChaosMaxDelayUs));
+      }
+    }
     const uint32_t blocks = ExecuteWqe(qp, qp.consumed);
     qp.consumed += blocks;
     n++;
   }
+  *more = qp.consumed < end;
   return n;
+}
+
+QueueEmulator::Round QueueEmulator::ProcessRound() {
+  Round round;
+  const bool chaos = options.chaosSeed != 0;
+  order.resize(qps.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  if (chaos) std::shuffle(order.begin(), order.end(), rng);
+  for (size_t i : order) {
+    Qp& qp = *qps[i];
+    const uint64_t limit = chaos ? rng() % (kEmuChaosMaxBurst + 1) : UINT64_MAX;
+    bool more = false;
+    round.wqes += ProcessQp(qp, limit, &more);
+    round.cqes += ReleaseLateCqes(qp, false);
+    round.pending = round.pending || more || !qp.late.empty();
+  }
+  return round;
 }
 
 size_t QueueEmulator::ProcessOnce() {
   std::lock_guard<std::mutex> lock(mu);
-  size_t n = 0;
-  for (auto& qp : qps) n += ProcessQp(*qp);
-  return n;
+  return ProcessRound().wqes;
+}
+
+size_t QueueEmulator::PendingCqes() const {
+  return nLate.load(std::memory_order_relaxed);
 }
 
 void QueueEmulator::Loop(const std::atomic<bool>& stop) {
   uint32_t idle = 0;
   while (!stop.load(std::memory_order_acquire)) {
-    size_t done = 0;
+    Round round;
     try {
-      done = ProcessOnce();
+      std::lock_guard<std::mutex> lock(mu);
+      round = ProcessRound();
     } catch (const std::exception& e) {
       // A memory accessor failure (e.g. a GPU copy that did not finish in time): the emulator can
       // no longer make progress. Posters time out on their completions; FatalError() says why.
@@ -426,8 +581,12 @@ void QueueEmulator::Loop(const std::atomic<bool>& stop) {
       SetFatal(std::string("worker stopped: ") + e.what());
       break;
     }
-    if (done > 0) {
+    if (round.wqes > 0 || round.cqes > 0) {
       idle = 0;
+      continue;
+    }
+    if (round.pending) {  // chaos mode holds work back: come back soon
+      std::this_thread::yield();
       continue;
     }
     // Back-off: yield first, then short sleeps (a GPU poster writes the records later).
@@ -437,6 +596,10 @@ void QueueEmulator::Loop(const std::atomic<bool>& stop) {
       std::this_thread::sleep_for(std::chrono::microseconds(idle < 4096 ? 10 : 200));
     }
   }
+  // The WQEs behind late CQEs have executed: their completions are published before the worker
+  // goes, so a later Quiet (or ProcessOnce caller) does not wait for them.
+  std::lock_guard<std::mutex> lock(mu);
+  for (auto& qp : qps) ReleaseLateCqes(*qp, true);
 }
 
 void QueueEmulator::Start() {
@@ -453,6 +616,41 @@ EmuQpState QueueEmulator::QpState(size_t qp) const {
 
 EmuStats QueueEmulator::Stats() const {
   return EmuStats{nExecuted.load(), nFlushed.load(), nCqes.load(), nErrors.load()};
+}
+
+RdmaWireStats QueueEmulator::WireStats(bool reset) {
+  RdmaWireStats out;
+  out.available = true;
+  out.source = options.chaosSeed != 0
+                   ? core::StrFormat("software queue emulator (chaos seed %llu)",
+                                     static_cast<unsigned long long>(options.chaosSeed))
+                   : std::string("software queue emulator");
+  std::lock_guard<std::mutex> lock(statsMu);
+  for (RdmaOpStats& row : statRows) {
+    if (row.wqes != 0 || row.errors != 0 || row.flushed != 0) out.perPeer.push_back(row);
+    if (reset) {
+      RdmaOpStats zero;
+      zero.srcPe = row.srcPe;
+      zero.dstPe = row.dstPe;
+      zero.opcode = row.opcode;
+      row = zero;
+    }
+  }
+  std::sort(out.perPeer.begin(), out.perPeer.end(), [](const RdmaOpStats& a, const RdmaOpStats& b) {
+    if (a.srcPe != b.srcPe) return a.srcPe < b.srcPe;
+    if (a.dstPe != b.dstPe) return a.dstPe < b.dstPe;
+    return a.opcode < b.opcode;
+  });
+  out.traceCapacity = trace.size();
+  if (!trace.empty()) {
+    const uint64_t kept = std::min<uint64_t>(traceTotal, trace.size());
+    out.traceDropped = traceTotal - kept;
+    out.trace.reserve(kept);
+    for (uint64_t i = traceTotal - kept; i < traceTotal; i++)
+      out.trace.push_back(trace[i % trace.size()]);
+  }
+  if (reset) traceTotal = 0;
+  return out;
 }
 
 std::string QueueEmulator::FatalError() const {

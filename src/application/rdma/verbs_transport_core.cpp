@@ -96,6 +96,13 @@ class VerbsRdmaTransport final : public RdmaTransport {
     if (proxy) proxy->Stop(setup.stopTimeoutMs);
   }
   std::string FatalError() const override { return proxy ? proxy->FatalError() : std::string(); }
+  RdmaWireStats WireStats(bool) override {
+    RdmaWireStats s;
+    s.available = false;
+    s.source = "not available: the verbs transport does not count work requests (the software "
+               "queue emulator does, MORI_RDMA_EMULATE=1)";
+    return s;
+  }
   uint32_t RegisterLocal(void* ptr, size_t bytes) override;
   void DeregisterLocal(void* ptr) override;
 

@@ -7,18 +7,25 @@
 // (keys, bounds and access flags checked), in order per QP, and writes real 64-byte CQEs (owner bit
 // per lap, wqe_counter, byte count, QPN, opcode). An error (bad lkey/rkey, out of range, bad
 // opcode or index) yields an error CQE with the mlx5 syndrome and moves the QP to the error state:
-// every later WQE completes as flushed (syndrome WR_FLUSH_ERR). See docs/rdma.md for what it does
-// not model. Test and bring-up mode (MORI_RDMA_EMULATE).
+// every later WQE completes as flushed (syndrome WR_FLUSH_ERR). A WQE without kCtrlCqUpdate in
+// its ctrl segment completes without a CQE (the next signalled CQE covers it); error and flush
+// completions are always written. It counts what it executes per (PE, peer, opcode) and can keep
+// a trace ring (WireStats). Chaos mode (EmuOptions::chaosSeed) perturbs the schedule the way a
+// real NIC may: delays, late CQEs, QPs served out of order with each other, RC order per QP kept.
+// See docs/rdma.md for what it does not model. Test and bring-up mode (MORI_RDMA_EMULATE).
 #pragma once
 
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <mutex>
+#include <random>
 #include <string>
 #include <vector>
 
+#include "mori/application/rdma/rdma_stats.hpp"
 #include "mori/core/bounded_worker.hpp"
 #include "mori/core/transport/rdma_queue.hpp"
 
@@ -76,6 +83,20 @@ void EmuInitCqRing(void* cqRing, uint32_t numCqes);
 
 enum class EmuQpState { kRts, kError };
 
+// Chaos mode bounds (docs/rdma.md): a WQE is delayed with probability 1/kEmuChaosDelayOneIn by
+// 1..kEmuChaosMaxDelayUs; a CQE is published up to kEmuChaosMaxCqeLateUs after its WQE executed
+// (never before an earlier CQE of its QP); each visit of a QP takes 0..kEmuChaosMaxBurst WQEs.
+constexpr uint32_t kEmuChaosDelayOneIn = 8;
+constexpr uint32_t kEmuChaosMaxDelayUs = 100;
+constexpr uint32_t kEmuChaosMaxCqeLateUs = 200;
+constexpr uint32_t kEmuChaosMaxBurst = 4;
+constexpr size_t kEmuMaxTraceEntries = size_t{1} << 24;
+
+struct EmuOptions {
+  uint64_t chaosSeed = 0;   // 0: plain mode (QPs in order, each drained, CQEs at once)
+  size_t traceEntries = 0;  // trace ring size, 0 = no trace; at most kEmuMaxTraceEntries
+};
+
 struct EmuStats {
   uint64_t wqesExecuted;
   uint64_t wqesFlushed;
@@ -85,7 +106,8 @@ struct EmuStats {
 
 class QueueEmulator {
  public:
-  explicit QueueEmulator(std::unique_ptr<EmuMemoryAccessor> accessor = nullptr);
+  explicit QueueEmulator(std::unique_ptr<EmuMemoryAccessor> accessor = nullptr,
+                         const EmuOptions& options = EmuOptions{});
   ~QueueEmulator();  // stops the worker
   QueueEmulator(const QueueEmulator&) = delete;
   QueueEmulator& operator=(const QueueEmulator&) = delete;
@@ -111,11 +133,19 @@ class QueueEmulator {
   bool Running() const { return worker.Running(); }
 
   // Processes whatever is published right now on every QP in the calling thread (tests, or a
-  // caller that drives the emulator itself instead of Start()). Returns WQEs handled.
+  // caller that drives the emulator itself instead of Start()). Returns WQEs handled. In chaos
+  // mode one call serves the QPs in a random order and takes 0..kEmuChaosMaxBurst WQEs from
+  // each, and publishes only the CQEs that are due: call it until the expected work is done.
   size_t ProcessOnce();
+  // CQEs executed but not yet published (chaos mode); 0 in plain mode.
+  size_t PendingCqes() const;
 
   EmuQpState QpState(size_t qp) const;
   EmuStats Stats() const;
+  // What this emulator executed, per (PE, peer, opcode), and the trace ring; `reset` zeroes both
+  // after reading (nothing counted in between is lost). Thread-safe while the worker runs.
+  RdmaWireStats WireStats(bool reset = false);
+  const EmuOptions& Options() const { return options; }
   // The first worker-side failure that is not an error CQE (e.g. CQ overrun), empty if none.
   std::string FatalError() const;
 
@@ -129,31 +159,60 @@ class QueueEmulator {
     uint32_t key;
     bool live;
   };
+  struct PendingCqe {
+    core::mlx5::Mlx5CqeFields fields;
+    uint64_t dueNs;  // steady-clock time from which it may be published
+  };
   struct Qp {
     EmuQpConfig cfg;
     uint64_t consumed = 0;  // SQ blocks consumed (free-running)
     uint64_t cqProduced = 0;
     uint64_t recvCqProduced = 0;
     std::atomic<int> state{0};
+    uint32_t index = 0;           // AddQp order
+    size_t statBase = 0;          // first of its kRdmaNumOpcodes rows in statRows
+    std::deque<PendingCqe> late;  // chaos mode: executed, CQE not yet published (in order)
   };
-  size_t ProcessQp(Qp& qp);
+  // One pass over the QPs (mu held). `pending`: WQEs or CQEs left waiting by chaos mode.
+  struct Round {
+    size_t wqes = 0;
+    size_t cqes = 0;
+    bool pending = false;
+  };
+  Round ProcessRound();
+  // Executes at most `limit` published WQEs of `qp`; `more` tells whether published ones remain.
+  size_t ProcessQp(Qp& qp, uint64_t limit, bool* more);
   // Executes one WQE at block `blk`; returns its size in blocks (>= 1).
   uint32_t ExecuteWqe(Qp& qp, uint64_t blk);
   const Region* FindRegion(int pe, uint32_t key, uint64_t addr, uint64_t len, uint32_t access,
                            bool remote) const;
   static uint8_t* Translate(const Region* r, uint64_t addr) { return r->base + (addr - r->iova); }
-  void WriteCqe(Qp& qp, const core::mlx5::Mlx5CqeFields& f);
+  // Completes a WQE: publishes its CQE now, or (chaos mode) queues it behind the QP's late ones.
+  void CompleteWqe(Qp& qp, const core::mlx5::Mlx5CqeFields& f);
+  void PublishCqe(Qp& qp, const core::mlx5::Mlx5CqeFields& f);
+  // Publishes the QP's late CQEs that are due (all of them with `all`); returns how many.
+  size_t ReleaseLateCqes(Qp& qp, bool all);
   void WriteRecvCqe(Qp& qp, uint32_t imm, uint32_t byteCount);
+  void Record(const Qp& qp, RdmaOpcode op, RdmaWqeOutcome outcome, uint32_t bytes, bool isInline,
+              uint16_t wqeIndex);
   void Loop(const std::atomic<bool>& stop);
   void SetFatal(const std::string& what);
 
+  const EmuOptions options;
   std::unique_ptr<EmuMemoryAccessor> mem;
-  mutable std::mutex mu;  // regions, qps, fatal
+  mutable std::mutex mu;  // regions, qps, fatal, rng; held by the processor for a whole pass
   std::vector<Region> regions;
   std::vector<std::unique_ptr<Qp>> qps;
-  std::mutex processMu;  // one processor at a time (worker or ProcessOnce)
+  std::mt19937_64 rng;        // chaos schedule
+  std::vector<size_t> order;  // chaos: QP visiting order of the current pass
   std::atomic<uint64_t> nExecuted{0}, nFlushed{0}, nCqes{0}, nErrors{0};
+  std::atomic<size_t> nLate{0};
   std::string fatal;
+  // Wire statistics and trace ring (statsMu only: readers never wait for a processing pass).
+  mutable std::mutex statsMu;
+  std::vector<RdmaOpStats> statRows;             // kRdmaNumOpcodes rows per (pe, remotePe) pair
+  std::vector<RdmaTraceEntry> trace;             // ring of options.traceEntries
+  uint64_t traceTotal = 0;                       // entries recorded since the last reset
   core::BoundedWorker worker{"queue emulator"};  // last: joined before the rest goes
 };
 

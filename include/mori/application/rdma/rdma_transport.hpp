@@ -23,6 +23,7 @@
 #include "mori/application/bootstrap/bootstrap.hpp"
 #include "mori/application/context/context.hpp"
 #include "mori/application/memory/symmetric_heap.hpp"
+#include "mori/application/rdma/rdma_stats.hpp"
 #include "mori/core/transport/rdma_queue.hpp"
 
 namespace mori::application {
@@ -60,6 +61,9 @@ class RdmaTransport {
   virtual void Stop() = 0;
   // First host-side failure of a helper thread (not an error CQE), empty if none.
   virtual std::string FatalError() const = 0;
+  // The work requests this PE put on the wire (rdma_stats.hpp), zeroed after reading when `reset`.
+  // Only the emulator counts them; a back-end that cannot returns `available == false`.
+  virtual RdmaWireStats WireStats(bool reset) = 0;
 };
 
 // Collective. Builds the emulated transport for every PE whose transport is kRdma in `context`.
