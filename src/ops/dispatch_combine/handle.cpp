@@ -104,6 +104,10 @@ EpDispatchCombineHandle::EpDispatchCombineHandle(const EpDispatchCombineConfig& 
                     "of %d",
                     config.rank, config.worldSize, pe, npes);
         CheckEpTopology(config);
+        // The emulated NIC (MORI_RDMA_EMULATE) moves data with this GPU: launches leave it SMs.
+        for (int p = 0; p < npes; p++)
+          emulatedRdma = emulatedRdma || (shmem::ShmemTransportType(p) == shmem::TransportType::kRdma &&
+                                          core::Env().rdmaEmulate);
         MORI_CHECK_GPU(gpuGetDevice(&device));
         MORI_CHECK_GPU(gpuDeviceGetAttribute(&numSms, gpuDevAttrMultiProcessorCount, device));
         {
@@ -117,8 +121,10 @@ EpDispatchCombineHandle::EpDispatchCombineHandle(const EpDispatchCombineConfig& 
               EpCombineStagedSmemBytes(kEpMaxThreadsPerBlock / core::kWarpSize) + (16u << 10) <=
                   smemOptin;
           if (stagedCombine) PrepareEpCombineStaged();
+          // Not with the emulated NIC: a kernel launched early holds SMs with waiting blocks while
+          // the one ahead of it may wait for the emulator's copies, which need SMs.
           programmatic = core::Env().epPdl && core::GpuHasProgrammaticLaunch(prop) &&
-                         EpKernelsHaveGridDependency();
+                         EpKernelsHaveGridDependency() && !emulatedRdma;
         }
         pushCombine = EpPushCombineFits(config) && core::Env().epCombinePush;
         symmLayout = MakeEpSymmetricLayout(config);
@@ -322,6 +328,11 @@ void EpDispatchCombineHandle::ResolveLaunch(int numTokens, int blockNum, int war
               forDispatch ? "dispatch" : "combine", warps, maxWarps, kEpMaxThreadsPerBlock,
               core::kWarpSize);
   blocks = std::min(blocks, numSms);  // every block must be resident (they wait on each other)
+  if (emulatedRdma) {
+    // The emulated NIC copies with this GPU (memcpy on a stream of this process, possibly a copy
+    // kernel) while our blocks spin on its results: leave it half the SMs.
+    blocks = std::min(blocks, std::max(config.worldSize, numSms / 2));
+  }
   if (forDispatch) {
     MORI_ENSURE(config.worldSize <= numSms, InvalidUsageError,
                 "EP dispatch: needs at least world_size = %d blocks but the GPU has %d SMs",

@@ -148,6 +148,7 @@ class EpDispatchCombineHandle {
   bool stagedCombine = false;  // large-batch combine may use the staged (bulk-copy) kernel
   bool pushCombine = false;    // small-batch config: combine pushes rows (EpPushCombineFits)
   bool programmatic = false;   // programmatic dependent launches (MORI_EP_PDL, where supported)
+  bool emulatedRdma = false;   // some PE is reached through the RDMA emulator (MORI_RDMA_EMULATE)
   uint8_t* symmBase = nullptr;   // local address of the symmetric block
   uint64_t symmHeapOffset = 0;   // its offset in every PE's heap
   uint8_t* localBase = nullptr;
