@@ -317,6 +317,12 @@ void RegisterShmem(py::module_& m) {
             shmem::TransportTypeName(CallLibrary([&] { return shmem::ShmemTransportType(pe); })));
       },
       py::arg("pe"), "How this PE reaches `pe`: 'self', 'p2p', 'rdma' or 'none'.");
+  m.def(
+      "shmem_node_of", [](int pe) { return CallLibrary([&] { return shmem::ShmemNodeOf(pe); }); },
+      py::arg("pe"), "Node of PE `pe` (nodes numbered 0.. in the order of their lowest PE).");
+  m.def("shmem_num_nodes", [] { return CallLibrary([] { return shmem::ShmemNumNodes(); }); });
+  m.def("shmem_local_rank", [] { return CallLibrary([] { return shmem::ShmemLocalRank(); }); });
+  m.def("shmem_local_size", [] { return CallLibrary([] { return shmem::ShmemLocalSize(); }); });
 
   m.def(
       "shmem_malloc",
@@ -370,12 +376,6 @@ void RegisterShmem(py::module_& m) {
       "shmem_barrier_on_stream",
       [](uintptr_t stream) { CallLibrary([&] { shmem::ShmemBarrierOnStream(ToStream(stream)); }); },
       py::arg("stream"));
-  m.def(
-      "shmem_node_of", [](int pe) { return CallLibrary([&] { return shmem::ShmemNodeOf(pe); }); },
-      py::arg("pe"), "Node of PE `pe` (nodes numbered 0.. in the order of their lowest PE).");
-  m.def("shmem_num_nodes", [] { return CallLibrary([] { return shmem::ShmemNumNodes(); }); });
-  m.def("shmem_local_rank", [] { return CallLibrary([] { return shmem::ShmemLocalRank(); }); });
-  m.def("shmem_local_size", [] { return CallLibrary([] { return shmem::ShmemLocalSize(); }); });
   m.def(
       "shmem_stream_synchronize",
       [](uintptr_t stream) {

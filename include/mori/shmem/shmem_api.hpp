@@ -39,7 +39,6 @@ bool ShmemIsInitialized();
 int ShmemMyPe();
 int ShmemNPes();
 TransportType ShmemTransportType(int pe);
-// The struct kernels take by value to use the device API.
 // Topology. A node is the set of PEs with the same host (boot id, or MORI_NODE_ID) and the same
 // MORI_GPU_PER_NODE group (rank / MORI_GPU_PER_NODE when set); its PEs are reached by P2P where
 // the GPUs allow it, PEs of other nodes by RDMA. Nodes are numbered 0.. in the order of their
@@ -48,6 +47,7 @@ int ShmemNodeOf(int pe);  // node of PE `pe` (InvalidUsageError if out of range)
 int ShmemNumNodes();
 int ShmemLocalRank();  // this PE's index on its node
 int ShmemLocalSize();  // number of PEs on this PE's node
+// The struct kernels take by value to use the device API.
 ShmemDeviceContext ShmemGetDeviceContext();
 
 // --- symmetric memory ------------------------------------------------------------------------
