@@ -35,7 +35,14 @@ runLog=$out/gpu-tests.log
 tmp=$(mktemp -d "${TMPDIR:-/tmp}/mori-gpu-tests.XXXXXX")
 # shellcheck source=tools/with_mps.sh
 source tools/with_mps.sh
-trap 'mps_stop; rm -rf "$tmp"' EXIT
+cleanup() {  # on every exit; a second signal must not cut it short
+  trap '' INT TERM
+  mps_stop
+  rm -rf "$tmp"
+}
+trap cleanup EXIT
+trap 'exit 130' INT  # the EXIT trap then stops the MPS daemon
+trap 'exit 143' TERM
 py=${PYTHON:-python3}
 jobs=$(nproc 2>/dev/null || echo 4)
 tests=(shmem_put_get_test shmem_atomic_test shmem_barrier_test shmem_timeout_test shmem_init_finalize_test shmem_rdma_test)

@@ -88,7 +88,7 @@ if [[ ${BASH_SOURCE[0]} == "$0" ]]; then
   n=$1
   shift
   mps_start "$n" || exit 2
-  trap 'mps_stop' EXIT
+  trap 'trap "" INT TERM; mps_stop' EXIT  # a second signal must not cut the stop short
   # The command runs as a child waited for, so that a signal reaches the traps at once; they send
   # it SIGTERM (an asynchronous child ignores SIGINT) and stop the daemon once it has ended.
   "$@" &
