@@ -15,7 +15,8 @@ for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
 done
 if ((${#missing[@]})); then
-  apt-get update -qq
+  # Bounded network waits: without a package network this fails soon instead of retrying.
+  apt-get update -qq -o Acquire::Retries=1 -o Acquire::http::Timeout=30 -o Acquire::https::Timeout=30
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 echo "packages ok (${#missing[@]} installed now)"
