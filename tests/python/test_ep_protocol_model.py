@@ -11,7 +11,11 @@ and the model checks what the kernels rely on:
 Ops: "D" dispatch, "C" combine from the registered buffer (zero-copy), "X" combine from an
 external tensor (the pull combine first copies it into the registered buffer). Modes: "push" (the
 small-batch combine, intranode_combine_push.cpp) and "pull" (intranode_combine.cpp); dispatch as
-intranode_dispatch.cpp. A kernel is a set of blocks running in parallel plus the last block's
+intranode_dispatch.cpp. Mode "inter" is the InterNode family on nodes of G ranks: same-node peers
+as "pull"; a rank on another node gets its dispatch rows written (RDMA, from staging) followed by a
+tail word (one slot per source, not parity-buffered), and in combine returns our tokens' rows into
+our landing region followed by a landing word, after waiting until we finished reading that region
+in the last combine (our done signal). A kernel is a set of blocks running in parallel plus the last block's
 epilogue; a rank's next kernel starts after its last one ended (stream order). The steps are
 atomic: the model checks the order of the protocol's steps, not memory ordering (the fences).
 
@@ -37,12 +41,18 @@ class Rank:
         self.push_arrived = [[0] * W for _ in range(P)]
         self.push_slot = [[0] * W for _ in range(P)]  # epoch of the rows held per src
         self.readers = 0                              # combines reading our buffers now
+        self.tail = [0] * W                           # interTail [src]: dispatch epoch
+        self.tail_seen = [0] * W                      # last tail epoch this rank consumed
+        self.landed = [0] * W                         # landingReady [dst]: combine epoch
+        self.landing_readers = 0                      # our combine reading our landing region
         self.dispatch_epoch = 0
         self.combine_epoch = 0
 
 
-def run(W, ops, seed, mode="push", bugs=(), vecs=3):
+def run(W, ops, seed, mode="push", bugs=(), vecs=3, G=None):
     rnd = random.Random(seed)
+    G = G or W
+    remote = lambda a, b: mode == "inter" and a // G != b // G  # noqa: E731
     P = 1 if "one_parity" in bugs else 2
     ranks = [Rank(W, P) for _ in range(W)]
     sends = {}  # dispatch epoch -> rows[src][dst]
@@ -78,11 +88,22 @@ def run(W, ops, seed, mode="push", bugs=(), vecs=3):
                 for s in range(W):
                     if R.count[par][s] > k:
                         raise Violation(f"rank {me} dispatch {k}: count from {s} of call {R.count[par][s]}")
-                    if R.count[par][s] < k or R.arrived[s] < cnt[s][me]:
+                    if R.count[par][s] < k:
+                        return False
+                    if remote(s, me):
+                        if cnt[s][me] > 0 and R.tail[s] != k:
+                            if R.tail[s] > k:
+                                raise Violation(f"rank {me} dispatch {k}: tail from {s} of call {R.tail[s]}")
+                            return False
+                    elif R.arrived[s] < cnt[s][me]:
                         return False
                 return True
             yield arrived_all
             for s in range(W):
+                if remote(s, me):
+                    if cnt[s][me] > 0:
+                        R.tail_seen[s] = k
+                    continue
                 if R.arrived[s] != cnt[s][me]:
                     raise Violation(f"rank {me} dispatch {k}: {R.arrived[s]} rows from {s}, expected {cnt[s][me]}")
                 R.arrived[s] = 0
@@ -91,6 +112,13 @@ def run(W, ops, seed, mode="push", bugs=(), vecs=3):
             # counts of lower ranks (our rows' offset on d) and d's own count (d's buffers free)
             yield lambda: all(R.count[par][s] >= k for s in range(me)) and R.count[par][d] >= k
             write_buffers(d, me, f"dispatch {k} rows")
+            if remote(me, d):
+                D = ranks[d]
+                last = max((j for j in sends if j < k and sends[j][me][d] > 0), default=0)
+                if D.tail_seen[me] != last:
+                    raise Violation(f"rank {me} dispatch {k}: tail on {d} rewritten before it read call {last}'s")
+                D.tail[me] = k
+                return
             if ranks[d].arrived[me] != 0:
                 raise Violation(f"rank {me} dispatch {k}: arrival counter on {d} not reset")
             ranks[d].arrived[me] += cnt[me][d]
@@ -157,22 +185,45 @@ def run(W, ops, seed, mode="push", bugs=(), vecs=3):
             blocks = [block0()] + [push(s) for s in range(W) if s != me and cnt[s][me] > 0]
             return blocks, epilogue
 
-        # pull
+        # pull (and inter)
         def block0():
             if external:
                 if "no_copy_wait" not in bugs:  # nobody still reads our registered buffer
                     yield lambda: all(R.done[p] >= e - 1 for p in range(W))
                 write_buffers(me, me, f"combine {e} input copy")
                 yield None
-            signal(False)
+            for q in range(W):
+                if remote(me, q):
+                    continue
+                need_free(q, ranks[q].combine_epoch, e, "ready signal", me)
+                ranks[q].ready[par][me] = e
+            yield None
+            for s in range(W):  # return other nodes' rows into their landing regions
+                if not remote(me, s) or cnt[s][me] == 0:
+                    continue
+                if "no_landing_done_wait" not in bugs:
+                    yield lambda s=s: R.done[s] >= e - 1
+                S = ranks[s]
+                if S.landing_readers:
+                    raise Violation(f"rank {me} combine {e}: rows into {s}'s landing while it reads it")
+                if S.landed[me] > e - 1:
+                    raise Violation(f"rank {me} combine {e}: landing word on {s} of call {S.landed[me]}")
+                S.landed[me] = e
+            for p in range(W):
+                if remote(me, p):
+                    if cnt[me][p] > 0:
+                        yield lambda p=p: R.landed[p] == e
+                else:
+                    yield wait_ready(p)
+            for p in range(W):
+                if not remote(me, p):
+                    ranks[p].readers += 1
+            R.landing_readers += 1
             yield None
             for p in range(W):
-                yield wait_ready(p)
-            for p in range(W):
-                ranks[p].readers += 1
-            yield None
-            for p in range(W):
-                ranks[p].readers -= 1
+                if not remote(me, p):
+                    ranks[p].readers -= 1
+            R.landing_readers -= 1
 
         def epilogue():
             for q in range(W):
@@ -259,3 +310,20 @@ def test_model_finds_missing_ready_wait_for_ranks_that_pushed_nothing():
 def test_model_finds_missing_done_waits():
     assert caught("pull", "no_done_wait") > 0
     assert caught("pull", "no_copy_wait") > 0
+
+
+def test_internode_protocol_holds_in_random_interleavings():
+    for W, G in ((2, 1), (4, 2), (4, 1), (6, 3)):
+        for ops in SEQUENCES:
+            for seed in range(40):
+                run(W, ops * 2, seed=seed * 37 + W, mode="inter", G=G)
+
+
+def test_model_finds_missing_landing_done_wait():
+    n = 0
+    for seed in range(300):
+        try:
+            run(2, "DCCCDCC", seed=seed, mode="inter", G=1, bugs=("no_landing_done_wait",))
+        except Violation:
+            n += 1
+    assert n > 0
