@@ -107,6 +107,17 @@ void RegisterOpsBindings(py::module_& m) {
       .value("InterNodeV1", EpDispatchCombineKernelType::kInterNodeV1)
       .value("InterNodeV1LL", EpDispatchCombineKernelType::kInterNodeV1LL);
 
+  // Element type codes by their torch names (EpDataTypeName / EpIndexTypeName): the Python op maps
+  // tensors' dtypes through these, so the codes have one source.
+  {
+    py::dict dtypes, indexTypes;
+    for (int32_t code = 0; ops::EpDataTypeIsValid(code); code++)
+      dtypes[ops::EpDataTypeName(static_cast<EpDataType>(code))] = code;
+    for (EpIndexType t : {EpIndexType::kInt32, EpIndexType::kInt64})
+      indexTypes[ops::EpIndexTypeName(t)] = static_cast<int32_t>(t);
+    o.attr("DTYPE_CODES") = dtypes;
+    o.attr("INDEX_TYPE_CODES") = indexTypes;
+  }
   o.attr("MAX_WORLD_SIZE") = ops::kEpMaxWorldSize;
   o.attr("MAX_TOPK") = ops::kEpMaxTopK;
   o.attr("MAX_EXPERTS_PER_RANK") = ops::kEpMaxExpertsPerRank;

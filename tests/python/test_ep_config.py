@@ -312,3 +312,11 @@ def test_agreement_release_needs_every_rank_drained():
 def test_agreement_unknown_stage():
     with pytest.raises(mori.InvalidUsageError, match="unknown agreement stage"):
         _C.ops._find_ep_disagreement("nope", [])
+
+
+def test_dtype_codes_come_from_the_binding():
+    # The Python op maps torch dtypes by name through these tables: one source of the codes.
+    codes = ops.DTYPE_CODES
+    assert set(codes) == {"bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e4m3fnuz"}
+    assert sorted(codes.values()) == list(range(len(codes)))
+    assert ops.INDEX_TYPE_CODES == {"int32": 0, "int64": 1}

@@ -143,15 +143,16 @@ _DTYPE_CODES = None
 
 
 def _dtype_codes(torch):
+    """torch dtype -> the native element-type code, from the binding's table (keyed by torch's
+    dtype names), so the codes have one source."""
     global _DTYPE_CODES
     if _DTYPE_CODES is None:
-        codes = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
-        if hasattr(torch, "float8_e4m3fn"):
-            codes[torch.float8_e4m3fn] = 3
-        if hasattr(torch, "float8_e4m3fnuz"):
-            codes[torch.float8_e4m3fnuz] = 4
-        _DTYPE_CODES = codes
+        _DTYPE_CODES = {getattr(torch, n): c for n, c in _native().DTYPE_CODES.items() if hasattr(torch, n)}
     return _DTYPE_CODES
+
+
+def _index_code(torch, dtype):
+    return _native().INDEX_TYPE_CODES[str(dtype).replace("torch.", "")]
 
 
 def _tensor_from_ptr(ptr, shape, dtype, device_index):
@@ -301,21 +302,9 @@ class EpDispatchCombineOp:
                 f"dispatch: input dtype {input.dtype} is not supported (bfloat16, float16, float32, "
                 "float8_e4m3fn, float8_e4m3fnuz)"
             )
+        # Sizes, counts and alignment are checked by the native handle (one place); here only what
+        # a tensor alone carries: device, layout, dtype and the shapes of the tensors together.
         num_tokens, hidden = int(input.shape[0]), int(input.shape[1])
-        if num_tokens > self._M:
-            raise _usage(f"dispatch: {num_tokens} tokens, but max_num_inp_token_per_rank is {self._M}")
-        if hidden > cfg.hidden_dim:
-            raise _usage(f"dispatch: hidden size {hidden} is larger than the config's hidden_dim {cfg.hidden_dim}")
-        esize = input.element_size()
-        if esize > cfg.max_token_type_size:
-            raise _usage(
-                f"dispatch: {input.dtype} has {esize}-byte elements but max_token_type_size is "
-                f"{cfg.max_token_type_size}"
-            )
-        if (hidden * esize) % 16 != 0:
-            raise _usage(f"dispatch: a token row is {hidden * esize} bytes; it must be a multiple of 16")
-        if num_tokens > 0 and input.data_ptr() % 16 != 0:
-            raise _usage("dispatch: input data must be 16-byte aligned")
         self._check_indices(indices, num_tokens, "dispatch")
         if weights is not None:
             self._check_tensor("dispatch: weights", weights, 2)
@@ -323,9 +312,7 @@ class EpDispatchCombineOp:
                 raise _usage(f"dispatch: weights must be float32, got {weights.dtype}")
             if tuple(weights.shape) != (num_tokens, self._K):
                 raise _usage(f"dispatch: weights must have shape [{num_tokens}, {self._K}], got {tuple(weights.shape)}")
-        if scales is not None:
-            if cfg.scale_dim == 0:
-                raise _usage("dispatch: scales were given but the config has scale_dim = 0")
+        if scales is not None and cfg.scale_dim > 0:  # scale_dim 0: the native handle refuses scales
             self._check_tensor("dispatch: scales", scales, 2)
             if tuple(scales.shape) != (num_tokens, cfg.scale_dim):
                 raise _usage(f"dispatch: scales must have shape [{num_tokens}, {cfg.scale_dim}], got {tuple(scales.shape)}")
@@ -341,7 +328,7 @@ class EpDispatchCombineOp:
                 raise _usage(
                     f"dispatch: expert ids must be in [-1, {self._num_experts}); got values in [{lo}, {hi}]"
                 )
-        index_code = 1 if indices.dtype == torch.int64 else 0
+        index_code = _index_code(torch, indices.dtype)
         launch = self._stream(stream)
         h.dispatch(
             input.data_ptr() if num_tokens > 0 else 0,
@@ -394,28 +381,17 @@ class EpDispatchCombineOp:
         Returns (out_tokens [num_tokens, hidden], out_weights [num_tokens, K] or None)."""
         torch = _torch()
         h = self._h()
-        cfg = self.config
         if self._last is None:
             raise _usage("combine: no dispatch yet (combine returns the tokens of the last dispatch)")
         num_tokens = self._last[0]
         self._check_tensor("combine: input", input, 2)
-        if input.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        # Which dtypes combine sums, sizes and alignment: checked by the native handle.
+        if input.dtype not in _dtype_codes(torch):
             raise _usage(
                 f"combine: input dtype {input.dtype} is not supported; combine sums bfloat16, float16 or "
-                "float32 rows (fp8 combine is not built)"
+                "float32 rows"
             )
         rows, hidden = int(input.shape[0]), int(input.shape[1])
-        if hidden > cfg.hidden_dim:
-            raise _usage(f"combine: hidden size {hidden} is larger than the config's hidden_dim {cfg.hidden_dim}")
-        esize = input.element_size()
-        if esize > cfg.max_token_type_size:
-            raise _usage(
-                f"combine: {input.dtype} has {esize}-byte elements but max_token_type_size is {cfg.max_token_type_size}"
-            )
-        if (hidden * esize) % 16 != 0:
-            raise _usage(f"combine: a token row is {hidden * esize} bytes; it must be a multiple of 16")
-        if input.data_ptr() % 16 != 0:
-            raise _usage("combine: input data must be 16-byte aligned")
         weight_rows = 0
         if weights is not None:
             self._check_tensor("combine: weights", weights, 2)
@@ -527,9 +503,11 @@ class EpDispatchCombineOp:
                 t.fill_(value & 0xFF)
 
     def check_device_error(self):
-        """Raise mori.TimeoutError if a device-side wait expired (e.g. a peer never called), and
-        clear the record. While one is pending, dispatch and combine raise mori.TimeoutError
-        before launching anything."""
+        """Raise the recorded device-side error, if any, and clear the record: mori.TimeoutError
+        if a wait expired (e.g. a peer never called), mori.InvalidUsageError if a kernel found a
+        usage or protocol violation (e.g. combine input with fewer rows than dispatch received,
+        ranks passing different dtypes), mori.RemoteError for an RDMA error completion. While
+        one is pending, dispatch and combine raise mori.TimeoutError before launching anything."""
         _C.shmem_check_device_error()
 
 

@@ -28,12 +28,10 @@ bool LoadStore(shmem::TransportType t) {
 }
 
 // The kernel family's requirement on shmem's topology. IntraNode: every PE by load/store. InterNode:
-// nodes of config.LocalSize() consecutive PEs, load/store within a node and RDMA across nodes; the
-// config's gpu_per_node must be what shmem sees (MORI_GPU_PER_NODE / the hosts).
+// shmem's nodes (ShmemNodeOf: same host and MORI_GPU_PER_NODE group) are the config's, i.e.
+// config.LocalSize() consecutive PEs each, load/store within a node and RDMA across nodes.
 void CheckEpTopology(const EpDispatchCombineConfig& c) {
   const int pe = c.rank;
-  int localSize = 0;
-  for (int p = 0; p < c.worldSize; p++) localSize += LoadStore(shmem::ShmemTransportType(p)) ? 1 : 0;
   if (c.kernelType == EpDispatchCombineKernelType::kIntraNode) {
     for (int p = 0; p < c.worldSize; p++) {
       const shmem::TransportType t = shmem::ShmemTransportType(p);
@@ -45,19 +43,24 @@ void CheckEpTopology(const EpDispatchCombineConfig& c) {
     }
     return;
   }
-  MORI_ENSURE(localSize == c.LocalSize(), InvalidUsageError,
+  const int G = c.LocalSize();
+  MORI_ENSURE(shmem::ShmemLocalSize() == G, InvalidUsageError,
               "EpDispatchCombineHandle: config gpu_per_node = %d (%d PEs per node in this group of "
-              "%d) but shmem reaches %d PEs from PE %d by load/store (its node; set gpu_per_node "
-              "to the GPUs per node, as MORI_GPU_PER_NODE when nodes are emulated)",
-              c.gpuPerNode, c.LocalSize(), c.worldSize, localSize, pe);
+              "%d) but shmem's node of PE %d has %d PEs (set gpu_per_node to the GPUs per node, as "
+              "MORI_GPU_PER_NODE when nodes are emulated)",
+              c.gpuPerNode, G, c.worldSize, pe, shmem::ShmemLocalSize());
   for (int p = 0; p < c.worldSize; p++) {
     const shmem::TransportType t = shmem::ShmemTransportType(p);
-    const bool sameNode = p / c.LocalSize() == pe / c.LocalSize();
+    const bool sameNode = p / G == pe / G;
+    MORI_ENSURE(shmem::ShmemNodeOf(p) == p / G, InvalidUsageError,
+                "EpDispatchCombineHandle: with gpu_per_node = %d PE %d belongs to node %d, but "
+                "shmem puts it on node %d (nodes must be consecutive PEs)",
+                c.gpuPerNode, p, p / G, shmem::ShmemNodeOf(p));
     MORI_ENSURE(sameNode ? LoadStore(t) : t == shmem::TransportType::kRdma, InvalidUsageError,
-                "EpDispatchCombineHandle: with gpu_per_node = %d, PE %d is %s node of PE %d and "
-                "must be reached by %s, but shmem reaches it by '%s' (nodes are consecutive PEs)",
-                c.gpuPerNode, p, sameNode ? "on the" : "not on the", pe,
-                sameNode ? "load/store" : "RDMA", shmem::TransportTypeName(t));
+                "EpDispatchCombineHandle: PE %d is %s node of PE %d and must be reached by %s, "
+                "but shmem reaches it by '%s'",
+                p, sameNode ? "on the" : "not on the", pe, sameNode ? "load/store" : "RDMA",
+                shmem::TransportTypeName(t));
   }
 }
 
