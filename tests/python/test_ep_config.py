@@ -316,7 +316,7 @@ def test_agreement_unknown_stage():
 
 def test_dtype_codes_come_from_the_binding():
     # The Python op maps torch dtypes by name through these tables: one source of the codes.
-    codes = ops.DTYPE_CODES
+    codes = _C.ops.DTYPE_CODES
     assert set(codes) == {"bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e4m3fnuz"}
     assert sorted(codes.values()) == list(range(len(codes)))
-    assert ops.INDEX_TYPE_CODES == {"int32": 0, "int64": 1}
+    assert _C.ops.INDEX_TYPE_CODES == {"int32": 0, "int64": 1}
