@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "backend.hpp"
 #include "intranode.hpp"
 #include "intranode_device.hpp"
 #include "mori/core/env.hpp"
@@ -22,47 +23,6 @@ namespace mori::ops {
 namespace {
 
 bool Aligned(const void* p, size_t a) { return (reinterpret_cast<uintptr_t>(p) % a) == 0; }
-
-bool LoadStore(shmem::TransportType t) {
-  return t == shmem::TransportType::kSelf || t == shmem::TransportType::kP2P;
-}
-
-// The kernel family's requirement on shmem's topology. IntraNode: every PE by load/store. InterNode:
-// shmem's nodes (ShmemNodeOf: same host and MORI_GPU_PER_NODE group) are the config's, i.e.
-// config.LocalSize() consecutive PEs each, load/store within a node and RDMA across nodes.
-void CheckEpTopology(const EpDispatchCombineConfig& c) {
-  const int pe = c.rank;
-  if (c.kernelType == EpDispatchCombineKernelType::kIntraNode) {
-    for (int p = 0; p < c.worldSize; p++) {
-      const shmem::TransportType t = shmem::ShmemTransportType(p);
-      MORI_ENSURE(LoadStore(t), InvalidUsageError,
-                  "EpDispatchCombineHandle: kernel_type IntraNode needs load/store (P2P over "
-                  "NVLink/xGMI) access to every PE, but PE %d is reached by '%s' from PE %d (use "
-                  "kernel_type InterNode across nodes)",
-                  p, shmem::TransportTypeName(t), pe);
-    }
-    return;
-  }
-  const int G = c.LocalSize();
-  MORI_ENSURE(shmem::ShmemLocalSize() == G, InvalidUsageError,
-              "EpDispatchCombineHandle: config gpu_per_node = %d (%d PEs per node in this group of "
-              "%d) but shmem's node of PE %d has %d PEs (set gpu_per_node to the GPUs per node, as "
-              "MORI_GPU_PER_NODE when nodes are emulated)",
-              c.gpuPerNode, G, c.worldSize, pe, shmem::ShmemLocalSize());
-  for (int p = 0; p < c.worldSize; p++) {
-    const shmem::TransportType t = shmem::ShmemTransportType(p);
-    const bool sameNode = p / G == pe / G;
-    MORI_ENSURE(shmem::ShmemNodeOf(p) == p / G, InvalidUsageError,
-                "EpDispatchCombineHandle: with gpu_per_node = %d PE %d belongs to node %d, but "
-                "shmem puts it on node %d (nodes must be consecutive PEs)",
-                c.gpuPerNode, p, p / G, shmem::ShmemNodeOf(p));
-    MORI_ENSURE(sameNode ? LoadStore(t) : t == shmem::TransportType::kRdma, InvalidUsageError,
-                "EpDispatchCombineHandle: PE %d is %s node of PE %d and must be reached by %s, "
-                "but shmem reaches it by '%s'",
-                p, sameNode ? "on the" : "not on the", pe, sameNode ? "load/store" : "RDMA",
-                shmem::TransportTypeName(t));
-  }
-}
 
 // Runs `step`; on failure returns its message (and keeps the exception in *error) instead of
 // raising, so this PE can still tell its peers in the next agreement exchange.
@@ -106,30 +66,9 @@ EpDispatchCombineHandle::EpDispatchCombineHandle(const EpDispatchCombineConfig& 
                     "EpDispatchCombineHandle: config rank/world_size = %d/%d but shmem has PE %d "
                     "of %d",
                     config.rank, config.worldSize, pe, npes);
-        CheckEpTopology(config);
-        // The emulated NIC (MORI_RDMA_EMULATE) moves data with this GPU: launches leave it SMs.
-        for (int p = 0; p < npes; p++)
-          emulatedRdma = emulatedRdma || (shmem::ShmemTransportType(p) == shmem::TransportType::kRdma &&
-                                          core::Env().rdmaEmulate);
         MORI_CHECK_GPU(gpuGetDevice(&device));
         MORI_CHECK_GPU(gpuDeviceGetAttribute(&numSms, gpuDevAttrMultiProcessorCount, device));
-        {
-          // The staged combine needs the bulk copy engine, its shared memory (plus a margin for
-          // the kernel's static shared memory) and MORI_EP_COMBINE_STAGED.
-          gpuDeviceProp_t prop{};
-          MORI_CHECK_GPU(gpuGetDeviceProperties(&prop, device));
-          size_t smemOptin = 0;
-          stagedCombine =
-              core::GpuHasBulkAsyncCopy(prop, &smemOptin) && core::Env().epCombineStaged &&
-              EpCombineStagedSmemBytes(kEpMaxThreadsPerBlock / core::kWarpSize) + (16u << 10) <=
-                  smemOptin;
-          if (stagedCombine) PrepareEpCombineStaged();
-          // Not with the emulated NIC: a kernel launched early holds SMs with waiting blocks while
-          // the one ahead of it may wait for the emulator's copies, which need SMs.
-          programmatic = core::Env().epPdl && core::GpuHasProgrammaticLaunch(prop) &&
-                         EpKernelsHaveGridDependency() && !emulatedRdma;
-        }
-        pushCombine = EpPushCombineFits(config) && core::Env().epCombinePush;
+        backend = MakeEpBackend(config, device);  // checks shmem's topology for the family
         symmLayout = MakeEpSymmetricLayout(config);
         localLayout = MakeEpLocalLayout(config);
         // Whatever used the heap range before (an earlier op) is done on this PE once this
@@ -141,7 +80,8 @@ EpDispatchCombineHandle::EpDispatchCombineHandle(const EpDispatchCombineConfig& 
 
   // 2. Config agreement: same config (and layout) on every PE, enough free heap everywhere.
   EpAgreementRow row = problem.empty()
-                           ? MakeEpConfigAgreementRow(config, shmem::ShmemHeapFreeBytes(), pushCombine)
+                           ? MakeEpConfigAgreementRow(config, shmem::ShmemHeapFreeBytes(),
+                                                      backend->PushCombine())
                            : MakeEpUnusableAgreementRow(EpAgreementStage::kConfig, problem);
   std::string disagreement;
   try {
@@ -167,7 +107,7 @@ EpDispatchCombineHandle::EpDispatchCombineHandle(const EpDispatchCombineConfig& 
         shmem::ShmemDeviceSynchronize();
         symmHeapOffset = shmem::ShmemQueryMemObj(symmBase).heapOffset;
         for (int p = 0; p < npes; p++) {
-          if (!LoadStore(shmem::ShmemTransportType(p))) continue;  // reached by RDMA
+          if (shmem::ShmemNodeOf(p) != shmem::ShmemNodeOf(pe)) continue;  // reached by RDMA
           MORI_ENSURE(shmem::ShmemPtrP2p(symmBase, p) != nullptr, InvalidUsageError,
                       "EpDispatchCombineHandle: PE %d's symmetric heap is not mapped on PE %d", p,
                       pe);
@@ -330,12 +270,7 @@ void EpDispatchCombineHandle::ResolveLaunch(int numTokens, int blockNum, int war
               "warp size %d)",
               forDispatch ? "dispatch" : "combine", warps, maxWarps, kEpMaxThreadsPerBlock,
               core::kWarpSize);
-  blocks = std::min(blocks, numSms);  // every block must be resident (they wait on each other)
-  if (emulatedRdma) {
-    // The emulated NIC copies with this GPU (memcpy on a stream of this process, possibly a copy
-    // kernel) while our blocks spin on its results: leave it half the SMs.
-    blocks = std::min(blocks, std::max(config.worldSize, numSms / 2));
-  }
+  blocks = std::min(blocks, backend->MaxBlocks(numSms));
   if (forDispatch) {
     MORI_ENSURE(config.worldSize <= numSms, InvalidUsageError,
                 "EP dispatch: needs at least world_size = %d blocks but the GPU has %d SMs",
@@ -349,9 +284,8 @@ void EpDispatchCombineHandle::ResolveLaunch(int numTokens, int blockNum, int war
 
 void EpDispatchCombineHandle::Reset(gpuStream_t) {}
 
-EpFamily EpDispatchCombineHandle::Family() const {
-  return config.kernelType == EpDispatchCombineKernelType::kInterNode ? EpFamily::kInterNode
-                                                                       : EpFamily::kIntraNode;
+bool EpDispatchCombineHandle::ProgrammaticLaunch() const {
+  return backend != nullptr && backend->Programmatic();
 }
 
 void EpDispatchCombineHandle::FillCommonArgs(EpKernelCommon* common) const {
@@ -373,7 +307,7 @@ void EpDispatchCombineHandle::FillCommonArgs(EpKernelCommon* common) const {
   common->tokenSlot = reinterpret_cast<int32_t*>(localBase + localLayout.tokenSlot);
   common->totalRecv = TotalRecvTokenNum();
   common->localExpertCount = LocalExpertCount();
-  common->programmatic = programmatic ? 1 : 0;
+  common->programmatic = backend->Programmatic() ? 1 : 0;
   common->trace = traceBuf;
   common->traceSlots = traceSlots;
   common->traceMaxBlocks = traceMaxBlocks;
@@ -448,7 +382,7 @@ void EpDispatchCombineHandle::Dispatch(const EpDispatchArgs& args, gpuStream_t s
                               static_cast<int>(args.indexType));
 
   const size_t smem = EpDispatchSmemBytes(c, core::kWarpSize);
-  LaunchEpDispatch(k, Family(), args.indexType, blocks, warps * core::kWarpSize, smem, stream);
+  backend->LaunchDispatch(k, args.indexType, blocks, warps * core::kWarpSize, smem, stream);
   lastNumTokens = args.numTokens;
   lastRowBytes = k.rowBytes;
 }
@@ -527,28 +461,7 @@ void EpDispatchCombineHandle::Combine(const EpCombineArgs& args, gpuStream_t str
   // warps reduce twice in a row while others idle, two rounds of peer-load latency).
   const int parts = detail::EpPartsPerRow(lastNumTokens, totalWarps, vecs);
   k.partsPerToken = parts;
-  // Staged (bulk copies into shared memory) for large batches, where warps take many items and
-  // the loads in flight bound the rate; small batches keep the register path (one item per warp,
-  // latency-bound either way), and so does a combine that first copies an external input (measured
-  // on 2x H200, HT: staged 227 -> 204 us zero-copy, but 330 -> 349 us with the copy).
-  k.staged = stagedCombine && Family() == EpFamily::kIntraNode && k.copyTokens == 0 &&
-                     static_cast<long long>(lastNumTokens) * parts > totalWarps
-                 ? 1
-                 : 0;
-  if (pushCombine) {
-    // The push combine reads every input in place, the caller's tensors included (no copy).
-    const int64_t bufferRows = c.MaxNumRecvTokens();
-    k.inTokens = static_cast<const uint8_t*>(args.input);
-    k.inRows = k.copyTokens != 0 ? args.inputRows : bufferRows;
-    k.inWeights = args.weights;
-    k.inWeightRows = k.copyWeights != 0 ? args.weightRows : bufferRows;
-    k.copyTokens = 0;
-    k.copyWeights = 0;
-    k.staged = 0;
-    LaunchEpCombinePush(k, args.dataType, blocks, warps * core::kWarpSize, stream);
-    return;
-  }
-  LaunchEpCombine(k, Family(), args.dataType, blocks, warps * core::kWarpSize, stream);
+  backend->LaunchCombine(k, args, c.MaxNumRecvTokens(), blocks, warps * core::kWarpSize, stream);
 }
 
 }  // namespace mori::ops

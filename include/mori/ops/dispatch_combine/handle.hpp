@@ -28,6 +28,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 
 #include "mori/core/gpu.hpp"
 #include "mori/ops/dispatch_combine/config.hpp"
@@ -64,7 +65,7 @@ struct EpCombineArgs {
 };
 
 struct EpKernelCommon;  // kernel arguments (src/ops/dispatch_combine/intranode.hpp)
-enum class EpFamily : int32_t;
+class EpBackend;        // a kernel family's requirements and launches (backend.hpp)
 
 class EpDispatchCombineHandle {
  public:
@@ -120,7 +121,7 @@ class EpDispatchCombineHandle {
 
   // Whether the kernels are programmatic dependent launches (decided at creation from MORI_EP_PDL,
   // the device and the kernels' code).
-  bool ProgrammaticLaunch() const { return programmatic; }
+  bool ProgrammaticLaunch() const;
   // Host view of the last dispatch call (-1 before the first).
   int LastDispatchNumTokens() const { return lastNumTokens; }
   int LastDispatchRowBytes() const { return static_cast<int>(lastRowBytes); }
@@ -136,7 +137,6 @@ class EpDispatchCombineHandle {
 
  private:
   void CheckUsable(const char* what) const;
-  EpFamily Family() const;
   // The part of the kernel arguments dispatch and combine share.
   void FillCommonArgs(EpKernelCommon* common) const;
 
@@ -145,10 +145,7 @@ class EpDispatchCombineHandle {
   EpLocalLayout localLayout;
   int device = -1;
   int numSms = 0;
-  bool stagedCombine = false;  // large-batch combine may use the staged (bulk-copy) kernel
-  bool pushCombine = false;    // small-batch config: combine pushes rows (EpPushCombineFits)
-  bool programmatic = false;   // programmatic dependent launches (MORI_EP_PDL, where supported)
-  bool emulatedRdma = false;   // some PE is reached through the RDMA emulator (MORI_RDMA_EMULATE)
+  std::unique_ptr<EpBackend> backend;  // the kernel family (src/ops/dispatch_combine/backend.hpp)
   uint8_t* symmBase = nullptr;   // local address of the symmetric block
   uint64_t symmHeapOffset = 0;   // its offset in every PE's heap
   uint8_t* localBase = nullptr;

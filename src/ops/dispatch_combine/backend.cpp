@@ -1,0 +1,146 @@
+// The IntraNode and InterNode backends of the handle (backend.hpp).
+#include "backend.hpp"
+
+#include <algorithm>
+
+#include "mori/core/env.hpp"
+#include "mori/core/errors.hpp"
+#include "mori/core/gpu_check.hpp"
+#include "mori/shmem/shmem_api.hpp"
+
+namespace mori::ops {
+
+namespace {
+
+bool LoadStore(shmem::TransportType t) {
+  return t == shmem::TransportType::kSelf || t == shmem::TransportType::kP2P;
+}
+
+// Programmatic dependent launches: MORI_EP_PDL, the device and the kernels' code allow them.
+bool ProgrammaticAllowed(const gpuDeviceProp_t& prop) {
+  return core::Env().epPdl && core::GpuHasProgrammaticLaunch(prop) && EpKernelsHaveGridDependency();
+}
+
+gpuDeviceProp_t DeviceProperties(int device) {
+  gpuDeviceProp_t prop{};
+  MORI_CHECK_GPU(gpuGetDeviceProperties(&prop, device));
+  return prop;
+}
+
+class IntraNodeBackend final : public EpBackend {
+ public:
+  IntraNodeBackend(const EpDispatchCombineConfig& c, int device) {
+    for (int p = 0; p < c.worldSize; p++) {
+      const shmem::TransportType t = shmem::ShmemTransportType(p);
+      MORI_ENSURE(LoadStore(t), InvalidUsageError,
+                  "EpDispatchCombineHandle: kernel_type IntraNode needs load/store (P2P over "
+                  "NVLink/xGMI) access to every PE, but PE %d is reached by '%s' from PE %d (use "
+                  "kernel_type InterNode across nodes)",
+                  p, shmem::TransportTypeName(t), c.rank);
+    }
+    const gpuDeviceProp_t prop = DeviceProperties(device);
+    // The staged combine needs the bulk copy engine, its shared memory (plus a margin for the
+    // kernel's static shared memory) and MORI_EP_COMBINE_STAGED.
+    size_t smemOptin = 0;
+    staged = core::GpuHasBulkAsyncCopy(prop, &smemOptin) && core::Env().epCombineStaged &&
+             EpCombineStagedSmemBytes(kEpMaxThreadsPerBlock / core::kWarpSize) + (16u << 10) <=
+                 smemOptin;
+    if (staged) PrepareEpCombineStaged();
+    programmatic = ProgrammaticAllowed(prop);
+    push = EpPushCombineFits(c) && core::Env().epCombinePush;
+  }
+  EpFamily Family() const override { return EpFamily::kIntraNode; }
+  bool PushCombine() const override { return push; }
+
+  void LaunchDispatch(const EpDispatchKernelArgs& k, EpIndexType indexType, int blocks,
+                      int threads, size_t smemBytes, gpuStream_t stream) const override {
+    LaunchEpDispatch(k, EpFamily::kIntraNode, indexType, blocks, threads, smemBytes, stream);
+  }
+
+  void LaunchCombine(EpCombineKernelArgs& k, const EpCombineArgs& args, int64_t bufferRows,
+                     int blocks, int threads, gpuStream_t stream) const override {
+    if (push) {
+      // The push combine reads every input in place, the caller's tensors included (no copy).
+      k.inTokens = static_cast<const uint8_t*>(args.input);
+      k.inRows = k.copyTokens != 0 ? args.inputRows : bufferRows;
+      k.inWeights = args.weights;
+      k.inWeightRows = k.copyWeights != 0 ? args.weightRows : bufferRows;
+      k.copyTokens = 0;
+      k.copyWeights = 0;
+      k.staged = 0;
+      LaunchEpCombinePush(k, args.dataType, blocks, threads, stream);
+      return;
+    }
+    // Staged (bulk copies into shared memory) for large batches, where warps take many items and
+    // the loads in flight bound the rate; small batches keep the register path (one item per warp,
+    // latency-bound either way), and so does a combine that first copies an external input
+    // (docs/performance.md, session 3).
+    const long long items = static_cast<long long>(k.numTokens) * k.partsPerToken;
+    k.staged = staged && k.copyTokens == 0 && items > blocks * (threads / core::kWarpSize) ? 1 : 0;
+    LaunchEpCombine(k, EpFamily::kIntraNode, args.dataType, blocks, threads, stream);
+  }
+
+ private:
+  bool staged = false;  // large-batch combine may use the staged (bulk-copy) kernel
+  bool push = false;    // small-batch config: combine pushes rows (EpPushCombineFits)
+};
+
+class InterNodeBackend final : public EpBackend {
+ public:
+  InterNodeBackend(const EpDispatchCombineConfig& c, int device) : worldSize(c.worldSize) {
+    const int pe = c.rank;
+    const int G = c.LocalSize();
+    MORI_ENSURE(shmem::ShmemLocalSize() == G, InvalidUsageError,
+                "EpDispatchCombineHandle: config gpu_per_node = %d (%d PEs per node in this group "
+                "of %d) but shmem's node of PE %d has %d PEs (set gpu_per_node to the GPUs per "
+                "node, as MORI_GPU_PER_NODE when nodes are emulated)",
+                c.gpuPerNode, G, c.worldSize, pe, shmem::ShmemLocalSize());
+    for (int p = 0; p < c.worldSize; p++) {
+      const shmem::TransportType t = shmem::ShmemTransportType(p);
+      const bool sameNode = p / G == pe / G;
+      MORI_ENSURE(shmem::ShmemNodeOf(p) == p / G, InvalidUsageError,
+                  "EpDispatchCombineHandle: with gpu_per_node = %d PE %d belongs to node %d, but "
+                  "shmem puts it on node %d (nodes must be consecutive PEs)",
+                  c.gpuPerNode, p, p / G, shmem::ShmemNodeOf(p));
+      MORI_ENSURE(sameNode ? LoadStore(t) : t == shmem::TransportType::kRdma, InvalidUsageError,
+                  "EpDispatchCombineHandle: PE %d is %s node of PE %d and must be reached by %s, "
+                  "but shmem reaches it by '%s'",
+                  p, sameNode ? "on the" : "not on the", pe, sameNode ? "load/store" : "RDMA",
+                  shmem::TransportTypeName(t));
+      emulated = emulated || (t == shmem::TransportType::kRdma && core::Env().rdmaEmulate);
+    }
+    // The emulated NIC (MORI_RDMA_EMULATE) moves data with this GPU (a memcpy on one of this
+    // process's streams) while the kernels wait for it: launches leave it half the SMs and are not
+    // programmatic (a kernel launched early holds SMs with waiting blocks).
+    programmatic = ProgrammaticAllowed(DeviceProperties(device)) && !emulated;
+  }
+  EpFamily Family() const override { return EpFamily::kInterNode; }
+  int MaxBlocks(int numSms) const override {
+    return emulated ? std::min(numSms, std::max(worldSize, numSms / 2)) : numSms;
+  }
+
+  void LaunchDispatch(const EpDispatchKernelArgs& k, EpIndexType indexType, int blocks,
+                      int threads, size_t smemBytes, gpuStream_t stream) const override {
+    LaunchEpDispatch(k, EpFamily::kInterNode, indexType, blocks, threads, smemBytes, stream);
+  }
+
+  void LaunchCombine(EpCombineKernelArgs& k, const EpCombineArgs& args, int64_t, int blocks,
+                     int threads, gpuStream_t stream) const override {
+    k.staged = 0;
+    LaunchEpCombine(k, EpFamily::kInterNode, args.dataType, blocks, threads, stream);
+  }
+
+ private:
+  int worldSize;
+  bool emulated = false;  // some PE is reached through the RDMA emulator
+};
+
+}  // namespace
+
+std::unique_ptr<EpBackend> MakeEpBackend(const EpDispatchCombineConfig& config, int device) {
+  if (config.kernelType == EpDispatchCombineKernelType::kInterNode)
+    return std::make_unique<InterNodeBackend>(config, device);
+  return std::make_unique<IntraNodeBackend>(config, device);
+}
+
+}  // namespace mori::ops

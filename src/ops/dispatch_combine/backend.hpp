@@ -1,0 +1,46 @@
+// A kernel family behind EpDispatchCombineHandle (internal to src/ops). The handle is the shell:
+// collective creation and destruction, the cross-PE agreement, argument checks, accessors and
+// launch shapes. A backend holds what one family requires of shmem's topology, what it decides
+// when an op is created (which combine kernel, programmatic launches, SMs it must leave free) and
+// how it launches dispatch and combine.
+#pragma once
+
+#include <memory>
+
+#include "intranode.hpp"
+#include "mori/core/gpu.hpp"
+#include "mori/ops/dispatch_combine/config.hpp"
+#include "mori/ops/dispatch_combine/handle.hpp"
+
+namespace mori::ops {
+
+class EpBackend {
+ public:
+  virtual ~EpBackend() = default;
+  virtual EpFamily Family() const = 0;
+  // Kernels are programmatic dependent launches (EpKernelCommon::programmatic).
+  bool Programmatic() const { return programmatic; }
+  // The combine pushes rows (a protocol every PE must share: part of the agreement row).
+  virtual bool PushCombine() const { return false; }
+  // Most blocks one launch may use on a GPU of `numSms` SMs (every block must be resident: they
+  // wait on each other), before the family's own minimum.
+  virtual int MaxBlocks(int numSms) const { return numSms; }
+  virtual void LaunchDispatch(const EpDispatchKernelArgs& k, EpIndexType indexType, int blocks,
+                              int threads, size_t smemBytes, gpuStream_t stream) const = 0;
+  // `k` is filled by the shell as for the pull combine (sources, copies, outputs, parts per
+  // token); the backend picks the kernel and may rewrite how the input is read. `bufferRows` is
+  // the receive capacity (rows readable in the op's own buffers).
+  virtual void LaunchCombine(EpCombineKernelArgs& k, const EpCombineArgs& args, int64_t bufferRows,
+                             int blocks, int threads, gpuStream_t stream) const = 0;
+
+ protected:
+  bool programmatic = false;
+};
+
+// The backend of config.kernelType on the current device (decides from MORI_EP_* and the device).
+// Raises InvalidUsageError when shmem's topology does not fit the family (IntraNode: every PE by
+// load/store; InterNode: shmem's nodes are gpu_per_node consecutive PEs, load/store within a node,
+// RDMA across nodes).
+std::unique_ptr<EpBackend> MakeEpBackend(const EpDispatchCombineConfig& config, int device);
+
+}  // namespace mori::ops
