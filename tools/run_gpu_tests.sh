@@ -134,6 +134,9 @@ for t in "${tests[@]}"; do
   run "$t" "$build/tests/shmem/$t" "${npesArgs[@]}"
 done
 run put_get_cpp "$build/examples/put_get" ${MORI_TEST_NPES:-}
+# P2P and emulated RDMA peers in one run: 4 PEs in 2 virtual nodes (ranks share GPUs when fewer).
+run shmem_rdma_mixed env MORI_RDMA_EMULATE=1 CUDA_MODULE_LOADING=EAGER \
+  "$build/tests/shmem/shmem_rdma_test" --gpu-per-node 2 --npes 4
 
 # The build tree holds the whole package (sources mirrored next to _C); the source tree has no _C.
 export PYTHONPATH="$PWD/$build/python${PYTHONPATH:+:$PYTHONPATH}"
