@@ -3,7 +3,9 @@
 // (ValueError for invalid usage, TimeoutError for timeouts, OSError for failed OS calls). The
 // message is the C++ what(), "file:line: kind: text"; the parts are attributes of the instance.
 #include <array>
+#include <cstring>
 
+#include "mori/core/device_error.hpp"
 #include "mori/core/errors.hpp"
 #include "pybind_common.hpp"
 
@@ -123,6 +125,44 @@ void RegisterErrors(py::module_& m) {
         MORI_THROW(InvalidUsageError, "unknown error kind '%s'", kind.c_str());
       },
       py::arg("kind"), py::arg("message"));
+
+  // For tests of the device error path without a GPU: fills a DeviceErrorRecord as a kernel
+  // would and raises it as ShmemCheckDeviceError does. kind: "timeout", "usage", "remote" or
+  // "none"; cmp: a comparison ("==", ">=", ...), "detail" (kDeviceErrorNotAWait) or "rdma_cqe".
+  m.def(
+      "_raise_device_error_for_test",
+      [](const std::string& kind, const std::string& cmp, const std::string& label, int peer,
+         uint64_t addr, uint64_t expected, uint64_t seen, uint64_t elapsedNs, int valueBytes) {
+        core::DeviceErrorRecord e{};
+        e.claimed = 1;
+        e.abortFlag = 1;
+        e.rank = 3;
+        e.block = 5;
+        e.thread = 7;
+        e.peer = peer;
+        e.kind = -1;
+        for (int k = 0; k <= static_cast<int>(core::DeviceErrorKind::kRemote); k++) {
+          if (kind == core::DeviceErrorKindName(static_cast<core::DeviceErrorKind>(k))) e.kind = k;
+        }
+        MORI_ENSURE(e.kind >= 0, InvalidUsageError, "unknown device error kind '%s'", kind.c_str());
+        e.cmp = cmp == "detail" ? core::kDeviceErrorNotAWait
+                : cmp == "rdma_cqe" ? core::kDeviceErrorRdmaCqe
+                                    : -100;
+        for (int op = 0; op <= static_cast<int>(core::CmpOp::kLe); op++) {
+          if (cmp == core::CmpOpName(static_cast<core::CmpOp>(op))) e.cmp = op;
+        }
+        MORI_ENSURE(e.cmp != -100, InvalidUsageError, "unknown comparison '%s'", cmp.c_str());
+        e.valueBytes = valueBytes;
+        e.addr = addr;
+        e.expected = expected;
+        e.seen = seen;
+        e.elapsedNs = elapsedNs;
+        std::strncpy(e.label, label.c_str(), sizeof(e.label) - 1);
+        core::ThrowDeviceError(e, __FILE__, __LINE__);
+      },
+      py::arg("kind"), py::arg("cmp"), py::arg("label"), py::arg("peer") = -1,
+      py::arg("addr") = 0, py::arg("expected") = 0, py::arg("seen") = 0,
+      py::arg("elapsed_ns") = 0, py::arg("value_bytes") = 8);
 }
 
 }  // namespace mori::pybind

@@ -14,6 +14,7 @@
 #include "mori/application/context/context.hpp"
 #include "mori/application/memory/symmetric_heap.hpp"
 #include "mori/application/rdma/rdma_transport.hpp"
+#include "mori/core/device_error.hpp"
 #include "mori/core/env.hpp"
 #include "mori/core/gpu_check.hpp"
 #include "mori/core/logging.hpp"
@@ -216,38 +217,14 @@ void BuildState(ShmemState& s) {
   s.boot->Barrier();  // every PE has mapped every heap before anyone uses it
 }
 
-// Device API misuse (bad pe, address outside the heap, ...) is recorded with cmp == -1
-// (kDeviceErrorNotAWait), the detail value in `expected`, and the operation in the label.
-bool IsUsageRecord(const core::DeviceErrorRecord& e) { return e.cmp == core::kDeviceErrorNotAWait; }
-
-std::string DescribeDeviceError(const core::DeviceErrorRecord& e, int myRank) {
-  if (e.claimed == 0)
-    return core::StrFormat("rank %d: device work was aborted (a host wait expired earlier, or "
-                           "ShmemAbortDeviceWaits was called)",
-                           myRank);
-  if (e.cmp == core::kDeviceErrorRdmaCqe)
-    return core::StrFormat("RDMA error completion on rank %d (block %d, thread %d), %s: QP 0x%llx "
-                           "to pe %d, WQE index %llu, syndrome 0x%02llx, vendor syndrome 0x%02llx, "
-                           "send opcode 0x%02llx",
-                           e.rank, e.block, e.thread, e.label,
-                           static_cast<unsigned long long>(e.addr), e.peer,
-                           static_cast<unsigned long long>(e.expected),
-                           static_cast<unsigned long long>(e.seen & 0xff),
-                           static_cast<unsigned long long>((e.seen >> 8) & 0xff),
-                           static_cast<unsigned long long>((e.seen >> 16) & 0xff));
-  if (IsUsageRecord(e))
-    return core::StrFormat("device API error on rank %d (block %d, thread %d): %s (pe %d, "
-                           "address 0x%llx, detail %llu)",
-                           e.rank, e.block, e.thread, e.label, e.peer,
-                           static_cast<unsigned long long>(e.addr),
-                           static_cast<unsigned long long>(e.expected));
-  return core::StrFormat(
-      "device wait timed out on rank %d (block %d, thread %d): waited %.3f ms for '%s' on peer %d: "
-      "*0x%llx %s %llu (%d-byte value), last seen %llu",
-      e.rank, e.block, e.thread, e.elapsedNs / 1e6, e.label, e.peer,
-      static_cast<unsigned long long>(e.addr), core::CmpOpName(static_cast<core::CmpOp>(e.cmp)),
-      static_cast<unsigned long long>(e.expected), e.valueBytes,
-      static_cast<unsigned long long>(e.seen));
+// A pending record as ShmemCheckDeviceError reports it: a claimed record as core::
+// DescribeDeviceError gives it; the abort flag without a record (a host wait expired, or
+// ShmemAbortDeviceWaits) as an abort.
+std::string DescribePending(const core::DeviceErrorRecord& e, int myRank) {
+  if (e.claimed != 0) return core::DescribeDeviceError(e);
+  return core::StrFormat("rank %d: device work was aborted (a host wait expired earlier, or "
+                         "ShmemAbortDeviceWaits was called)",
+                         myRank);
 }
 
 // Copies the mapped record if an error is pending. abortFlag is the publication point: the
@@ -267,13 +244,20 @@ void RaiseIfDeviceError(ShmemState& s) {
   if (!PeekDeviceError(s, &copy)) return;
   std::memset(s.errHost, 0, sizeof(core::DeviceErrorRecord));
   std::atomic_thread_fence(std::memory_order_seq_cst);
-  std::string what = DescribeDeviceError(copy, s.devCtx.rank);
-  if (copy.claimed != 0 && copy.cmp == core::kDeviceErrorRdmaCqe)
-    throw core::RemoteError(__FILE__, __LINE__, what);
-  if (copy.claimed != 0 && IsUsageRecord(copy))
-    throw core::InvalidUsageError(__FILE__, __LINE__, what);
-  if (s.rdma && !s.rdma->FatalError().empty()) what += "; RDMA transport: " + s.rdma->FatalError();
-  throw core::TimeoutError(__FILE__, __LINE__, what);
+  // A failed RDMA transport may be why a wait expired or the host aborted; a usage error or an
+  // error completion names its own cause.
+  std::string note;
+  const bool waitOrAbort =
+      copy.claimed == 0 || copy.kind == static_cast<int32_t>(core::DeviceErrorKind::kTimeout);
+  if (waitOrAbort && s.rdma && !s.rdma->FatalError().empty())
+    note = "RDMA transport: " + s.rdma->FatalError();
+  if (copy.claimed == 0) {
+    std::string what = DescribePending(copy, s.devCtx.rank);
+    if (!note.empty()) what += "; " + note;
+    throw core::TimeoutError(__FILE__, __LINE__, what);
+  }
+  // Usage errors raise InvalidUsageError, remote failures RemoteError, expired waits TimeoutError.
+  core::ThrowDeviceError(copy, __FILE__, __LINE__, note);
 }
 
 void RaiseAbortFlag(ShmemState& s) {
@@ -563,7 +547,7 @@ bool ShmemDeviceErrorPending(std::string* description) {
   const ShmemState& s = State("shmem_device_error_pending");
   core::DeviceErrorRecord copy;
   if (!PeekDeviceError(s, &copy)) return false;
-  if (description != nullptr) *description = DescribeDeviceError(copy, s.devCtx.rank);
+  if (description != nullptr) *description = DescribePending(copy, s.devCtx.rank);
   return true;
 }
 

@@ -793,16 +793,20 @@ def case_receive_cap(env):
     env.barrier()
     op.dispatch(X[r, :M].contiguous(), WT[r, :M].contiguous(), None, IDX[r, :M].contiguous())
     msg = None
+    kind = None
     try:
         env.torch.cuda.synchronize()
         mori.shmem.shmem_check_device_error()
     except Exception as e:  # noqa: BLE001
         msg = str(e)
+        kind = type(e)
     errors = []
     # rank 0 receives W * M rows > cap; senders s >= 2 start beyond the cap (s * M + M > cap)
     must_fail = r == 0 or r * M + M > M + M // 2
     if must_fail and (msg is None or "max_total_recv_tokens" not in msg):
         errors.append(f"expected an error naming max_total_recv_tokens, got {msg!r}")
+    if must_fail and kind is not mori.InvalidUsageError:
+        errors.append(f"a usage violation found on the device must raise InvalidUsageError, got {kind}: {msg}")
     if not must_fail and msg is not None:
         errors.append(f"unexpected error: {msg}")
     env.barrier()
@@ -810,6 +814,58 @@ def case_receive_cap(env):
     if errors:
         raise CaseFailure("; ".join(errors))
     roundtrip(env, Spec(H=1024, M=M, seed=62), label="after the receive-cap error")
+
+
+def case_combine_input_too_short(env):
+    """Combine input with fewer rows than the last dispatch received (external input, one row
+    short on every rank): the kernel finds it and shmem_check_device_error raises
+    mori.InvalidUsageError (not a TimeoutError) naming the check, the rows found and required,
+    and no wait. Every token goes to every rank, so every rank receives rows and fails alike
+    (nobody waits for a peer that gave up). A new op works afterwards."""
+    torch = env.torch
+    mori = env.mori
+    W, r = env.W, env.rank
+    H, K, Epr, T = 1024, 8, 8, 32
+    if W > K:
+        raise SkipCase(f"needs world size <= top-k ({K}) so that every rank receives rows")
+    cfg = env.config(rank=r, world_size=W, hidden_dim=H, scale_dim=0, scale_type_size=0, max_token_type_size=2,
+                     max_num_inp_token_per_rank=T, num_experts_per_rank=Epr, num_experts_per_token=K,
+                     use_external_inp_buf=True)
+    op = env.new_op(cfg, check_inputs=False)
+    t = torch.arange(T, device=env.dev).view(T, 1)
+    k = torch.arange(K, device=env.dev).view(1, K)
+    idx = (((t + k) % W) * Epr + k).to(torch.int32)  # K distinct experts, every rank among them (W <= K)
+    x = torch.randn((T, H), device=env.dev).to(torch.bfloat16)
+    env.barrier()
+    outs = op.dispatch(x, None, None, idx)
+    total = int(outs[4].item())
+    errors = []
+    if total != W * T:
+        errors.append(f"dispatch received {total} rows, expected {W * T}")
+    short = outs[0][: total - 1].clone()
+    op.combine(short, None, idx)
+    kind, msg = None, None
+    torch.cuda.synchronize()
+    pending = mori.shmem.shmem_device_error_pending()
+    try:
+        mori.shmem.shmem_check_device_error()
+    except Exception as e:  # noqa: BLE001
+        kind, msg = type(e), str(e)
+    if kind is not mori.InvalidUsageError:
+        errors.append(f"expected mori.InvalidUsageError, got {kind.__name__ if kind else 'no error'}: {msg}")
+    elif "fewer rows than dispatch received" not in msg or f"found {total - 1}, required >= {total}" not in msg:
+        errors.append(f"message does not name the check and its values: {msg}")
+    elif "wait" in msg:
+        errors.append(f"a violated check reads like a wait: {msg}")
+    if pending is None or "fewer rows" not in pending:
+        errors.append(f"shmem_device_error_pending did not describe it: {pending!r}")
+    if mori.shmem.shmem_device_error_pending() is not None:
+        errors.append("the error is still pending after it was read")
+    env.barrier()
+    env.close_ops()  # the failed combine left this op's signals out of step
+    if errors:
+        raise CaseFailure("; ".join(errors))
+    roundtrip(env, Spec(H=1024, M=T, seed=63, mode="external_exact"), label="after the short combine input")
 
 
 def case_refused_after_device_abort(env):
@@ -970,6 +1026,7 @@ CASES = [
     ("config_mismatch_across_ranks", case_config_mismatch_across_ranks),
     ("copy_on_side_stream", case_copy_on_side_stream),
     ("receive_cap_overflow", case_receive_cap),
+    ("combine_input_too_short", case_combine_input_too_short),
     ("refused_after_device_abort", case_refused_after_device_abort),
     ("destroy_while_peers_combine", case_destroy_while_peers_combine),
     ("back_to_back_iterations", case_back_to_back),

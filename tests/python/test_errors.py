@@ -91,3 +91,33 @@ def test_bad_init_arguments():
         mori.shmem.shmem_init_attr(mori.shmem.MORI_SHMEM_INIT_WITH_UNIQUEID, 0, 1)
     with pytest.raises(mori.InvalidUsageError):
         mori.shmem.shmem_barrier_on_stream("not a stream")
+
+
+# Device error records (filled as a kernel fills them, raised as shmem_check_device_error raises
+# them): the kind picks the class; a record that is not a wait never reads "waited".
+@pytest.mark.parametrize(
+    "kind,cmp,cls",
+    [
+        ("timeout", ">=", mori.TimeoutError),
+        ("usage", ">=", mori.InvalidUsageError),
+        ("usage", "detail", mori.InvalidUsageError),
+        ("remote", "rdma_cqe", mori.RemoteError),
+        ("none", "==", mori.InternalError),
+    ],
+)
+def test_device_error_record_kind_picks_class(kind, cmp, cls):
+    with pytest.raises(mori.MoriError) as info:
+        _C._raise_device_error_for_test(kind, cmp, "EP combine: input has fewer rows than dispatch received",
+                                        peer=-1, expected=141, seen=100, elapsed_ns=2_000_000)
+    assert type(info.value) is cls, f"{kind}/{cmp}: {type(info.value).__name__}: {info.value}"
+    assert ("waited" in str(info.value)) == (kind == "timeout"), str(info.value)
+    assert "rank 3 (block 5, thread 7)" in str(info.value)
+
+
+def test_device_usage_error_names_values_and_address():
+    with pytest.raises(mori.InvalidUsageError) as info:
+        _C._raise_device_error_for_test("usage", "==", "EP combine: PEs called combine with different dtype/hidden",
+                                        peer=1, addr=0x7F0012345678, expected=5, seen=9)
+    msg = str(info.value)
+    assert "(peer 1): found 9, required == 5 (8-byte word at 0x7f0012345678)" in msg, msg
+    assert isinstance(info.value, ValueError)

@@ -391,14 +391,17 @@ void InvalidCallTests(RankEnv& env, const ShmemDeviceContext& ctx, gpuStream_t s
     TEST_CHECK_GPU(gpuMemcpy(&r, result, sizeof(int), gpuMemcpyDeviceToHost));
     env.Check(r == 0, "invalid call #%d returned false (got %d)", which, r);
     std::string what;
+    bool usage = false;
     try {
       ShmemCheckDeviceError();
     } catch (const core::Error& e) {
       what = e.what();
+      usage = e.Kind() == core::ErrorKind::kInvalidUsage;
     }
     env.Check(what.find(expectText[which]) != std::string::npos,
               "invalid call #%d surfaced by ShmemCheckDeviceError with '%s': got '%s'", which,
               expectText[which], what.c_str());
+    env.Check(usage, "invalid call #%d raised InvalidUsageError: got '%s'", which, what.c_str());
     bool clean = true;
     try {
       ShmemCheckDeviceError();

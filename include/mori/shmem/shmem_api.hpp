@@ -75,8 +75,10 @@ void ShmemBarrierOnStream(gpuStream_t stream);
 // Bounded host wait for `stream`; raises TimeoutError after MORI_HOST_TIMEOUT_MS and surfaces a
 // recorded device error (see ShmemCheckDeviceError).
 void ShmemStreamSynchronize(gpuStream_t stream);
-// Raises TimeoutError describing the first device-side wait that expired (rank, peer, address,
-// expected and seen values), then clears the record so the library stays usable.
+// Raises the first recorded device-side error, then clears the record so the library stays
+// usable: TimeoutError for a wait that expired (or an abort), InvalidUsageError for a call or
+// protocol violation a kernel found, RemoteError for an RDMA error completion; the message names
+// the rank, block, thread, peer, address and the expected and seen values.
 void ShmemCheckDeviceError();
 // Cheap host read of the mapped error record: true while a device error or abort is pending
 // (every bounded device wait gives up at once until it is read). Does not clear it; when

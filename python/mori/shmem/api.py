@@ -192,12 +192,15 @@ def shmem_barrier_on_stream(stream=None) -> None:
 
 
 def shmem_stream_synchronize(stream=None) -> None:
-    """Bounded host wait for `stream` (MORI_HOST_TIMEOUT_MS); surfaces device-side timeouts."""
+    """Bounded host wait for `stream` (MORI_HOST_TIMEOUT_MS); raises a recorded device-side
+    error as shmem_check_device_error does."""
     _C.shmem_stream_synchronize(_stream_handle(stream))
 
 
 def shmem_check_device_error() -> None:
-    """Raise mori.TimeoutError describing a recorded device-side wait timeout, if any."""
+    """Raise the recorded device-side error, if any, and clear it: mori.TimeoutError for a wait
+    that expired (or an abort), mori.InvalidUsageError for a usage or protocol violation a kernel
+    found, mori.RemoteError for an RDMA error completion."""
     _C.shmem_check_device_error()
 
 

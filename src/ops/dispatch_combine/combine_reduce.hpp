@@ -92,10 +92,10 @@ MORI_DEVICE_INLINE void WarpSumFewRows(uint4* __restrict__ out, const uint8_t* c
 
 // Loads in flight per lane (rows x vectors) by row count n (warp-uniform), for the kernel built
 // for 512 threads per block (128 registers per thread; larger shapes spill) and the one built for
-// up to 256 (255 registers). Measured, HT combine on 2x H200, 24 blocks: 16 warps x (2x4 | 4x2)
-// 220 us; 8 warps x (2x8 | 4x4) 290 us (the same 8 warps with 2x4 | 4x2: 381 us); 8 warps x
-// (2x12 | 4x6) 398 us (spills). So more warps beat more loads per warp at the same bytes in
-// flight, and the 256-thread shapes serve launches of <= 8 warps (the config default).
+// up to 256 (255 registers): each build keeps as many loads in flight as its registers hold
+// without spilling. More warps beat more loads per warp at the same bytes in flight, so the
+// 256-thread shapes serve launches of <= 8 warps (the config default) and larger launches use
+// the 512-thread build (figures: docs/performance.md, "Combine loads in flight").
 template <int kThreads>
 struct EpCombineShape {
   static constexpr int kU2 = 4;  // n <= 2: 2 rows x 4 vectors
@@ -107,8 +107,9 @@ struct EpCombineShape<256> {
   static constexpr int kU4 = 4;
 };
 
-// The reduction is bound by how many loads are in flight per lane (measured on 2x H200: HT combine
-// 362 -> 499 GB/s going from 4 to 8 per lane).
+// The reduction is bound by how many loads are in flight per lane (docs/performance.md, "Combine
+// loads in flight"): with n <= 2 rows the shape takes more vectors per row, so the lanes keep the
+// same number of loads in flight as with 4 rows.
 template <typename Elem, int kThreads>
 MORI_DEVICE_INLINE void WarpReduceRows(uint4* __restrict__ out, const uint8_t* const* rows, int n,
                                        int vb, int ve) {

@@ -30,8 +30,8 @@ using core::CmpOp;
 // record names the barrier, the phase waited for and the time waited. The abort flag is not
 // polled: it lives in host memory (a PCIe read), and these waits are on this GPU's own copy
 // engine, whose copies complete (or fault the kernel) without any peer's help, normally within
-// microseconds. (Polling it with core::WaitUntil's schedule, or recording from the lanes before
-// the ballot, made the staged kernel spill registers.)
+// microseconds. The staged kernel has no registers to spare: polling the flag on core::WaitUntil's
+// schedule, or recording from every lane before the ballot, makes it spill.
 MORI_DEVICE_INLINE bool WarpWaitStage(const core::WaitContext& wait, uint64_t* bar,
                                       uint32_t phase) {
   bool timedOut = false;
@@ -220,14 +220,12 @@ __global__ void __launch_bounds__(kThreads)
     if (tid == 0) {
       if (a.copyTokens != 0 && R > a.inRows) {
         ReportError(wait, -1, "EP combine: input has fewer rows than dispatch received",
-                    static_cast<const uint64_t*>(nullptr), static_cast<uint64_t>(R),
-                    static_cast<uint64_t>(a.inRows));
+                    CmpOp::kGe, static_cast<uint64_t>(R), static_cast<uint64_t>(a.inRows));
         sFailed = 1;
       }
       if (a.copyWeights != 0 && R > a.inWeightRows) {
         ReportError(wait, -1, "EP combine: weights have fewer rows than dispatch received",
-                    static_cast<const uint64_t*>(nullptr), static_cast<uint64_t>(R),
-                    static_cast<uint64_t>(a.inWeightRows));
+                    CmpOp::kGe, static_cast<uint64_t>(R), static_cast<uint64_t>(a.inWeightRows));
         sFailed = 1;
       }
     }
@@ -303,7 +301,8 @@ __global__ void __launch_bounds__(kThreads)
         }
         const uint32_t myFormat = EpLandingValue(ready, false);
         if ((v & ~0x10u) != myFormat) {
-          ReportError(wait, p, "EP combine: PEs called combine with different dtype/hidden", w,
+          ReportError(wait, p, "EP combine: PEs called combine with different dtype/hidden",
+                      static_cast<const uint64_t*>(w), CmpOp::kEq,
                       static_cast<uint64_t>(myFormat), static_cast<uint64_t>(v & ~0x10u));
           sFailed = 1;
           continue;
@@ -313,14 +312,15 @@ __global__ void __launch_bounds__(kThreads)
         continue;
       }
       uint64_t v = 0;
-      if (!SignalWait(wait, inbox + EpReadyInboxIndex(parity, p, W), epoch, p,
-                      "EP combine: peer input ready", &v)) {
+      EpSignal* const sig = inbox + EpReadyInboxIndex(parity, p, W);
+      if (!SignalWait(wait, sig, epoch, p, "EP combine: peer input ready", &v)) {
         sFailed = 1;
         continue;
       }
       if (EpReadyFormat(v) != myFormat) {
         ReportError(wait, p, "EP combine: PEs called combine with different dtype/hidden",
-                    &inbox->value, myFormat, EpReadyFormat(v));
+                    static_cast<const uint64_t*>(&sig->value), CmpOp::kEq, myFormat,
+                    EpReadyFormat(v));
         sFailed = 1;
         continue;
       }
@@ -349,9 +349,9 @@ __global__ void __launch_bounds__(kThreads)
     const int stride = static_cast<int>(gridDim.x) * nWarps;
     // Every warp takes one item of the first round (item = global warp index). With more items
     // than warps (large batches) the rest are handed out by a work counter, one item at a time, so
-    // warps that drew light tokens (fewer rows) take more: with a fixed stride the blocks finished
-    // 30 us apart in a 230 us HT combine (2x H200 trace). A warp asks for the item after its next
-    // one while it reduces the current one, so the atomic's latency is hidden.
+    // warps that drew light tokens (fewer rows) take more and the blocks finish together, which a
+    // fixed stride does not ensure (docs/performance.md, "Combine balance"). A warp asks for the
+    // item after its next one while it reduces the current one, so the atomic's latency is hidden.
     const bool queued = items > stride;
     int item = static_cast<int>(blockIdx.x) * nWarps + warp;
     uint32_t ticket = 0;  // lane 0: the counter value drawn for the item after `next`
@@ -420,8 +420,8 @@ __global__ void __launch_bounds__(kThreads)
             if (sW[sPeer[warp][j]] == nullptr)  // that PE returned rows but no weights
               ReportError(wait, sPeer[warp][j],
                           "EP combine: a PE passed no weights, this PE asked for weights",
-                          static_cast<const uint64_t*>(nullptr), static_cast<uint64_t>(1),
-                          static_cast<uint64_t>(0));
+                          CmpOp::kNe, static_cast<uint64_t>(EpCombineSource::kNone),
+                          static_cast<uint64_t>(EpCombineSource::kNone));
           }
         }
         for (int k = lane; k < K; k += kWarpSize) {

@@ -79,8 +79,10 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
     // Same verdict in every block; block 0 records it.
     if (R > a.inRows || (a.inWeights != nullptr && R > a.inWeightRows)) {
       if (blockIdx.x == 0)
-        ReportError(wait, -1, "EP combine: input has fewer rows than dispatch received",
-                    static_cast<const uint64_t*>(nullptr), static_cast<uint64_t>(R),
+        ReportError(wait, -1,
+                    R > a.inRows ? "EP combine: input has fewer rows than dispatch received"
+                                 : "EP combine: weights have fewer rows than dispatch received",
+                    CmpOp::kGe, static_cast<uint64_t>(R),
                     static_cast<uint64_t>(R > a.inRows ? a.inRows : a.inWeightRows));
       sFailed = 1;
     }
@@ -135,10 +137,11 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
       const int s = pos / M;
       const int t = pos - s * M;
       if (s < 0 || s >= W || s == me) {  // dispatch wrote these; never expected
+        // The record names the source PE the row's position word decodes to, and what it must be.
         if (lane == 0)
-          ReportError(wait, s, "EP combine: dispatch source position out of step",
-                      static_cast<const uint64_t*>(nullptr), static_cast<uint64_t>(r),
-                      static_cast<uint64_t>(pos));
+          ReportError(wait, s, "EP combine: source PE of a received row (out of step)",
+                      s == me ? CmpOp::kNe : CmpOp::kLt, static_cast<uint64_t>(s == me ? me : W),
+                      static_cast<uint64_t>(static_cast<uint32_t>(s)));
         sFailed = 1;
         break;
       }
@@ -193,14 +196,17 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
       }
       if (EpReadyFormat(v) != EpReadyFormat(format)) {
         ReportError(wait, p, "EP combine: PEs called combine with different dtype/hidden",
-                    &sig->value, EpReadyFormat(format), EpReadyFormat(v));
+                    static_cast<const uint64_t*>(&sig->value), CmpOp::kEq, EpReadyFormat(format),
+                    EpReadyFormat(v));
         sFailed = 1;
         continue;
       }
       const int sent = c.state->sendCount[p];
       if (a.outWeights != nullptr && sent > 0 && EpReadyWeights(v) == EpCombineSource::kNone) {
         ReportError(wait, p, "EP combine: a PE passed no weights, this PE asked for weights",
-                    &sig->value, static_cast<uint64_t>(1), static_cast<uint64_t>(0));
+                    static_cast<const uint64_t*>(&sig->value), CmpOp::kNe,
+                    static_cast<uint64_t>(EpCombineSource::kNone),
+                    static_cast<uint64_t>(EpReadyWeights(v)));
         sFailed = 1;
         continue;
       }
@@ -276,8 +282,8 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
             static_cast<uint64_t>(c.state->sendCount[p]) * static_cast<uint64_t>(vecs);
         const uint64_t got = core::AtomicLoadRelaxedSystem(arrived + p);
         if (!failed && got != expected)
-          ReportError(wait, p, "EP combine: more rows pushed than this PE sent to that PE",
-                      arrived + p, expected, got);
+          ReportError(wait, p, "EP combine: more vectors pushed than this PE sent to that PE",
+                      static_cast<const uint64_t*>(arrived + p), CmpOp::kEq, expected, got);
         core::AtomicStoreRelaxedSystem(arrived + p, static_cast<uint64_t>(0));
       }
       // The next kernel on the stream reads the epoch: the kernel boundary publishes it.

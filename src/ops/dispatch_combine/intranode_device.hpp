@@ -45,9 +45,9 @@ MORI_DEVICE_INLINE void SignalStore(EpSignal* s, uint64_t value, uint64_t epoch)
 
 // The same for one signal slot on each of W PEs, published by ONE thread: values (relaxed), one
 // system acq_rel fence, tags (relaxed). A release store waits until every earlier store of the
-// thread is acknowledged, so W release stores in a row to W peers cost W NVLink round trips
-// (measured: 6.4 us for W = 4 at the end of every combine); this costs one. A reader that acquires
-// a tag sees its value and everything ordered before the fence (fence + relaxed store = release).
+// thread is acknowledged, so W release stores in a row to W peers cost W NVLink round trips; this
+// costs one (figures: docs/performance.md, "Where the LL time goes"). A reader that acquires a
+// tag sees its value and everything ordered before the fence (fence + relaxed store = release).
 // `slot(p)` returns PE p's slot (nullptr: PE p gets none).
 template <typename SlotOf>
 MORI_DEVICE_INLINE void SignalStoreAll(int W, SlotOf slot, uint64_t value, uint64_t epoch) {
@@ -60,12 +60,19 @@ MORI_DEVICE_INLINE void SignalStoreAll(int W, SlotOf slot, uint64_t value, uint6
   }
 }
 
-// Records a protocol violation in the shared device error record (the host raises it) without a
-// wait having expired.
+// Records a protocol or usage violation that a check found (no wait expired) in the shared device
+// error record, kind "usage": `value`, read from the word at `addr`, had to satisfy
+// `value <op> required`. The host raises InvalidUsageError.
 template <typename T>
 MORI_DEVICE_INLINE void ReportError(const core::WaitContext& ctx, int peer, const char* label,
-                                    const T* addr, T expected, T seen) {
-  core::RecordWaitTimeout(ctx, peer, label, addr, core::CmpOp::kEq, expected, seen, 0ull);
+                                    const T* addr, core::CmpOp op, T required, T value) {
+  core::RecordUsageError(ctx, peer, label, addr, op, required, value);
+}
+// The same for a value that is not a word in memory (a kernel argument, a sum formed here).
+MORI_DEVICE_INLINE void ReportError(const core::WaitContext& ctx, int peer, const char* label,
+                                    core::CmpOp op, uint64_t required, uint64_t value) {
+  core::RecordUsageError(ctx, peer, label, static_cast<const uint64_t*>(nullptr), op, required,
+                         value);
 }
 
 // Waits until `s` carries `epoch`; returns false on timeout/abort or if it carries a later epoch
@@ -75,7 +82,8 @@ MORI_DEVICE_INLINE bool SignalWait(const core::WaitContext& ctx, EpSignal* s, ui
   if (!core::WaitUntil(ctx, &s->tag, core::CmpOp::kGe, epoch, peer, label)) return false;
   uint64_t seen = core::AtomicLoadAcquireSystem(&s->tag);
   if (seen != epoch) {
-    ReportError(ctx, peer, "EP signal from a later call (PEs out of step)", &s->tag, epoch, seen);
+    ReportError(ctx, peer, "EP signal from a later call (PEs out of step)", &s->tag,
+                core::CmpOp::kEq, epoch, seen);
     return false;
   }
   *value = core::AtomicLoadRelaxedSystem(&s->value);
@@ -113,9 +121,9 @@ MORI_DEVICE_INLINE bool InterCountWait(const EpKernelCommon& c, const core::Wait
   if (!TagWait(wait, w, epoch, src, label, count) || !TagWait(wait, w + 1, epoch, src, label, &fmt))
     return false;
   if (fmt != static_cast<uint32_t>(format)) {
-    ReportError(wait, src, "EP dispatch: PEs called dispatch with different dtype/hidden/index type",
-                w + 1, static_cast<uint64_t>(static_cast<uint32_t>(format)),
-                static_cast<uint64_t>(fmt));
+    ReportError(wait, src, "EP dispatch: PEs passed different dtype/hidden/index type",
+                static_cast<const uint64_t*>(w + 1), core::CmpOp::kEq,
+                static_cast<uint64_t>(static_cast<uint32_t>(format)), static_cast<uint64_t>(fmt));
     return false;
   }
   return true;
@@ -135,9 +143,9 @@ MORI_DEVICE_INLINE bool RdmaWrite(const EpKernelCommon& c, int pe, void* dst, co
 // leader (g == 0). With at least 3 blocks per destination the local destination gets
 // nb / (2W - 1) blocks (at least 1) and the rest are dealt round-robin over the W - 1 peers: a
 // block copies local rows (inside our own HBM) about twice as fast as it streams rows to a peer
-// (measured, HT dispatch on 2x H200: 40 vs 21 GB/s per block), and every destination gets about
-// the same number of rows, so each local block should carry about twice a peer block's rows.
-// (nb / (2W) left the local-copy blocks the last to finish by 30 us of 164 on 2 PEs.)
+// (docs/performance.md, "Dispatch block split and scan"), and every destination gets about the
+// same number of rows, so each local block should carry about twice a peer block's rows, and the
+// local copy must not be the last to finish.
 // Tested through mori._C._testing (src/pybind/ep_test_bindings.cpp), as the work splits below.
 // ---------------------------------------------------------------------------------------------
 MORI_HOST_DEVICE inline void EpDispatchBlockRole(int b, int nb, int W, int me, int* dest, int* g,
@@ -176,7 +184,7 @@ MORI_HOST_DEVICE inline int EpShareBegin(int n, int i, int parts) {
 
 // How many warps share one row (of `vecs` 16-byte vectors) when `rows` rows go to `warps` warps:
 // floor(warps / rows) while rows are fewer than warps, so that every warp has at most one item
-// (with ceil some warps took two, two rounds of load latency instead of one), but no more parts
+// (ceil would give some warps two: two rounds of load latency instead of one), but no more parts
 // than leave each part two vectors per lane; 1 otherwise.
 MORI_HOST_DEVICE inline int EpPartsPerRow(int rows, int warps, int vecs) {
   if (rows <= 0 || rows >= warps) return 1;

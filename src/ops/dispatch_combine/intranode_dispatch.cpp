@@ -44,7 +44,7 @@ MORI_DEVICE_INLINE size_t AlignUp16(size_t v) { return (v + 15) & ~static_cast<s
 // kThreads: the block size the kernel is built for (256, or kEpMaxThreadsPerBlock). The 256-thread
 // build has the registers to hold each warp's first item across the count wait (kEarlyLoad; about
 // 155 registers a thread, so one block per SM); in the 512-thread build (128 registers a thread)
-// that spilled, so it loads after the wait.
+// that would spill, so it loads after the wait.
 template <typename IndexT, int kThreads, EpFamily kFamily>
 __global__ void __launch_bounds__(kThreads, 1)
     EpDispatchKernel(const EpDispatchKernelArgs a) {
@@ -108,8 +108,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   // A warp takes words (32 tokens, a lane each) nWarps apart. The first kDispatchScanBatch ids of
   // the next word are loaded before this word is processed, so the loads' latency overlaps the
   // work. The test of an id is two compares in the index type against dest's expert range (ids
-  // outside [0, numExperts) fall outside it too): the scan is instruction-bound (HT: every block
-  // tests all 4096 x 8 ids), and a division per id made it 15 us of a 130 us dispatch.
+  // outside [0, numExperts) fall outside it too), never a division: the scan is instruction-bound
+  // (every block tests all T x K ids; docs/performance.md, "Dispatch block split and scan").
   const IndexT lo = static_cast<IndexT>(dest) * static_cast<IndexT>(Epr);
   const IndexT hi = lo + static_cast<IndexT>(Epr);
   auto loadIds = [&](int w, int k0, IndexT (&ids)[kDispatchScanBatch]) {
@@ -198,9 +198,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (leader && sFailed == 0) {
       // Values from all threads (relaxed), the barrier, ONE release fence (thread 0, cumulative over
       // the barrier, as in 4c), then thread 0 stores the W tags: a release store per thread (Epr
-      // histogram entries, 256 with one PE) cost one system fence each. The tag of the count signal
-      // to d also publishes d's histogram. Block 0's done-waits are ordered before all of it by the
-      // barrier above (causality is transitive through bar.sync).
+      // histogram entries, 256 with one PE) would cost one system fence each. The tag of the count
+      // signal to d also publishes d's histogram. Block 0's done-waits are ordered before all of it
+      // by the barrier above (causality is transitive through bar.sync).
       const uint64_t packed = EpPackCount(static_cast<uint32_t>(countD), a.format);
       const size_t countSlot = EpCountInboxIndex(parity, me, dest, W);
       for (int p = tid; p < W; p += nThreads)
@@ -343,8 +343,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         continue;
       }
       if (EpFormatOf(v) != a.format) {
-        ReportError(wait, s, "EP dispatch: PEs called dispatch with different dtype/hidden/"
-                    "index type", &inbox->value, a.format, EpFormatOf(v));
+        ReportError(wait, s, "EP dispatch: PEs passed different dtype/hidden/index type",
+                    &(inbox + EpCountInboxIndex(parity, s, dest, W))->value, CmpOp::kEq, a.format,
+                    EpFormatOf(v));
         sFailed = 1;
         continue;
       }
@@ -356,8 +357,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (sFailed == 0) {
     const int sendBase = sSendBase;
     if (countD > 0 && tid == 0 && static_cast<long long>(sendBase) + countD > c.maxRecvRows) {
-      ReportError(wait, dest, "EP dispatch: PE rows > max_total_recv_tokens",
-                  &sSendBase, c.maxRecvRows, sendBase + countD);
+      ReportError(wait, dest, "EP dispatch: PE rows > max_total_recv_tokens", CmpOp::kLe,
+                  static_cast<uint64_t>(c.maxRecvRows), static_cast<uint64_t>(sendBase + countD));
       sFailed = 1;
     }
     __syncthreads();
@@ -523,8 +524,9 @@ __global__ void __launch_bounds__(kThreads, 1)
                         "EP dispatch: token count for this PE", &v)) {
           sFailed = 1;
         } else if (EpFormatOf(v) != a.format) {
-          ReportError(wait, s, "EP dispatch: PEs called dispatch with different dtype/hidden/"
-                      "index type", &inbox->value, a.format, EpFormatOf(v));
+          ReportError(wait, s, "EP dispatch: PEs passed different dtype/hidden/index type",
+                      &(inbox + EpCountInboxIndex(parity, s, me, W))->value, CmpOp::kEq, a.format,
+                      EpFormatOf(v));
           sFailed = 1;
         } else {
           cnt = EpCountOf(v);
@@ -535,8 +537,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     __syncthreads();
     if (tid == 0 && sFailed == 0 && sTotal > c.maxRecvRows) {
-      ReportError(wait, -1, "EP dispatch: rows exceed max_total_recv_tokens", &sTotal,
-                  c.maxRecvRows, sTotal);
+      ReportError(wait, -1, "EP dispatch: rows exceed max_total_recv_tokens", CmpOp::kLe,
+                  static_cast<uint64_t>(c.maxRecvRows), static_cast<uint64_t>(sTotal));
       sFailed = 1;
     }
     __syncthreads();
@@ -553,8 +555,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (!TagWait(wait, tailWord, epoch, s, "EP dispatch: RDMA rows (tail) from PE", &rows)) {
           sFailed = 1;
         } else if (rows != cnt) {
-          ReportError(wait, s, "EP dispatch: RDMA tail != announced count", tailWord,
-                      cnt, static_cast<uint64_t>(rows));
+          ReportError(wait, s, "EP dispatch: RDMA tail != announced count",
+                      static_cast<const uint64_t*>(tailWord), CmpOp::kEq, cnt,
+                      static_cast<uint64_t>(rows));
           sFailed = 1;
         }
         continue;
@@ -566,8 +569,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       const uint64_t got = core::AtomicLoadAcquireSystem(arrived + s);
       if (got != cnt) {
-        ReportError(wait, s, "EP dispatch: more rows arrived than announced", arrived + s, cnt,
-                    got);
+        ReportError(wait, s, "EP dispatch: more rows arrived than announced",
+                    static_cast<const uint64_t*>(arrived + s), CmpOp::kEq, cnt, got);
         sFailed = 1;
         continue;
       }

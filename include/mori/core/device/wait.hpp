@@ -7,68 +7,22 @@
 // prints one line, and raises the abort flag so every other wait of every kernel sharing the record
 // bails out. Callers return from the kernel when a wait returns false; the host reads the record
 // (it lives in mapped host memory) and raises TimeoutError. No trap: the GPU context stays usable.
+// A violation that a check finds without any wait expiring is recorded with RecordUsageError
+// (InvalidUsageError on the host) through the same record and abort flag.
 #pragma once
 
 #include <cstdint>
 
+#include "mori/core/device_error.hpp"
 #include "mori/core/gpu.hpp"
 
 namespace mori::core {
-
-enum class CmpOp : int32_t { kEq = 0, kNe, kGt, kGe, kLt, kLe };
-
-MORI_HOST_DEVICE inline const char* CmpOpName(CmpOp op) {
-  switch (op) {
-    case CmpOp::kEq: return "==";
-    case CmpOp::kNe: return "!=";
-    case CmpOp::kGt: return ">";
-    case CmpOp::kGe: return ">=";
-    case CmpOp::kLt: return "<";
-    case CmpOp::kLe: return "<=";
-  }
-  return "?";
-}
-
-constexpr int kDeviceErrorLabelLen = 64;  // "<op>: <what>": the longest op name plus text fit
-
-// Shared by host and device; lives in host-pinned memory mapped into the GPU.
-struct DeviceErrorRecord {
-  uint32_t claimed;    // 0: no error; the first failing thread sets 1 and fills the fields
-  uint32_t abortFlag;  // nonzero: every bounded wait gives up at once
-  int32_t rank;
-  int32_t peer;        // -1 when the wait is not on one peer
-  int32_t block;
-  int32_t thread;
-  int32_t cmp;         // CmpOp
-  int32_t valueBytes;  // 4 or 8
-  uint64_t addr;
-  uint64_t expected;
-  uint64_t seen;
-  uint64_t elapsedNs;
-  char label[kDeviceErrorLabelLen];
-};
 
 // What a kernel needs to bound its waits; passed by value inside device contexts.
 struct WaitContext {
   DeviceErrorRecord* err;  // device-visible pointer to the mapped record
   uint64_t timeoutNs;
   int32_t rank;
-};
-
-// DeviceErrorRecord::cmp values of records that are not a timed-out wait.
-constexpr int32_t kDeviceErrorNotAWait = -1;  // invalid call: label says what, `expected` a detail
-constexpr int32_t kDeviceErrorRdmaCqe = -2;   // RDMA error completion: addr = QPN, expected = WQE
-                                              // index, seen = syndrome | vendor << 8 | opcode << 16
-
-// The fields of one error besides who reports it (rank, block, thread come from the caller).
-struct DeviceErrorFields {
-  int32_t peer;
-  int32_t cmp;  // CmpOp of a timed-out wait, or a kDeviceError* code
-  int32_t valueBytes;
-  uint64_t addr;
-  uint64_t expected;
-  uint64_t seen;
-  uint64_t elapsedNs;
 };
 
 #if MORI_GPU_COMPILER
@@ -104,6 +58,8 @@ __device__ __noinline__ inline bool RecordDeviceError(const WaitContext& ctx,
     AtomicStoreRelaxedSystem<uint32_t>(&e->abortFlag, 1u);
     return false;
   }
+  e->kind = static_cast<int32_t>(f.kind);
+  e->reserved = 0;
   e->rank = ctx.rank;
   e->peer = f.peer;
   e->block = static_cast<int32_t>(blockIdx.x);
@@ -131,7 +87,8 @@ template <typename T>
 __device__ __noinline__ void RecordWaitTimeout(const WaitContext& ctx, int peer, const char* label,
                                                const T* addr, CmpOp op, T target, T seen,
                                                uint64_t elapsedNs) {
-  const DeviceErrorFields f{peer,
+  const DeviceErrorFields f{DeviceErrorKind::kTimeout,
+                            peer,
                             static_cast<int32_t>(op),
                             static_cast<int32_t>(sizeof(T)),
                             reinterpret_cast<uint64_t>(addr),
@@ -144,6 +101,29 @@ __device__ __noinline__ void RecordWaitTimeout(const WaitContext& ctx, int peer,
            ctx.rank, (int)blockIdx.x, (int)threadIdx.x, (unsigned long long)elapsedNs,
            label ? label : "?", peer, (const void*)addr, CmpOpName(op),
            (unsigned long long)target, (unsigned long long)seen);
+  }
+}
+
+// Records a violated check (first error wins), prints one line, raises the abort flag: `value`
+// had to satisfy `value <op> required` and did not. `addr` is the word `value` was read from
+// (nullptr: a value not in memory, e.g. a kernel argument). The host raises InvalidUsageError.
+template <typename T>
+__device__ __noinline__ void RecordUsageError(const WaitContext& ctx, int peer, const char* label,
+                                              const T* addr, CmpOp op, T required, T value) {
+  const DeviceErrorFields f{DeviceErrorKind::kUsage,
+                            peer,
+                            static_cast<int32_t>(op),
+                            addr != nullptr ? static_cast<int32_t>(sizeof(T)) : 0,
+                            reinterpret_cast<uint64_t>(addr),
+                            static_cast<uint64_t>(required),
+                            static_cast<uint64_t>(value),
+                            0};
+  if (RecordDeviceError(ctx, f, label) || ctx.err == nullptr) {
+    printf("[MORI device error] rank %d block %d thread %d: %s (peer %d): found %llu, required %s "
+           "%llu (at %p)\n",
+           ctx.rank, (int)blockIdx.x, (int)threadIdx.x, label ? label : "?", peer,
+           (unsigned long long)value, CmpOpName(op), (unsigned long long)required,
+           (const void*)addr);
   }
 }
 

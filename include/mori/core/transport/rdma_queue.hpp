@@ -46,7 +46,7 @@
 #include "mori/core/device/wait.hpp"
 #else
 namespace mori::core {
-struct DeviceErrorRecord;  // defined in core/device/wait.hpp (device builds)
+struct DeviceErrorRecord;  // defined in core/device_error.hpp, written by core/device/wait.hpp
 }
 #endif
 

@@ -20,7 +20,8 @@
 //    quiet (ShmemRdmaCompleted).
 //  * Atomics over RDMA are 64-bit (the NIC's FETCH_ADD / COMPARE_SWAP); 32-bit ones record an error.
 //  * A timed-out wait is recorded by the queue (label names what it waited for); an error
-//    completion is recorded with QPN, WQE index and syndrome (cmp = kDeviceErrorRdmaCqe). Either
+//    completion is recorded with QPN, WQE index and syndrome (kind kRemote, cmp =
+//    kDeviceErrorRdmaCqe; the host raises RemoteError). Either
 //    way the abort flag is raised, and the call reports failure.
 #pragma once
 
@@ -116,8 +117,8 @@ __device__ __noinline__ inline void ReportRdmaFailure(const ShmemDeviceContext& 
     const uint64_t syndrome = static_cast<uint64_t>(e.syndrome) |
                               (static_cast<uint64_t>(e.vendorSyndrome) << 8) |
                               (static_cast<uint64_t>(e.sendOpcode) << 16);
-    const core::DeviceErrorFields f{pe, core::kDeviceErrorRdmaCqe, 0, e.qpn, e.wqeCounter,
-                                    syndrome, 0};
+    const core::DeviceErrorFields f{core::DeviceErrorKind::kRemote, pe, core::kDeviceErrorRdmaCqe,
+                                    0, e.qpn, e.wqeCounter, syndrome, 0};
     if (core::RecordDeviceError(ctx.wait, f, op, ": error completion") ||
         ctx.wait.err == nullptr) {
       printf("[MORI device error] rank %d block %d thread %d: %s: RDMA error completion from pe %d: "

@@ -3,7 +3,8 @@
 //
 // Errors that are not timed-out waits (pe out of range, address outside the symmetric heap,
 // an operation the transport does not offer) are written to the same DeviceErrorRecord the bounded waits use, with
-// cmp = kDeviceErrorNotAWait, so the host surfaces them through ShmemCheckDeviceError; they also
+// kind kUsage and cmp = kDeviceErrorNotAWait, so the host raises them as InvalidUsageError through
+// ShmemCheckDeviceError; they also
 // raise the abort flag, so every bounded wait of the PE gives up instead of waiting for data that
 // will not come. The API call then returns false (or a zero value) and does nothing.
 //
@@ -85,7 +86,8 @@ struct CallStatus {
 __device__ __noinline__ inline void ReportCallError(const core::WaitContext& w, int peer,
                                                     const char* op, const CallStatus& st) {
   const char* what = CallErrorText(st.code);
-  const core::DeviceErrorFields f{peer, core::kDeviceErrorNotAWait, 0, st.addr, st.detail, 0, 0};
+  const core::DeviceErrorFields f{core::DeviceErrorKind::kUsage, peer, core::kDeviceErrorNotAWait,
+                                  0, st.addr, st.detail, 0, 0};
   if (!core::RecordDeviceError(w, f, op, ": ", what) && w.err != nullptr) return;
   printf(
       "[MORI device error] rank %d block %d thread %d: %s: %s (pe %d, addr 0x%llx, detail %llu)\n",
