@@ -70,7 +70,18 @@ class GpuMemoryAccessor : public EmuMemoryAccessor {
 
   void Copy(void* dst, const void* src, size_t bytes) override {
     Bind();
+    const auto t0 = std::chrono::steady_clock::now();
     MORI_CHECK_GPU(gpuMemcpyAsync(dst, src, bytes, gpuMemcpyDefault, stream));
+    // Enqueuing must not wait for the GPU. If it does (the runtime busy with another thread's
+    // call, e.g. a launch into a full queue), every QP of this PE stalls meanwhile: say so, once.
+    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                        std::chrono::steady_clock::now() - t0)
+                        .count();
+    if (ms >= kSlowCallMs && !warnedSlowEnqueue) {
+      warnedSlowEnqueue = true;
+      MORI_WARN(kLogRdma, "RDMA emulator: enqueuing a %zu-byte copy on device %d took %lld ms",
+                bytes, device, static_cast<long long>(ms));
+    }
   }
   uint64_t FetchAdd64(void* target, uint64_t add) override {
     return Atomic(target, add, 0, kEmuFetchAdd);
@@ -103,10 +114,19 @@ class GpuMemoryAccessor : public EmuMemoryAccessor {
   }
   // Bounded stream wait: a kernel occupying every SM would keep the atomic kernel from running.
   void Wait(const char* what) {
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeoutMs);
+    const auto start = std::chrono::steady_clock::now();
+    const auto deadline = start + std::chrono::milliseconds(timeoutMs);
+    bool warned = false;
     for (int spins = 0;; spins++) {
       const gpuError_t e = gpuStreamQuery(stream);
       if (e == gpuSuccess) return;
+      if (!warned && std::chrono::steady_clock::now() - start > std::chrono::milliseconds(kSlowCallMs)) {
+        // Copies of a few MB take microseconds: the stream is not being served (SMs or the
+        // stream's hardware queue held by other work), and every QP of this PE waits with it.
+        warned = true;
+        MORI_WARN(kLogRdma, "RDMA emulator: %s on device %d pending for over %d ms", what, device,
+                  kSlowCallMs);
+      }
       if (e != gpuErrorNotReady) MORI_CHECK_GPU(e);
       if (std::chrono::steady_clock::now() > deadline)
         MORI_THROW(TimeoutError,
@@ -116,8 +136,10 @@ class GpuMemoryAccessor : public EmuMemoryAccessor {
     }
   }
 
+  static constexpr int kSlowCallMs = 1000;
   int device;
   int64_t timeoutMs;
+  bool warnedSlowEnqueue = false;
   gpuStream_t stream = nullptr;
   uint64_t* oldHost = nullptr;
   uint64_t* oldDev = nullptr;
