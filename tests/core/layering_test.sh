@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Checks the layering rule of docs/architecture.md (a layer includes only itself and the layers
-# below it) and that only core/gpu.hpp and core/hd.hpp test the platform. Usage: layering_test.sh <repo root>
+# below it) and that only the portability headers (core/gpu_runtime.hpp, core/gpu_device.hpp,
+# core/hd.hpp) test the platform. Usage: layering_test.sh <repo root>
 set -u
 root=${1:-.}
 cd "$root" || exit 2
@@ -28,11 +29,11 @@ layering=$fail
 
 # The platform is tested only in the portability headers (docs/architecture.md, "One source").
 fail=0
-hits=$(grep -rnE '__CUDACC__|__HIPCC__|__CUDA_ARCH__|__HIP_DEVICE_COMPILE__|__HIP_PLATFORM|[^_]MORI_HIP\b' \
+hits=$(grep -rnE '__CUDACC__|__HIPCC__|__CUDA_ARCH__|__HIP_DEVICE_COMPILE__|__HIP_PLATFORM|[^_]MORI_(HIP|CUDA)\b' \
   include src tools examples --include='*.hpp' --include='*.cpp' --include='*.h' --include='*.cu' 2>/dev/null |
-  grep -vE '^include/mori/core/(gpu|hd)\.hpp:' || true)
+  grep -vE '^include/mori/core/(gpu_runtime|gpu_device|hd)\.hpp:' || true)
 if [ -n "$hits" ]; then
-  echo "platform tested outside core/gpu.hpp and core/hd.hpp:"
+  echo "platform tested outside core/gpu_runtime.hpp, core/gpu_device.hpp and core/hd.hpp:"
   echo "$hits"
   fail=1
 fi

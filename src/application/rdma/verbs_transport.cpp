@@ -8,6 +8,7 @@
 
 #include <cstring>
 
+#include "mori/application/rdma/gpu_dmabuf.hpp"
 #include "mori/application/rdma/ibverbs_loader.hpp"
 #include "mori/application/rdma/mlx5dv_queue.hpp"
 #include "mori/core/env.hpp"
@@ -69,8 +70,8 @@ class RuntimeGpuHostAccess final : public GpuHostAccess {
   bool ExportDmabuf(void* ptr, size_t bytes, int* fd, uint64_t* offset, std::string* why) override {
     const long page = sysconf(_SC_PAGESIZE);
     int driverError = 0;
-    gpuError_t e = core::GpuExportDmabuf(ptr, bytes, page > 0 ? static_cast<size_t>(page) : 4096,
-                                         fd, offset, &driverError);
+    gpuError_t e = GpuExportDmabuf(ptr, bytes, page > 0 ? static_cast<size_t>(page) : 4096, fd,
+                                   offset, &driverError);
     if (e != gpuSuccess) {
       (void)gpuGetLastError();
       *why = "dma-buf export: " + GpuErrorText(e) +

@@ -24,7 +24,8 @@ class GpuHostAccess {
   // Zeroed pinned host memory mapped for the device; throws GpuRuntimeError.
   virtual void* AllocMappedHost(size_t bytes) = 0;
   virtual void FreeMappedHost(void* host) noexcept = 0;
-  // dma-buf of the device range (see core::GpuExportDmabuf). False with *why when unsupported.
+  // dma-buf of the device range (see GpuExportDmabuf in gpu_dmabuf.hpp). False with *why when
+  // unsupported.
   virtual bool ExportDmabuf(void* ptr, size_t bytes, int* fd, uint64_t* offset,
                             std::string* why) = 0;
 };
