@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Checks the layering rule of docs/architecture.md (a layer includes only itself and the layers
 # below it) and that only the portability headers (core/gpu_runtime.hpp, core/gpu_device.hpp,
-# core/hd.hpp) test the platform. Usage: layering_test.sh <repo root>
+# core/host_device.hpp) test the platform. Usage: layering_test.sh <repo root>
 set -u
 root=${1:-.}
 cd "$root" || exit 2
@@ -31,9 +31,9 @@ layering=$fail
 fail=0
 hits=$(grep -rnE '__CUDACC__|__HIPCC__|__CUDA_ARCH__|__HIP_DEVICE_COMPILE__|__HIP_PLATFORM|[^_]MORI_(HIP|CUDA)\b' \
   include src tools examples --include='*.hpp' --include='*.cpp' --include='*.h' --include='*.cu' 2>/dev/null |
-  grep -vE '^include/mori/core/(gpu_runtime|gpu_device|hd)\.hpp:' || true)
+  grep -vE '^include/mori/core/(gpu_runtime|gpu_device|host_device)\.hpp:' || true)
 if [ -n "$hits" ]; then
-  echo "platform tested outside core/gpu_runtime.hpp, core/gpu_device.hpp and core/hd.hpp:"
+  echo "platform tested outside core/gpu_runtime.hpp, core/gpu_device.hpp and core/host_device.hpp:"
   echo "$hits"
   fail=1
 fi

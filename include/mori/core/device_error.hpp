@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <string>
 
-#include "mori/core/hd.hpp"
+#include "mori/core/host_device.hpp"
 
 namespace mori::core {
 

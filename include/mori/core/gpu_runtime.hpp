@@ -12,7 +12,7 @@
 #include <cstring>
 #include <string>
 
-#include "mori/core/hd.hpp"
+#include "mori/core/host_device.hpp"
 
 #if defined(MORI_BACKEND_HIP) || defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC__)
 #define MORI_HIP 1

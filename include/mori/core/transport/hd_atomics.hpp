@@ -6,14 +6,13 @@
 
 #include <cstdint>
 
-#include "mori/core/hd.hpp"
+#include "mori/core/host_device.hpp"
 
 #if MORI_GPU_COMPILER
 #include "mori/core/gpu.hpp"
 #endif
 #define MORI_HD_INLINE MORI_HD inline
 
-#define MORI_HD_DEVICE_PASS MORI_DEVICE_PASS
 #if !MORI_DEVICE_PASS
 #include <chrono>
 #include <thread>
@@ -26,7 +25,7 @@ namespace mori::core::hd {
 
 template <typename T>
 MORI_HD_INLINE T LoadAcquire(T* p) {
-#if MORI_HD_DEVICE_PASS
+#if MORI_DEVICE_PASS
   return AtomicLoadAcquireSystem(p);
 #else
   return __atomic_load_n(p, __ATOMIC_ACQUIRE);
@@ -34,7 +33,7 @@ MORI_HD_INLINE T LoadAcquire(T* p) {
 }
 template <typename T>
 MORI_HD_INLINE T LoadRelaxed(T* p) {
-#if MORI_HD_DEVICE_PASS
+#if MORI_DEVICE_PASS
   return AtomicLoadRelaxedSystem(p);
 #else
   return __atomic_load_n(p, __ATOMIC_RELAXED);
@@ -42,7 +41,7 @@ MORI_HD_INLINE T LoadRelaxed(T* p) {
 }
 template <typename T>
 MORI_HD_INLINE void StoreRelease(T* p, T v) {
-#if MORI_HD_DEVICE_PASS
+#if MORI_DEVICE_PASS
   AtomicStoreReleaseSystem(p, v);
 #else
   __atomic_store_n(p, v, __ATOMIC_RELEASE);
@@ -50,7 +49,7 @@ MORI_HD_INLINE void StoreRelease(T* p, T v) {
 }
 template <typename T>
 MORI_HD_INLINE void StoreRelaxed(T* p, T v) {
-#if MORI_HD_DEVICE_PASS
+#if MORI_DEVICE_PASS
   AtomicStoreRelaxedSystem(p, v);
 #else
   __atomic_store_n(p, v, __ATOMIC_RELAXED);
@@ -59,7 +58,7 @@ MORI_HD_INLINE void StoreRelaxed(T* p, T v) {
 // Relaxed fetch-add: returns the old value.
 template <typename T>
 MORI_HD_INLINE T FetchAddRelaxed(T* p, T v) {
-#if MORI_HD_DEVICE_PASS
+#if MORI_DEVICE_PASS
   return AtomicFetchAddSystem(p, v);
 #else
   return __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
@@ -67,7 +66,7 @@ MORI_HD_INLINE T FetchAddRelaxed(T* p, T v) {
 }
 // Try-acquire of a 0/1 lock word; true when this caller now holds it.
 MORI_HD_INLINE bool TryLock(uint32_t* lock) {
-#if MORI_HD_DEVICE_PASS
+#if MORI_DEVICE_PASS
   if (AtomicCasSystem<uint32_t>(lock, 0u, 1u) != 0u) return false;
   FenceAcqRelSystem();
   return true;
@@ -82,7 +81,7 @@ MORI_HD_INLINE void Unlock(uint32_t* lock) {
 }
 // Release fence: this thread's earlier stores (the WQE bytes) before its later ones.
 MORI_HD_INLINE void FenceRelease() {
-#if MORI_HD_DEVICE_PASS
+#if MORI_DEVICE_PASS
   FenceAcqRelSystem();
 #else
   __atomic_thread_fence(__ATOMIC_RELEASE);
@@ -90,7 +89,7 @@ MORI_HD_INLINE void FenceRelease() {
 }
 // Monotonic nanoseconds (device: the GPU's global timer).
 MORI_HD_INLINE uint64_t NowNs() {
-#if MORI_HD_DEVICE_PASS
+#if MORI_DEVICE_PASS
   return WallClockNs();
 #else
   return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -100,7 +99,7 @@ MORI_HD_INLINE uint64_t NowNs() {
 }
 // Back-off inside a spin loop; `iter` counts the iterations so far.
 MORI_HD_INLINE void Pause(uint32_t iter) {
-#if MORI_HD_DEVICE_PASS
+#if MORI_DEVICE_PASS
   (void)iter;
   SpinPause();
 #else

@@ -12,7 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "mori/core/hd.hpp"
+#include "mori/core/host_device.hpp"
 
 #define MORI_ENC_HD MORI_HD inline
 

@@ -42,7 +42,7 @@
 #include "mori/core/transport/hd_atomics.hpp"
 #include "mori/core/transport/mlx5_wqe.hpp"
 
-#if MORI_HD_DEVICE_PASS
+#if MORI_DEVICE_PASS
 #include "mori/core/device/wait.hpp"
 #else
 namespace mori::core {
@@ -198,7 +198,7 @@ MORI_HD_INLINE QueueResult WaitCounterAtLeast(const QpEndpoint& ep, uint64_t* co
   uint64_t v = hd::LoadAcquire(counter);
   if (v >= target) return QueueOk();
   const uint64_t t0 = hd::NowNs();
-#if MORI_HD_DEVICE_PASS
+#if MORI_DEVICE_PASS
   uint64_t nextAbortCheck = kAbortCheckFirstNs;  // the abort flag is a PCIe read: ration it
 #endif
   for (uint32_t iter = 1;; iter++) {
@@ -207,7 +207,7 @@ MORI_HD_INLINE QueueResult WaitCounterAtLeast(const QpEndpoint& ep, uint64_t* co
     if (v >= target) return QueueOk();
     if ((iter & 15u) == 0) {
       const uint64_t elapsed = hd::NowNs() - t0;
-#if MORI_HD_DEVICE_PASS
+#if MORI_DEVICE_PASS
       WaitContext wctx{ctx.err, ctx.timeoutNs, ctx.rank};
       if (elapsed >= nextAbortCheck) {
         if (DeviceAborted(wctx))

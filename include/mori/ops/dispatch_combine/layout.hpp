@@ -32,10 +32,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "mori/core/host_device.hpp"
 #include "mori/ops/dispatch_combine/config.hpp"
-#include "mori/core/hd.hpp"
-
-#define MORI_EP_HD MORI_HD
 
 namespace mori::ops {
 
@@ -188,22 +186,22 @@ size_t EpDispatchSmemBytes(const EpDispatchCombineConfig& config, int warpSize);
 constexpr size_t kEpMaxDispatchSmemBytes = 40 * 1024;
 
 // --- index helpers (element indices into the arrays above) ---------------------------------
-MORI_EP_HD inline size_t EpCountInboxIndex(int parity, int src, int dst, int worldSize) {
+MORI_HD inline size_t EpCountInboxIndex(int parity, int src, int dst, int worldSize) {
   return (static_cast<size_t>(parity) * worldSize + src) * worldSize + dst;
 }
-MORI_EP_HD inline size_t EpExpertInboxIndex(int parity, int src, int expert, int worldSize,
-                                            int expertsPerRank) {
+MORI_HD inline size_t EpExpertInboxIndex(int parity, int src, int expert, int worldSize,
+                                         int expertsPerRank) {
   return (static_cast<size_t>(parity) * worldSize + src) * expertsPerRank + expert;
 }
-MORI_EP_HD inline size_t EpReadyInboxIndex(int parity, int src, int worldSize) {
+MORI_HD inline size_t EpReadyInboxIndex(int parity, int src, int worldSize) {
   return static_cast<size_t>(parity) * worldSize + src;
 }
 // Push combine: slot of token `t`'s row from PE `pe` in pushRecvTokens (rows) / pushRecvWeights
 // (rows of K floats), and the arrival counter of `pe` in pushArrived, for a call of `parity`.
-MORI_EP_HD inline size_t EpPushSlot(int parity, int t, int pe, int maxTokens, int worldSize) {
+MORI_HD inline size_t EpPushSlot(int parity, int t, int pe, int maxTokens, int worldSize) {
   return (static_cast<size_t>(parity) * maxTokens + t) * worldSize + pe;
 }
-MORI_EP_HD inline size_t EpPushArrivedIndex(int parity, int pe, int worldSize) {
+MORI_HD inline size_t EpPushArrivedIndex(int parity, int pe, int worldSize) {
   return static_cast<size_t>(parity) * worldSize + pe;
 }
 
@@ -212,16 +210,16 @@ MORI_EP_HD inline size_t EpPushArrivedIndex(int parity, int pe, int worldSize) {
 // bits 32..63. Every PE of one call must use the same format; a PE that sees another one records
 // an error instead of writing or reading misplaced rows. (Whether a call passes weights/scales is
 // not part of it: a PE without tokens may pass neither.)
-MORI_EP_HD inline uint64_t EpDispatchFormat(uint32_t rowBytes, int dataType, int indexType) {
+MORI_HD inline uint64_t EpDispatchFormat(uint32_t rowBytes, int dataType, int indexType) {
   return (static_cast<uint64_t>(rowBytes / 16u) & 0xFFFFFull) |
          (static_cast<uint64_t>(dataType & 0xF) << 20) |
          (static_cast<uint64_t>(indexType & 0x1) << 24);
 }
-MORI_EP_HD inline uint64_t EpPackCount(uint32_t count, uint64_t format) {
+MORI_HD inline uint64_t EpPackCount(uint32_t count, uint64_t format) {
   return static_cast<uint64_t>(count) | (format << 32);
 }
-MORI_EP_HD inline uint32_t EpCountOf(uint64_t packed) { return static_cast<uint32_t>(packed); }
-MORI_EP_HD inline uint64_t EpFormatOf(uint64_t packed) { return packed >> 32; }
+MORI_HD inline uint32_t EpCountOf(uint64_t packed) { return static_cast<uint32_t>(packed); }
+MORI_HD inline uint64_t EpFormatOf(uint64_t packed) { return packed >> 32; }
 
 // Where a PE's combine input rows (and weights) are, announced with its ready signal (readyInbox
 // value; the push combine sends the same value, and there only "no weights" matters).
@@ -232,35 +230,35 @@ enum class EpCombineSource : uint32_t {
 };
 // readyInbox value: token source bits 0..3, weight source bits 4..7, dtype bits 8..11, row
 // bytes bits 16..47.
-MORI_EP_HD inline uint64_t EpPackReady(EpCombineSource tokens, EpCombineSource weights,
-                                       int dataType, uint32_t rowBytes) {
+MORI_HD inline uint64_t EpPackReady(EpCombineSource tokens, EpCombineSource weights,
+                                    int dataType, uint32_t rowBytes) {
   return static_cast<uint64_t>(tokens) | (static_cast<uint64_t>(weights) << 4) |
          (static_cast<uint64_t>(dataType & 0xF) << 8) | (static_cast<uint64_t>(rowBytes) << 16);
 }
-MORI_EP_HD inline EpCombineSource EpReadyTokens(uint64_t v) {
+MORI_HD inline EpCombineSource EpReadyTokens(uint64_t v) {
   return static_cast<EpCombineSource>(v & 0xF);
 }
-MORI_EP_HD inline EpCombineSource EpReadyWeights(uint64_t v) {
+MORI_HD inline EpCombineSource EpReadyWeights(uint64_t v) {
   return static_cast<EpCombineSource>((v >> 4) & 0xF);
 }
-MORI_EP_HD inline uint64_t EpReadyFormat(uint64_t v) { return v >> 8; }
+MORI_HD inline uint64_t EpReadyFormat(uint64_t v) { return v >> 8; }
 
 // --- tagged words (inter-node signals) -------------------------------------------------------
 // A signal a NIC writes must be ONE aligned 8-byte word: an RDMA WRITE gives the reader no order
 // inside a message. The high half is the call's epoch (mod 2^32: readers compare it for equality,
 // and a slot is rewritten at most two calls later), the low half a 32-bit value.
-MORI_EP_HD inline uint64_t EpTagWord(uint64_t epoch, uint32_t value) {
+MORI_HD inline uint64_t EpTagWord(uint64_t epoch, uint32_t value) {
   return (epoch << 32) | static_cast<uint64_t>(value);
 }
-MORI_EP_HD inline uint32_t EpTagOf(uint64_t word) { return static_cast<uint32_t>(word >> 32); }
-MORI_EP_HD inline uint32_t EpTagValue(uint64_t word) { return static_cast<uint32_t>(word); }
+MORI_HD inline uint32_t EpTagOf(uint64_t word) { return static_cast<uint32_t>(word >> 32); }
+MORI_HD inline uint32_t EpTagValue(uint64_t word) { return static_cast<uint32_t>(word); }
 // interCount slot of src's count word pair for dst ([parity][src][dst][2]: count, then format).
-MORI_EP_HD inline size_t EpInterCountIndex(int parity, int src, int dst, int worldSize) {
+MORI_HD inline size_t EpInterCountIndex(int parity, int src, int dst, int worldSize) {
   return ((static_cast<size_t>(parity) * worldSize + src) * worldSize + dst) * 2;
 }
 // landingReady value: the combine format (EpReadyFormat: dtype bits 0..3, row bytes from bit 8;
 // Validate keeps rows within 16 MiB, so it fits 32 bits) and bit 4 = weights were sent.
-MORI_EP_HD inline uint32_t EpLandingValue(uint64_t ready, bool weights) {
+MORI_HD inline uint32_t EpLandingValue(uint64_t ready, bool weights) {
   return static_cast<uint32_t>(EpReadyFormat(ready)) | (weights ? 0x10u : 0u);
 }
 

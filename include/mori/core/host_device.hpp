@@ -1,5 +1,6 @@
-// Compilation-mode macros for headers shared by host-only and GPU translation units (wire formats,
-// the posting protocol, buffer layouts). Besides gpu.hpp this is the only place that tests the
+// Compilation-mode macros for code compiled for both host and device, in headers shared by
+// host-only and GPU translation units (wire formats, the posting protocol, buffer layouts).
+// Besides core/gpu_runtime.hpp and core/gpu_device.hpp this is the only place that tests the
 // compiler; it includes no GPU runtime header, so host-only code and host tests can use it.
 //   MORI_GPU_COMPILER  1 when nvcc or a HIP compiler compiles the unit (host or device pass)
 //   MORI_DEVICE_PASS   1 in the device pass of such a compiler
