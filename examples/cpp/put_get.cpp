@@ -10,12 +10,15 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <string>
 #include <vector>
 
 #include "mori/core/gpu_check.hpp"
+#include "mori/core/gpu_count.hpp"
 #include "mori/shmem/shmem_api.hpp"
 #include "mori/shmem/shmem_device_api.hpp"
 
@@ -84,28 +87,14 @@ int RunPe(int rank, int npes, int gpus, const UniqueId& id) {
   return errorCount == 0 ? 0 : 1;
 }
 
-// The GPU count, asked in a child process: a process must not touch the GPU before it forks.
-int CountGpus() {
-  int fds[2];
-  if (pipe(fds) != 0) return 0;
-  if (fork() == 0) {
-    int n = 0;
-    if (gpuGetDeviceCount(&n) != gpuSuccess) n = 0;
-    (void)!write(fds[1], &n, sizeof(n));
-    _exit(0);
-  }
-  int n = 0;
-  if (read(fds[0], &n, sizeof(n)) != sizeof(n)) n = 0;
-  wait(nullptr);
-  return n;
-}
-
 int main(int argc, char** argv) {
-  const int gpus = CountGpus();
+  // Counted in a child process: this process must not use the GPU before it forks the PEs.
+  std::string why;
+  const int gpus = std::max(0, mori::core::CountGpusInChildProcess(&why));
   const int npes = argc > 1 ? std::atoi(argv[1]) : gpus;  // `put_get 4` on 1 GPU: 4 PEs share it
   if (npes < 2 || npes > 64 || gpus < 1) {
-    std::printf("SKIPPED: put_get needs 2 to 64 PEs and a GPU, asked for %d (GPUs found: %d)\n",
-                npes, gpus);
+    std::printf("SKIPPED: put_get needs 2 to 64 PEs and a GPU, asked for %d (GPUs found: %d%s%s)\n",
+                npes, gpus, why.empty() ? "" : "; ", why.c_str());
     return 77;
   }
   const UniqueId id = ShmemGetUniqueId();  // a socket address; rank 0 listens on it

@@ -41,6 +41,7 @@
 #include "mori/core/errors.hpp"
 #include "mori/core/gpu.hpp"
 #include "mori/core/gpu_check.hpp"
+#include "mori/core/gpu_count.hpp"
 #include "mori/shmem/shmem_api.hpp"
 
 namespace mori::test {
@@ -142,58 +143,6 @@ inline int CountOpenFds() {
 
 namespace detail {
 
-// Asks a throw-away child for the GPU count so the parent stays free of the GPU runtime.
-// Returns the count, or -1 with `reason` set.
-inline int ProbeGpuCount(std::string& reason) {
-  int fds[2];
-  if (pipe(fds) != 0) {
-    reason = "pipe() failed";
-    return -1;
-  }
-  pid_t pid = fork();
-  if (pid < 0) {
-    reason = "fork() failed";
-    return -1;
-  }
-  if (pid == 0) {
-    close(fds[0]);
-    int n = 0;
-    gpuError_t e = gpuGetDeviceCount(&n);
-    char buf[256];
-    if (e != gpuSuccess) {
-      std::snprintf(buf, sizeof(buf), "-1 gpuGetDeviceCount failed: %s (%s)", gpuGetErrorName(e),
-                    gpuGetErrorString(e));
-    } else {
-      std::snprintf(buf, sizeof(buf), "%d", n);
-    }
-    ssize_t w = write(fds[1], buf, std::strlen(buf) + 1);
-    (void)w;
-    _exit(0);
-  }
-  close(fds[1]);
-  char buf[256] = {0};
-  size_t got = 0;
-  while (got < sizeof(buf) - 1) {
-    ssize_t r = read(fds[0], buf + got, sizeof(buf) - 1 - got);
-    if (r <= 0) break;
-    got += static_cast<size_t>(r);
-  }
-  close(fds[0]);
-  int status = 0;
-  waitpid(pid, &status, 0);
-  if (got == 0) {
-    reason = "the GPU probe process died without an answer (no GPU runtime?)";
-    return -1;
-  }
-  int n = std::atoi(buf);
-  if (n < 0) {
-    const char* sp = std::strchr(buf, ' ');
-    reason = sp ? sp + 1 : "gpuGetDeviceCount failed";
-    return -1;
-  }
-  return n;
-}
-
 inline const char* ArgValue(int argc, char** argv, const char* name) {
   for (int i = 1; i + 1 < argc; i++)
     if (std::strcmp(argv[i], name) == 0) return argv[i + 1];
@@ -219,7 +168,7 @@ inline int RunOnAllGpus(int argc, char** argv, const char* name, const TestBody&
   setenv("MORI_DEVICE_TIMEOUT_MS", "20000", 0);
 
   std::string reason;
-  const int ngpus = detail::ProbeGpuCount(reason);
+  const int ngpus = core::CountGpusInChildProcess(&reason);
   if (ngpus < 0) {
     std::printf("SKIPPED: %s: no usable GPU: %s\n", name, reason.c_str());
     return kSkipExitCode;

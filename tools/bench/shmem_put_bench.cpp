@@ -43,6 +43,7 @@
 #include <vector>
 
 #include "mori/core/gpu_check.hpp"
+#include "mori/core/gpu_count.hpp"
 #include "mori/shmem/shmem_api.hpp"
 #include "mori/shmem/shmem_device_api.hpp"
 
@@ -622,21 +623,6 @@ size_t ParseSize(const char* s) {
   return static_cast<size_t>(v);
 }
 
-int CountGpus() {
-  int fds[2];
-  if (pipe(fds) != 0) return 0;
-  if (fork() == 0) {
-    int n = 0;
-    if (gpuGetDeviceCount(&n) != gpuSuccess) n = 0;
-    (void)!write(fds[1], &n, sizeof(n));
-    _exit(0);
-  }
-  int n = 0;
-  if (read(fds[0], &n, sizeof(n)) != sizeof(n)) n = 0;
-  wait(nullptr);
-  return n;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -685,11 +671,12 @@ int main(int argc, char** argv) {
     std::printf("--threads must be a multiple of %d in (0, 1024]\n", core::kWarpSize);
     return 2;
   }
-  const int gpus = CountGpus();
+  std::string why;
+  const int gpus = std::max(0, core::CountGpusInChildProcess(&why));
   if (gpus < 2 || cfg.gpus[0] == cfg.gpus[1] || std::max(cfg.gpus[0], cfg.gpus[1]) >= gpus ||
       std::min(cfg.gpus[0], cfg.gpus[1]) < 0) {
-    std::printf("SKIPPED: shmem_put_bench needs two distinct GPUs (found %d, asked for %d,%d)\n",
-                gpus, cfg.gpus[0], cfg.gpus[1]);
+    std::printf("SKIPPED: shmem_put_bench needs two distinct GPUs (found %d, asked for %d,%d%s%s)\n",
+                gpus, cfg.gpus[0], cfg.gpus[1], why.empty() ? "" : "; ", why.c_str());
     return 77;
   }
   const UniqueId id = ShmemGetUniqueId();
