@@ -61,9 +61,9 @@ struct EpDispatchKernelArgs {
 
 struct EpCombineKernelArgs {
   EpKernelCommon c;
-  const uint8_t* inTokens;         // source of the copy when tokenSource == kCopy
+  const uint8_t* inTokens;         // source of the copy when copyTokens
   int64_t inRows;                  // rows readable at inTokens (copy only)
-  const float* inWeights;          // source of the weights copy when weightCopy
+  const float* inWeights;          // source of the weights copy when copyWeights
   int64_t inWeightRows;
   EpCombineSource tokenSource;     // announced to peers (kRegistered or kDispatchOut)
   EpCombineSource weightSource;    // kNone, kRegistered or kDispatchOut
