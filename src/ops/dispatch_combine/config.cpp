@@ -174,49 +174,54 @@ struct RegionPlacer {
 
 }  // namespace
 
-#define MORI_EP_PLACE(field, name, bytes, role) l.field = p.Take(name, bytes, EpRegionRole::role);
+#define MORI_EP_PLACE(field, name, bytes, role) l->field = p.Take(name, bytes, EpRegionRole::role);
+
+// One expansion of each table: the offsets into *l and, when `out` is set, the region list.
+static void PlaceSymmetric(const EpDispatchCombineConfig& c, EpSymmetricLayout* l,
+                    std::vector<EpRegionInfo>* out) {
+  const EpLayoutDims d = MakeEpLayoutDims(c);
+  RegionPlacer p;
+  p.out = out;
+  MORI_EP_SYMMETRIC_REGIONS(MORI_EP_PLACE, d)
+  l->totalBytes = p.off;
+}
+
+static void PlaceLocal(const EpDispatchCombineConfig& c, EpLocalLayout* l,
+                std::vector<EpRegionInfo>* out) {
+  const EpLayoutDims d = MakeEpLayoutDims(c);
+  RegionPlacer p;
+  p.out = out;
+  MORI_EP_LOCAL_REGIONS(MORI_EP_PLACE, d)
+  l->totalBytes = p.off;
+}
+
+#undef MORI_EP_PLACE
 
 EpSymmetricLayout MakeEpSymmetricLayout(const EpDispatchCombineConfig& c) {
-  const EpLayoutDims d = MakeEpLayoutDims(c);
   EpSymmetricLayout l;
-  RegionPlacer p;
-  MORI_EP_SYMMETRIC_REGIONS(MORI_EP_PLACE, d)
-  l.totalBytes = p.off;
+  PlaceSymmetric(c, &l, nullptr);
   return l;
 }
 
 EpLocalLayout MakeEpLocalLayout(const EpDispatchCombineConfig& c) {
-  const EpLayoutDims d = MakeEpLayoutDims(c);
   EpLocalLayout l;
-  RegionPlacer p;
-  MORI_EP_LOCAL_REGIONS(MORI_EP_PLACE, d)
-  l.totalBytes = p.off;
+  PlaceLocal(c, &l, nullptr);
   return l;
 }
 
 std::vector<EpRegionInfo> EpSymmetricRegions(const EpDispatchCombineConfig& c) {
-  const EpLayoutDims d = MakeEpLayoutDims(c);
-  std::vector<EpRegionInfo> out;
   EpSymmetricLayout l;
-  RegionPlacer p;
-  p.out = &out;
-  MORI_EP_SYMMETRIC_REGIONS(MORI_EP_PLACE, d)
-  (void)l;  // the tables are the product here
+  std::vector<EpRegionInfo> out;
+  PlaceSymmetric(c, &l, &out);
   return out;
 }
 
 std::vector<EpRegionInfo> EpLocalRegions(const EpDispatchCombineConfig& c) {
-  const EpLayoutDims d = MakeEpLayoutDims(c);
-  std::vector<EpRegionInfo> out;
   EpLocalLayout l;
-  RegionPlacer p;
-  p.out = &out;
-  MORI_EP_LOCAL_REGIONS(MORI_EP_PLACE, d)
-  (void)l;
+  std::vector<EpRegionInfo> out;
+  PlaceLocal(c, &l, &out);
   return out;
 }
-
-#undef MORI_EP_PLACE
 
 size_t EpSymmetricBytes(const EpDispatchCombineConfig& config) {
   config.Validate();
