@@ -245,6 +245,7 @@ py::dict RdmaStatsToDict(const application::RdmaWireStats& st) {
   out["trace"] = trace;
   out["trace_dropped"] = st.traceDropped;
   out["trace_capacity"] = st.traceCapacity;
+  out["pending_sq_blocks"] = st.pendingSqBlocks;
   return out;
 }
 

@@ -268,6 +268,19 @@ void RaiseAbortFlag(ShmemState& s) {
 // polled, so it runs on a helper thread that a deadline watches. On expiry the abort flag makes
 // every bounded device wait give up; if the device still does not drain (a kernel that is not
 // ours spins forever), the helper thread is left behind and TimeoutError is raised.
+void DeviceSynchronizeBounded(ShmemState& s, const char* what);
+
+// This PE's device work finished and every RDMA request it posted completed: RDMA work requests
+// outlive the kernels that posted them (a kernel need not wait for its last signals), so what
+// this PE put has landed on its peers only after the quiet.
+void DrainBounded(ShmemState& s, const char* what, const char* quietWhat) {
+  DeviceSynchronizeBounded(s, what);
+  if (s.rdma) {
+    LaunchRdmaQuiet(s.devCtx, nullptr);
+    DeviceSynchronizeBounded(s, quietWhat);
+  }
+}
+
 void DeviceSynchronizeBounded(ShmemState& s, const char* what) {
   struct Shared {
     std::mutex m;
@@ -370,11 +383,7 @@ void ShmemFinalize() {
   // Peers may still read or write our heap until everyone has finished their device work.
   std::exception_ptr firstError;
   try {
-    DeviceSynchronizeBounded(s, "shmem_finalize");
-    if (s.rdma) {  // complete RDMA requests the last kernels posted (see ShmemBarrierAll)
-      LaunchRdmaQuiet(s.devCtx, nullptr);
-      DeviceSynchronizeBounded(s, "shmem_finalize (RDMA quiet)");
-    }
+    DrainBounded(s, "shmem_finalize", "shmem_finalize (RDMA quiet)");
   } catch (const std::exception& e) {
     MORI_WARN(kLogInit, "finalize continues after: %s", e.what());
   }
@@ -561,7 +570,8 @@ void ShmemBootstrapAllgather(const void* send, void* recv, size_t bytesPerPe) {
 }
 
 void ShmemDeviceSynchronize() {
-  DeviceSynchronizeBounded(State("shmem_device_synchronize"), "shmem_device_synchronize");
+  DrainBounded(State("shmem_device_synchronize"), "shmem_device_synchronize",
+               "shmem_device_synchronize (RDMA quiet)");
 }
 
 uint64_t ShmemInitGeneration() {
@@ -571,13 +581,8 @@ uint64_t ShmemInitGeneration() {
 
 void ShmemBarrierAll() {
   ShmemState& s = State("shmem_barrier_all");
-  DeviceSynchronizeBounded(s, "shmem_barrier_all");
-  // RDMA work requests outlive the kernels that posted them: complete them before the barrier, so
-  // that what every PE put before it has landed when it returns (as for load/store peers).
-  if (s.rdma) {
-    LaunchRdmaQuiet(s.devCtx, nullptr);
-    DeviceSynchronizeBounded(s, "shmem_barrier_all (RDMA quiet)");
-  }
+  // What every PE put before the barrier has landed when it returns (as for load/store peers).
+  DrainBounded(s, "shmem_barrier_all", "shmem_barrier_all (RDMA quiet)");
   RaiseIfDeviceError(s);
   s.boot->Barrier();
 }

@@ -767,6 +767,19 @@ TEST(RdmaEmulatorStats, ExactCountsPerPeerAndOpcodeAndReset) {
                                {0, 1, RdmaOpcode::kNop, 1, 0, 0, 0, 0, 0, {{0, 1}}}});
   ExpectRows(emu.WireStats(), {{0, 1, RdmaOpcode::kWrite, 1, 3, 0, 0, 0, 0, {{2, 1}}},
                                {0, 1, RdmaOpcode::kNop, 1, 0, 0, 0, 0, 0, {{0, 1}}}});
+  // Rung but not executed: pending (one 64-byte SQ block each), not yet counted.
+  EXPECT_EQ(emu.WireStats().pendingSqBlocks, 0u);
+  Check(crdma::PostWqe(b.ep, NopDesc(), Ctx()), b.ep);
+  Check(crdma::PostWqe(b.ep, WriteDesc(&src[300], 3, srcMr, &dst1[7200], dst1Mr), Ctx()), b.ep);
+  const RdmaWireStats before = emu.WireStats();
+  EXPECT_EQ(before.pendingSqBlocks, 2u);
+  ExpectRows(before, {{0, 1, RdmaOpcode::kWrite, 1, 3, 0, 0, 0, 0, {{2, 1}}},
+                      {0, 1, RdmaOpcode::kNop, 1, 0, 0, 0, 0, 0, {{0, 1}}}});
+  EXPECT_EQ(emu.ProcessOnce(), 2u);
+  const RdmaWireStats after = emu.WireStats();
+  EXPECT_EQ(after.pendingSqBlocks, 0u);
+  ExpectRows(after, {{0, 1, RdmaOpcode::kWrite, 2, 6, 0, 0, 0, 0, {{2, 2}}},
+                     {0, 1, RdmaOpcode::kNop, 2, 0, 0, 0, 0, 0, {{0, 2}}}});
 }
 
 // The trace ring keeps the newest entries in execution order and counts the overwritten ones.

@@ -86,6 +86,12 @@ class Env:
         self.torch.cuda.synchronize()
         self.dist.barrier()
 
+    def any_rank(self, flag):
+        """Whether `flag` holds on some rank (collective: every rank decides alike)."""
+        t = self.torch.tensor([1 if flag else 0], dtype=self.torch.int32)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
+        return bool(t.item())
+
 
 # ---------------------------------------------------------------------------------------------
 # Specs and data
@@ -511,6 +517,10 @@ def case_combine_back_to_back(env):
         x, w = inputs[i % 2]
         out, ow = op.combine(x, w, sel)
         results.append((out.clone(), ow.clone()))
+    # The checks queue about a thousand small kernels; behind unfinished combines they could fill
+    # the launch queue, and under the RDMA emulator a launch waiting for room blocks the emulator's
+    # copies those combines wait for (docs/rdma.md, MORI_RDMA_EMULATE_RUNAHEAD).
+    torch.cuda.synchronize()
     for i, (out, ow) in enumerate(results):
         scale = 1.0 if i % 2 == 0 else 0.5
         verify_combine(env, spec, op, out * scale, ow * scale, data, cnt, False, 0, cdt)
@@ -971,7 +981,7 @@ def case_destroy_while_peers_combine(env):
         verify_combine(env, spec, None, out, ow, data, cnt, False, 0, cdt)
         if it == 0:
             mem_warm = gpu_free()
-        if errors:
+        if env.any_rank(errors):  # every rank leaves the loop together (collectives follow)
             break
     mem_end = gpu_free()
     if mori.shmem.shmem_heap_free_bytes() != free0:

@@ -69,6 +69,12 @@ def _spawned(worker, rank, world, args, q):
     os.environ["RANK"] = str(rank)
     os.environ["LOCAL_RANK"] = str(rank)
     os.environ["WORLD_SIZE"] = str(world)
+    stacks_after = float(os.environ.get("MORI_TEST_STACKS_AFTER_S", "0"))
+    if stacks_after > 0:
+        # Diagnosis of a stall: every thread's Python stack, every `stacks_after` seconds.
+        import faulthandler
+
+        faulthandler.dump_traceback_later(stacks_after, repeat=True)
     rc = worker(rank, world, rank, args) or 0
     q.put(rc)
 

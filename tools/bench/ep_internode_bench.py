@@ -27,6 +27,7 @@ rank (HT 4096, LL 128). The table is printed last.
 import argparse
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tests", "ops"))
 import ep_test_utils as U  # noqa: E402
@@ -35,7 +36,14 @@ HIDDEN, TOPK, EXPERTS, SCALE_DIM = 7168, 8, 256, 56
 
 
 def phase_stats(mori, dist, W):
-    """Every rank's RDMA WRITE counts since the last reset (and resets them): list of dicts."""
+    """Every rank's RDMA WRITE counts since the last reset (and resets them): list of dicts. Call
+    after the phase's kernels finished on every rank: waits until the emulator has executed every
+    request they posted (a kernel does not wait for its last signals)."""
+    deadline = time.monotonic() + 10.0
+    while mori.shmem.rdma_stats()["pending_sq_blocks"] != 0:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the RDMA emulator left requests unexecuted for 10 s after the phase")
+        time.sleep(0.001)
     st = mori.shmem.rdma_stats(reset=True)
     mine = {"wqes": 0, "bytes": 0, "inline": 0, "atomics": 0, "other": 0}
     for row in st["per_peer"]:
@@ -51,7 +59,7 @@ def phase_stats(mori, dist, W):
     return allr
 
 
-def ideal(torch, IDX, Ts, W, G, Epr, K, row, scale_bytes, idx_bytes):
+def ideal(torch, IDX, Ts, W, G, Epr, K, row, combine_row, scale_bytes, idx_bytes):
     """(dispatch payload, dispatch headers, combine payload, combine headers, pairs, lists) summed
     over ranks, from the routing alone."""
     node = lambda p: p // G  # noqa: E731
@@ -74,7 +82,7 @@ def ideal(torch, IDX, Ts, W, G, Epr, K, row, scale_bytes, idx_bytes):
     d_payload = pairs * (row + 4 * K + scale_bytes + K * idx_bytes + 4)
     # each rank's count for every destination goes to every rank (W x remote ranks pairs of words)
     d_headers = remote_pairs_of_ranks * (W * 16 + 4 * Epr) + lists * 8
-    c_payload = pairs * (row + 4 * K)
+    c_payload = pairs * (combine_row + 4 * K)
     c_headers = lists * 8 + remote_pairs_of_ranks * 8
     return d_payload, d_headers, c_payload, c_headers, pairs, lists
 
@@ -116,7 +124,7 @@ def worker(rank, world, local_rank, args):
         for counted in (False, True):
             torch.cuda.synchronize()
             dist.barrier()
-            mori.shmem.rdma_stats(reset=True)
+            phase_stats(mori, dist, W)  # drains and drops what earlier calls put on the wire
             dist.barrier()
             out = op.dispatch(x, w, sc, IDX[rank])
             torch.cuda.synchronize()
@@ -132,7 +140,7 @@ def worker(rank, world, local_rank, args):
             cstats = phase_stats(mori, dist, W)
         mori.shmem.shmem_check_device_error()
         row_b = HIDDEN * (1 if fp8 else 2)
-        dp, dh, cp, ch, pairs, lists = ideal(torch, IDX, Ts, W, G, Epr, TOPK, row_b, sdim * 4, 4)
+        dp, dh, cp, ch, pairs, lists = ideal(torch, IDX, Ts, W, G, Epr, TOPK, row_b, HIDDEN * 2, sdim * 4, 4)
         for phase, st, payload, headers in (("dispatch " + name, dstats, dp, dh), ("combine bf16", cstats, cp, ch)):
             wqes = sum(r["wqes"] for r in st)
             nbytes = sum(r["bytes"] for r in st)

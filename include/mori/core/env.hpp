@@ -58,6 +58,11 @@ namespace mori::core {
   X(rdmaEmulateTrace, MORI_RDMA_EMULATE_TRACE, Int, "0",                                          \
     "Entries of the emulator's trace ring of executed work requests (0 = no trace); the newest "  \
     "are kept, see mori.shmem.rdma_stats().")                                                     \
+  X(rdmaEmulateRunahead, MORI_RDMA_EMULATE_RUNAHEAD, Int, "4",                                   \
+    "With the emulator, EP dispatch/combine calls a PE may have queued on the GPU beyond its "    \
+    "oldest unfinished one before the next call waits on the host (0 = no bound; not applied "    \
+    "during graph capture). The emulator's copies are runtime calls, which a launch into a full " \
+    "queue blocks.")                                                                              \
   X(rdmaDoorbell, MORI_RDMA_DOORBELL, String, "auto",                                             \
     "How GPU threads ring the NIC doorbell (verbs transport): auto = the UAR page mapped for the " \
     "GPU when the driver allows it, else a CPU proxy thread; uar = mapped UAR or fail; cpu = "     \

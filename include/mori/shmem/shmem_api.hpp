@@ -88,8 +88,10 @@ bool ShmemDeviceErrorPending(std::string* description = nullptr);
 // up; the next ShmemCheckDeviceError / ShmemStreamSynchronize raises TimeoutError ("aborted").
 // What a host wait does on expiry; for watchdogs and tests.
 void ShmemAbortDeviceWaits();
-// Bounded wait for all of this PE's device work (MORI_HOST_TIMEOUT_MS). Leaves a recorded device
-// error in place for ShmemCheckDeviceError / ShmemStreamSynchronize to report.
+// Bounded wait for all of this PE's device work (MORI_HOST_TIMEOUT_MS), then for the completion
+// of every RDMA request it posted (a kernel may finish before its last puts have landed): on
+// return, everything this PE put has reached its peers. Leaves a recorded device error in place
+// for ShmemCheckDeviceError / ShmemStreamSynchronize to report.
 void ShmemDeviceSynchronize();
 // Collective over all PEs through the bootstrap (host only: no device synchronisation, device
 // errors left in place): `recv` holds NPes() * bytesPerPe bytes, PE p's `send` lands at

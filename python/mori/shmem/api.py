@@ -165,6 +165,9 @@ def rdma_stats(reset: bool = False) -> dict:
                      bytes, wqe_index, outcome ("ok", "error", "flushed")}
       trace_dropped  older entries overwritten since the last reset
       trace_capacity the ring's size (0: no trace)
+      pending_sq_blocks  SQ blocks (64 B) rung on a doorbell but not yet executed when read: a
+                     kernel may finish with requests it does not wait for (a last signal) still
+                     queued; wait for 0 before counting a finished phase
     reset=True zeroes counters and trace after reading. Raises mori.InvalidUsageError before init.
     """
     return _C.shmem_rdma_stats(bool(reset))

@@ -72,14 +72,18 @@ class GpuMemoryAccessor : public EmuMemoryAccessor {
     Bind();
     const auto t0 = std::chrono::steady_clock::now();
     MORI_CHECK_GPU(gpuMemcpyAsync(dst, src, bytes, gpuMemcpyDefault, stream));
-    // Enqueuing must not wait for the GPU. If it does (the runtime busy with another thread's
-    // call, e.g. a launch into a full queue), every QP of this PE stalls meanwhile: say so, once.
+    // Enqueuing must not wait for the GPU. It does while another thread of this process waits in
+    // a launch for room in a full queue (the launch holds the runtime's calls from other threads),
+    // and every QP of this PE stalls meanwhile: say so, once.
     const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
                         std::chrono::steady_clock::now() - t0)
                         .count();
     if (ms >= kSlowCallMs && !warnedSlowEnqueue) {
       warnedSlowEnqueue = true;
-      MORI_WARN(kLogRdma, "RDMA emulator: enqueuing a %zu-byte copy on device %d took %lld ms",
+      MORI_WARN(kLogRdma,
+                "RDMA emulator: enqueuing a %zu-byte copy on device %d took %lld ms: another "
+                "thread's launch waited for room in a full queue behind kernels that wait for the "
+                "emulator (queue less work behind unfinished RDMA kernels; docs/rdma.md)",
                 bytes, device, static_cast<long long>(ms));
     }
   }
@@ -100,6 +104,11 @@ class GpuMemoryAccessor : public EmuMemoryAccessor {
     thread_local int bound = -1;
     if (bound != device) {
       MORI_CHECK_GPU(gpuSetDevice(device));
+      // Another thread may capture a graph in global mode (PyTorch's default) while kernels of
+      // earlier calls wait for this thread's copies; relaxed mode keeps this thread's stream
+      // queries and launches (its own stream, never captured) legal meanwhile.
+      gpuStreamCaptureMode mode = gpuStreamCaptureModeRelaxed;
+      MORI_CHECK_GPU(gpuThreadExchangeStreamCaptureMode(&mode));
       bound = device;
     }
   }

@@ -625,6 +625,13 @@ RdmaWireStats QueueEmulator::WireStats(bool reset) {
                    ? core::StrFormat("software queue emulator (chaos seed %llu)",
                                      static_cast<unsigned long long>(options.chaosSeed))
                    : std::string("software queue emulator");
+  // Same lock order as the worker (mu, then statsMu in Record).
+  std::lock_guard<std::mutex> qpsLock(mu);
+  for (const auto& qp : qps) {
+    const uint32_t dbr = mlx5::BeToHost32(__atomic_load_n(qp->cfg.sqDbrec, __ATOMIC_ACQUIRE));
+    out.pendingSqBlocks += static_cast<uint16_t>(static_cast<uint16_t>(dbr & 0xffff) -
+                                                 static_cast<uint16_t>(qp->consumed));
+  }
   std::lock_guard<std::mutex> lock(statsMu);
   for (RdmaOpStats& row : statRows) {
     if (row.wqes != 0 || row.errors != 0 || row.flushed != 0) out.perPeer.push_back(row);

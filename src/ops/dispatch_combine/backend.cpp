@@ -2,6 +2,9 @@
 #include "backend.hpp"
 
 #include <algorithm>
+#include <chrono>
+#include <thread>
+#include <vector>
 
 #include "mori/core/env.hpp"
 #include "mori/core/errors.hpp"
@@ -26,6 +29,55 @@ gpuDeviceProp_t DeviceProperties(int device) {
   MORI_CHECK_GPU(gpuGetDeviceProperties(&prop, device));
   return prop;
 }
+
+// Bounds how far the host runs ahead of the GPU: before a launch, once `depth` launches recorded
+// here are unfinished, waits (on the host, bounded by MORI_HOST_TIMEOUT_MS) for the oldest. Under
+// graph capture nothing is recorded or waited for (the graph's replays are the caller's to pace).
+class RunAheadBound {
+ public:
+  explicit RunAheadBound(int depth) : events(static_cast<size_t>(depth), nullptr) {
+    for (gpuEvent_t& e : events) MORI_CHECK_GPU(gpuEventCreateWithFlags(&e, gpuEventDisableTiming));
+  }
+  ~RunAheadBound() {
+    for (gpuEvent_t e : events) (void)gpuEventDestroy(e);
+  }
+  RunAheadBound(const RunAheadBound&) = delete;
+  RunAheadBound& operator=(const RunAheadBound&) = delete;
+
+  // Call before a launch on `stream`; returns whether AfterLaunch must record it.
+  bool BeforeLaunch(gpuStream_t stream, const char* what) {
+    if (events.empty()) return false;
+    gpuStreamCaptureStatus capture = gpuStreamCaptureStatusNone;
+    MORI_CHECK_GPU(gpuStreamIsCapturing(stream, &capture));
+    if (capture != gpuStreamCaptureStatusNone) return false;
+    if (recorded < events.size()) return true;
+    gpuEvent_t oldest = events[next];
+    const int64_t timeoutMs = core::Env().hostTimeoutMs;
+    const auto start = std::chrono::steady_clock::now();
+    for (int spins = 0;; spins++) {
+      const gpuError_t e = gpuEventQuery(oldest);
+      if (e == gpuSuccess) return true;
+      if (e != gpuErrorNotReady) MORI_CHECK_GPU(e);
+      MORI_ENSURE(std::chrono::steady_clock::now() - start <= std::chrono::milliseconds(timeoutMs),
+                  TimeoutError,
+                  "EP %s: the call queued %zu calls earlier on this PE did not finish within "
+                  "MORI_HOST_TIMEOUT_MS=%lld ms (MORI_RDMA_EMULATE_RUNAHEAD=%zu bounds the calls "
+                  "queued ahead); a peer may not have made the matching call",
+                  what, events.size(), static_cast<long long>(timeoutMs), events.size());
+      if (spins > 100) std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
+  void AfterLaunch(gpuStream_t stream) {
+    MORI_CHECK_GPU(gpuEventRecord(events[next], stream));
+    next = (next + 1) % events.size();
+    recorded = std::min(recorded + 1, events.size());
+  }
+
+ private:
+  std::vector<gpuEvent_t> events;
+  size_t next = 0;      // the slot of the oldest recorded launch once all are in use
+  size_t recorded = 0;  // slots in use
+};
 
 class IntraNodeBackend final : public EpBackend {
  public:
@@ -53,12 +105,12 @@ class IntraNodeBackend final : public EpBackend {
   bool PushCombine() const override { return push; }
 
   void LaunchDispatch(const EpDispatchKernelArgs& k, EpIndexType indexType, int blocks,
-                      int threads, size_t smemBytes, gpuStream_t stream) const override {
+                      int threads, size_t smemBytes, gpuStream_t stream) override {
     LaunchEpDispatch(k, EpFamily::kIntraNode, indexType, blocks, threads, smemBytes, stream);
   }
 
   void LaunchCombine(EpCombineKernelArgs& k, const EpCombineArgs& args, int64_t bufferRows,
-                     int blocks, int threads, gpuStream_t stream) const override {
+                     int blocks, int threads, gpuStream_t stream) override {
     if (push) {
       // The push combine reads every input in place, the caller's tensors included (no copy).
       k.inTokens = static_cast<const uint8_t*>(args.input);
@@ -113,6 +165,13 @@ class InterNodeBackend final : public EpBackend {
     // process's streams) while the kernels wait for it: launches leave it half the SMs and are not
     // programmatic (a kernel launched early holds SMs with waiting blocks).
     programmatic = ProgrammaticAllowed(DeviceProperties(device)) && !emulated;
+    // Its copies are runtime calls from the emulator's thread, and a launch waiting for room in a
+    // full queue holds them up: the launch waits for kernels that wait for those copies.
+    const int64_t depth = core::Env().rdmaEmulateRunahead;
+    MORI_ENSURE(depth >= 0 && depth <= 4096, InvalidUsageError,
+                "MORI_RDMA_EMULATE_RUNAHEAD=%lld is out of range [0, 4096]",
+                static_cast<long long>(depth));
+    if (emulated) runAhead = std::make_unique<RunAheadBound>(static_cast<int>(depth));
   }
   EpFamily Family() const override { return EpFamily::kInterNode; }
   int MaxBlocks(int numSms) const override {
@@ -120,19 +179,24 @@ class InterNodeBackend final : public EpBackend {
   }
 
   void LaunchDispatch(const EpDispatchKernelArgs& k, EpIndexType indexType, int blocks,
-                      int threads, size_t smemBytes, gpuStream_t stream) const override {
+                      int threads, size_t smemBytes, gpuStream_t stream) override {
+    const bool record = runAhead && runAhead->BeforeLaunch(stream, "dispatch");
     LaunchEpDispatch(k, EpFamily::kInterNode, indexType, blocks, threads, smemBytes, stream);
+    if (record) runAhead->AfterLaunch(stream);
   }
 
   void LaunchCombine(EpCombineKernelArgs& k, const EpCombineArgs& args, int64_t, int blocks,
-                     int threads, gpuStream_t stream) const override {
+                     int threads, gpuStream_t stream) override {
     k.staged = 0;
+    const bool record = runAhead && runAhead->BeforeLaunch(stream, "combine");
     LaunchEpCombine(k, EpFamily::kInterNode, args.dataType, blocks, threads, stream);
+    if (record) runAhead->AfterLaunch(stream);
   }
 
  private:
   int worldSize;
   bool emulated = false;  // some PE is reached through the RDMA emulator
+  std::unique_ptr<RunAheadBound> runAhead;  // emulated only
 };
 
 }  // namespace

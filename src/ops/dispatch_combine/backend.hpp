@@ -26,12 +26,12 @@ class EpBackend {
   // wait on each other), before the family's own minimum.
   virtual int MaxBlocks(int numSms) const { return numSms; }
   virtual void LaunchDispatch(const EpDispatchKernelArgs& k, EpIndexType indexType, int blocks,
-                              int threads, size_t smemBytes, gpuStream_t stream) const = 0;
+                              int threads, size_t smemBytes, gpuStream_t stream) = 0;
   // `k` is filled by the shell as for the pull combine (sources, copies, outputs, parts per
   // token); the backend picks the kernel and may rewrite how the input is read. `bufferRows` is
   // the receive capacity (rows readable in the op's own buffers).
   virtual void LaunchCombine(EpCombineKernelArgs& k, const EpCombineArgs& args, int64_t bufferRows,
-                             int blocks, int threads, gpuStream_t stream) const = 0;
+                             int blocks, int threads, gpuStream_t stream) = 0;
 
  protected:
   bool programmatic = false;

@@ -169,7 +169,8 @@ void EpDispatchCombineHandle::Release() {
     return;
   }
   // Peers' kernels read our combine input and write our inboxes after our own last call returned,
-  // and ours touch theirs: free only once every PE's device work has drained. Every PE reaches the
+  // and ours touch theirs (RDMA writes land even after the kernel that posted them ended): free
+  // only once every PE's device work and RDMA requests have drained. Every PE reaches the
   // same verdict from the same rows, so either all free the block or none does (offsets stay
   // symmetric either way).
   std::exception_ptr firstError;

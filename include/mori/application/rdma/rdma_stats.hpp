@@ -117,6 +117,11 @@ struct RdmaWireStats {
   std::vector<RdmaTraceEntry> trace;
   uint64_t traceDropped = 0;
   uint64_t traceCapacity = 0;
+  // SQ blocks (64 B) that posters have rung on the doorbell records but the emulator has not yet
+  // executed, at the time of reading: 0 once everything posted so far is on the wire (and so in
+  // the counts). Work requests a kernel posts without waiting for them (a last signal) may still
+  // be pending when the kernel has finished.
+  uint64_t pendingSqBlocks = 0;
 };
 
 }  // namespace mori::application
