@@ -101,11 +101,22 @@ std::string FindDisagreementForTest(const std::string& stage, const py::list& en
 void RegisterOpsBindings(py::module_& m) {
   py::module_ o = m.def_submodule("ops", "Expert-parallel dispatch/combine (use mori.ops)");
 
-  py::enum_<EpDispatchCombineKernelType>(o, "EpDispatchCombineKernelType")
-      .value("IntraNode", EpDispatchCombineKernelType::kIntraNode)
-      .value("InterNode", EpDispatchCombineKernelType::kInterNode)
-      .value("InterNodeV1", EpDispatchCombineKernelType::kInterNodeV1)
-      .value("InterNodeV1LL", EpDispatchCombineKernelType::kInterNodeV1LL);
+  // Every named value of the C++ enums (python/mori/ops builds its IntEnums from these, so the
+  // names and numbers have one source).
+  {
+    py::enum_<EpDispatchCombineKernelType> kernelTypes(o, "EpDispatchCombineKernelType");
+    py::dict built;
+    for (int32_t v = 0; v < ops::kEpNumKernelTypes; v++) {
+      const auto t = static_cast<EpDispatchCombineKernelType>(v);
+      kernelTypes.value(ops::EpKernelTypeName(t), t);
+      built[ops::EpKernelTypeName(t)] = ops::EpKernelTypeIsBuilt(t);
+    }
+    o.attr("KERNEL_TYPE_BUILT") = built;
+    py::dict quantTypes;
+    for (int32_t v = 0; v < ops::kEpNumQuantTypes; v++)
+      quantTypes[ops::EpQuantTypeName(static_cast<ops::EpQuantType>(v))] = v;
+    o.attr("QUANT_TYPE_CODES") = quantTypes;  // MORI's config strings ("none", ...) -> code
+  }
 
   // Element type codes by their torch names (EpDataTypeName / EpIndexTypeName): the Python op maps
   // tensors' dtypes through these, so the codes have one source.
@@ -132,7 +143,7 @@ void RegisterOpsBindings(py::module_& m) {
                        int maxTokenTypeSize, int maxNumInpTokenPerRank, int numExpertsPerRank,
                        int numExpertsPerToken, int warpNumPerBlock, int blockNum,
                        bool useExternalInpBuf, int kernelType, int gpuPerNode, int rdmaBlockNum,
-                       int numQpPerPe, int maxTotalRecvTokens) {
+                       int numQpPerPe, int maxTotalRecvTokens, int quantType) {
              EpDispatchCombineConfig c;
              c.rank = rank;
              c.worldSize = worldSize;
@@ -151,6 +162,7 @@ void RegisterOpsBindings(py::module_& m) {
              c.rdmaBlockNum = rdmaBlockNum;
              c.numQpPerPe = numQpPerPe;
              c.maxTotalRecvTokens = maxTotalRecvTokens;
+             c.quantType = static_cast<ops::EpQuantType>(quantType);
              return c;
            }),
            py::arg("rank"), py::arg("world_size"), py::arg("hidden_dim"), py::arg("scale_dim"),
@@ -159,7 +171,8 @@ void RegisterOpsBindings(py::module_& m) {
            py::arg("num_experts_per_token"), py::arg("warp_num_per_block") = 8,
            py::arg("block_num") = 80, py::arg("use_external_inp_buf") = true,
            py::arg("kernel_type") = 0, py::arg("gpu_per_node") = 8, py::arg("rdma_block_num") = 0,
-           py::arg("num_qp_per_pe") = 1, py::arg("max_total_recv_tokens") = 0)
+           py::arg("num_qp_per_pe") = 1, py::arg("max_total_recv_tokens") = 0,
+           py::arg("quant_type") = 0)
       .def_readonly("rank", &EpDispatchCombineConfig::rank)
       .def_readonly("world_size", &EpDispatchCombineConfig::worldSize)
       .def_readonly("hidden_dim", &EpDispatchCombineConfig::hiddenDim)
@@ -180,6 +193,10 @@ void RegisterOpsBindings(py::module_& m) {
       .def_readonly("rdma_block_num", &EpDispatchCombineConfig::rdmaBlockNum)
       .def_readonly("num_qp_per_pe", &EpDispatchCombineConfig::numQpPerPe)
       .def_readonly("max_total_recv_tokens", &EpDispatchCombineConfig::maxTotalRecvTokens)
+      .def_property_readonly("quant_type",
+                             [](const EpDispatchCombineConfig& c) {
+                               return static_cast<int>(c.quantType);
+                             })
       .def("validate", &EpDispatchCombineConfig::Validate,
            "Raise InvalidUsageError naming the first bad field")
       .def("max_num_recv_tokens", &EpDispatchCombineConfig::MaxNumRecvTokens)

@@ -69,12 +69,89 @@ def test_non_int_field():
         make(hidden_dim="7168").validate()
 
 
-@pytest.mark.parametrize("kt", ["InterNodeV1", "InterNodeV1LL"])
+def test_kernel_types_are_mori_s():
+    """Names and values as ROCm/mori's, taken from the C++ enum (one source)."""
+    expected = {"IntraNode": 0, "InterNode": 1, "InterNodeV1": 2, "InterNodeV1LL": 3, "AsyncLL": 4, "IntraNodeLL": 5}
+    assert {m.name: m.value for m in ops.EpDispatchCombineKernelType} == expected
+    assert {n: int(v) for n, v in _C.ops.EpDispatchCombineKernelType.__members__.items()} == expected
+    assert ops.KERNEL_TYPE_BUILT == {n: n in ("IntraNode", "InterNode") for n in expected}
+
+
+@pytest.mark.parametrize("kt", ["InterNodeV1", "InterNodeV1LL", "AsyncLL", "IntraNodeLL"])
 def test_other_kernel_types_not_built(kt):
-    with pytest.raises(mori.InvalidUsageError, match="not built yet"):
+    what_works = r"not built yet \(this build has the IntraNode and InterNode kernels\)"
+    with pytest.raises(mori.InvalidUsageError, match=f"kernel_type = {kt}: {what_works}"):
         make(kernel_type=ops.EpDispatchCombineKernelType[kt]).validate()
-    with pytest.raises(mori.InvalidUsageError, match="not built yet"):
+    with pytest.raises(mori.InvalidUsageError, match=what_works):
         make(kernel_type=kt).validate()  # names work too
+    with pytest.raises(mori.InvalidUsageError, match=what_works):
+        make(kernel_type=int(ops.EpDispatchCombineKernelType[kt])).validate()  # and values
+
+
+def test_unknown_kernel_type_value():
+    with pytest.raises(mori.InvalidUsageError, match="kernel_type = 6 is not a kernel type"):
+        make(kernel_type=6).validate()
+    with pytest.raises(mori.InvalidUsageError, match="is not a kernel type"):
+        make(kernel_type="InterNodeV2").validate()
+
+
+def test_quant_type():
+    assert {m.name: m.value for m in ops.EpDispatchCombineQuantType} == {"None_": 0, "Fp8DirectCast": 1}
+    for q in ("none", "None", " NONE ", ops.EpDispatchCombineQuantType.None_, 0):
+        make(quant_type=q).validate()
+        assert make(quant_type=q).to_native().quant_type == 0
+    assert make().quant_type == "none"
+    for q in ("fp8_direct_cast", ops.EpDispatchCombineQuantType.Fp8DirectCast, 1):
+        with pytest.raises(mori.InvalidUsageError, match=r"quant_type = fp8_direct_cast: not built yet .*quant_type none"):
+            make(quant_type=q).validate()
+    for q in ("fp8_blockwise", "fp4_blockwise", "int8", 2, None, True):
+        with pytest.raises(mori.InvalidUsageError, match=r"is not a quant type of this build; known: 'none', 'fp8_direct_cast'"):
+            make(quant_type=q).validate()
+    # The native config refuses a code outside the enum too.
+    n = _C.ops.EpDispatchCombineConfig(**{k: getattr(make(), k) for k in (
+        "rank", "world_size", "hidden_dim", "scale_dim", "scale_type_size", "max_token_type_size",
+        "max_num_inp_token_per_rank", "num_experts_per_rank", "num_experts_per_token")}, quant_type=9)
+    with pytest.raises(mori.InvalidUsageError, match="quant_type = 9 is not a quant type"):
+        n.validate()
+
+
+ROCM_FIELD_ORDER = [
+    "data_type", "rank", "world_size", "hidden_dim", "scale_dim", "scale_type_size", "max_token_type_size",
+    "max_num_inp_token_per_rank", "num_experts_per_rank", "num_experts_per_token", "warp_num_per_block",
+    "block_num", "max_total_recv_tokens", "use_external_inp_buf", "kernel_type", "gpu_per_node",
+    "rdma_block_num", "num_qp_per_pe", "quant_type",
+]
+
+
+def test_field_order_is_rocm_mori_s():
+    import dataclasses
+
+    fields = dataclasses.fields(ops.EpDispatchCombineConfig)
+    assert [f.name for f in fields] == ROCM_FIELD_ORDER
+    defaults = {f.name: f.default for f in fields if f.name in ROCM_FIELD_ORDER[10:]}
+    assert defaults == dict(warp_num_per_block=8, block_num=80, max_total_recv_tokens=0, use_external_inp_buf=True,
+                            kernel_type=ops.EpDispatchCombineKernelType.IntraNode, gpu_per_node=8,
+                            rdma_block_num=0, num_qp_per_pe=1, quant_type="none")
+
+
+def test_positional_construction():
+    c = ops.EpDispatchCombineConfig("bf16", 1, 4, 7168, 56, 4, 2, 4096, 64, 8, 16, 64, 1000, False,
+                                    ops.EpDispatchCombineKernelType.InterNode, 2, 32, 2, "none")
+    assert c.data_type == "bf16" and (c.rank, c.world_size, c.hidden_dim) == (1, 4, 7168)
+    assert (c.warp_num_per_block, c.block_num, c.max_total_recv_tokens) == (16, 64, 1000)
+    assert c.use_external_inp_buf is False and c.kernel_type is ops.EpDispatchCombineKernelType.InterNode
+    assert (c.gpu_per_node, c.rdma_block_num, c.num_qp_per_pe, c.quant_type) == (2, 32, 2, "none")
+    c.validate()
+    assert c.max_num_recv_tokens == 1000
+    n = c.to_native()
+    assert (n.max_total_recv_tokens, n.kernel_type, n.rdma_block_num, n.num_qp_per_pe) == (1000, 1, 32, 2)
+
+
+def test_required_fields():
+    with pytest.raises(TypeError, match="missing required argument.*world_size"):
+        ops.EpDispatchCombineConfig(rank=0)
+    with pytest.raises(TypeError, match="missing required argument"):
+        ops.EpDispatchCombineConfig(None, 0, 4)
 
 
 def test_internode_config_needs_equal_nodes():

@@ -1,7 +1,7 @@
 """mori.ops: expert-parallel (MoE) dispatch/combine, MORI-compatible.
 
     from mori.ops import EpDispatchCombineConfig, EpDispatchCombineOp
-    op = EpDispatchCombineOp(EpDispatchCombineConfig(rank=..., world_size=..., ...))
+    op = EpDispatchCombineOp(EpDispatchCombineConfig(data_type=..., rank=..., world_size=..., ...))
     out, out_w, out_s, out_idx, total = op.dispatch(x, weights, scales, topk_ids)
     y, y_w = op.combine(expert_out, out_w, topk_ids)
 
@@ -12,6 +12,8 @@ from .dispatch_combine import (  # noqa: F401
     EpDispatchCombineConfig,
     EpDispatchCombineKernelType,
     EpDispatchCombineOp,
+    EpDispatchCombineQuantType,
+    KERNEL_TYPE_BUILT,
     ep_layout,
     ep_local_bytes,
     ep_symmetric_bytes,
@@ -21,6 +23,8 @@ __all__ = [
     "EpDispatchCombineConfig",
     "EpDispatchCombineKernelType",
     "EpDispatchCombineOp",
+    "EpDispatchCombineQuantType",
+    "KERNEL_TYPE_BUILT",
     "ep_layout",
     "ep_local_bytes",
     "ep_symmetric_bytes",

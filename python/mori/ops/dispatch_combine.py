@@ -26,38 +26,109 @@ def _usage(msg):
     return _C.InvalidUsageError(msg)
 
 
-class EpDispatchCombineKernelType(enum.IntEnum):
-    IntraNode = 0
-    InterNode = 1
-    InterNodeV1 = 2
-    InterNodeV1LL = 3
+def _enum_from_binding(name, members):
+    """An IntEnum with the binding's names and values (one source: the C++ enum)."""
+    return enum.IntEnum(name, [(n, int(v)) for n, v in members], module=__name__)
+
+
+# MORI's kernel types, names and numbers from the C++ enum (IntraNode 0, InterNode 1, InterNodeV1
+# 2, InterNodeV1LL 3, AsyncLL 4, IntraNodeLL 5). Every member exists so that engines written
+# against ROCm/mori resolve the names; a type this build has no kernels for is refused when a
+# config is validated (an op created), naming the built ones (KERNEL_TYPE_BUILT).
+EpDispatchCombineKernelType = _enum_from_binding(
+    "EpDispatchCombineKernelType",
+    _native().EpDispatchCombineKernelType.__members__.items(),
+)
+KERNEL_TYPE_BUILT = dict(_native().KERNEL_TYPE_BUILT)
+
+# MORI's combine quant types by their config strings (quant_type="none", "fp8_direct_cast"); the
+# enum spells "none" as None_ (as ROCm/mori does: None is a Python keyword).
+_QUANT_TYPE_CODES = dict(_native().QUANT_TYPE_CODES)
+EpDispatchCombineQuantType = _enum_from_binding(
+    "EpDispatchCombineQuantType",
+    (("None_" if n == "none" else "".join(w.capitalize() for w in n.split("_")), c)
+     for n, c in sorted(_QUANT_TYPE_CODES.items(), key=lambda kv: kv[1])),
+)
+
+
+def _quant_type_code(value):
+    """The native code of a quant_type given as MORI's string, an EpDispatchCombineQuantType or
+    its int value; anything else raises InvalidUsageError listing the known strings."""
+    known = sorted(_QUANT_TYPE_CODES, key=_QUANT_TYPE_CODES.get)
+    if isinstance(value, EpDispatchCombineQuantType):
+        return int(value)
+    if isinstance(value, str):
+        code = _QUANT_TYPE_CODES.get(value.strip().lower())
+        if code is not None:
+            return code
+    elif isinstance(value, int) and not isinstance(value, bool) and value in _QUANT_TYPE_CODES.values():
+        return int(value)
+    raise _usage(
+        f"EpDispatchCombineConfig.quant_type {value!r} is not a quant type of this build; known: "
+        f"{', '.join(repr(k) for k in known)} (ROCm/mori's 'fp8_blockwise' and 'fp4_blockwise' "
+        "combines are not provided)"
+    )
+
+
+# Fields without a default in ROCm/mori's dataclass. They carry a None default here only so that
+# data_type (ignored, and optional for existing callers) can come first as in ROCm/mori;
+# __post_init__ raises for any of them left out, as a dataclass without defaults would.
+_REQUIRED_FIELDS = (
+    "rank",
+    "world_size",
+    "hidden_dim",
+    "scale_dim",
+    "scale_type_size",
+    "max_token_type_size",
+    "max_num_inp_token_per_rank",
+    "num_experts_per_rank",
+    "num_experts_per_token",
+)
 
 
 @dataclasses.dataclass
 class EpDispatchCombineConfig:
-    """MORI's field names. `hidden_dim` and `max_token_type_size` size the buffers (a call may
-    use a smaller hidden size or element type); `max_num_inp_token_per_rank` bounds the tokens of
-    one call. `data_type` is accepted for MORI compatibility and ignored (the dtype comes from
-    the tensors)."""
+    """MORI's fields in ROCm/mori's order, so positional construction means the same in both:
+    EpDispatchCombineConfig(data_type, rank, world_size, hidden_dim, scale_dim, scale_type_size,
+    max_token_type_size, max_num_inp_token_per_rank, num_experts_per_rank, num_experts_per_token,
+    warp_num_per_block, block_num, max_total_recv_tokens, use_external_inp_buf, kernel_type,
+    gpu_per_node, rdma_block_num, num_qp_per_pe, quant_type).
 
-    rank: int
-    world_size: int
-    hidden_dim: int
-    scale_dim: int
-    scale_type_size: int
-    max_token_type_size: int
-    max_num_inp_token_per_rank: int
-    num_experts_per_rank: int
-    num_experts_per_token: int
+    `hidden_dim` and `max_token_type_size` size the buffers (a call may use a smaller hidden size
+    or element type); `max_num_inp_token_per_rank` bounds the tokens of one call;
+    `max_total_recv_tokens` (0: no cap) caps the rows one rank receives per dispatch. `data_type`
+    is accepted for MORI compatibility and ignored (the dtype comes from the tensors).
+    `kernel_type`: an EpDispatchCombineKernelType, its name or value. `quant_type`: "none";
+    "fp8_direct_cast" is recognised and refused (not built yet). `rdma_block_num` and
+    `num_qp_per_pe` are range-checked but not used by this build's kernels (the QPs per RDMA peer
+    are shmem's: MORI_NUM_QP_PER_PE)."""
+
+    data_type: object = None
+    rank: int = None
+    world_size: int = None
+    hidden_dim: int = None
+    scale_dim: int = None
+    scale_type_size: int = None
+    max_token_type_size: int = None
+    max_num_inp_token_per_rank: int = None
+    num_experts_per_rank: int = None
+    num_experts_per_token: int = None
     warp_num_per_block: int = 8
     block_num: int = 80
+    max_total_recv_tokens: int = 0
     use_external_inp_buf: bool = True
     kernel_type: EpDispatchCombineKernelType = EpDispatchCombineKernelType.IntraNode
     gpu_per_node: int = 8
     rdma_block_num: int = 0
     num_qp_per_pe: int = 1
-    data_type: object = None
-    max_total_recv_tokens: int = 0
+    quant_type: str = "none"
+
+    def __post_init__(self):
+        missing = [n for n in _REQUIRED_FIELDS if getattr(self, n) is None]
+        if missing:
+            raise TypeError(
+                f"EpDispatchCombineConfig() missing required argument(s): {', '.join(missing)}"
+            )
 
     def to_native(self):
         def as_int(name):
@@ -100,6 +171,7 @@ class EpDispatchCombineConfig:
             rdma_block_num=as_int("rdma_block_num"),
             num_qp_per_pe=as_int("num_qp_per_pe"),
             max_total_recv_tokens=as_int("max_total_recv_tokens"),
+            quant_type=_quant_type_code(self.quant_type),
         )
 
     def validate(self):
@@ -130,6 +202,11 @@ def ep_local_bytes(config):
 def ep_layout(config):
     """Offsets of every buffer (see docs/ep.md)."""
     return _native().ep_layout(config.to_native())
+
+
+def _check_rdma_block_num(value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+        raise _usage(f"rdma_block_num must be an int >= -1, got {value!r}")
 
 
 # --- torch helpers ------------------------------------------------------------------------------
@@ -224,6 +301,37 @@ class EpDispatchCombineOp:
         """(blocks, warps per block) a call would use."""
         return self._h().resolve_launch(int(num_tokens), int(block_num), int(warp_per_block), bool(for_dispatch))
 
+    def get_launch_config(self, is_dispatch=True, block_num=-1, rdma_block_num=-1, warp_per_block=-1, *, num_tokens=None):
+        """MORI's launch query: (block_num, rdma_block_num, warp_per_block) a dispatch
+        (is_dispatch) or combine of `num_tokens` tokens (default max_num_inp_token_per_rank) would
+        use with these arguments. rdma_block_num is returned as given, or the config's when < 1:
+        this build's kernels do not use it."""
+        _check_rdma_block_num(rdma_block_num)
+        n = self.config.max_num_inp_token_per_rank if num_tokens is None else int(num_tokens)
+        blocks, warps = self.resolve_launch(n, block_num, warp_per_block, bool(is_dispatch))
+        rdma = int(rdma_block_num) if int(rdma_block_num) > 0 else int(self.config.rdma_block_num)
+        return blocks, rdma, warps
+
+    # --- sizes (MORI's names; from the config, no GPU involved) ---------------------------------
+    def max_num_tokens_to_recv(self):
+        """Rows of the dispatch outputs: every row one dispatch can deliver to this rank
+        (world_size * max_num_inp_token_per_rank, or max_total_recv_tokens when set and smaller)."""
+        return self.config.max_num_recv_tokens
+
+    def max_num_tokens_to_recv_per_rank(self):
+        """Most rows one source rank can deliver to this rank in one dispatch (a token reaches a
+        rank at most once): max_num_inp_token_per_rank, or the receive cap when smaller."""
+        return min(self.config.max_num_inp_token_per_rank, self.config.max_num_recv_tokens)
+
+    def max_num_tokens_to_send(self):
+        """Most rows this rank sends in one dispatch: each of its tokens to every rank at most once
+        (world_size * max_num_inp_token_per_rank)."""
+        return self.config.world_size * self.config.max_num_inp_token_per_rank
+
+    def max_num_tokens_to_send_per_rank(self):
+        """Most rows this rank sends to one rank in one dispatch: max_num_inp_token_per_rank."""
+        return self.config.max_num_inp_token_per_rank
+
     # --- views ----------------------------------------------------------------------------------
     def _view(self, name, ptr_attr, shape, dtype):
         key = (name, shape, dtype)
@@ -286,11 +394,18 @@ class EpDispatchCombineOp:
             )
 
     # --- dispatch -------------------------------------------------------------------------------
-    def dispatch(self, input, weights, scales, indices, block_num=-1, warp_per_block=-1, *, copy=False, stream=None):
+    def dispatch(self, input, weights, scales, indices, block_num=-1, rdma_block_num=-1, warp_per_block=-1,
+                 call_local_expert_count=False, *, copy=False, stream=None):
         """Returns (out_tokens [R, hidden], out_weights [R, K] float32 or None, out_scales
         [R, scale_dim] or None, out_indices [R, K], total_recv_token_num [1] int32 on the GPU),
-        R = world_size * max_num_inp_token_per_rank; rows [0, total_recv) are valid. copy=True
-        synchronises and returns private copies of the valid rows."""
+        R = max_num_tokens_to_recv(); rows [0, total_recv) are valid. The positional arguments
+        are ROCm/mori's: block_num and warp_per_block (< 1: the config's or the small-batch
+        default), rdma_block_num (>= -1; accepted for MORI compatibility and unused by this
+        build's kernels), call_local_expert_count (accepted; every
+        dispatch refreshes local_expert_count). Keyword-only: copy=True synchronises and returns
+        private copies of the valid rows; stream= launches on that stream (default: torch's
+        current stream)."""
+        _check_rdma_block_num(rdma_block_num)
         torch = _torch()
         h = self._h()
         cfg = self.config
@@ -372,13 +487,23 @@ class EpDispatchCombineOp:
         return out, out_w, out_s, out_i, total
 
     # --- combine --------------------------------------------------------------------------------
-    def combine(self, input, weights, indices, block_num=-1, warp_per_block=-1, call_reset=False, *, copy=False, stream=None):
+    def combine(self, input, weights, indices, block_num=-1, rdma_block_num=-1, warp_per_block=-1,
+                use_external_inp_buf=-1, call_reset=False, *, copy=False, stream=None):
         """input: rows in dispatch-output order ([>= total_recv, hidden] bf16/fp16/fp32): the
         registered buffer (get_registered_combine_input_buffer: zero-copy), the dispatch output
         itself (read in place), or any tensor (copied into the registered buffer first).
         weights: [>= total_recv, K] float32 or None. indices: this rank's own [num_tokens, K]
         routing of the last dispatch (checked for shape; None allowed).
+        The positional arguments are ROCm/mori's: block_num, rdma_block_num (>= -1, unused),
+        warp_per_block, use_external_inp_buf (-1, 0/False or 1/True: informative, the mode is
+        chosen by the input's address), call_reset (reset() first: a no-op). Keyword-only: copy,
+        stream as in dispatch.
         Returns (out_tokens [num_tokens, hidden], out_weights [num_tokens, K] or None)."""
+        _check_rdma_block_num(rdma_block_num)
+        if isinstance(use_external_inp_buf, bool):
+            use_external_inp_buf = int(use_external_inp_buf)
+        if not isinstance(use_external_inp_buf, int) or use_external_inp_buf not in (-1, 0, 1):
+            raise _usage(f"combine: use_external_inp_buf must be -1, 0 or 1 (or a bool), got {use_external_inp_buf!r}")
         torch = _torch()
         h = self._h()
         if self._last is None:
@@ -515,6 +640,8 @@ __all__ = [
     "EpDispatchCombineConfig",
     "EpDispatchCombineKernelType",
     "EpDispatchCombineOp",
+    "EpDispatchCombineQuantType",
+    "KERNEL_TYPE_BUILT",
     "ep_layout",
     "ep_local_bytes",
     "ep_symmetric_bytes",

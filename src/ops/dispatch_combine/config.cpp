@@ -14,6 +14,21 @@ const char* EpKernelTypeName(EpDispatchCombineKernelType type) {
     case EpDispatchCombineKernelType::kInterNode: return "InterNode";
     case EpDispatchCombineKernelType::kInterNodeV1: return "InterNodeV1";
     case EpDispatchCombineKernelType::kInterNodeV1LL: return "InterNodeV1LL";
+    case EpDispatchCombineKernelType::kAsyncLL: return "AsyncLL";
+    case EpDispatchCombineKernelType::kIntraNodeLL: return "IntraNodeLL";
+  }
+  return "unknown";
+}
+
+bool EpKernelTypeIsBuilt(EpDispatchCombineKernelType type) {
+  return type == EpDispatchCombineKernelType::kIntraNode ||
+         type == EpDispatchCombineKernelType::kInterNode;
+}
+
+const char* EpQuantTypeName(EpQuantType type) {
+  switch (type) {
+    case EpQuantType::kNone: return "none";
+    case EpQuantType::kFp8DirectCast: return "fp8_direct_cast";
   }
   return "unknown";
 }
@@ -63,6 +78,16 @@ void CheckRange(const char* field, long long value, long long lo, long long hi,
 
 size_t AlignUp(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
+// An enum field whose value this build has no code for: a value outside the enum is "not a
+// <what>", a named one is "not built yet" with what the build has instead.
+[[noreturn]] void ThrowNotBuilt(const char* field, const char* what, int value, int numValues,
+                                const char* name, const char* instead) {
+  MORI_ENSURE(value >= 0 && value < numValues, InvalidUsageError,
+              "EpDispatchCombineConfig.%s = %d is not a %s", field, value, what);
+  MORI_THROW(InvalidUsageError, "EpDispatchCombineConfig.%s = %s: not built yet (%s)", field, name,
+             instead);
+}
+
 }  // namespace
 
 void EpDispatchCombineConfig::Validate() const {
@@ -99,23 +124,21 @@ void EpDispatchCombineConfig::Validate() const {
   CheckRange("num_qp_per_pe", numQpPerPe, 1, 1 << 10);
   CheckRange("max_total_recv_tokens", maxTotalRecvTokens, 0, 1 << 30,
              "0 means world_size * max_num_inp_token_per_rank");
-  switch (kernelType) {
-    case EpDispatchCombineKernelType::kIntraNode: break;
-    case EpDispatchCombineKernelType::kInterNode:
-      MORI_ENSURE(worldSize % LocalSize() == 0, InvalidUsageError,
-                  "EpDispatchCombineConfig: kernel_type InterNode needs nodes of equal size, but "
-                  "world_size = %d is not a multiple of gpu_per_node = %d",
-                  worldSize, gpuPerNode);
-      break;
-    case EpDispatchCombineKernelType::kInterNodeV1:
-    case EpDispatchCombineKernelType::kInterNodeV1LL:
-      MORI_THROW(InvalidUsageError,
-                 "EpDispatchCombineConfig.kernel_type = %s: not built yet (this build has the "
-                 "IntraNode and InterNode kernels)",
-                 EpKernelTypeName(kernelType));
-    default:
-      MORI_THROW(InvalidUsageError, "EpDispatchCombineConfig.kernel_type = %d is not a kernel type",
-                 static_cast<int>(kernelType));
+  if (!EpKernelTypeIsBuilt(kernelType)) {
+    ThrowNotBuilt("kernel_type", "kernel type", static_cast<int>(kernelType), kEpNumKernelTypes,
+                  EpKernelTypeName(kernelType), "this build has the IntraNode and InterNode kernels");
+  }
+  if (kernelType == EpDispatchCombineKernelType::kInterNode) {
+    MORI_ENSURE(worldSize % LocalSize() == 0, InvalidUsageError,
+                "EpDispatchCombineConfig: kernel_type InterNode needs nodes of equal size, but "
+                "world_size = %d is not a multiple of gpu_per_node = %d",
+                worldSize, gpuPerNode);
+  }
+  if (quantType != EpQuantType::kNone) {
+    ThrowNotBuilt("quant_type", "quant type", static_cast<int>(quantType), kEpNumQuantTypes,
+                  EpQuantTypeName(quantType),
+                  "this build combines with quant_type none: rows travel in the combine input's "
+                  "dtype");
   }
   for (int ws : {32, 64}) {
     size_t smem = EpDispatchSmemBytes(*this, ws);

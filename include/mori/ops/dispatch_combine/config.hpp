@@ -8,17 +8,32 @@
 
 namespace mori::ops {
 
-// Which kernel family moves the tokens (MORI's numbering). kIntraNode: every PE reachable by
-// load/store over NVLink/xGMI. kInterNode: nodes of gpuPerNode PEs; same-node PEs by load/store,
-// other nodes by GPU-posted RDMA, one copy per destination PE. kInterNodeV1/kInterNodeV1LL (node-
-// deduplicated) are not built yet and are rejected clearly.
+// Which kernel family moves the tokens (MORI's names and numbering, so a value means the same in
+// both libraries). kIntraNode: every PE reachable by load/store over NVLink/xGMI. kInterNode: nodes
+// of gpuPerNode PEs; same-node PEs by load/store, other nodes by GPU-posted RDMA, one copy per
+// destination PE. The others (node-deduplicated kInterNodeV1/kInterNodeV1LL, the split-phase
+// kAsyncLL, kIntraNodeLL) are not built: Validate rejects them, naming the built ones.
 enum class EpDispatchCombineKernelType : int32_t {
   kIntraNode = 0,
   kInterNode = 1,
   kInterNodeV1 = 2,
   kInterNodeV1LL = 3,
+  kAsyncLL = 4,
+  kIntraNodeLL = 5,
 };
+constexpr int32_t kEpNumKernelTypes = 6;  // values 0 .. kEpNumKernelTypes - 1 have names
 const char* EpKernelTypeName(EpDispatchCombineKernelType type);
+bool EpKernelTypeIsBuilt(EpDispatchCombineKernelType type);
+
+// How combine moves rows on the wire (MORI's numbering). kNone: in the input dtype.
+// kFp8DirectCast (rows cast to e4m3, summed in fp32) is not built yet: Validate rejects it.
+enum class EpQuantType : int32_t {
+  kNone = 0,
+  kFp8DirectCast = 1,
+};
+constexpr int32_t kEpNumQuantTypes = 2;
+// MORI's config string of a quant type ("none", "fp8_direct_cast").
+const char* EpQuantTypeName(EpQuantType type);
 
 // Token element type of one call. Dispatch moves bytes (any of these); combine sums in fp32 and
 // needs a floating type it can read (bf16, fp16, fp32).
@@ -68,6 +83,7 @@ struct EpDispatchCombineConfig {
   // Rows one PE can receive in one dispatch (sizes the receive buffers); 0: W * M (every token of
   // every PE). A dispatch that would exceed it records an error naming the PEs instead of writing.
   int maxTotalRecvTokens = 0;
+  EpQuantType quantType = EpQuantType::kNone;  // combine's wire format
 
   // Raises InvalidUsageError naming the first bad field, its value and the allowed range.
   void Validate() const;
