@@ -17,6 +17,7 @@
 #include <utility>
 
 #include "mori/application/bootstrap/callback_bootstrap.hpp"
+#include "mori/core/env.hpp"
 #include "mori/core/errors.hpp"
 #include "mori/core/gpu_check.hpp"
 #include "mori/shmem/shmem_api.hpp"
@@ -324,6 +325,17 @@ void RegisterShmem(py::module_& m) {
   m.def("shmem_num_nodes", [] { return CallLibrary([] { return shmem::ShmemNumNodes(); }); });
   m.def("shmem_local_rank", [] { return CallLibrary([] { return shmem::ShmemLocalRank(); }); });
   m.def("shmem_local_size", [] { return CallLibrary([] { return shmem::ShmemLocalSize(); }); });
+  m.def(
+      "shmem_num_qp_per_pe",
+      [] {
+        return CallLibrary([] {
+          MORI_ENSURE(shmem::ShmemIsInitialized(), InvalidUsageError,
+                      "shmem_num_qp_per_pe: shmem is not initialised (call an init function "
+                      "first)");
+          return static_cast<int>(core::Env().numQpPerPe);
+        });
+      },
+      "QPs shmem init sets up per RDMA peer (MORI_NUM_QP_PER_PE; none without RDMA peers).");
 
   m.def(
       "shmem_malloc",

@@ -217,9 +217,14 @@ def test_single_rank_init_malloc_free_finalize():
         aligned = mori.shmem.shmem_malloc_align(4096, 100)
         assert aligned % 4096 == 0
         mori.shmem.shmem_barrier_on_stream(0)
+        mori.shmem.shmem_barrier_on_stream(None)  # the null stream, as in ROCm/mori
         mori.shmem.shmem_stream_synchronize(0)
         mori.shmem.shmem_barrier_all()
         mori.shmem.shmem_check_device_error()
+        assert mori.shmem.shmem_num_qp_per_pe() >= 1
+        # ROCm/mori's names return 0 (no RDMA peer here: registering is a no-op).
+        assert mori.shmem.shmem_buffer_register(aligned, 100) == 0
+        assert mori.shmem.shmem_buffer_deregister(aligned, 100) == 0
         mori.shmem.shmem_free(aligned)
         mori.shmem.shmem_free(ptr)
         with pytest.raises(mori.InvalidUsageError, match="already initialised"):
@@ -263,6 +268,17 @@ def test_tensor_view_of_symmetric_memory():
         assert torch.equal(again.cpu(), torch.arange(64, dtype=torch.float32))
         del t, again
         mori.shmem.shmem_free(ptr)
+        # ROCm/mori's symmetric tensors: created and freed collectively (one PE here).
+        free_before = mori.shmem.shmem_heap_free_bytes()
+        st = mori.shmem.mori_shmem_create_tensor((4, 16), torch.bfloat16)
+        assert st.shape == (4, 16) and st.dtype == torch.bfloat16 and st.device == torch.device("cuda", 0)
+        assert mori.shmem.shmem_ptr_p2p(st.data_ptr(), 0, 0) == st.data_ptr()
+        assert mori.shmem.shmem_heap_free_bytes() < free_before
+        st.fill_(1.5)
+        assert float(st.float().sum()) == 1.5 * 64
+        mori.shmem.mori_shmem_free_tensor(st)
+        with pytest.raises(mori.InvalidUsageError, match="not made by mori_shmem_create_tensor"):
+            mori.shmem.mori_shmem_free_tensor(torch.zeros(4, device="cuda"))
     finally:
         mori.shmem.shmem_finalize()
 
@@ -304,6 +320,23 @@ def test_buffer_registration_before_init_is_invalid_usage():
         mori.shmem.shmem_register_buffer(0x1000, 64)
     with pytest.raises(mori.InvalidUsageError, match="not initialised"):
         mori.shmem.shmem_deregister_buffer(0x1000)
+    with pytest.raises(mori.InvalidUsageError, match="not initialised"):
+        mori.shmem.shmem_buffer_register(0x1000, 64)
+    with pytest.raises(mori.InvalidUsageError, match="not initialised"):
+        mori.shmem.shmem_buffer_deregister(0x1000, 64)
+    with pytest.raises(mori.InvalidUsageError, match="size must be a non-negative int"):
+        mori.shmem.shmem_buffer_deregister(0x1000, -1)
+    with pytest.raises(mori.InvalidUsageError, match="shmem_num_qp_per_pe: shmem is not initialised"):
+        mori.shmem.shmem_num_qp_per_pe()
+
+
+def test_rocm_mori_names_are_our_calls():
+    """ROCm/mori's names and ours are the same functions (ours kept as aliases)."""
+    assert mori.shmem.shmem_register_buffer is mori.shmem.shmem_buffer_register
+    assert mori.shmem.shmem_deregister_buffer is mori.shmem.shmem_buffer_deregister
+    for name in ("shmem_buffer_register", "shmem_buffer_deregister", "shmem_num_qp_per_pe",
+                 "mori_shmem_create_tensor", "mori_shmem_free_tensor"):
+        assert name in mori.shmem.__all__ and callable(getattr(mori.shmem, name))
 
 
 def test_topology_queries_before_init_are_invalid_usage():

@@ -134,16 +134,69 @@ def shmem_free(ptr) -> None:
     _C.shmem_free(_as_ptr(ptr))
 
 
-def shmem_register_buffer(ptr, size: int) -> None:
+def shmem_buffer_register(ptr, size: int) -> int:
     """Registers a local (non-heap) buffer of this PE, e.g. a torch tensor's storage, as a source
     of device puts and a destination of device gets to PEs reached by RDMA. Not collective; a
-    no-op when no PE is reached by RDMA. ptr: an address or a tensor."""
+    no-op when no PE is reached by RDMA. ptr: an address or a tensor. Returns 0 (MORI's status;
+    failures raise)."""
     _C.shmem_register_buffer(_as_ptr(ptr), size)
+    return 0
 
 
-def shmem_deregister_buffer(ptr) -> None:
-    """Ends a registration made by shmem_register_buffer (device work using it must be done)."""
+def shmem_buffer_deregister(ptr, size=None) -> int:
+    """Ends a registration made by shmem_buffer_register (device work using it must be done).
+    The registration is found by its address; `size` (MORI's signature) is accepted and only
+    checked to be a non-negative int. Returns 0 (failures raise)."""
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
+        raise _C.InvalidUsageError(f"shmem_buffer_deregister: size must be a non-negative int, got {size!r}")
     _C.shmem_deregister_buffer(_as_ptr(ptr))
+    return 0
+
+
+# Earlier names of the two calls above.
+shmem_register_buffer = shmem_buffer_register
+shmem_deregister_buffer = shmem_buffer_deregister
+
+
+def shmem_num_qp_per_pe() -> int:
+    """QPs shmem sets up per RDMA peer (MORI_NUM_QP_PER_PE, read at init; no QP exists for
+    peers reached by load/store). Raises mori.InvalidUsageError before init."""
+    return _C.shmem_num_qp_per_pe()
+
+
+def mori_shmem_create_tensor(shape, dtype):
+    """Collective (as shmem_malloc): a torch tensor of `shape` and `dtype` on this PE's GPU over a
+    new symmetric allocation (same heap offset on every PE, so peers reach it through
+    shmem_ptr_p2p or the device API). Contents are undefined. Free it with
+    mori_shmem_free_tensor on every PE."""
+    import math
+
+    import torch
+
+    if isinstance(shape, int):
+        shape = (shape,)
+    shape = tuple(int(n) for n in shape)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    torch.cuda.synchronize()
+    ptr = shmem_malloc(max(nbytes, 1))
+    from .tensor import tensor_from_ptr
+
+    t = tensor_from_ptr(ptr, shape, dtype)
+    t._mori_shmem_ptr = ptr
+    return t
+
+
+def mori_shmem_free_tensor(tensor) -> None:
+    """Collective: frees a tensor made by mori_shmem_create_tensor after this GPU's work is done
+    (the tensor must not be used afterwards). Any other tensor raises mori.InvalidUsageError."""
+    ptr = getattr(tensor, "_mori_shmem_ptr", None)
+    if ptr is None:
+        raise _C.InvalidUsageError("mori_shmem_free_tensor: the tensor was not made by mori_shmem_create_tensor")
+    import torch
+
+    torch.cuda.synchronize()
+    _C.shmem_free(ptr)
+    tensor._mori_shmem_ptr = None
 
 
 # --- RDMA statistics -------------------------------------------------------------------------
@@ -190,8 +243,10 @@ def shmem_barrier_all() -> None:
 
 
 def shmem_barrier_on_stream(stream=None) -> None:
-    """Device barrier across all PEs, enqueued on `stream` (no host wait)."""
-    _C.shmem_barrier_on_stream(_stream_handle(stream))
+    """Device barrier across all PEs, enqueued on `stream` (no host wait). stream: an int handle,
+    a torch stream, or None for the null (legacy default) stream, as in ROCm/mori (not torch's
+    current stream: pass torch.cuda.current_stream() for that)."""
+    _C.shmem_barrier_on_stream(0 if stream is None else _stream_handle(stream))
 
 
 def shmem_stream_synchronize(stream=None) -> None:
