@@ -22,7 +22,95 @@ atomic: the model checks the order of the protocol's steps, not memory ordering 
 `bugs` switches off one guard at a time, so the tests also show that the model can fail: one
 buffer set instead of two (the push combine's first version failed so on the GPU), no wait for
 the signal of ranks that pushed nothing, no done wait before the dispatch announces, no done wait
-before the external-input copy."""
+before the external-input copy.
+
+Modes "v1" and "v1ll" (run_v1) model InterNodeV1 and InterNodeV1LL, rail-aligned and
+node-deduplicated: a design, not built (docs/ep_internode_v1.md says the same with sizes). W ranks, nodes of G consecutive ranks, N = W / G; rank r is on node r // G with local index r % G.
+The rail peer of r on node n is n*G + r % G: r sends everything for node n to it (the "proxy"), and
+r is in turn the proxy, on its own node, of every rail peer. Q channels (QPs) per rail peer; a
+list of c records is split into Q contiguous shares [c*i//Q, c*(i+1)//Q); V1 cuts each share into
+chunks of C records, V1LL sends each share as one chunk. Dispatch epoch k, combine epoch e
+(per op, per kind, as IntraNode). Every signal is one tagged word {epoch, value}; a waiter waits
+for its call's tag and reports a later tag as "out of step".
+
+Symmetric, written by peers (P2P = same node, RDMA = WRITE from a rail peer):
+  countInbox[k%2][s] on j     {k, count(s->j)}: P2P, by s (same node) or by the proxy relaying
+                              s's count record; read by j's receiver, and by every writer of
+                              j's rows (their base is the sum of the lower sources' counts);
+                              count(j->j) also says "j started call k: its buffers are free".
+  arrived[s] on j             rows of s that landed in j's output (P2P add after a fence);
+                              j's receiver waits for count(s->j), checks and resets it.
+  dispatchOut[pos] on j       rows at base(s->j) + idx(s->j,t): P2P, by s (same node) or by the
+                              proxy of s on j's node; read by the user and the local combines.
+  countRec[k%2][m] on p       RDMA from s = p's rail peer on node m, first on QP 0: per-GPU counts
+                              count(s->j) for the G ranks j of p's node, and the record count
+                              c(s, node(p)); read by p's relay.
+  proxyInbox[P][m][i] on p    record i of s's list for p's node (the token's row, metadata and
+                              idx(s->j,t) per local j, -1 = not needed): RDMA from s's staging;
+                              read by p's forwarders. V1: P = 1, V1LL: P = k%2.
+  tail[P][m][c] on p          {k, records of channel c landed}: RDMA from s on QP c after each
+                              chunk's WRITE (same QP: RC delivers it after the data). V1LL sends
+                              it on every QP (also for an empty share); V1 skips empty shares
+                              (p knows every share's size from the count record).
+  credit[n] on s              V1 only: {k} when s's rail peer on node n forwarded all of s's call
+                              k records (RDMA, also when there were none); s waits credit >= k-1
+                              before posting any record of call k (packing may go ahead).
+  readyInbox[e%2][j], doneInbox[j] on q: P2P, as IntraNode, among the ranks of one node only
+                              (nobody reads another node's buffers directly).
+  landing[L][n][i] on o       partial i of o's list for node n (i = position in the dispatch
+                              list): RDMA from o's rail peer on node n; read by o's final sum.
+                              V1: L = 1, V1LL: L = e%2.
+  landTail[L][n][c] on o      {e, partials of channel c landed}: after each chunk, same QP.
+                              V1LL: on every QP, also for an empty share; V1: non-empty ones.
+  landFree[m] on p            V1 only: {e} when the owner on node m (p's rail peer) finished
+                              reading its landing region in combine e (RDMA, every combine, to
+                              every rail peer); p waits landFree[m] >= e-1 before writing.
+Local (this rank only): send staging stage[n][i] and countSend[n] (read by the NIC until the
+WRITE completes), partialOut[m][i] (same), and route[m][i][j] (where the forwarder put record i
+on local j: the combine's routing, kept from the last dispatch, never taken from the caller).
+
+Dispatch on rank r, call k: (a) wait doneInbox[q] >= combine epoch for the local q, store
+count(r->j) on every local j; post the count record to every rail peer; (b) per (node, channel):
+pack chunks into staging, V1: wait credit >= k-1, post WRITE + tail per chunk; (c) per same-node j:
+wait count(s->j) for s < r and count(j->j), copy rows, add arrived; (d) proxy, per rail peer s:
+wait countRec, relay count(s->j) to every local j; per channel: wait the tail, forward each
+record to every local j that needs it (after j's counts for sources below s and count(j->j)),
+add arrived[s] on j; V1: the last channel posts credit {k} to s; (e) receiver: every count, then
+arrived; (f) the kernel ends only after its WRITEs completed (quiet: staging reusable).
+Combine on rank r, call e: (a) external input: wait done >= e-1 of the local ranks, copy; store
+ready on every local rank; (b) proxy, per rail peer o: wait ready of the local ranks, V1: wait
+landFree >= e-1, sum each record's rows from the local j (ascending), stage the partial, post
+WRITE + landing tail per chunk; (c) owner: own-node partials from the local j; wait the landing
+tails, sum the partials in ascending node order; V1: post landFree {e} to every rail peer;
+(d) done to every local rank, quiet, epoch.
+
+V1LL has no credits: parity and the count record every rank always sends (and the landing tail on
+every QP) carry the IntraNode push-combine argument. r writes proxyInbox of call k+2 on p only
+after it finished call k+1, which needed count(p->r) of call k+1, which r relays from p's count
+record: p posted it after it finished call k (so forwarded all of call k). Landing likewise: p's
+combine e+1 waited for o's landing tails of e+1 on every QP, posted by o after it finished e.
+
+The model moves rows as (source, token, call) triples and partials as the tuple of local ranks
+they summed, so it checks values, not only the order of steps. The NIC is modelled: a post puts a
+WRITE into its QP's FIFO, and delivery is a step of its own (RC: in order per QP, QPs unordered);
+the WRITE reads its staging when it is delivered. Checked: no WRITE into a slot, record, landing
+partial or count record its reader has not consumed, and no staging rewritten while a WRITE reads
+it; no waiter sees a later call's tag; every row lands exactly once at its IntraNode position on
+every destination that needs it (checked against the routing when the receiver ends) and the
+arrival counts and tails are exact; every token's combine is the partials of exactly its nodes in
+ascending node order, each the ascending local ranks of that node.
+
+V1/V1LL `bugs`: "count_one_parity" (count records single-buffered), "no_credit_wait" (V1),
+"no_land_free_wait" (V1), "ll_one_parity_inbox", "ll_one_parity_landing", "ll_skip_empty_tail"
+(V1LL: no landing tail for an empty share, and no wait for it), "tail_other_qp" (the tail on
+another QP than its data), "no_quiet" (a kernel ends with WRITEs in flight), "no_done_wait",
+"no_copy_wait", "no_base_wait" (forwarding before the lower sources' counts), "no_dest_wait"
+(forwarding before the destination announced its call). What the runs show: the V1 credit
+matters only in dispatch-only loops (a combine between two dispatches waits for the landing of
+every record sent, so for its forwarding); the quiet guards the dispatch staging in dispatch-only
+loops (V1 packs before its credit wait) and, in V1LL, the partial staging between combines of one
+dispatch (V1's landFree wait implies the earlier partials were delivered).
+"""
 
 import random
 
@@ -50,6 +138,8 @@ class Rank:
 
 
 def run(W, ops, seed, mode="push", bugs=(), vecs=3, G=None):
+    if mode in ("v1", "v1ll"):
+        return run_v1(W, G or W, ops, seed, ll=mode == "v1ll", bugs=bugs)
     rnd = random.Random(seed)
     G = G or W
     remote = lambda a, b: mode == "inter" and a // G != b // G  # noqa: E731
@@ -327,3 +417,630 @@ def test_model_finds_missing_landing_done_wait():
         except Violation:
             n += 1
     assert n > 0
+
+
+# --- InterNodeV1 ("v1") and InterNodeV1LL ("v1ll"): the protocol is in the module docstring ---
+
+from collections import deque
+
+
+class V1Rank:
+    def __init__(self, W, N):
+        self.count_inbox = {}   # (parity, src) -> [epoch, count, consumed]
+        self.arrived = [0] * W
+        self.out = {}           # dispatch output: pos -> (src, token, call)
+        self.out_written = set()  # (call, pos): every row written exactly once per call
+        self.count_rec = {}     # (parity, node) -> [epoch, payload, consumed]
+        self.inbox = {}         # (parity, node, i) -> [epoch, record, consumed]
+        self.tail = {}          # (parity, node, channel) -> (epoch, value)
+        self.credit = [0] * N
+        self.ready = {}         # (parity, src) -> (epoch,)
+        self.done = [0] * W
+        self.landing = {}       # (parity, node, i) -> [epoch, partial, consumed]
+        self.land_tail = {}     # (parity, node, channel) -> (epoch, value)
+        self.land_free = [0] * N
+        self.stage = {}         # local send buffers: key -> value
+        self.nic_reads = {}     # key -> WRITEs posted and not yet delivered that read it
+        self.route = {}         # node -> [ {j: pos} per record ] (local, from the last dispatch)
+        self.relayed = {}       # node -> (epoch, payload) of the count record relayed
+        self.fwd_left = {}      # node -> channels still forwarding (V1: the last posts credit)
+        self.readers = 0        # combines reading our rows now
+        self.dispatch_epoch = 0
+        self.combine_epoch = 0
+
+
+class V1Call:
+    """One dispatch's routing, as every rank computes it: tokens of each source, destinations."""
+
+    def __init__(self, routes, W, G):
+        N = W // G
+        self.routes = routes
+        self.cnt = [[0] * W for _ in range(W)]
+        self.idx = {}
+        for s in range(W):
+            for t, ds in enumerate(routes[s]):
+                for j in ds:
+                    self.idx[s, j, t] = self.cnt[s][j]
+                    self.cnt[s][j] += 1
+        self.lists = {(s, n): [t for t, ds in enumerate(routes[s]) if any(d // G == n for d in ds)]
+                      for s in range(W) for n in range(N)}
+        self.expected_out = [[(s, t) for s in range(W) for t, ds in enumerate(routes[s]) if j in ds]
+                             for j in range(W)]
+
+
+def v1_routing(rnd, W, G, M, pattern):
+    """Tokens (0..M per rank) with up to 3 distinct destination ranks each (none allowed)."""
+    N = W // G
+    routes = []
+    for s in range(W):
+        toks = []
+        for _ in range(rnd.randint(0, M)):
+            if pattern == "local":      # every token stays on its node: zero-byte chunks
+                pool = [d for d in range(W) if d // G == s // G]
+            elif pattern == "incast":   # every token to one remote node (node 0; node 0's to node 1)
+                target = 0 if s // G != 0 else 1 % N
+                pool = [d for d in range(W) if d // G == target]
+            else:
+                pool = list(range(W))
+            lo = 1 if pattern == "incast" else 0
+            toks.append(tuple(sorted(rnd.sample(pool, rnd.randint(lo, min(3, len(pool)))))))
+        routes.append(toks)
+    return routes
+
+
+def _share(n, i, parts):
+    return n * i // parts, n * (i + 1) // parts
+
+
+def run_v1(W, G, ops, seed, ll=False, bugs=(), Q=2, C=2, M=5, pattern="mixed", skew=0.0, fast=0,
+           slow_nic=0.0):
+    """Runs `ops` ("D" dispatch, "C" zero-copy combine, "X" external-input combine) on W ranks
+    in nodes of G, V1 (ll=False) or V1LL, in a random interleaving of every block's steps and every
+    WRITE's delivery; with probability `skew` a step of rank `fast` (its blocks or its WRITEs) goes
+    first, so that rank runs as far ahead as the protocol lets it; with probability `slow_nic` a
+    WRITE's delivery that was drawn is put off while any block can move. Returns statistics;
+    raises Violation when a safety property fails."""
+    rnd = random.Random(seed)
+    N = W // G
+    node = lambda r: r // G  # noqa: E731
+    local = lambda r: range(node(r) * G, node(r) * G + G)  # noqa: E731
+    rail = lambda n, r: n * G + r % G  # noqa: E731
+    remote_nodes = lambda r: [n for n in range(N) if n != node(r)]  # noqa: E731
+    CP = 1 if "count_one_parity" in bugs else 2
+    IP = (1 if "ll_one_parity_inbox" in bugs else 2) if ll else 1
+    LP = (1 if "ll_one_parity_landing" in bugs else 2) if ll else 1
+    ranks = [V1Rank(W, N) for _ in range(W)]
+    calls = {}
+    nic = {}  # (src, dst, qp) -> deque of (staging keys, apply, inline value)
+    stats = {"max_lead": 0, "data_writes": 0, "wrs": {}, "chunks": 0}
+
+    def call(k):
+        if k not in calls:
+            calls[k] = V1Call(v1_routing(rnd, W, G, M, pattern), W, G)
+        return calls[k]
+
+    def chunks(b, e):
+        if ll:
+            return [(b, e)]
+        return [(i, min(i + C, e)) for i in range(b, e, C)]
+
+    # --- NIC -----------------------------------------------------------------------------------
+    def post(src, dst, qp, keys, apply, inline=None, what="", phase=None):
+        S = ranks[src]
+        for key in keys:
+            S.nic_reads[key] = S.nic_reads.get(key, 0) + 1
+        nic.setdefault((src, dst, qp), deque()).append((keys, apply, inline))
+        if phase is not None:
+            stats["wrs"][phase] = stats["wrs"].get(phase, 0) + 1
+        if keys:
+            stats["data_writes"] += 1
+
+    def deliver(q):
+        keys, apply, inline = nic[q].popleft()
+        if not nic[q]:
+            del nic[q]
+        S = ranks[q[0]]
+        vals = [S.stage[key] for key in keys]
+        for key in keys:
+            S.nic_reads[key] -= 1
+        apply(vals if keys else inline)
+
+    def stage_write(r, key, value, what):
+        R = ranks[r]
+        if R.nic_reads.get(key, 0):
+            raise Violation(f"rank {r}: {what}: staging {key} rewritten while a WRITE still reads it")
+        R.stage[key] = value
+
+    def quiet(r):
+        return not any(q[0] == r for q in nic)
+
+    def post_chunk(src, dst, c, keys, region, par, cb, tail_region, tail_value, phase, unread):
+        """One chunk on QP c: a WRITE of the staged records `keys` into region(dst)[par, node(src),
+        cb + i] (each slot must have been consumed), then the tail word region(dst)[par, node(src),
+        c] (RC: after the data; on another QP with the bug "tail_other_qp"). No records: the tail
+        alone."""
+        nm = node(src)
+        if keys:
+            def apply(vals):
+                D = region(ranks[dst])
+                for off, v in enumerate(vals):
+                    slot = D.get((par, nm, cb + off))
+                    if slot is not None and not slot[2]:
+                        raise Violation(unread(cb + off, slot[0]))
+                    D[par, nm, cb + off] = [v[0], v[1], False]
+            post(src, dst, c, keys, apply, phase=phase)
+            stats["chunks"] += 1
+
+        def apply_tail(v):
+            tail_region(ranks[dst])[par, nm, c] = v
+        post(src, dst, ("signal", c) if "tail_other_qp" in bugs else c, [], apply_tail, inline=tail_value, phase=phase)
+
+    # --- shared waits and writes ------------------------------------------------------------------
+    def tag_wait(word, expect, who):
+        """A tagged word: True once it holds `expect`'s tag; a later tag is out of step."""
+        if word is not None and word[0] > expect:
+            raise Violation(f"{who}: found the signal of call {word[0]} while in call {expect}")
+        return word is not None and word[0] == expect
+
+    def set_count(j, par, s, k, value, writer):
+        J = ranks[j]
+        slot = J.count_inbox.get((par, s))
+        if slot is not None and not slot[2]:
+            raise Violation(f"rank {writer} call {k}: count({s}->{j}) slot still holds call {slot[0]}, unread")
+        J.count_inbox[par, s] = [k, value, False]
+
+    def counts_ready(j, par, k, below, who):
+        """j's counts from every source < below and its own (j started call k)."""
+        J = ranks[j]
+        need = list(range(below))
+        if "no_dest_wait" not in bugs:
+            need.append(j)
+        if "no_base_wait" in bugs:
+            need = [j] if "no_dest_wait" not in bugs else []
+        return all(tag_wait(J.count_inbox.get((par, s)), k, f"{who} reading count({s}->{j})") for s in need)
+
+    def base_of(j, par, s):
+        J = ranks[j]
+        return sum(J.count_inbox[par, q][1] if (par, q) in J.count_inbox else 0 for q in range(s))
+
+    def write_row(j, pos, row, k, writer):
+        J = ranks[j]
+        if J.readers:
+            raise Violation(f"rank {writer} dispatch {k}: row into rank {j}'s output while a combine reads it")
+        if (k, pos) in J.out_written:
+            raise Violation(f"rank {writer} dispatch {k}: row {pos} of rank {j} written twice")
+        J.out_written.add((k, pos))
+        J.out[pos] = row
+
+    # --- dispatch ---------------------------------------------------------------------------------
+    def dispatch(me):
+        R = ranks[me]
+        k = R.dispatch_epoch + 1
+        d = call(k)
+        par, cp, ip = k % 2, k % CP, k % IP
+        nm = node(me)
+        ph = ("D", me, k)
+        stats["wrs"][ph] = 0
+
+        def announce():
+            if "no_done_wait" not in bugs:
+                yield lambda: all(R.done[q] >= R.combine_epoch for q in local(me))
+            for j in local(me):
+                set_count(j, par, me, k, d.cnt[me][j], me)
+            yield None
+            for n in remote_nodes(me):
+                p = rail(n, me)
+                payload = ({j: d.cnt[me][j] for j in range(n * G, n * G + G)}, len(d.lists[me, n]))
+                stage_write(me, ("countSend", n), (k, payload), f"dispatch {k} count record")
+
+                def apply(v, p=p):
+                    P_ = ranks[p]
+                    slot = P_.count_rec.get((cp, nm))
+                    if slot is not None and not slot[2]:
+                        raise Violation(f"rank {me} dispatch {k}: count record on {p} still holds call {slot[0]}, not relayed")
+                    P_.count_rec[cp, nm] = [v[0][0], v[0][1], False]
+                post(me, p, 0, [("countSend", n)], apply, phase=ph)
+                yield None
+
+        def send(n, c):
+            p = rail(n, me)
+            lst = d.lists[me, n]
+            b, e = _share(len(lst), c, Q)
+            waited = False
+            for cb, ce in chunks(b, e) or [(b, b)]:
+                for i in range(cb, ce):
+                    t = lst[i]
+                    rec = (me, t, {j: d.idx.get((me, j, t), -1) for j in range(n * G, n * G + G)})
+                    stage_write(me, ("rec", n, i), (k, rec), f"dispatch {k} packing")
+                yield None
+                if not ll and not waited and "no_credit_wait" not in bugs:
+                    yield lambda: R.credit[n] >= k - 1
+                waited = True
+                post_chunk(me, p, c, [("rec", n, i) for i in range(cb, ce)], lambda X: X.inbox, ip, cb,
+                           lambda X: X.tail, (k, ce - b), ph,
+                           lambda i, x: f"rank {me} dispatch {k}: record {i} on {p} still holds call {x}, not forwarded")
+                yield None
+
+        def copy(j):
+            ts = [t for t, ds in enumerate(d.routes[me]) if j in ds]
+            yield lambda: counts_ready(j, par, k, me, f"rank {me} dispatch {k}")
+            base = base_of(j, par, me)
+            for t in ts:
+                write_row(j, base + d.idx[me, j, t], (me, t, k), k, me)
+            yield None
+            ranks[j].arrived[me] += len(ts)
+
+        def relay(m):
+            s = rail(m, me)
+            yield lambda: tag_wait(R.count_rec.get((cp, m)), k, f"proxy {me} dispatch {k}: count record of {s}")
+            slot = R.count_rec[cp, m]
+            counts, nrec = slot[1]
+            if nrec != len(d.lists[s, nm]) or any(counts[j] != d.cnt[s][j] for j in local(me)):
+                raise Violation(f"proxy {me} dispatch {k}: count record of {s} is not call {k}'s")
+            slot[2] = True
+            for j in local(me):
+                set_count(j, par, s, k, counts[j], me)
+                yield None
+            R.relayed[m] = (k, counts, nrec)
+            R.route[m] = [{} for _ in range(nrec)]
+            R.fwd_left[m] = Q
+
+        def forward(m, c):
+            s = rail(m, me)
+            yield lambda: m in R.relayed and R.relayed[m][0] == k
+            _, counts, nrec = R.relayed[m]
+            need = [j for j in local(me) if counts[j] > 0]
+            yield lambda: all(counts_ready(j, par, k, s, f"proxy {me} dispatch {k}") for j in need)
+            b, e = _share(nrec, c, Q)
+            for cb, ce in chunks(b, e) if (ll or e > b) else []:
+                yield lambda ce=ce: tag_wait(R.tail.get((ip, m, c)), k, f"proxy {me} dispatch {k}: tail {c} of {s}") \
+                    and R.tail[ip, m, c][1] >= ce - b
+                added = {}
+                for i in range(cb, ce):
+                    slot = R.inbox.get((ip, m, i))
+                    want = d.lists[s, nm][i]
+                    if slot is None or slot[0] != k or slot[1][0] != s or slot[1][1] != want:
+                        raise Violation(f"proxy {me} dispatch {k}: record {i} of {s} is {slot and slot[:2]}, not call {k}'s token {want}")
+                    _, t, idx = slot[1]
+                    for j in sorted(idx):
+                        if idx[j] < 0:
+                            continue
+                        pos = base_of(j, par, s) + idx[j]
+                        write_row(j, pos, (s, t, k), k, me)
+                        R.route[m][i][j] = pos
+                        added[j] = added.get(j, 0) + 1
+                    slot[2] = True
+                    yield None
+                for j, n_ in added.items():  # one fence, then the count
+                    ranks[j].arrived[s] += n_
+            R.fwd_left[m] -= 1
+            if not ll and R.fwd_left[m] == 0:
+                def apply(v):
+                    S = ranks[s]
+                    if v < S.credit[nm]:
+                        raise Violation(f"proxy {me}: credit {v} on {s} below {S.credit[nm]}")
+                    S.credit[nm] = v
+                post(me, s, 0, [], apply, inline=k, phase=ph)
+
+        def receive():
+            yield lambda: all(tag_wait(R.count_inbox.get((par, s)), k, f"rank {me} dispatch {k}: count from {s}")
+                              for s in range(W))
+            for s in range(W):
+                if R.count_inbox[par, s][1] != d.cnt[s][me]:
+                    raise Violation(f"rank {me} dispatch {k}: count from {s} is {R.count_inbox[par, s][1]}, expected {d.cnt[s][me]}")
+            for s in range(W):
+                yield lambda s=s: R.arrived[s] >= d.cnt[s][me]
+            for s in range(W):
+                if R.arrived[s] != d.cnt[s][me]:
+                    raise Violation(f"rank {me} dispatch {k}: {R.arrived[s]} rows from {s}, expected {d.cnt[s][me]}")
+                R.arrived[s] = 0
+                R.count_inbox[par, s][2] = True
+            exp = d.expected_out[me]
+            got = [R.out.get(pos) for pos in range(len(exp))]
+            if got != [(s, t, k) for s, t in exp] or len([1 for kk, _ in R.out_written if kk == k]) != len(exp):
+                raise Violation(f"rank {me} dispatch {k}: output {got} is not {exp}")
+
+        blocks = [announce(), receive()]
+        for n in remote_nodes(me):
+            for c in range(Q):
+                b, e = _share(len(d.lists[me, n]), c, Q)
+                if ll or e > b:
+                    blocks.append(send(n, c))
+        blocks += [copy(j) for j in local(me) if d.cnt[me][j] > 0]
+        blocks += [relay(m) for m in remote_nodes(me)]
+        blocks += [forward(m, c) for m in remote_nodes(me) for c in range(Q)]
+
+        def epilogue():
+            R.dispatch_epoch = k
+            R.out_written = {x for x in R.out_written if x[0] == k}
+        return blocks, epilogue
+
+    # --- combine ----------------------------------------------------------------------------------
+    def combine(me, external):
+        R = ranks[me]
+        e = R.combine_epoch + 1
+        k = R.dispatch_epoch
+        d = call(k)
+        par, lp = e % 2, e % LP
+        nm = node(me)
+        ph = ("C", me, e)
+        stats["wrs"][ph] = 0
+
+        def ready_of_locals(who):
+            return lambda: all(tag_wait(R.ready.get((par, j)), e, f"{who}: ready of {j}") for j in local(me))
+
+        def read_row(j, pos, want, who):
+            got = ranks[j].out.get(pos)
+            if got != want:
+                raise Violation(f"{who}: row {pos} of rank {j} is {got}, expected {want}")
+
+        def start():
+            if external:
+                if "no_copy_wait" not in bugs:
+                    yield lambda: all(R.done[q] >= e - 1 for q in local(me))
+                if R.readers:
+                    raise Violation(f"rank {me} combine {e}: input copy while a combine reads our rows")
+                yield None
+            for q in local(me):
+                if ranks[q].combine_epoch < e - 2:
+                    raise Violation(f"rank {me} combine {e}: ready on {q}, which is still in combine {ranks[q].combine_epoch + 1}")
+                ranks[q].ready[par, me] = (e,)
+
+        def proxy(m):
+            o = rail(m, me)
+            recs = R.route.get(m, [])
+            lst = d.lists[o, nm]
+            yield ready_of_locals(f"proxy {me} combine {e}")
+            for j in local(me):
+                ranks[j].readers += 1
+            if not ll and recs and "no_land_free_wait" not in bugs:
+                yield lambda: R.land_free[m] >= e - 1
+            for c in range(Q):
+                b, e_ = _share(len(recs), c, Q)
+                if e_ == b and (not ll or "ll_skip_empty_tail" in bugs):
+                    continue
+                for cb, ce in chunks(b, e_):
+                    for i in range(cb, ce):
+                        for j in sorted(recs[i]):
+                            read_row(j, recs[i][j], (o, lst[i], k), f"proxy {me} combine {e}")
+                        stage_write(me, ("partial", m, i), (e, (o, lst[i], tuple(sorted(recs[i])))), f"combine {e} partial")
+                    yield None
+                    post_chunk(me, o, c, [("partial", m, i) for i in range(cb, ce)], lambda X: X.landing, lp, cb,
+                               lambda X: X.land_tail, (e, ce - b), ph,
+                               lambda i, x: f"rank {me} combine {e}: partial {i} on {o} still holds combine {x}, unread")
+                    yield None
+            for j in local(me):
+                ranks[j].readers -= 1
+
+        def owner():
+            yield ready_of_locals(f"rank {me} combine {e}")
+            for j in local(me):
+                ranks[j].readers += 1
+            partials = {}  # (token, node) -> local ranks summed
+            for t, ds in enumerate(d.routes[me]):
+                mine = tuple(j for j in ds if node(j) == nm)
+                for j in mine:
+                    read_row(j, sum(d.cnt[q][j] for q in range(me)) + d.idx[me, j, t], (me, t, k), f"rank {me} combine {e}")
+                if mine:
+                    partials[t, nm] = mine
+            yield None
+            for j in local(me):
+                ranks[j].readers -= 1
+            for n in remote_nodes(me):
+                lst = d.lists[me, n]
+                for c in range(Q):
+                    b, e_ = _share(len(lst), c, Q)
+                    if e_ == b and (not ll or "ll_skip_empty_tail" in bugs):
+                        continue
+                    yield lambda n=n, c=c, b=b, e_=e_: tag_wait(R.land_tail.get((lp, n, c)), e, f"rank {me} combine {e}: landing tail {c} of node {n}") \
+                        and R.land_tail[lp, n, c][1] >= e_ - b
+                    if R.land_tail[lp, n, c][1] != e_ - b:
+                        raise Violation(f"rank {me} combine {e}: landing tail {R.land_tail[lp, n, c]}, expected {e_ - b}")
+                    for i in range(b, e_):
+                        slot = R.landing.get((lp, n, i))
+                        if slot is None or slot[0] != e or slot[1][:2] != (me, lst[i]):
+                            raise Violation(f"rank {me} combine {e}: partial {i} from node {n} is {slot and slot[:2]}")
+                        if (lst[i], n) in partials:
+                            raise Violation(f"rank {me} combine {e}: two partials of node {n} for token {lst[i]}")
+                        partials[lst[i], n] = slot[1][2]
+                        slot[2] = True
+            for t, ds in enumerate(d.routes[me]):  # the sum: ascending node, each partial ascending rank
+                got = tuple((n, partials[t, n]) for n in range(N) if (t, n) in partials)
+                want = tuple((n, tuple(j for j in ds if node(j) == n)) for n in range(N) if any(node(j) == n for j in ds))
+                if got != want:
+                    raise Violation(f"rank {me} combine {e}: token {t} sums {got}, expected {want}")
+            if not ll:
+                for n in remote_nodes(me):
+                    p = rail(n, me)
+
+                    def apply(v, p=p):
+                        ranks[p].land_free[nm] = max(ranks[p].land_free[nm], v)
+                    post(me, p, 0, [], apply, inline=e, phase=ph)
+            yield None
+
+        blocks = [start(), owner()] + [proxy(m) for m in remote_nodes(me)]
+
+        def epilogue():
+            for q in local(me):
+                ranks[q].done[me] = e
+            R.combine_epoch = e
+        return blocks, epilogue
+
+    # --- scheduler --------------------------------------------------------------------------------
+    def program(me):
+        for op in ops:
+            yield dispatch(me) if op == "D" else combine(me, op == "X")
+
+    progs = [program(r) for r in range(W)]
+    running = [None] * W
+    done_ops = [0] * W
+
+    def start(r):
+        nxt = next(progs[r], None)
+        if nxt is None:
+            running[r] = None
+            return
+        blocks, epi = nxt
+        running[r] = ([[b, None, False] for b in blocks], epi)
+
+    for r in range(W):
+        start(r)
+
+    def candidates(only=None):
+        cands = []
+        for r in range(W) if only is None else (only,):
+            if running[r] is None:
+                continue
+            blocks, _ = running[r]
+            live = [b for b in blocks if not b[2]]
+            cands += [(r, b) for b in live] if live else [(r, None)]
+        cands += [("nic", q) for q in nic if only is None or q[0] == only]
+        return cands
+
+    def ready(cand):
+        r, b = cand
+        if r == "nic":
+            return True
+        if b is None:  # epilogue: every block ended; the kernel ends after its WRITEs completed
+            return "no_quiet" in bugs or quiet(r)
+        return b[1] is None or b[1]()
+
+    while any(x is not None for x in running) or nic:
+        pick = None
+        for only in ((fast,) if skew and rnd.random() < skew else ()) + (None,):
+            cands = candidates(only)
+            put_off = None
+            while cands:
+                i = rnd.randrange(len(cands))
+                if ready(cands[i]):
+                    if cands[i][0] != "nic" or put_off or not slow_nic or rnd.random() >= slow_nic:
+                        pick = cands[i]
+                        break
+                    put_off = cands[i]
+                cands[i] = cands[-1]
+                cands.pop()
+            pick = pick or put_off
+            if pick:
+                break
+        if pick is None:
+            stuck = [f"rank {r} op {done_ops[r]} line {b[0].gi_frame.f_lineno if b[0].gi_frame else '-'}"
+                     for r in range(W) if running[r] for b in running[r][0] if not b[2]]
+            raise Violation("deadlock: no block can move and no WRITE is in flight: " + "; ".join(stuck))
+        r, b = pick
+        if r == "nic":
+            deliver(b)
+        elif b is None:
+            running[r][1]()
+            done_ops[r] += 1
+            stats["max_lead"] = max(stats["max_lead"], done_ops[r] - min(done_ops))
+            start(r)
+        else:
+            try:
+                b[1] = next(b[0])
+            except StopIteration:
+                b[2] = True
+    return stats
+
+
+V1_TOPOLOGIES = ((4, 2), (4, 1), (6, 3), (6, 2), (2, 2))  # (W, G); 2 x 1 node: nothing remote
+V1_SEQUENCES = ("DCCDCC", "DDDD", "DXCDDC")  # two combines per dispatch, dispatch-only, mixed
+
+
+def _schedule(seed, W):
+    """Scheduling variety by seed: uniform, one rank ahead, WRITEs late, both."""
+    v = seed % 4
+    return {"skew": 0.9 if v & 1 else 0.0, "fast": (seed // 4) % W, "slow_nic": 0.9 if v & 2 else 0.0}
+
+
+def _v1_holds(ll, seeds):
+    for W, G in V1_TOPOLOGIES:
+        for pattern in ("mixed", "incast", "local"):
+            for ops in V1_SEQUENCES:
+                for seed in range(seeds):
+                    st = run_v1(W, G, ops, seed * 41 + W, ll=ll, pattern=pattern, **_schedule(seed, W))
+                    if pattern == "local":  # zero-byte chunks: no record moves, every call completes
+                        assert st["chunks"] == 0
+                    if ll:  # at most 3 work requests per (remote node, QP) and phase
+                        N = W // G
+                        assert all(n <= 3 * (N - 1) * 2 for n in st["wrs"].values()), st["wrs"]
+
+
+def test_v1_protocol_holds_in_random_interleavings():
+    _v1_holds(False, seeds=8)
+
+
+def test_v1ll_protocol_holds_in_random_interleavings():
+    _v1_holds(True, seeds=8)
+
+
+def test_v1_through_run_modes():
+    for mode in ("v1", "v1ll"):
+        for seed in range(10):
+            run(4, "DCCXD", seed=seed, mode=mode, G=2)
+
+
+def test_v1_rank_runs_ahead_as_far_as_allowed():
+    """V1: with every token on its node, a rank finishes a dispatch and its combines while the
+    other node has only started the dispatch (combine waits only for nodes it has records from).
+    V1LL waits for every rail peer in every call: it stays within a call or two."""
+    lead_v1 = max(run_v1(4, 1, "DCCDCC", seed, pattern="local", skew=0.95, fast=seed % 4)["max_lead"]
+                  for seed in range(6))
+    assert lead_v1 == 3
+    lead_ll = max(run_v1(4, 2, "DCCDCC", seed, ll=True, skew=0.95, fast=seed % 4)["max_lead"]
+                  for seed in range(20))
+    assert lead_ll <= 2
+
+
+def v1_catches(bug, needle, ll=False, ops="DCC", topologies=((4, 1), (4, 2)), seeds=150):
+    """The first violation `bug` leads to (searching seeds and schedules); its message must hold
+    `needle` (or one of a tuple), so it is the property the guard protects that fails."""
+    needles = (needle,) if isinstance(needle, str) else needle
+    for seed in range(seeds):
+        for W, G in topologies:
+            try:
+                run_v1(W, G, ops, seed, ll=ll, bugs=(bug,), **_schedule(seed, W))
+            except Violation as e:
+                assert any(n in str(e) for n in needles), str(e)
+                return str(e)
+    raise AssertionError(f"the model did not find the race without {bug}")
+
+
+def test_v1_model_finds_single_buffered_count_record():
+    v1_catches("count_one_parity", "not relayed", ops="DDDD")
+    v1_catches("count_one_parity", "not relayed", ll=True, ops="DDDD")
+
+
+def test_v1_model_finds_missing_credit_wait():
+    v1_catches("no_credit_wait", "not forwarded", ops="DDD")
+
+
+def test_v1_model_finds_missing_landing_free_wait():
+    v1_catches("no_land_free_wait", "unread", ops="DCC")
+
+
+def test_v1ll_model_finds_single_buffered_inbox_and_landing():
+    v1_catches("ll_one_parity_inbox", ("not forwarded", "found the signal of call"), ll=True, ops="DDD")
+    v1_catches("ll_one_parity_landing", ("unread", "found the signal of call"), ll=True, ops="DCC")
+
+
+def test_v1ll_model_finds_missing_empty_landing_tail():
+    v1_catches("ll_skip_empty_tail", "unread", ll=True, ops="DCCCC")
+
+
+def test_v1_model_finds_tail_on_another_qp():
+    for ll in (False, True):
+        msg = v1_catches("tail_other_qp", "", ll=ll, ops="DC")
+        assert "record" in msg or "partial" in msg, msg
+
+
+def test_v1_model_finds_missing_quiet():
+    v1_catches("no_quiet", "rewritten while a WRITE still reads it", ops="DDDD")
+    v1_catches("no_quiet", "rewritten while a WRITE still reads it", ll=True, ops="DCCC")
+
+
+def test_v1_model_finds_missing_local_waits():
+    for ll in (False, True):
+        v1_catches("no_done_wait", ("while a combine reads it", "expected"), ll=ll, ops="DCCDCC", topologies=((4, 2),))
+        v1_catches("no_copy_wait", "input copy while a combine reads", ll=ll, ops="DXX", topologies=((4, 2),))
+        v1_catches("no_dest_wait", "dispatch", ll=ll, ops="DCCDCC", topologies=((4, 2),))
+        v1_catches("no_base_wait", "dispatch", ll=ll, ops="DD")
