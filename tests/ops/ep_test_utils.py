@@ -117,3 +117,89 @@ def gen_routing(torch, gen, device, T, E, K, Epr, W, mode):
         boost = (rank_of[None, :] == r1[:, None]) | (rank_of[None, :] == r2[:, None])
         return (scores + boost.float() * 10.0).topk(K, dim=1).indices
     raise ValueError(f"unknown routing mode {mode}")
+
+
+# --- combine references: IntraNode (flat) and InterNodeV1/V1LL (two-level) ----------------------
+#
+# What a token's combine returns, given the row each destination rank returns for it (already in
+# the combine dtype: the experts' output) in ascending rank order. Every addition is an fp32
+# addition, starting from +0.0 (as the kernels' accumulators), and the result is rounded to the
+# combine dtype (round to nearest even).
+#   IntraNode, InterNode:  out = round(sum over destination ranks d ascending of row_d)
+#   InterNodeV1, V1LL:     P_n = round(sum over destination ranks d of node n, ascending, of row_d)
+#                          out = round(sum over nodes n ascending that hold a destination of P_n)
+# Node n holds ranks [n*G, (n+1)*G). The owner's own node takes its place in the ascending node
+# order like any other (its partial is rounded too), so the result does not depend on which node
+# owns the token. It equals the flat sum bitwise when there is one node or one GPU per node (a
+# rounded value rounds to itself, and adding it to +0.0 changes nothing); otherwise each node adds
+# one rounding and the additions are grouped differently. Weights (fp32) follow the same formula
+# with fp32 as the combine dtype.
+
+_FP_FORMATS = {"fp32": "f", "fp16": "e"}
+
+
+def round_to(dtype, x):
+    """x (a Python float) rounded to dtype ("fp32", "bf16", "fp16"), nearest even, as a Python
+    float; overflow gives inf. Exact: struct's fp32/fp16 packing rounds to nearest even, and bf16
+    keeps the high half of the fp32 bits after adding the rounding bias to the low half."""
+    import math
+    import struct
+
+    if dtype == "bf16":
+        x = round_to("fp32", x)
+        if math.isnan(x) or math.isinf(x):
+            return x
+        bits = struct.unpack("<I", struct.pack("<f", x))[0]
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        if (bits >> 23) & 0xFF == 0xFF:  # rounded past the largest bf16
+            return math.copysign(math.inf, x)
+        return struct.unpack("<f", struct.pack("<I", bits))[0]
+    fmt = "<" + _FP_FORMATS[dtype]
+    try:
+        return struct.unpack(fmt, struct.pack(fmt, x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
+
+
+def fp32_add(a, b):
+    """a + b in fp32 for fp32 values a, b: the double sum is exact or rounded once more finely, and
+    rounding it to fp32 then gives the correctly rounded fp32 sum (53 >= 2 * 24 + 2 bits)."""
+    return round_to("fp32", a + b)
+
+
+def flat_combine_floats(rows, dtype):
+    """IntraNode's combine of one element: rows[d] = rank d's returned value (a dtype value), or
+    None when d is not a destination of the token."""
+    acc = 0.0
+    for v in rows:
+        if v is not None:
+            acc = fp32_add(acc, v)
+    return round_to(dtype, acc)
+
+
+def v1_combine_floats(rows, G, dtype):
+    """InterNodeV1/V1LL's combine of one element: rows as flat_combine_floats, nodes of G ranks."""
+    acc = 0.0
+    for n in range(len(rows) // G):
+        node_rows = [v for v in rows[n * G:(n + 1) * G] if v is not None]
+        if node_rows:
+            acc = fp32_add(acc, flat_combine_floats(node_rows, dtype))
+    return round_to(dtype, acc)
+
+
+def v1_combine_reference(torch, rows, masks, G, cdt):
+    """InterNodeV1/V1LL's combine, for the GPU suite: rows[d] = [T, H] tensor in the combine dtype
+    `cdt` (what rank d returns for each token; read only where masks[d], a [T] bool tensor, says d
+    is a destination), nodes of G ranks. Returns [T, H] in cdt: the two-level formula above (the
+    same fp32 additions in the same order as v1_combine_floats)."""
+    T, H = rows[0].shape
+    out = torch.zeros((T, H), dtype=torch.float32, device=rows[0].device)
+    for n in range(len(rows) // G):
+        part = torch.zeros_like(out)
+        has = torch.zeros((T, 1), dtype=torch.bool, device=out.device)
+        for d in range(n * G, (n + 1) * G):
+            m = masks[d].view(T, 1)
+            part = part + torch.where(m, rows[d].float(), 0.0)  # +0.0 leaves part unchanged
+            has = has | m
+        out = out + torch.where(has, part.to(cdt).float(), 0.0)
+    return out.to(cdt)
