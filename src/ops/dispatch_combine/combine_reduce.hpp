@@ -98,13 +98,13 @@ MORI_DEVICE_INLINE void WarpSumFewRows(uint4* __restrict__ out, const uint8_t* c
 // the 512-thread build (figures: docs/performance.md, "Combine loads in flight").
 template <int kThreads>
 struct EpCombineShape {
-  static constexpr int kU2 = 4;  // n <= 2: 2 rows x 4 vectors
-  static constexpr int kU4 = 2;  // n <= 4: 4 rows x 2 vectors (and batches of 4 rows beyond)
+  static constexpr int kVecsTwoRows = 4;   // n <= 2: 2 rows x 4 vectors per lane
+  static constexpr int kVecsFourRows = 2;  // n <= 4: 4 rows x 2 vectors (and batches of 4 beyond)
 };
 template <>
 struct EpCombineShape<256> {
-  static constexpr int kU2 = 8;
-  static constexpr int kU4 = 4;
+  static constexpr int kVecsTwoRows = 8;
+  static constexpr int kVecsFourRows = 4;
 };
 
 // The reduction is bound by how many loads are in flight per lane (docs/performance.md, "Combine
@@ -115,11 +115,11 @@ MORI_DEVICE_INLINE void WarpReduceRows(uint4* __restrict__ out, const uint8_t* c
                                        int vb, int ve) {
   using S = EpCombineShape<kThreads>;
   if (n <= 2) {
-    WarpSumFewRows<Elem, 2, S::kU2>(out, rows, n, vb, ve);
+    WarpSumFewRows<Elem, 2, S::kVecsTwoRows>(out, rows, n, vb, ve);
   } else if (n <= kCombinePeerBatch) {
-    WarpSumFewRows<Elem, kCombinePeerBatch, S::kU4>(out, rows, n, vb, ve);
+    WarpSumFewRows<Elem, kCombinePeerBatch, S::kVecsFourRows>(out, rows, n, vb, ve);
   } else {
-    WarpReduceRowsBatched<Elem, kCombinePeerBatch, S::kU4>(out, rows, n, vb, ve);
+    WarpReduceRowsBatched<Elem, kCombinePeerBatch, S::kVecsFourRows>(out, rows, n, vb, ve);
   }
 }
 

@@ -183,7 +183,7 @@ __global__ void __launch_bounds__(kThreads)
   constexpr bool kUseStages = kStaged && core::kHasBulkAsyncCopy;
 
   const EpKernelCommon& c = a.c;
-  EpKernelEnter();
+  const EpKernelStart start = EpBeginKernel(c, EpTraceKind::kCombine, a.partsPerToken);
   // A private copy: the (rare) error path takes its address, which must not pull the whole
   // kernel parameter block into local memory.
   const core::WaitContext wait = c.shmem.wait;
@@ -196,16 +196,13 @@ __global__ void __launch_bounds__(kThreads)
   const int lane = core::LaneId();
   const int warp = core::WarpId();
   const int nWarps = core::WarpsPerBlock();
-  const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(&c.state->combineEpoch) + 1;
-  const int parity = static_cast<int>(epoch & 1);
+  const uint64_t epoch = start.epoch;
+  const int parity = start.parity;
   const uint64_t ready = EpPackReady(a.tokenSource, a.weightSource, a.dataType, a.rowBytes);
 
   // Debug trace (trace.hpp): nullptr unless SetTrace was called; thread 0 stamps phase ends.
-  uint64_t* const tr = EpTraceRecord(c, 0, epoch);
-  if (tid == 0) {
-    sFailed = 0;
-    EpTraceBegin(tr, epoch, a.partsPerToken);
-  }
+  uint64_t* const tr = start.trace;
+  if (tid == 0) sFailed = 0;
   __syncthreads();
 
   // ---- 1. input in place, or copied into the registered buffer ---------------------------------

@@ -47,7 +47,7 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
   __shared__ int sFailed;
 
   const EpKernelCommon& c = a.c;
-  EpKernelEnter();
+  const EpKernelStart start = EpBeginKernel(c, EpTraceKind::kCombine, a.partsPerToken);
   // A private copy: the (rare) error path takes its address (see the pull kernel).
   const core::WaitContext wait = c.shmem.wait;
   const int W = c.worldSize;
@@ -62,8 +62,8 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
   const int nWarps = core::WarpsPerBlock();
   const int totalWarps = static_cast<int>(gridDim.x) * nWarps;
   const int gWarp = static_cast<int>(blockIdx.x) * nWarps + warp;
-  const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(&c.state->combineEpoch) + 1;
-  const int parity = static_cast<int>(epoch & 1);
+  const uint64_t epoch = start.epoch;
+  const int parity = start.parity;
   const uint64_t format = EpPackReady(a.tokenSource, a.weightSource, a.dataType, a.rowBytes);
   const int vecs = static_cast<int>(a.rowBytes / 16);
   const int R = *reinterpret_cast<volatile int32_t*>(c.totalRecv);
@@ -72,10 +72,9 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
   uint64_t* const arrived =
       At<uint64_t>(c.symmLocal, c.symm.pushArrived) + EpPushArrivedIndex(parity, 0, W);
 
-  uint64_t* const tr = EpTraceRecord(c, 0, epoch);  // debug trace (trace.hpp), nullptr: off
+  uint64_t* const tr = start.trace;  // debug trace (trace.hpp), nullptr: off
   if (tid == 0) {
     sFailed = 0;
-    EpTraceBegin(tr, epoch, a.partsPerToken);
     // Same verdict in every block; block 0 records it.
     if (R > a.inRows || (a.inWeights != nullptr && R > a.inWeightRows)) {
       if (blockIdx.x == 0)
@@ -93,16 +92,13 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
   // ---- 1. our format, and done, to every PE ---------------------------------------------------
   if (blockIdx.x == 0 && tid == 0 && sFailed == 0) {
     const size_t readySlot = EpReadyInboxIndex(parity, me, W);
+    SignalStoreAll(
+        W, [&](int p) { return At<EpSignal>(PeerBlock(c, p), c.symm.readyInbox) + readySlot; },
+        format, epoch);
+    // The done tags (no value) are ordered by SignalStoreAll's fence too.
     for (int p = 0; p < W; p++)
-      core::AtomicStoreRelaxedSystem(
-          &(At<EpSignal>(PeerBlock(c, p), c.symm.readyInbox) + readySlot)->value, format);
-    core::FenceAcqRelSystem();  // one fence for all the tags (SignalStoreAll)
-    for (int p = 0; p < W; p++) {
-      uint8_t* pb = PeerBlock(c, p);
-      core::AtomicStoreRelaxedSystem(&(At<EpSignal>(pb, c.symm.readyInbox) + readySlot)->tag,
+      core::AtomicStoreRelaxedSystem(&(At<EpSignal>(PeerBlock(c, p), c.symm.doneInbox) + me)->tag,
                                      epoch);
-      core::AtomicStoreRelaxedSystem(&(At<EpSignal>(pb, c.symm.doneInbox) + me)->tag, epoch);
-    }
   }
 
   // ---- 2. push the rows we hold to their tokens' PEs ----------------------------------------

@@ -7,8 +7,10 @@
 #include "mori/core/device/wait.hpp"
 #include "mori/core/gpu.hpp"
 #include "mori/ops/dispatch_combine/layout.hpp"
+#include "mori/shmem/device/copy.hpp"
 #include "mori/shmem/shmem_device_api.hpp"
 #include "intranode.hpp"
+#include "trace.hpp"
 
 
 namespace mori::ops::detail {
@@ -34,6 +36,29 @@ MORI_DEVICE_INLINE T* At(uint8_t* block, size_t offset) {
 // the one ahead of it is still finishing, and GridDependencyWait returns when that one completed
 // (a plain launch returns at once).
 MORI_DEVICE_INLINE void EpKernelEnter() { core::GridDependencyWait(); }
+
+// What every EP kernel knows once it has entered: this call's epoch (the last call's of the same
+// kind + 1, kept in EpDeviceState by the last call's last block) and its parity, and the block's
+// trace record (nullptr: tracing off).
+struct EpKernelStart {
+  uint64_t epoch;
+  int parity;
+  uint64_t* trace;
+};
+
+// The prologue of every EP kernel: EpKernelEnter, then the epoch, then (thread 0) the start of
+// the block's trace record with `traceParts` (partsPerToken for a combine). Callers reset their
+// shared flags and synchronise the block after it.
+MORI_DEVICE_INLINE EpKernelStart EpBeginKernel(const EpKernelCommon& c, EpTraceKind kind,
+                                               int traceParts) {
+  EpKernelEnter();
+  const uint64_t* last =
+      kind == EpTraceKind::kDispatch ? &c.state->dispatchEpoch : &c.state->combineEpoch;
+  const uint64_t epoch = *reinterpret_cast<const volatile uint64_t*>(last) + 1;
+  uint64_t* const trace = EpTraceRecord(c, kind, epoch);
+  if (threadIdx.x == 0) EpTraceBegin(trace, epoch, traceParts);
+  return EpKernelStart{epoch, static_cast<int>(epoch & 1), trace};
+}
 
 // ---------------------------------------------------------------------------------------------
 // Signals: value first, then the epoch tag with release order (see EpSignal).
@@ -127,6 +152,31 @@ MORI_DEVICE_INLINE bool InterCountWait(const EpKernelCommon& c, const core::Wait
     return false;
   }
   return true;
+}
+
+// This call's token count of PE `src` for PE `dst`, checked against our `format`: the count signal
+// in our countInbox (IntraNode: every PE stores its counts into every PE's inbox) or the tagged
+// {count, format} pair in our interCount (InterNode). False on timeout/abort or a format mismatch
+// (recorded); *count is set on success.
+template <EpFamily kFamily>
+MORI_DEVICE_INLINE bool EpCountWait(const EpKernelCommon& c, const core::WaitContext& wait,
+                                    int parity, int src, int dst, uint64_t epoch, uint64_t format,
+                                    const char* label, uint32_t* count) {
+  if constexpr (kFamily == EpFamily::kInterNode) {
+    return InterCountWait(c, wait, parity, src, dst, epoch, format, label, count);
+  } else {
+    EpSignal* slot =
+        At<EpSignal>(c.symmLocal, c.symm.countInbox) + EpCountInboxIndex(parity, src, dst, c.worldSize);
+    uint64_t v = 0;
+    if (!SignalWait(wait, slot, epoch, src, label, &v)) return false;
+    if (EpFormatOf(v) != format) {
+      ReportError(wait, src, "EP dispatch: PEs passed different dtype/hidden/index type",
+                  &slot->value, core::CmpOp::kEq, format, EpFormatOf(v));
+      return false;
+    }
+    *count = EpCountOf(v);
+    return true;
+  }
 }
 
 // RDMA WRITE of `bytes` from `src` (in this PE's heap, or <= 64 bytes from anywhere) to PE pe's
@@ -270,20 +320,10 @@ MORI_DEVICE_INLINE void WarpCopyVectors(uint4* __restrict__ dst, const uint4* __
 
 // Grid-wide copy of `bytes` (a multiple of 16, both pointers 16-byte aligned).
 MORI_DEVICE_INLINE void GridCopy16(uint8_t* dst, const uint8_t* src, size_t bytes) {
-  const size_t n = bytes / 16;
-  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
-  const uint4* s = reinterpret_cast<const uint4*>(src);
-  uint4* d = reinterpret_cast<uint4*>(dst);
-  size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  constexpr int kU = 4;
-  for (; i + (kU - 1) * stride < n; i += kU * stride) {
-    uint4 r[kU];
-#pragma unroll
-    for (int u = 0; u < kU; u++) r[u] = s[i + u * stride];
-#pragma unroll
-    for (int u = 0; u < kU; u++) d[i + u * stride] = r[u];
-  }
-  for (; i < n; i += stride) d[i] = s[i];
+  shmem::detail::CopyElements<uint4, shmem::detail::kCopyUnroll>(
+      reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(src), bytes / 16,
+      static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x,
+      static_cast<size_t>(gridDim.x) * blockDim.x);
 }
 
 // Grid-wide copy of `n` 4-byte words.

@@ -56,7 +56,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   __shared__ int sTotal;
 
   const EpKernelCommon& c = a.c;
-  EpKernelEnter();
+  const EpKernelStart start = EpBeginKernel(c, EpTraceKind::kDispatch, 0);
   // A private copy: the (rare) error path takes its address, which must not pull the whole
   // kernel parameter block into local memory.
   const core::WaitContext wait = c.shmem.wait;
@@ -77,8 +77,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   // InterNode: `dest` is on another node. Its rows are staged in our block (stage*[dest], list
   // order) and the group's last block WRITEs them to their final rows on dest by RDMA.
   const bool destRemote = kInter && IsRemote(c, dest);
-  const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(&c.state->dispatchEpoch) + 1;
-  const int parity = static_cast<int>(epoch & 1);
+  const uint64_t epoch = start.epoch;
+  const int parity = start.parity;
 
   // Shared memory: membership bitmap of the destination, exclusive prefix counts per word, and
   // (leaders) the histogram over the destination's local experts. Sized by EpDispatchSmemBytes.
@@ -92,12 +92,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int nWords = (T + kWarpSize - 1) / kWarpSize;
   int nRows = 0;
 
-  uint64_t* const tr = EpTraceRecord(c, 1, epoch);  // debug trace (trace.hpp), nullptr: off
+  uint64_t* const tr = start.trace;
   if (tid == 0) {
     sFailed = 0;
     sSendBase = 0;
     sTotal = 0;
-    EpTraceBegin(tr, epoch, 0);
   }
   if (leader) {
     for (int e = tid; e < Epr; e += nThreads) hist[e] = 0;
@@ -323,33 +322,15 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // ---- 3b. where our rows go on `dest`, and may we write there ----------------------------
   if (countD > 0 && sFailed == 0) {
-    EpSignal* inbox = At<EpSignal>(c.symmLocal, c.symm.countInbox);
     for (int s = tid; s < W; s += nThreads) {
       if (s >= me && s != dest) continue;
-      if constexpr (kInter) {
-        uint32_t n = 0;
-        if (!InterCountWait(c, wait, parity, s, dest, epoch, a.format,
-                            "EP dispatch: token count of a lower PE", &n)) {
-          sFailed = 1;
-        } else if (s < me) {
-          atomicAdd(&sSendBase, static_cast<int>(n));
-        }
-        continue;
-      }
-      uint64_t v = 0;
-      if (!SignalWait(wait, inbox + EpCountInboxIndex(parity, s, dest, W), epoch, s,
-                      "EP dispatch: token count of a lower PE", &v)) {
+      uint32_t n = 0;
+      if (!EpCountWait<kFamily>(c, wait, parity, s, dest, epoch, a.format,
+                                "EP dispatch: token count of a lower PE", &n)) {
         sFailed = 1;
-        continue;
+      } else if (s < me) {
+        atomicAdd(&sSendBase, static_cast<int>(n));
       }
-      if (EpFormatOf(v) != a.format) {
-        ReportError(wait, s, "EP dispatch: PEs passed different dtype/hidden/index type",
-                    &(inbox + EpCountInboxIndex(parity, s, dest, W))->value, CmpOp::kEq, a.format,
-                    EpFormatOf(v));
-        sFailed = 1;
-        continue;
-      }
-      if (s < me) atomicAdd(&sSendBase, static_cast<int>(EpCountOf(v)));
     }
   }
   __syncthreads();
@@ -511,27 +492,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Two passes: every source's count (their sum is checked against the receive capacity before
   // any row is waited for: a sender whose rows would not fit writes none), then the rows.
   if (b == 0 && sFailed == 0) {
-    EpSignal* inbox = At<EpSignal>(c.symmLocal, c.symm.countInbox);
     for (int s = tid; s < W; s += nThreads) {
       uint32_t cnt = 0;
-      if constexpr (kInter) {
-        if (!InterCountWait(c, wait, parity, s, me, epoch, a.format,
-                            "EP dispatch: token count for this PE", &cnt))
-          sFailed = 1;
-      } else {
-        uint64_t v = 0;
-        if (!SignalWait(wait, inbox + EpCountInboxIndex(parity, s, me, W), epoch, s,
-                        "EP dispatch: token count for this PE", &v)) {
-          sFailed = 1;
-        } else if (EpFormatOf(v) != a.format) {
-          ReportError(wait, s, "EP dispatch: PEs passed different dtype/hidden/index type",
-                      &(inbox + EpCountInboxIndex(parity, s, me, W))->value, CmpOp::kEq, a.format,
-                      EpFormatOf(v));
-          sFailed = 1;
-        } else {
-          cnt = EpCountOf(v);
-        }
-      }
+      if (!EpCountWait<kFamily>(c, wait, parity, s, me, epoch, a.format,
+                                "EP dispatch: token count for this PE", &cnt))
+        sFailed = 1;
       c.state->recvCount[s] = static_cast<int32_t>(cnt);  // for the push and InterNode combines
       atomicAdd(&sTotal, static_cast<int>(cnt));
     }

@@ -38,11 +38,14 @@ MORI_DEVICE_INLINE uint64_t EpCycles() { return static_cast<uint64_t>(clock64())
 
 // This block's record of this launch, or nullptr when tracing is off (or the block is beyond the
 // buffer). Only thread 0 writes the stamps; other threads may write their own words.
-MORI_DEVICE_INLINE uint64_t* EpTraceRecord(const EpKernelCommon& c, int kind, uint64_t epoch) {
+enum class EpTraceKind : int { kCombine = 0, kDispatch = 1 };
+
+MORI_DEVICE_INLINE uint64_t* EpTraceRecord(const EpKernelCommon& c, EpTraceKind kind,
+                                           uint64_t epoch) {
   if (c.trace == nullptr || static_cast<int>(blockIdx.x) >= c.traceMaxBlocks || c.traceSlots <= 0)
     return nullptr;
   const size_t slot = static_cast<size_t>(epoch % static_cast<uint64_t>(c.traceSlots));
-  return c.trace + ((static_cast<size_t>(kind) * c.traceSlots + slot) * c.traceMaxBlocks +
+  return c.trace + ((static_cast<size_t>(static_cast<int>(kind)) * c.traceSlots + slot) * c.traceMaxBlocks +
                     blockIdx.x) *
                        kEpTraceWords;
 }
