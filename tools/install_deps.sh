@@ -9,6 +9,7 @@ PKGS=(
   libgtest-dev libgmock-dev pybind11-dev python3-pybind11 python3-dev python3-pytest python3-numpy
   hipcc libamdhip64-dev rocm-device-libs                     # HIP 5.2 + clang-15 (gfx90a build)
   clang-19 clang-tools-19 lld-19 llvm-19 libclang-rt-19-dev  # gfx942 build
+  clang-format-14                                            # tools/check_format.sh (pinned)
 )
 missing=()
 for p in "${PKGS[@]}"; do

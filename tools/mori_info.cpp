@@ -98,9 +98,9 @@ void PrintRdmaDevices() {
                 d.pciBusId.empty() ? "?" : d.pciBusId.c_str(), d.numaNode, d.vendorId,
                 d.vendorPartId, d.firmware.empty() ? "?" : d.firmware.c_str());
     for (const auto& p : d.ports) {
-      std::printf("    port %d  %s  %s  mtu %d  lid %u  gids %zu/%d\n", p.port,
-                  p.stateName.c_str(), mori::application::RdmaLinkLayerName(p.linkLayer),
-                  p.activeMtu, static_cast<unsigned>(p.lid), p.gids.size(), p.gidTableLen);
+      std::printf("    port %d  %s  %s  mtu %d  lid %u  gids %zu/%d\n", p.port, p.stateName.c_str(),
+                  mori::application::RdmaLinkLayerName(p.linkLayer), p.activeMtu,
+                  static_cast<unsigned>(p.lid), p.gids.size(), p.gidTableLen);
       for (const auto& g : p.gids) {
         std::printf("      gid[%d] %s%s%s\n", g.index, g.text.c_str(), g.type.empty() ? "" : "  ",
                     g.type.c_str());
@@ -127,14 +127,10 @@ void PrintRdmaDevices() {
 
 const char* TypeName(mori::core::EnvType t) {
   switch (t) {
-    case mori::core::EnvType::kBool:
-      return "bool";
-    case mori::core::EnvType::kInt:
-      return "int";
-    case mori::core::EnvType::kSize:
-      return "size";
-    case mori::core::EnvType::kString:
-      return "string";
+    case mori::core::EnvType::kBool: return "bool";
+    case mori::core::EnvType::kInt: return "int";
+    case mori::core::EnvType::kSize: return "size";
+    case mori::core::EnvType::kString: return "string";
   }
   return "?";
 }

@@ -10,14 +10,10 @@ namespace mori::core {
 
 const char* DeviceErrorKindName(DeviceErrorKind kind) {
   switch (kind) {
-    case DeviceErrorKind::kNone:
-      return "none";
-    case DeviceErrorKind::kTimeout:
-      return "timeout";
-    case DeviceErrorKind::kUsage:
-      return "usage";
-    case DeviceErrorKind::kRemote:
-      return "remote";
+    case DeviceErrorKind::kNone: return "none";
+    case DeviceErrorKind::kTimeout: return "timeout";
+    case DeviceErrorKind::kUsage: return "usage";
+    case DeviceErrorKind::kRemote: return "remote";
   }
   return "unknown";
 }
@@ -92,8 +88,7 @@ std::string DescribeDeviceError(const DeviceErrorRecord& e) {
           Who(e).c_str(), label.c_str(), static_cast<ull>(e.addr), e.peer,
           static_cast<ull>(e.expected), static_cast<ull>(e.seen & 0xff),
           static_cast<ull>((e.seen >> 8) & 0xff), static_cast<ull>((e.seen >> 16) & 0xff));
-    case DeviceErrorKind::kNone:
-      break;
+    case DeviceErrorKind::kNone: break;
   }
   return Raw(e);
 }
@@ -104,14 +99,10 @@ void ThrowDeviceError(const DeviceErrorRecord& e, const char* file, int line,
   if (!note.empty()) what += "; " + note;
   if (e.claimed != 0) {
     switch (static_cast<DeviceErrorKind>(e.kind)) {
-      case DeviceErrorKind::kTimeout:
-        throw TimeoutError(file, line, what);
-      case DeviceErrorKind::kUsage:
-        throw InvalidUsageError(file, line, what);
-      case DeviceErrorKind::kRemote:
-        throw RemoteError(file, line, what);
-      case DeviceErrorKind::kNone:
-        break;
+      case DeviceErrorKind::kTimeout: throw TimeoutError(file, line, what);
+      case DeviceErrorKind::kUsage: throw InvalidUsageError(file, line, what);
+      case DeviceErrorKind::kRemote: throw RemoteError(file, line, what);
+      case DeviceErrorKind::kNone: break;
     }
   }
   throw InternalError(file, line, what);

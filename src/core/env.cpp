@@ -54,14 +54,14 @@ std::string ParseTyped(EnvType, const char*, const std::string& t, std::string*)
 
 Snapshot Read() {
   Snapshot s;
-#define MORI_ENV_READ(field, name, type, def, help)                                           \
-  {                                                                                            \
-    const char* raw = std::getenv(#name);                                                      \
-    bool fromEnv = raw != nullptr && Trim(raw) != "";                                          \
-    std::string text = fromEnv ? Trim(raw) : std::string(def);                                 \
-    s.values.field = ParseTyped(EnvType::k##type, #name, text, &s.values.field);               \
-    s.entries.push_back(                                                                       \
-        EnvEntry{#name, EnvType::k##type, def, help, ToText(s.values.field), fromEnv});        \
+#define MORI_ENV_READ(field, name, type, def, help)                                     \
+  {                                                                                     \
+    const char* raw = std::getenv(#name);                                               \
+    bool fromEnv = raw != nullptr && Trim(raw) != "";                                   \
+    std::string text = fromEnv ? Trim(raw) : std::string(def);                          \
+    s.values.field = ParseTyped(EnvType::k##type, #name, text, &s.values.field);        \
+    s.entries.push_back(                                                                \
+        EnvEntry{#name, EnvType::k##type, def, help, ToText(s.values.field), fromEnv}); \
   }
   MORI_ENV_TABLE(MORI_ENV_READ)
 #undef MORI_ENV_READ

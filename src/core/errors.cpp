@@ -25,8 +25,8 @@ const char* BaseName(const char* path) {
 }  // namespace
 
 Error::Error(ErrorKind kind, const char* file, int line, const std::string& message)
-    : std::runtime_error(StrFormat("%s:%d: %s: %s", BaseName(file), line, ErrorKindName(kind),
-                                   message.c_str())),
+    : std::runtime_error(
+          StrFormat("%s:%d: %s: %s", BaseName(file), line, ErrorKindName(kind), message.c_str())),
       kind(kind),
       file(file),
       line(line),

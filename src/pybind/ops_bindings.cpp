@@ -44,7 +44,8 @@ EpIndexType IndexTypeFromInt(int code) {
 }
 
 // {"symmetric": {...}, "local": {...}}: name -> offset of every region the config uses (and
-// "total_bytes"), plus "regions": [(block, name, offset, bytes, role)] of every region, used or not.
+// "total_bytes"), plus "regions": [(block, name, offset, bytes, role)] of every region, used or
+// not.
 py::dict LayoutDict(const EpDispatchCombineConfig& c) {
   c.Validate();
   py::dict d;
@@ -185,18 +186,16 @@ void RegisterOpsBindings(py::module_& m) {
       .def_readonly("warp_num_per_block", &EpDispatchCombineConfig::warpNumPerBlock)
       .def_readonly("block_num", &EpDispatchCombineConfig::blockNum)
       .def_readonly("use_external_inp_buf", &EpDispatchCombineConfig::useExternalInpBuf)
-      .def_property_readonly("kernel_type",
-                             [](const EpDispatchCombineConfig& c) {
-                               return static_cast<int>(c.kernelType);
-                             })
+      .def_property_readonly(
+          "kernel_type",
+          [](const EpDispatchCombineConfig& c) { return static_cast<int>(c.kernelType); })
       .def_readonly("gpu_per_node", &EpDispatchCombineConfig::gpuPerNode)
       .def_readonly("rdma_block_num", &EpDispatchCombineConfig::rdmaBlockNum)
       .def_readonly("num_qp_per_pe", &EpDispatchCombineConfig::numQpPerPe)
       .def_readonly("max_total_recv_tokens", &EpDispatchCombineConfig::maxTotalRecvTokens)
-      .def_property_readonly("quant_type",
-                             [](const EpDispatchCombineConfig& c) {
-                               return static_cast<int>(c.quantType);
-                             })
+      .def_property_readonly(
+          "quant_type",
+          [](const EpDispatchCombineConfig& c) { return static_cast<int>(c.quantType); })
       .def("validate", &EpDispatchCombineConfig::Validate,
            "Raise InvalidUsageError naming the first bad field")
       .def("max_num_recv_tokens", &EpDispatchCombineConfig::MaxNumRecvTokens)
@@ -263,7 +262,8 @@ void RegisterOpsBindings(py::module_& m) {
           py::arg("weights"), py::arg("weight_rows"), py::arg("block_num"),
           py::arg("warp_per_block"), py::arg("stream"))
       .def(
-          "reset", [](EpDispatchCombineHandle& h, uintptr_t stream) {
+          "reset",
+          [](EpDispatchCombineHandle& h, uintptr_t stream) {
             h.Reset(reinterpret_cast<gpuStream_t>(stream));
           },
           py::arg("stream") = 0)
@@ -285,39 +285,49 @@ void RegisterOpsBindings(py::module_& m) {
           py::arg("num_tokens"), py::arg("block_num"), py::arg("warp_per_block"),
           py::arg("for_dispatch"))
       .def_property_readonly("device", &EpDispatchCombineHandle::Device)
-      .def_property_readonly("multi_processor_count",
-                             &EpDispatchCombineHandle::MultiProcessorCount)
+      .def_property_readonly("multi_processor_count", &EpDispatchCombineHandle::MultiProcessorCount)
       .def_property_readonly("symmetric_bytes", &EpDispatchCombineHandle::SymmetricBytes)
       .def_property_readonly("local_bytes", &EpDispatchCombineHandle::LocalBytes)
       .def_property_readonly("last_num_tokens", &EpDispatchCombineHandle::LastDispatchNumTokens)
       .def_property_readonly("programmatic_launch", &EpDispatchCombineHandle::ProgrammaticLaunch)
       .def_property_readonly("last_row_bytes", &EpDispatchCombineHandle::LastDispatchRowBytes)
-      .def_property_readonly("symmetric_base",
-                             [](const EpDispatchCombineHandle& h) { return Int(h.SymmetricBase()); })
+      .def_property_readonly(
+          "symmetric_base", [](const EpDispatchCombineHandle& h) { return Int(h.SymmetricBase()); })
       .def_property_readonly("local_base",
                              [](const EpDispatchCombineHandle& h) { return Int(h.LocalBase()); })
-      .def_property_readonly("dispatch_out_tokens",
-                             [](const EpDispatchCombineHandle& h) { return Int(h.DispatchOutTokens()); })
-      .def_property_readonly("dispatch_out_weights",
-                             [](const EpDispatchCombineHandle& h) { return Int(h.DispatchOutWeights()); })
-      .def_property_readonly("dispatch_out_scales",
-                             [](const EpDispatchCombineHandle& h) { return Int(h.DispatchOutScales()); })
-      .def_property_readonly("dispatch_out_indices",
-                             [](const EpDispatchCombineHandle& h) { return Int(h.DispatchOutIndices()); })
-      .def_property_readonly("dispatch_src_token_pos",
-                             [](const EpDispatchCombineHandle& h) { return Int(h.DispatchSrcTokenPos()); })
-      .def_property_readonly("total_recv_token_num",
-                             [](const EpDispatchCombineHandle& h) { return Int(h.TotalRecvTokenNum()); })
-      .def_property_readonly("local_expert_count",
-                             [](const EpDispatchCombineHandle& h) { return Int(h.LocalExpertCount()); })
-      .def_property_readonly("combine_input_buffer",
-                             [](const EpDispatchCombineHandle& h) { return Int(h.CombineInputBuffer()); })
-      .def_property_readonly("combine_input_weights",
-                             [](const EpDispatchCombineHandle& h) { return Int(h.CombineInputWeights()); })
-      .def_property_readonly("combine_out_tokens",
-                             [](const EpDispatchCombineHandle& h) { return Int(h.CombineOutTokens()); })
-      .def_property_readonly("combine_out_weights",
-                             [](const EpDispatchCombineHandle& h) { return Int(h.CombineOutWeights()); });
+      .def_property_readonly(
+          "dispatch_out_tokens",
+          [](const EpDispatchCombineHandle& h) { return Int(h.DispatchOutTokens()); })
+      .def_property_readonly(
+          "dispatch_out_weights",
+          [](const EpDispatchCombineHandle& h) { return Int(h.DispatchOutWeights()); })
+      .def_property_readonly(
+          "dispatch_out_scales",
+          [](const EpDispatchCombineHandle& h) { return Int(h.DispatchOutScales()); })
+      .def_property_readonly(
+          "dispatch_out_indices",
+          [](const EpDispatchCombineHandle& h) { return Int(h.DispatchOutIndices()); })
+      .def_property_readonly(
+          "dispatch_src_token_pos",
+          [](const EpDispatchCombineHandle& h) { return Int(h.DispatchSrcTokenPos()); })
+      .def_property_readonly(
+          "total_recv_token_num",
+          [](const EpDispatchCombineHandle& h) { return Int(h.TotalRecvTokenNum()); })
+      .def_property_readonly(
+          "local_expert_count",
+          [](const EpDispatchCombineHandle& h) { return Int(h.LocalExpertCount()); })
+      .def_property_readonly(
+          "combine_input_buffer",
+          [](const EpDispatchCombineHandle& h) { return Int(h.CombineInputBuffer()); })
+      .def_property_readonly(
+          "combine_input_weights",
+          [](const EpDispatchCombineHandle& h) { return Int(h.CombineInputWeights()); })
+      .def_property_readonly(
+          "combine_out_tokens",
+          [](const EpDispatchCombineHandle& h) { return Int(h.CombineOutTokens()); })
+      .def_property_readonly("combine_out_weights", [](const EpDispatchCombineHandle& h) {
+        return Int(h.CombineOutWeights());
+      });
 }
 
 }  // namespace mori::pybind

@@ -23,18 +23,12 @@ std::array<PyObject*, kNumKinds> gKindClass{};
 
 const char* KindAttr(ErrorKind kind) {
   switch (kind) {
-    case ErrorKind::kInvalidUsage:
-      return "invalid_usage";
-    case ErrorKind::kTimeout:
-      return "timeout";
-    case ErrorKind::kSystem:
-      return "system";
-    case ErrorKind::kGpuRuntime:
-      return "gpu_runtime";
-    case ErrorKind::kRemote:
-      return "remote";
-    case ErrorKind::kInternal:
-      return "internal";
+    case ErrorKind::kInvalidUsage: return "invalid_usage";
+    case ErrorKind::kTimeout: return "timeout";
+    case ErrorKind::kSystem: return "system";
+    case ErrorKind::kGpuRuntime: return "gpu_runtime";
+    case ErrorKind::kRemote: return "remote";
+    case ErrorKind::kInternal: return "internal";
   }
   return "unknown";
 }
@@ -145,7 +139,7 @@ void RegisterErrors(py::module_& m) {
           if (kind == core::DeviceErrorKindName(static_cast<core::DeviceErrorKind>(k))) e.kind = k;
         }
         MORI_ENSURE(e.kind >= 0, InvalidUsageError, "unknown device error kind '%s'", kind.c_str());
-        e.cmp = cmp == "detail" ? core::kDeviceErrorNotAWait
+        e.cmp = cmp == "detail"     ? core::kDeviceErrorNotAWait
                 : cmp == "rdma_cqe" ? core::kDeviceErrorRdmaCqe
                                     : -100;
         for (int op = 0; op <= static_cast<int>(core::CmpOp::kLe); op++) {
@@ -160,9 +154,9 @@ void RegisterErrors(py::module_& m) {
         std::strncpy(e.label, label.c_str(), sizeof(e.label) - 1);
         core::ThrowDeviceError(e, __FILE__, __LINE__);
       },
-      py::arg("kind"), py::arg("cmp"), py::arg("label"), py::arg("peer") = -1,
-      py::arg("addr") = 0, py::arg("expected") = 0, py::arg("seen") = 0,
-      py::arg("elapsed_ns") = 0, py::arg("value_bytes") = 8);
+      py::arg("kind"), py::arg("cmp"), py::arg("label"), py::arg("peer") = -1, py::arg("addr") = 0,
+      py::arg("expected") = 0, py::arg("seen") = 0, py::arg("elapsed_ns") = 0,
+      py::arg("value_bytes") = 8);
 }
 
 }  // namespace mori::pybind

@@ -18,14 +18,10 @@ namespace {
 
 const char* EnvTypeName(core::EnvType t) {
   switch (t) {
-    case core::EnvType::kBool:
-      return "bool";
-    case core::EnvType::kInt:
-      return "int";
-    case core::EnvType::kSize:
-      return "size";
-    case core::EnvType::kString:
-      return "string";
+    case core::EnvType::kBool: return "bool";
+    case core::EnvType::kInt: return "int";
+    case core::EnvType::kSize: return "size";
+    case core::EnvType::kString: return "string";
   }
   return "?";
 }

@@ -194,15 +194,9 @@ py::tuple TestCallbackBootstrap(int rank, int worldSize, py::object allgather, p
   return py::make_tuple(py::bytes(gathered), py::bytes(exchanged));
 }
 
-void* ToPtr(uintptr_t p) {
-  return reinterpret_cast<void*>(p);
-}
-uintptr_t FromPtr(const void* p) {
-  return reinterpret_cast<uintptr_t>(p);
-}
-gpuStream_t ToStream(uintptr_t s) {
-  return reinterpret_cast<gpuStream_t>(s);
-}
+void* ToPtr(uintptr_t p) { return reinterpret_cast<void*>(p); }
+uintptr_t FromPtr(const void* p) { return reinterpret_cast<uintptr_t>(p); }
+gpuStream_t ToStream(uintptr_t s) { return reinterpret_cast<gpuStream_t>(s); }
 
 // ShmemRdmaStats as plain Python data (keys documented in mori.shmem.rdma_stats). GIL held.
 py::dict RdmaStatsToDict(const application::RdmaWireStats& st) {

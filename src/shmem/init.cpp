@@ -38,8 +38,8 @@ struct ShmemState {
   std::unique_ptr<application::SymmetricHeap> heap;
   std::unique_ptr<application::RdmaTransport> rdma;  // null when no PE of the job uses RDMA
   ShmemRdmaPeer* rdmaPeersDev = nullptr;
-  ShmemUserRegion* userRegionsDev = nullptr;   // [kMaxUserRegions]
-  std::vector<ShmemUserRegion> userRegions;    // host copy of the table
+  ShmemUserRegion* userRegionsDev = nullptr;  // [kMaxUserRegions]
+  std::vector<ShmemUserRegion> userRegions;   // host copy of the table
   std::vector<core::rdma::QpEndpoint*> rdmaEndpointsDev;
   core::DeviceErrorRecord* errHost = nullptr;  // mapped pinned memory
   core::DeviceErrorRecord* errDev = nullptr;
@@ -130,7 +130,8 @@ void SetUpRdma(ShmemState& s) {
   }
   std::vector<ShmemRdmaPeer> peers(worldSize);
   const auto& eps = s.rdma->Peers();
-  auto* scratch = reinterpret_cast<uint64_t*>(reinterpret_cast<uintptr_t>(s.heap->Base()) + scratchOffset);
+  auto* scratch =
+      reinterpret_cast<uint64_t*>(reinterpret_cast<uintptr_t>(s.heap->Base()) + scratchOffset);
   for (int pe = 0; pe < worldSize; pe++) {
     ShmemRdmaPeer& p = peers[pe];
     p = ShmemRdmaPeer{};
@@ -202,8 +203,8 @@ void BuildState(ShmemState& s) {
   c.wait.err = s.errDev;
   const int64_t deviceMs = core::Env().deviceTimeoutMs, hostMs = core::Env().hostTimeoutMs;
   MORI_ENSURE(deviceMs >= 1 && deviceMs <= kMaxTimeoutMs, InvalidUsageError,
-              "MORI_DEVICE_TIMEOUT_MS=%lld is out of range [1, %lld]", static_cast<long long>(deviceMs),
-              static_cast<long long>(kMaxTimeoutMs));
+              "MORI_DEVICE_TIMEOUT_MS=%lld is out of range [1, %lld]",
+              static_cast<long long>(deviceMs), static_cast<long long>(kMaxTimeoutMs));
   MORI_ENSURE(hostMs >= 1 && hostMs <= kMaxTimeoutMs, InvalidUsageError,
               "MORI_HOST_TIMEOUT_MS=%lld is out of range [1, %lld]", static_cast<long long>(hostMs),
               static_cast<long long>(kMaxTimeoutMs));
@@ -222,9 +223,10 @@ void BuildState(ShmemState& s) {
 // ShmemAbortDeviceWaits) as an abort.
 std::string DescribePending(const core::DeviceErrorRecord& e, int myRank) {
   if (e.claimed != 0) return core::DescribeDeviceError(e);
-  return core::StrFormat("rank %d: device work was aborted (a host wait expired earlier, or "
-                         "ShmemAbortDeviceWaits was called)",
-                         myRank);
+  return core::StrFormat(
+      "rank %d: device work was aborted (a host wait expired earlier, or "
+      "ShmemAbortDeviceWaits was called)",
+      myRank);
 }
 
 // Copies the mapped record if an error is pending. abortFlag is the publication point: the
@@ -323,7 +325,8 @@ void DeviceSynchronizeBounded(ShmemState& s, const char* what) {
 
 void InitWith(std::unique_ptr<application::BootstrapNetwork> boot) {
   std::lock_guard<std::mutex> lock(gMutex);
-  MORI_ENSURE(!gState, InvalidUsageError, "shmem is already initialised; call shmem_finalize first");
+  MORI_ENSURE(!gState, InvalidUsageError,
+              "shmem is already initialised; call shmem_finalize first");
   MORI_ENSURE(boot != nullptr, InvalidUsageError, "ShmemInit: bootstrap is null");
   auto s = std::make_unique<ShmemState>();
   s->boot = std::move(boot);
@@ -486,13 +489,15 @@ void ShmemRegisterBuffer(void* ptr, size_t bytes) {
   if (!s.rdma) return;  // no RDMA peer: load/store needs no registration
   int slot = -1;
   for (int i = 0; i < kMaxUserRegions; i++) {
-    MORI_ENSURE(s.userRegions[i].base != reinterpret_cast<uintptr_t>(ptr) || s.userRegions[i].size == 0,
-                InvalidUsageError, "shmem_register_buffer: %p is already registered", ptr);
+    MORI_ENSURE(
+        s.userRegions[i].base != reinterpret_cast<uintptr_t>(ptr) || s.userRegions[i].size == 0,
+        InvalidUsageError, "shmem_register_buffer: %p is already registered", ptr);
     if (slot < 0 && s.userRegions[i].size == 0) slot = i;
   }
-  MORI_ENSURE(slot >= 0, InvalidUsageError,
-              "shmem_register_buffer: %d buffers are registered already (the limit); deregister one",
-              kMaxUserRegions);
+  MORI_ENSURE(
+      slot >= 0, InvalidUsageError,
+      "shmem_register_buffer: %d buffers are registered already (the limit); deregister one",
+      kMaxUserRegions);
   const uint32_t lkey = s.rdma->RegisterLocal(ptr, bytes);
   s.userRegions[slot] = ShmemUserRegion{reinterpret_cast<uintptr_t>(ptr), bytes, lkey, 0};
   MORI_CHECK_GPU(gpuMemcpy(s.userRegionsDev + slot, &s.userRegions[slot], sizeof(ShmemUserRegion),
@@ -530,8 +535,8 @@ size_t ShmemHeapFreeBytes() { return State("shmem_heap_free_bytes").heap->Alloca
 
 void ShmemStreamSynchronize(gpuStream_t stream) {
   ShmemState& s = State("shmem_stream_synchronize");
-  const auto deadline = std::chrono::steady_clock::now() +
-                        std::chrono::milliseconds(core::Env().hostTimeoutMs);
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::milliseconds(core::Env().hostTimeoutMs);
   for (int spins = 0;; spins++) {
     gpuError_t e = gpuStreamQuery(stream);
     if (e == gpuSuccess) break;
@@ -539,11 +544,12 @@ void ShmemStreamSynchronize(gpuStream_t stream) {
     if (std::chrono::steady_clock::now() > deadline) {
       // Make every bounded device wait give up so the stream drains, then report.
       RaiseAbortFlag(s);
-      MORI_THROW(TimeoutError,
-                 "rank %d: device work on stream %p did not finish within MORI_HOST_TIMEOUT_MS=%lld "
-                 "ms; device waits were told to abort",
-                 s.devCtx.rank, static_cast<void*>(stream),
-                 static_cast<long long>(core::Env().hostTimeoutMs));
+      MORI_THROW(
+          TimeoutError,
+          "rank %d: device work on stream %p did not finish within MORI_HOST_TIMEOUT_MS=%lld "
+          "ms; device waits were told to abort",
+          s.devCtx.rank, static_cast<void*>(stream),
+          static_cast<long long>(core::Env().hostTimeoutMs));
     }
     if (spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(50));
   }

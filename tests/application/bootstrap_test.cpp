@@ -55,18 +55,12 @@ struct Outcome {
 
 const char* KindTag(ErrorKind k) {
   switch (k) {
-    case ErrorKind::kInvalidUsage:
-      return "InvalidUsage";
-    case ErrorKind::kTimeout:
-      return "Timeout";
-    case ErrorKind::kSystem:
-      return "System";
-    case ErrorKind::kGpuRuntime:
-      return "GpuRuntime";
-    case ErrorKind::kRemote:
-      return "Remote";
-    case ErrorKind::kInternal:
-      return "Internal";
+    case ErrorKind::kInvalidUsage: return "InvalidUsage";
+    case ErrorKind::kTimeout: return "Timeout";
+    case ErrorKind::kSystem: return "System";
+    case ErrorKind::kGpuRuntime: return "GpuRuntime";
+    case ErrorKind::kRemote: return "Remote";
+    case ErrorKind::kInternal: return "Internal";
   }
   return "?";
 }

@@ -21,12 +21,8 @@ constexpr int kNumDevices = 4;
 ibv_device gDevices[kNumDevices];
 ibv_device* gList[kNumDevices + 1];
 
-int Index(ibv_device* d) {
-  return static_cast<int>(d - gDevices);
-}
-int IndexOf(ibv_context* c) {
-  return Index(c->device);
-}
+int Index(ibv_device* d) { return static_cast<int>(d - gDevices); }
+int IndexOf(ibv_context* c) { return Index(c->device); }
 
 void FillPort(int dev, uint8_t port, ibv_port_attr* a) {
   std::memset(a, 0, sizeof(*a));
@@ -91,9 +87,7 @@ struct ibv_device**(ibv_get_device_list)(int* num) {
 
 void ibv_free_device_list(struct ibv_device**) {}
 
-const char* ibv_get_device_name(struct ibv_device* d) {
-  return d->name;
-}
+const char* ibv_get_device_name(struct ibv_device* d) { return d->name; }
 
 struct ibv_context* ibv_open_device(struct ibv_device* d) {
   if (Index(d) == 3) {
@@ -177,7 +171,7 @@ struct FakeRegMrRecord {
 
 std::mutex gFakeMutex;
 std::map<std::string, std::pair<int, int>> gFailures;  // call -> (errno, qp state or -1)
-std::map<std::string, int> gLive;                       // "pd", "mr", "cq", "qp"
+std::map<std::string, int> gLive;                      // "pd", "mr", "cq", "qp"
 std::vector<FakeModifyRecord> gModifies;
 FakeRegMrRecord gLastRegMr{};
 std::vector<FakeRegMrRecord> gRegMrs;  // every successful registration since the last reset
@@ -387,8 +381,8 @@ void fake_ibverbs_last_create_qp(struct ibv_qp_init_attr* init, int* cqe) {
 
 // Registration i (oldest first) since the last reset; -1 when there is none. dmabufFd is -1 for
 // ibv_reg_mr.
-int fake_ibverbs_reg_mr_record(int i, void** addr, size_t* length, int* dmabufFd,
-                               uint64_t* offset, uint64_t* iova) {
+int fake_ibverbs_reg_mr_record(int i, void** addr, size_t* length, int* dmabufFd, uint64_t* offset,
+                               uint64_t* iova) {
   std::lock_guard<std::mutex> lock(gFakeMutex);
   if (i < 0 || i >= static_cast<int>(gRegMrs.size())) return -1;
   *addr = gRegMrs[i].addr;

@@ -78,16 +78,17 @@ mlx5::Mlx5RemoteBuf Remote(const void* p, application::EmuMemoryRegion mr) {
 }
 
 // 8 threads x 1,500 operations on one QP: half RDMA writes, half fetch-adds on one counter;
-// 12,000 WQEs wrap the 256-block ring 46 times (the 16-bit wqe_index wrap: InlineWritesReadsAndWrap).
-// Posters publish in reservation order, so with more threads than free cores every post waits for
-// the scheduler to run the thread whose turn it is: 80,000 WQEs took 60-100 s on 2 cores beside 2
-// busy processes (1 s idle), hence the smaller count.
+// 12,000 WQEs wrap the 256-block ring 46 times (the 16-bit wqe_index wrap:
+// InlineWritesReadsAndWrap). Posters publish in reservation order, so with more threads than free
+// cores every post waits for the scheduler to run the thread whose turn it is: 80,000 WQEs took
+// 60-100 s on 2 cores beside 2 busy processes (1 s idle), hence the smaller count.
 TEST(RdmaEmulator, ManyThreadsWritesAndFetchAdd) {
   constexpr int kThreads = 8, kOps = 1500;
   Loop loop(256, 256);
   QueueEmulator emu;
   loop.Attach(emu);
-  std::vector<uint64_t> src(kThreads * kOps), dst(kThreads * kOps, 0), results(kThreads * kOps, ~0ull);
+  std::vector<uint64_t> src(kThreads * kOps), dst(kThreads * kOps, 0),
+      results(kThreads * kOps, ~0ull);
   alignas(8) static uint64_t counter;
   counter = 0;
   for (size_t i = 0; i < src.size(); i++) src[i] = 0x9e3779b97f4a7c15ull * (i + 1);
@@ -213,7 +214,8 @@ TEST(RdmaEmulator, InlineWritesReadsAndWrap) {
   QueueEmulator emu;
   loop.Attach(emu);
   constexpr int kSlots = 32, kSlotBytes = 256, kOps = 70000;
-  std::vector<uint8_t> remote(kSlots * kSlotBytes, 0), expect(remote.size(), 0), back(remote.size());
+  std::vector<uint8_t> remote(kSlots * kSlotBytes, 0), expect(remote.size(), 0),
+      back(remote.size());
   auto remoteMr = emu.RegisterMemory(1, remote.data(), remote.size(), EmuAccess::kEmuAllAccess);
   auto backMr = emu.RegisterMemory(0, back.data(), back.size(), EmuAccess::kEmuAllAccess);
   emu.Start();
@@ -286,9 +288,9 @@ TEST(RdmaEmulator, RegionsAddressedByIova) {
   loop.Attach(emu);
   std::vector<uint8_t> src(256), back(256);
   for (size_t i = 0; i < src.size(); i++) src[i] = static_cast<uint8_t>(i * 7 + 1);
-  alignas(8) uint8_t mapped[1024] = {};         // where PE 1's memory is reachable from here
-  const uint64_t iova = 0x7f0000100000ull;      // PE 1's own address for it (never dereferenced)
-  const uint32_t peerKey = 0xabcd01u;           // the key PE 1's registration produced
+  alignas(8) uint8_t mapped[1024] = {};     // where PE 1's memory is reachable from here
+  const uint64_t iova = 0x7f0000100000ull;  // PE 1's own address for it (never dereferenced)
+  const uint32_t peerKey = 0xabcd01u;       // the key PE 1's registration produced
   emu.RegisterMemoryAs(1, peerKey, iova, mapped, sizeof(mapped), EmuAccess::kEmuAllAccess);
   EXPECT_THROW(emu.RegisterMemoryAs(1, peerKey, iova, mapped, 8, EmuAccess::kEmuAllAccess),
                core::InvalidUsageError);
@@ -412,10 +414,13 @@ void RunErrorBatch(int which) {
   bad.remote = Remote(&dst[1], dstMr);
   uint8_t expectSyndrome = mlx5::kSyndromeRemoteAccessErr;
   switch (which) {
-    case 0: bad.remote.rkey = dstMr.rkey ^ 0x100; break;                // unknown rkey
+    case 0: bad.remote.rkey = dstMr.rkey ^ 0x100; break;                       // unknown rkey
     case 1: bad.remote.addr = reinterpret_cast<uint64_t>(&dst[3]) + 4; break;  // past the end
-    case 2: bad.remote.rkey = noWrite.rkey; break;                     // no remote write access
-    case 3: bad.remote.rkey = srcMr.rkey; bad.remote.addr = d.local.addr; break;  // PE 0's key
+    case 2: bad.remote.rkey = noWrite.rkey; break;  // no remote write access
+    case 3:
+      bad.remote.rkey = srcMr.rkey;
+      bad.remote.addr = d.local.addr;
+      break;  // PE 0's key
     case 4:
       bad.local.lkey = dstMr.lkey;  // a PE 1 key used as a local key
       expectSyndrome = mlx5::kSyndromeLocalProtErr;
@@ -503,7 +508,8 @@ TEST(RdmaEmulator, WaitsAreBoundedWithoutEmulator) {
   for (int i = 0; i < 8; i++) Check(crdma::PostWqe(loop.ep, nop, Ctx()), loop.ep);
   const auto t0 = std::chrono::steady_clock::now();
   const crdma::QueueResult r = crdma::PostWqe(loop.ep, nop, Ctx(50ull * 1000 * 1000));
-  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   ASSERT_EQ(r.status, crdma::QueueStatus::kTimeout);
   EXPECT_LT(ms, 2000.0);
   const std::string msg = application::DescribeQueueResult(r, loop.ep);
@@ -525,7 +531,8 @@ TEST(RdmaEmulator, WaitsAreBoundedWithoutEmulator) {
   crdma::QueueResult b = crdma::ReserveSlots(ep2, 1, Ctx());
   ASSERT_EQ(a.status, crdma::QueueStatus::kOk);
   crdma::WriteWqe(ep2.sq, b.value, nop);
-  const crdma::QueueResult rb = crdma::RingDoorbell(ep2, b.value, 1, b.value, Ctx(20ull * 1000 * 1000));
+  const crdma::QueueResult rb =
+      crdma::RingDoorbell(ep2, b.value, 1, b.value, Ctx(20ull * 1000 * 1000));
   ASSERT_EQ(rb.status, crdma::QueueStatus::kTimeout);
   EXPECT_NE(application::DescribeQueueResult(rb, ep2).find("earlier SQ reservations published"),
             std::string::npos);

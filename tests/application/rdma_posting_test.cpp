@@ -123,8 +123,8 @@ TEST(RdmaPosting, SignalPeriodAndReservationLimit) {
   struct Case {
     uint32_t blocks, period, maxReserve;
   };
-  for (const Case c : {Case{1, 1, 1}, Case{2, 1, 2}, Case{4, 1, 4}, Case{16, 4, 13},
-                       Case{256, 64, 193}}) {
+  for (const Case c :
+       {Case{1, 1, 1}, Case{2, 1, 2}, Case{4, 1, 4}, Case{16, 4, 13}, Case{256, 64, 193}}) {
     crdma::SqHandle sq{};
     sq.numBlocks = c.blocks;
     EXPECT_EQ(crdma::SignalPeriod(sq), c.period) << c.blocks;
@@ -232,10 +232,9 @@ TEST(RdmaPosting, SignalWordSetAndAdd) {
   EXPECT_TRUE(crdma::IsCompleted(qp.ep, first));
 
   w.dst[43] = 100;
-  r = crdma::PostWriteWithSignal(qp.ep, w.Write(8, 8, 4, true),
-                                 crdma::SignalWqe(crdma::SignalUpdate::kAdd, w.Remote(43), 5,
-                                                  w.Result(1)),
-                                 Post());
+  r = crdma::PostWriteWithSignal(
+      qp.ep, w.Write(8, 8, 4, true),
+      crdma::SignalWqe(crdma::SignalUpdate::kAdd, w.Remote(43), 5, w.Result(1)), Post());
   Ok(r, qp.ep);
   EXPECT_EQ(emu.ProcessOnce(), 2u);
   EXPECT_EQ(w.dst[43], 105u);
@@ -288,8 +287,8 @@ TEST(RdmaPosting, PeriodEndForcesACqe) {
   EXPECT_EQ(qp.counters.signalled, 4u);
   // A 2-block inline WQE at block 4 holds no period end; one at block 7 (7, 8) does.
   uint8_t bytes[80] = {};
-  tickets.push_back(PostOne(qp, InlineWrite(bytes, sizeof(bytes), w.Remote(8), true)));  // 4..5
-  tickets.push_back(PostOne(qp, w.Write(4, 4, 1, true)));                               // 6
+  tickets.push_back(PostOne(qp, InlineWrite(bytes, sizeof(bytes), w.Remote(8), true)));   // 4..5
+  tickets.push_back(PostOne(qp, w.Write(4, 4, 1, true)));                                 // 6
   tickets.push_back(PostOne(qp, InlineWrite(bytes, sizeof(bytes), w.Remote(10), true)));  // 7..8
   EXPECT_FALSE(qp.RequestsCqe(4));
   EXPECT_FALSE(qp.RequestsCqe(6));
@@ -326,7 +325,8 @@ TEST(RdmaPosting, UnsignalledStreamNeverStalls) {
             std::memset(payload, i & 0xff, len);
             d = InlineWrite(payload, len, w.Remote(slot), true);
           }
-          const crdma::QueueResult r = crdma::PostWqes(qp.ep, &d, 1, Post(5ull * 1000 * 1000 * 1000));
+          const crdma::QueueResult r =
+              crdma::PostWqes(qp.ep, &d, 1, Post(5ull * 1000 * 1000 * 1000));
           Ok(r, qp.ep);
         }
       } catch (const std::exception& e) {
@@ -421,9 +421,9 @@ TEST(RdmaPosting, LanesWriteTheirOwnWqesIntoOneReservation) {
   std::vector<std::thread> lanes;
   for (int l = 0; l < kLanes; l++) {
     lanes.emplace_back([&, l] {
-      const crdma::WqeDesc d =
-          (l % 2 == 0) ? w.Write(l, l, 1, true)
-                       : InlineWrite(inlineBytes[l], sizeof(inlineBytes[l]), w.Remote(16 + 10 * l), true);
+      const crdma::WqeDesc d = (l % 2 == 0) ? w.Write(l, l, 1, true)
+                                            : InlineWrite(inlineBytes[l], sizeof(inlineBytes[l]),
+                                                          w.Remote(16 + 10 * l), true);
       crdma::WriteWqe(qp.ep.sq, start + offset[l], d);
     });
   }

@@ -71,14 +71,10 @@ std::map<std::string, DocRow> ParseDoc(const std::string& path, std::vector<std:
 
 const char* TypeName(EnvType type) {
   switch (type) {
-    case EnvType::kBool:
-      return "Bool";
-    case EnvType::kInt:
-      return "Int";
-    case EnvType::kSize:
-      return "Size";
-    case EnvType::kString:
-      return "String";
+    case EnvType::kBool: return "Bool";
+    case EnvType::kInt: return "Int";
+    case EnvType::kSize: return "Size";
+    case EnvType::kString: return "String";
   }
   return "?";
 }

@@ -4,15 +4,15 @@
 
 #include <cmath>
 
+using mori::core::FloatToFp8;
 using mori::core::Fp8Format;
 using mori::core::Fp8ToFloat;
-using mori::core::FloatToFp8;
 
 TEST(Fp8, KnownEncodingsE4M3Fn) {
   EXPECT_EQ(FloatToFp8(1.f, Fp8Format::kE4M3Fn), 0x38);
   EXPECT_EQ(FloatToFp8(-2.f, Fp8Format::kE4M3Fn), 0xC0);
   EXPECT_EQ(FloatToFp8(448.f, Fp8Format::kE4M3Fn), 0x7E);
-  EXPECT_EQ(FloatToFp8(1e6f, Fp8Format::kE4M3Fn), 0x7E);  // saturates
+  EXPECT_EQ(FloatToFp8(1e6f, Fp8Format::kE4M3Fn), 0x7E);                 // saturates
   EXPECT_EQ(FloatToFp8(std::ldexp(1.f, -9), Fp8Format::kE4M3Fn), 0x01);  // smallest subnormal
   EXPECT_TRUE(std::isnan(Fp8ToFloat(0x7F, Fp8Format::kE4M3Fn)));
   EXPECT_EQ(Fp8ToFloat(0x80, Fp8Format::kE4M3Fn), 0.f);  // -0

@@ -290,6 +290,4 @@ void RunBody(RankEnv& env) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  return RunOnAllGpus(argc, argv, "shmem_atomic_test", RunBody);
-}
+int main(int argc, char** argv) { return RunOnAllGpus(argc, argv, "shmem_atomic_test", RunBody); }

@@ -182,6 +182,4 @@ void RunBody(RankEnv& env) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  return RunOnAllGpus(argc, argv, "shmem_barrier_test", RunBody);
-}
+int main(int argc, char** argv) { return RunOnAllGpus(argc, argv, "shmem_barrier_test", RunBody); }

@@ -30,35 +30,24 @@ enum class Scope : int { kThread, kWarp, kBlock };
 
 const char* ApiName(Api a) {
   switch (a) {
-    case Api::kPutNbi:
-      return "PutMemNbi";
-    case Api::kPut:
-      return "PutMem";
-    case Api::kGetNbi:
-      return "GetMemNbi";
-    case Api::kGet:
-      return "GetMem";
-    case Api::kPutSignalSet:
-      return "PutMemSignalNbi(set)";
-    case Api::kPutSignalAdd:
-      return "PutMemSignalNbi(add)";
+    case Api::kPutNbi: return "PutMemNbi";
+    case Api::kPut: return "PutMem";
+    case Api::kGetNbi: return "GetMemNbi";
+    case Api::kGet: return "GetMem";
+    case Api::kPutSignalSet: return "PutMemSignalNbi(set)";
+    case Api::kPutSignalAdd: return "PutMemSignalNbi(add)";
   }
   return "?";
 }
 const char* ScopeName(Scope s) {
   switch (s) {
-    case Scope::kThread:
-      return "Thread";
-    case Scope::kWarp:
-      return "Warp";
-    case Scope::kBlock:
-      return "Block";
+    case Scope::kThread: return "Thread";
+    case Scope::kWarp: return "Warp";
+    case Scope::kBlock: return "Block";
   }
   return "?";
 }
-MORI_HOST_DEVICE constexpr bool IsGet(Api a) {
-  return a == Api::kGetNbi || a == Api::kGet;
-}
+MORI_HOST_DEVICE constexpr bool IsGet(Api a) { return a == Api::kGetNbi || a == Api::kGet; }
 MORI_HOST_DEVICE constexpr bool IsSignal(Api a) {
   return a == Api::kPutSignalSet || a == Api::kPutSignalAdd;
 }
@@ -183,28 +172,19 @@ using KernelFn = void (*)(ShmemDeviceContext, Buffers, CaseArgs, DeviceFailLog*)
 template <Api A>
 KernelFn PickScope(Scope s) {
   switch (s) {
-    case Scope::kThread:
-      return PutGetKernel<A, Scope::kThread>;
-    case Scope::kWarp:
-      return PutGetKernel<A, Scope::kWarp>;
-    default:
-      return PutGetKernel<A, Scope::kBlock>;
+    case Scope::kThread: return PutGetKernel<A, Scope::kThread>;
+    case Scope::kWarp: return PutGetKernel<A, Scope::kWarp>;
+    default: return PutGetKernel<A, Scope::kBlock>;
   }
 }
 KernelFn PickKernel(Api a, Scope s) {
   switch (a) {
-    case Api::kPutNbi:
-      return PickScope<Api::kPutNbi>(s);
-    case Api::kPut:
-      return PickScope<Api::kPut>(s);
-    case Api::kGetNbi:
-      return PickScope<Api::kGetNbi>(s);
-    case Api::kGet:
-      return PickScope<Api::kGet>(s);
-    case Api::kPutSignalSet:
-      return PickScope<Api::kPutSignalSet>(s);
-    default:
-      return PickScope<Api::kPutSignalAdd>(s);
+    case Api::kPutNbi: return PickScope<Api::kPutNbi>(s);
+    case Api::kPut: return PickScope<Api::kPut>(s);
+    case Api::kGetNbi: return PickScope<Api::kGetNbi>(s);
+    case Api::kGet: return PickScope<Api::kGet>(s);
+    case Api::kPutSignalSet: return PickScope<Api::kPutSignalSet>(s);
+    default: return PickScope<Api::kPutSignalAdd>(s);
   }
 }
 
@@ -285,14 +265,9 @@ __global__ void InvalidCallKernel(ShmemDeviceContext ctx, int which, void* symm,
     case 0:
       ok = ShmemPutMemNbiThread(ctx, symm, local, 8, ctx.worldSize);
       break;  // pe out of range
-    case 1:
-      ok = ShmemPutMemNbiThread(ctx, local, symm, 8, (ctx.rank + 1) % ctx.worldSize);
-      break;
-    case 2:
-      ok = ShmemAtomicAdd<uint64_t>(ctx, static_cast<uint64_t*>(symm) + 1, 1, -1);
-      break;
-    default:
-      break;
+    case 1: ok = ShmemPutMemNbiThread(ctx, local, symm, 8, (ctx.rank + 1) % ctx.worldSize); break;
+    case 2: ok = ShmemAtomicAdd<uint64_t>(ctx, static_cast<uint64_t*>(symm) + 1, 1, -1); break;
+    default: break;
   }
   *result = ok ? 1 : 0;
 }
@@ -538,6 +513,4 @@ void RunBody(RankEnv& env) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  return RunOnAllGpus(argc, argv, "shmem_put_get_test", RunBody);
-}
+int main(int argc, char** argv) { return RunOnAllGpus(argc, argv, "shmem_put_get_test", RunBody); }

@@ -22,7 +22,8 @@
 //  * Nbi puts left outstanding at a kernel's end, completed by the host ShmemBarrierAll;
 //  * quiet: a 1 MiB Nbi put, ShmemQuietThread(ctx, pe) (per-PE quiet), then an atomic flag; the
 //    receiver checks the data once the flag arrives;
-//  * atomics under contention (64-bit fetch-add from 4x64 threads of every PE: exact totals and every
+//  * atomics under contention (64-bit fetch-add from 4x64 threads of every PE: exact totals and
+//  every
 //    fetched value seen exactly once), compare-swap election (one winner), swap, fetch, set;
 //  * typed immediates (put/get of 1..8-byte types);
 //  * 100 device barriers, each ordering an RDMA put before it;
@@ -30,8 +31,8 @@
 //    PE and a get into it are exact, and after ShmemDeregisterBuffer puts are refused again;
 //  * errors: a 32-bit atomic over RDMA is refused with an attributed usage error; a work request
 //    with a bad rkey completes in error and is raised as RemoteError naming the peer, QP and
-//    syndrome 0x13 (remote access), and later posts on that QP, and the host barrier's quiet, report
-//    it again instead of hanging.
+//    syndrome 0x13 (remote access), and later posts on that QP, and the host barrier's quiet,
+//    report it again instead of hanging.
 #include <algorithm>
 #include <cinttypes>
 #include <set>
@@ -63,9 +64,13 @@ constexpr size_t kSlot = (1u << 20) + 256;  // largest message + guard room
 constexpr uint8_t kPoison = 0xEE;
 const size_t kSizes[] = {1, 7, 64, 65, 4099, (1u << 20) + 5};
 enum class Scope { kThread, kWarp, kBlock };
-const char* ScopeName(Scope s) { return s == Scope::kThread ? "thread" : s == Scope::kWarp ? "warp" : "block"; }
+const char* ScopeName(Scope s) {
+  return s == Scope::kThread ? "thread" : s == Scope::kWarp ? "warp" : "block";
+}
 
-MORI_HOST_DEVICE inline uint64_t SeedOf(int pe, int round) { return 0x5eed0000ull + pe * 131 + round; }
+MORI_HOST_DEVICE inline uint64_t SeedOf(int pe, int round) {
+  return 0x5eed0000ull + pe * 131 + round;
+}
 
 // ---- put / get ------------------------------------------------------------------------------
 // Every PE puts its `src` to slot `me` of `recv` on every PE (or gets every PE's src into slot p
@@ -82,21 +87,27 @@ __global__ void PutGetKernel(ShmemDeviceContext ctx, Scope scope, uint8_t* src, 
     uint8_t* slot = recv + (kGet ? pe : me) * kSlot;
     if (scope == Scope::kThread) {
       if (tid != 0) continue;
-      if (kGet) ok = kBlocking ? ShmemGetMemThread(ctx, slot, src, bytes, pe)
-                               : ShmemGetMemNbiThread(ctx, slot, src, bytes, pe);
-      else ok = kBlocking ? ShmemPutMemThread(ctx, slot, src, bytes, pe)
-                          : ShmemPutMemNbiThread(ctx, slot, src, bytes, pe);
+      if (kGet)
+        ok = kBlocking ? ShmemGetMemThread(ctx, slot, src, bytes, pe)
+                       : ShmemGetMemNbiThread(ctx, slot, src, bytes, pe);
+      else
+        ok = kBlocking ? ShmemPutMemThread(ctx, slot, src, bytes, pe)
+                       : ShmemPutMemNbiThread(ctx, slot, src, bytes, pe);
     } else if (scope == Scope::kWarp) {
       if (!inWarp0) continue;
-      if (kGet) ok = kBlocking ? ShmemGetMemWarp(ctx, slot, src, bytes, pe)
-                               : ShmemGetMemNbiWarp(ctx, slot, src, bytes, pe);
-      else ok = kBlocking ? ShmemPutMemWarp(ctx, slot, src, bytes, pe)
-                          : ShmemPutMemNbiWarp(ctx, slot, src, bytes, pe);
+      if (kGet)
+        ok = kBlocking ? ShmemGetMemWarp(ctx, slot, src, bytes, pe)
+                       : ShmemGetMemNbiWarp(ctx, slot, src, bytes, pe);
+      else
+        ok = kBlocking ? ShmemPutMemWarp(ctx, slot, src, bytes, pe)
+                       : ShmemPutMemNbiWarp(ctx, slot, src, bytes, pe);
     } else {
-      if (kGet) ok = kBlocking ? ShmemGetMemBlock(ctx, slot, src, bytes, pe)
-                               : ShmemGetMemNbiBlock(ctx, slot, src, bytes, pe);
-      else ok = kBlocking ? ShmemPutMemBlock(ctx, slot, src, bytes, pe)
-                          : ShmemPutMemNbiBlock(ctx, slot, src, bytes, pe);
+      if (kGet)
+        ok = kBlocking ? ShmemGetMemBlock(ctx, slot, src, bytes, pe)
+                       : ShmemGetMemNbiBlock(ctx, slot, src, bytes, pe);
+      else
+        ok = kBlocking ? ShmemPutMemBlock(ctx, slot, src, bytes, pe)
+                       : ShmemPutMemNbiBlock(ctx, slot, src, bytes, pe);
     }
     DEV_CHECK(log, me, ok, "%s to pe %d (%llu bytes) returned false", kGet ? "get" : "put", pe,
               (unsigned long long)bytes);
@@ -123,7 +134,8 @@ void TestPutGet(RankEnv& env, uint8_t* src, uint8_t* recv, gpuStream_t stream) {
           TEST_CHECK_GPU(gpuMemset(recv, kPoison, kSlot * n));
           ShmemBarrierAll();  // everyone's source and poison are in place
           auto launch = [&](auto kernel) {
-            kernel<<<1, 128, 0, stream>>>(ShmemGetDeviceContext(), scope, src, recv, bytes, log.Get());
+            kernel<<<1, 128, 0, stream>>>(ShmemGetDeviceContext(), scope, src, recv, bytes,
+                                          log.Get());
           };
           if (get && blocking) launch(PutGetKernel<true, true>);
           if (get && !blocking) launch(PutGetKernel<true, false>);
@@ -139,9 +151,10 @@ void TestPutGet(RankEnv& env, uint8_t* src, uint8_t* recv, gpuStream_t stream) {
             const size_t bad2 = FirstNotEqual(slot + bytes, kSlot - bytes, kPoison);
             if (bad1 != bytes || bad2 != kSlot - bytes) {
               if (bad++ < 8)
-                env.Check(false, "%s %s %s %zu B, slot of pe %d: data mismatch at %zu, guard at %zu",
-                          get ? "get" : "put", blocking ? "blocking" : "nbi+quiet", ScopeName(scope),
-                          bytes, s, bad1, bad2);
+                env.Check(false,
+                          "%s %s %s %zu B, slot of pe %d: data mismatch at %zu, guard at %zu",
+                          get ? "get" : "put", blocking ? "blocking" : "nbi+quiet",
+                          ScopeName(scope), bytes, s, bad1, bad2);
             }
           }
         }
@@ -149,8 +162,8 @@ void TestPutGet(RankEnv& env, uint8_t* src, uint8_t* recv, gpuStream_t stream) {
     }
   }
   env.Check(bad == 0 && log.Count() == 0,
-            "put/get over RDMA: %d cases x %d PEs, %d slot mismatches, %u device failures", cases, n,
-            bad, log.Count());
+            "put/get over RDMA: %d cases x %d PEs, %d slot mismatches, %u device failures", cases,
+            n, bad, log.Count());
 }
 
 // ---- put with signal ------------------------------------------------------------------------
@@ -184,8 +197,8 @@ __global__ void WaitAndCheckKernel(ShmemDeviceContext ctx, uint8_t* recv, size_t
       mism += recv[s * kSlot + i] != PatternByte(seed, i);
     mism = __syncthreads_count(mism != 0);
     if (threadIdx.x == 0)
-      DEV_CHECK(log, me, mism == 0, "round %d: data from pe %d not in place when its signal was seen",
-                round, s);
+      DEV_CHECK(log, me, mism == 0,
+                "round %d: data from pe %d not in place when its signal was seen", round, s);
     __syncthreads();
   }
 }
@@ -201,9 +214,9 @@ void TestPutSignal(RankEnv& env, uint8_t* src, uint8_t* recv, uint64_t* sigs, gp
     TEST_CHECK_GPU(gpuMemset(sigs, 0, n * sizeof(uint64_t)));
     ShmemBarrierAll();
     PutSignalKernel<<<1, 128, 0, stream>>>(ShmemGetDeviceContext(), src, recv, bytes, sigs, round,
-                                          log.Get());
+                                           log.Get());
     WaitAndCheckKernel<<<1, 256, 0, stream>>>(ShmemGetDeviceContext(), recv, bytes, sigs, round,
-                                             log.Get());
+                                              log.Get());
     TEST_CHECK_GPU(gpuGetLastError());
     ShmemStreamSynchronize(stream);
     ShmemBarrierAll();
@@ -225,13 +238,15 @@ __global__ void QuietFlagKernel(ShmemDeviceContext ctx, uint8_t* src, uint8_t* r
 __global__ void FlagCheckKernel(ShmemDeviceContext ctx, uint8_t* recv, size_t bytes, uint64_t* flag,
                                 uint64_t seed, DeviceFailLog* log) {
   __shared__ int ok;
-  if (threadIdx.x == 0) ok = ShmemWaitUntil<uint64_t>(ctx, flag, core::CmpOp::kGe, 1, -1, "quiet flag");
+  if (threadIdx.x == 0)
+    ok = ShmemWaitUntil<uint64_t>(ctx, flag, core::CmpOp::kGe, 1, -1, "quiet flag");
   __syncthreads();
   if (!ok) return;
   int mism = 0;
   for (size_t i = threadIdx.x; i < bytes; i += blockDim.x) mism += recv[i] != PatternByte(seed, i);
   mism = __syncthreads_count(mism != 0);
-  if (threadIdx.x == 0) DEV_CHECK(log, ctx.rank, mism == 0, "data not complete when the flag arrived");
+  if (threadIdx.x == 0)
+    DEV_CHECK(log, ctx.rank, mism == 0, "data not complete when the flag arrived");
 }
 
 void TestQuiet(RankEnv& env, uint8_t* src, uint8_t* recv, uint64_t* flag, gpuStream_t stream) {
@@ -246,7 +261,7 @@ void TestQuiet(RankEnv& env, uint8_t* src, uint8_t* recv, uint64_t* flag, gpuStr
   const int prev = (env.rank + env.npes - 1) % env.npes;
   QuietFlagKernel<<<1, 32, 0, stream>>>(ShmemGetDeviceContext(), src, recv, bytes, flag, log.Get());
   FlagCheckKernel<<<1, 256, 0, stream>>>(ShmemGetDeviceContext(), recv, bytes, flag,
-                                        SeedOf(prev, 2000), log.Get());
+                                         SeedOf(prev, 2000), log.Get());
   TEST_CHECK_GPU(gpuGetLastError());
   ShmemStreamSynchronize(stream);
   ShmemBarrierAll();
@@ -259,7 +274,8 @@ __global__ void NbiNoQuietKernel(ShmemDeviceContext ctx, uint8_t* src, uint8_t* 
                                  int* ok) {
   const int me = ctx.rank, n = ctx.worldSize;
   bool all = true;
-  for (int k = 1; k < n; k++) all = ShmemPutMemNbiBlock(ctx, recv + me * kSlot, src, bytes, (me + k) % n) && all;
+  for (int k = 1; k < n; k++)
+    all = ShmemPutMemNbiBlock(ctx, recv + me * kSlot, src, bytes, (me + k) % n) && all;
   if (threadIdx.x == 0) *ok = all ? 1 : 0;  // no quiet: the kernel ends with requests in flight
 }
 
@@ -297,8 +313,8 @@ void TestHostBarrierCompletes(RankEnv& env, uint8_t* src, uint8_t* recv, gpuStre
   unsigned long long left = ~0ull;
   TEST_CHECK_GPU(gpuMemcpy(&left, outstanding, sizeof(left), gpuMemcpyDeviceToHost));
   TEST_CHECK_GPU(gpuFree(outstanding));
-  env.Check(left == 0, "after ShmemBarrierAll every RDMA request of this PE is completed: %llu left",
-            left);
+  env.Check(left == 0,
+            "after ShmemBarrierAll every RDMA request of this PE is completed: %llu left", left);
   int r = 0;
   TEST_CHECK_GPU(gpuMemcpy(&r, ok, sizeof(int), gpuMemcpyDeviceToHost));
   TEST_CHECK_GPU(gpuMemcpy(host.data(), recv, kSlot * n, gpuMemcpyDeviceToHost));
@@ -307,9 +323,10 @@ void TestHostBarrierCompletes(RankEnv& env, uint8_t* src, uint8_t* recv, gpuStre
     if (s == env.rank) continue;
     bad += FirstPatternMismatch(host.data() + s * kSlot, bytes, SeedOf(s, 4000)) != bytes;
   }
-  env.Check(r == 1 && bad == 0,
-            "nbi puts without quiet, completed by the host ShmemBarrierAll: returned %d, %d bad slots",
-            r, bad);
+  env.Check(
+      r == 1 && bad == 0,
+      "nbi puts without quiet, completed by the host ShmemBarrierAll: returned %d, %d bad slots", r,
+      bad);
   TEST_CHECK_GPU(gpuFree(ok));
 }
 
@@ -325,8 +342,8 @@ struct AtomicWords {
   uint32_t pad;
 };
 
-__global__ void FetchAddKernel(ShmemDeviceContext ctx, AtomicWords* w, uint64_t* seen, uint64_t total,
-                               DeviceFailLog* log) {
+__global__ void FetchAddKernel(ShmemDeviceContext ctx, AtomicWords* w, uint64_t* seen,
+                               uint64_t total, DeviceFailLog* log) {
   const int me = ctx.rank, n = ctx.worldSize;
   for (int k = 0; k < n; k++) {
     const int pe = (me + k) % n;
@@ -351,7 +368,8 @@ __global__ void ElectSwapSetKernel(ShmemDeviceContext ctx, AtomicWords* w, Devic
   // One swapper per word: PE me swaps into PE next's word, which starts at 0.
   const uint64_t mine = (static_cast<uint64_t>(me) + 1) << 32;
   const uint64_t old = ShmemAtomicSwap<uint64_t>(ctx, &w->swap, mine, next);
-  DEV_CHECK(log, me, old == 0, "swap on pe %d returned %llu, expected 0", next, (unsigned long long)old);
+  DEV_CHECK(log, me, old == 0, "swap on pe %d returned %llu, expected 0", next,
+            (unsigned long long)old);
   // Set our word on every PE, then fetch it back.
   for (int k = 0; k < n; k++) {
     const int pe = (me + k) % n;
@@ -385,20 +403,21 @@ void TestAtomics(RankEnv& env, AtomicWords* w, uint64_t* seen, gpuStream_t strea
   size_t notOnce = 0;
   for (uint64_t v : s) notOnce += v != 1;
   env.Check(h.ctr == total && notOnce == 0,
-            "fetch-add over RDMA from %d PEs x %d threads x %d: total %" PRIu64 " (expected %" PRIu64
-            "), %zu fetched values not seen exactly once",
+            "fetch-add over RDMA from %d PEs x %d threads x %d: total %" PRIu64
+            " (expected %" PRIu64 "), %zu fetched values not seen exactly once",
             n, kAtomicBlocks * kAtomicThreads, kAtomicIters, h.ctr, total, notOnce);
   if (env.rank == 0)
     env.Check(h.wins == 1 && h.lock >= 1 && h.lock <= static_cast<uint64_t>(n),
-              "compare-swap election: %" PRIu64 " winners (expected 1), lock = %" PRIu64, h.wins, h.lock);
+              "compare-swap election: %" PRIu64 " winners (expected 1), lock = %" PRIu64, h.wins,
+              h.lock);
   const int prev = (env.rank + n - 1) % n;
   env.Check(h.swap == (static_cast<uint64_t>(prev) + 1) << 32, "swap from pe %d left 0x%" PRIx64,
             prev, h.swap);
   int setBad = 0;
   for (int p = 0; p < n; p++)
     setBad += h.set[p] != (0xabcd000000000000ull | (static_cast<uint64_t>(p) << 16) | env.rank);
-  env.Check(setBad == 0 && log.Count() == 0, "set/fetch: %d wrong words, %u device failures", setBad,
-            log.Count());
+  env.Check(setBad == 0 && log.Count() == 0, "set/fetch: %d wrong words, %u device failures",
+            setBad, log.Count());
 }
 
 // ---- typed immediates -------------------------------------------------------------------------
@@ -459,16 +478,18 @@ void TestTyped(RankEnv& env, TypedSlots* t, gpuStream_t stream) {
            h.u64[s] != 0x1234567800000000ull + s;
   }
   ShmemBarrierAll();
-  env.Check(bad == 0 && log.Count() == 0, "typed put/get over RDMA: %d wrong slots, %u device failures",
-            bad, log.Count());
+  env.Check(bad == 0 && log.Count() == 0,
+            "typed put/get over RDMA: %d wrong slots, %u device failures", bad, log.Count());
 }
 
 // ---- device barrier ---------------------------------------------------------------------------
-__global__ void BarrierKernel(ShmemDeviceContext ctx, uint64_t* word, int iters, DeviceFailLog* log) {
+__global__ void BarrierKernel(ShmemDeviceContext ctx, uint64_t* word, int iters,
+                              DeviceFailLog* log) {
   const int me = ctx.rank, n = ctx.worldSize, next = (me + 1) % n;
   __shared__ int stop;
   for (int i = 1; i <= iters; i++) {
-    if (threadIdx.x == 0) ShmemPutTypeNbiThread<uint64_t>(ctx, word, static_cast<uint64_t>(i), next);
+    if (threadIdx.x == 0)
+      ShmemPutTypeNbiThread<uint64_t>(ctx, word, static_cast<uint64_t>(i), next);
     if (!ShmemBarrierAllBlock(ctx)) return;
     if (threadIdx.x == 0) {
       const uint64_t v = core::AtomicLoadAcquireSystem(word);
@@ -489,7 +510,8 @@ void TestBarrier(RankEnv& env, uint64_t* word, gpuStream_t stream) {
   BarrierKernel<<<1, 64, 0, stream>>>(ShmemGetDeviceContext(), word, 100, log.Get());
   TEST_CHECK_GPU(gpuGetLastError());
   ShmemStreamSynchronize(stream);
-  env.Check(log.Count() == 0, "100 device barriers ordering RDMA puts: %u device failures", log.Count());
+  env.Check(log.Count() == 0, "100 device barriers ordering RDMA puts: %u device failures",
+            log.Count());
 }
 
 // ---- registered user buffers --------------------------------------------------------------------
@@ -497,7 +519,8 @@ __global__ void UserPutKernel(ShmemDeviceContext ctx, uint8_t* buf, uint8_t* rec
                               int* ok) {
   const int me = ctx.rank, n = ctx.worldSize;
   bool all = true;
-  for (int k = 0; k < n; k++) all = ShmemPutMemBlock(ctx, recv + me * kSlot, buf, bytes, (me + k) % n) && all;
+  for (int k = 0; k < n; k++)
+    all = ShmemPutMemBlock(ctx, recv + me * kSlot, buf, bytes, (me + k) % n) && all;
   if (threadIdx.x == 0) *ok = all ? 1 : 0;
 }
 __global__ void UserGetKernel(ShmemDeviceContext ctx, uint8_t* buf, uint8_t* src, size_t bytes,
@@ -530,7 +553,8 @@ void TestUserBuffer(RankEnv& env, uint8_t* src, uint8_t* recv, gpuStream_t strea
   TEST_CHECK_GPU(gpuMemcpy(&r, ok, sizeof(int), gpuMemcpyDeviceToHost));
   env.Check(r == 0 && kind == core::ErrorKind::kInvalidUsage &&
                 what.find("not RDMA-registered") != std::string::npos,
-            "put from an unregistered gpuMalloc buffer refused (returned %d): '%s'", r, what.c_str());
+            "put from an unregistered gpuMalloc buffer refused (returned %d): '%s'", r,
+            what.c_str());
 
   ShmemRegisterBuffer(buf, bytes);
   ShmemBarrierAll();
@@ -540,16 +564,19 @@ void TestUserBuffer(RankEnv& env, uint8_t* src, uint8_t* recv, gpuStream_t strea
   ShmemBarrierAll();
   TEST_CHECK_GPU(gpuMemcpy(host.data(), recv, kSlot * n, gpuMemcpyDeviceToHost));
   int bad = 0;
-  for (int s = 0; s < n; s++) bad += FirstPatternMismatch(host.data() + s * kSlot, bytes, SeedOf(s, 3000)) != bytes;
-  env.Check(r == 1 && bad == 0, "puts from a registered buffer to every PE: returned %d, %d bad slots", r, bad);
+  for (int s = 0; s < n; s++)
+    bad += FirstPatternMismatch(host.data() + s * kSlot, bytes, SeedOf(s, 3000)) != bytes;
+  env.Check(r == 1 && bad == 0,
+            "puts from a registered buffer to every PE: returned %d, %d bad slots", r, bad);
 
   UserGetKernel<<<1, 128, 0, stream>>>(ShmemGetDeviceContext(), buf, src, bytes, next, ok);
   ShmemStreamSynchronize(stream);
   TEST_CHECK_GPU(gpuMemcpy(&r, ok, sizeof(int), gpuMemcpyDeviceToHost));
   TEST_CHECK_GPU(gpuMemcpy(host.data(), buf, bytes, gpuMemcpyDeviceToHost));
   const size_t mism = FirstPatternMismatch(host.data(), bytes, SeedOf(next, 3001));
-  env.Check(r == 1 && mism == bytes, "get from pe %d into a registered buffer: returned %d, mismatch at %zu of %zu",
-            next, r, mism, bytes);
+  env.Check(r == 1 && mism == bytes,
+            "get from pe %d into a registered buffer: returned %d, mismatch at %zu of %zu", next, r,
+            mism, bytes);
 
   ShmemBarrierAll();
   ShmemDeregisterBuffer(buf);
@@ -622,8 +649,9 @@ void TestTopology(RankEnv& env, uint8_t* heapPtr, gpuStream_t stream) {
       if (!can) TEST_CHECK_GPU(gpuDeviceCanAccessPeer(&can, myDevice, peerDevice));
       expectP2p = can != 0;
     }
-    const TransportType want =
-        p == me ? TransportType::kSelf : expectP2p ? TransportType::kP2P : TransportType::kRdma;
+    const TransportType want = p == me     ? TransportType::kSelf
+                               : expectP2p ? TransportType::kP2P
+                                           : TransportType::kRdma;
     const bool loadStore = ShmemPtrP2p(heapPtr, p) != nullptr;
     const int qps = want == TransportType::kRdma ? numQps : 0;
     const bool ok = ShmemNodeOf(p) == p / g && d[4 + 3 * p] == p / g && d[5 + 3 * p] == p % g &&
@@ -693,17 +721,17 @@ __global__ void ChannelKernel(ShmemDeviceContext ctx, uint8_t* src, uint8_t* rec
         for (uint32_t q = 0; q < nq && q < kMaxTestQps; q++) before[q] = QpReady(ctx, pe, q);
       __syncthreads();
       if (warp == 0) {
-        const bool ok = ShmemPutMemNbiWarpQp(ctx, recv + me * kSlot + c * kChannelBytes,
-                                             src + c * kChannelBytes, kChannelBytes, pe, c,
-                                             CqeMode::kSkipped);
+        const bool ok =
+            ShmemPutMemNbiWarpQp(ctx, recv + me * kSlot + c * kChannelBytes,
+                                 src + c * kChannelBytes, kChannelBytes, pe, c, CqeMode::kSkipped);
         if (lane == 0) DEV_CHECK(log, me, ok, "channel %d put to pe %d returned false", c, pe);
       }
       __syncthreads();
       if (warp == 1 && lane == 0) {
         uint64_t t = ~0ull;
         const uint64_t word = (epoch << 32) | static_cast<uint64_t>(c + 1);
-        const bool ok = ShmemSignalThreadQp(ctx, &sigs[me * kChannels + c], word, SignalOp::kSet,
-                                            pe, c, &t);
+        const bool ok =
+            ShmemSignalThreadQp(ctx, &sigs[me * kChannels + c], word, SignalOp::kSet, pe, c, &t);
         DEV_CHECK(log, me, ok, "channel %d signal to pe %d returned false", c, pe);
         if (nq == 0) {
           DEV_CHECK(log, me, t == 0, "load/store channel: ticket %llu, expected 0",
@@ -739,8 +767,9 @@ __global__ void ChannelCheckKernel(ShmemDeviceContext ctx, uint8_t* recv, uint64
   for (int s = 0; s < n; s++) {
     for (int c = 0; c < kChannels; c++) {
       if (threadIdx.x == 0)
-        ok = ShmemSignalWaitUntil(ctx, &sigs[s * kChannels + c], core::CmpOp::kEq,
-                                  (epoch << 32) | static_cast<uint64_t>(c + 1), s, "channel signal");
+        ok =
+            ShmemSignalWaitUntil(ctx, &sigs[s * kChannels + c], core::CmpOp::kEq,
+                                 (epoch << 32) | static_cast<uint64_t>(c + 1), s, "channel signal");
       __syncthreads();
       if (!ok) return;
       int mism = 0;
@@ -749,8 +778,10 @@ __global__ void ChannelCheckKernel(ShmemDeviceContext ctx, uint8_t* recv, uint64
         mism += recv[s * kSlot + c * kChannelBytes + i] != PatternByte(seed, c * kChannelBytes + i);
       mism = __syncthreads_count(mism != 0);
       if (threadIdx.x == 0)
-        DEV_CHECK(log, ctx.rank, mism == 0, "epoch %llu: channel %d of pe %d: data not in place "
-                  "when its signal was seen", (unsigned long long)epoch, c, s);
+        DEV_CHECK(log, ctx.rank, mism == 0,
+                  "epoch %llu: channel %d of pe %d: data not in place "
+                  "when its signal was seen",
+                  (unsigned long long)epoch, c, s);
       __syncthreads();
     }
   }
@@ -767,7 +798,8 @@ void TestChannels(RankEnv& env, uint8_t* src, uint8_t* recv, uint64_t* sigs, gpu
     ShmemBarrierAll();
     ChannelKernel<<<1, 2 * core::kWarpSize, 0, stream>>>(ShmemGetDeviceContext(), src, recv, sigs,
                                                          epoch, log.Get());
-    ChannelCheckKernel<<<1, 256, 0, stream>>>(ShmemGetDeviceContext(), recv, sigs, epoch, log.Get());
+    ChannelCheckKernel<<<1, 256, 0, stream>>>(ShmemGetDeviceContext(), recv, sigs, epoch,
+                                              log.Get());
     TEST_CHECK_GPU(gpuGetLastError());
     ShmemStreamSynchronize(stream);
     ShmemBarrierAll();
@@ -799,10 +831,13 @@ __global__ void PutSignalQpKernel(ShmemDeviceContext ctx, Scope scope, uint8_t* 
     uint8_t* dst = recv + me * kSlot;
     if (scope == Scope::kThread) {
       caller = tid == 0;
-      if (caller) ok = ShmemPutMemSignalNbiThreadQp(ctx, dst, src, bytes, &sigs[me], value, op, pe, round, &t);
+      if (caller)
+        ok =
+            ShmemPutMemSignalNbiThreadQp(ctx, dst, src, bytes, &sigs[me], value, op, pe, round, &t);
     } else if (scope == Scope::kWarp) {
       caller = tid < core::kWarpSize;
-      if (caller) ok = ShmemPutMemSignalNbiWarpQp(ctx, dst, src, bytes, &sigs[me], value, op, pe, round, &t);
+      if (caller)
+        ok = ShmemPutMemSignalNbiWarpQp(ctx, dst, src, bytes, &sigs[me], value, op, pe, round, &t);
     } else {
       ok = ShmemPutMemSignalNbiBlockQp(ctx, dst, src, bytes, &sigs[me], value, op, pe, round, &t);
     }
@@ -831,7 +866,8 @@ __global__ void PutSignalQpKernel(ShmemDeviceContext ctx, Scope scope, uint8_t* 
   ShmemQuietBlock(ctx);
 }
 
-void TestPutSignalQp(RankEnv& env, uint8_t* src, uint8_t* recv, uint64_t* sigs, gpuStream_t stream) {
+void TestPutSignalQp(RankEnv& env, uint8_t* src, uint8_t* recv, uint64_t* sigs,
+                     gpuStream_t stream) {
   const int n = env.npes;
   FailLogBuffer log;
   std::vector<uint8_t> host(256 * 1024 + 48);
@@ -845,15 +881,16 @@ void TestPutSignalQp(RankEnv& env, uint8_t* src, uint8_t* recv, uint64_t* sigs, 
     PutSignalQpKernel<<<1, 128, 0, stream>>>(ShmemGetDeviceContext(), scope, src, recv, bytes, sigs,
                                              round, log.Get());
     WaitAndCheckKernel<<<1, 256, 0, stream>>>(ShmemGetDeviceContext(), recv, bytes, sigs, round,
-                                             log.Get());
+                                              log.Get());
     TEST_CHECK_GPU(gpuGetLastError());
     ShmemStreamSynchronize(stream);
     ShmemBarrierAll();
   }
-  env.Check(log.Count() == 0,
-            "put-with-signal on explicit QPs, one reservation (kAdd/kSet, inline/gather, 3 scopes): "
-            "%u device failures",
-            log.Count());
+  env.Check(
+      log.Count() == 0,
+      "put-with-signal on explicit QPs, one reservation (kAdd/kSet, inline/gather, 3 scopes): "
+      "%u device failures",
+      log.Count());
 }
 
 // Warp batch: lane l puts BatchLaneBytes(l, round) bytes of its own window (0 for some lanes),
@@ -901,11 +938,14 @@ __global__ void BatchKernel(ShmemDeviceContext ctx, uint8_t* src, uint8_t* recv,
       if (op != SignalOp::kNone) last = before + blocks++;
       DEV_CHECK(log, me, t - before == blocks, "batch to pe %d: %llu blocks, expected %llu", pe,
                 (unsigned long long)(t - before), (unsigned long long)blocks);
-      DEV_CHECK(log, me, WqeRequestsCqe(ctx, pe, q, last), "batch to pe %d: last WQE at %llu "
-                "requests no CQE", pe, (unsigned long long)last);
+      DEV_CHECK(log, me, WqeRequestsCqe(ctx, pe, q, last),
+                "batch to pe %d: last WQE at %llu "
+                "requests no CQE",
+                pe, (unsigned long long)last);
       if (op == SignalOp::kNone) {  // it completes by itself: the bounded wait posts nothing
-        DEV_CHECK(log, me, ShmemRdmaWaitCompleted(ctx, pe, round, t) && QpReady(ctx, pe, q) == t &&
-                               ShmemRdmaCompleted(ctx, pe, round, t),
+        DEV_CHECK(log, me,
+                  ShmemRdmaWaitCompleted(ctx, pe, round, t) && QpReady(ctx, pe, q) == t &&
+                      ShmemRdmaCompleted(ctx, pe, round, t),
                   "batch without signal to pe %d did not complete as ticket %llu", pe,
                   (unsigned long long)t);
       }
@@ -925,8 +965,8 @@ __global__ void BatchCheckKernel(ShmemDeviceContext ctx, uint8_t* recv, uint64_t
   __shared__ int ok;
   for (int s = 0; s < n; s++) {
     if (threadIdx.x == 0)
-      ok = op == SignalOp::kNone ||
-           ShmemSignalWaitUntil(ctx, &sigs[s], core::CmpOp::kEq, BatchSignal(round), s, "batch signal");
+      ok = op == SignalOp::kNone || ShmemSignalWaitUntil(ctx, &sigs[s], core::CmpOp::kEq,
+                                                         BatchSignal(round), s, "batch signal");
     __syncthreads();
     if (!ok) return;
     int mism = 0;
@@ -967,10 +1007,11 @@ void TestBatch(RankEnv& env, uint8_t* src, uint8_t* recv, uint64_t* sigs, gpuStr
     ShmemStreamSynchronize(stream);
     ShmemBarrierAll();
   }
-  env.Check(log.Count() == 0,
-            "warp-batched puts (lanes of 0..8192 bytes, trailing kAdd/kSet/no signal), 6 rounds: %u "
-            "device failures",
-            log.Count());
+  env.Check(
+      log.Count() == 0,
+      "warp-batched puts (lanes of 0..8192 bytes, trailing kAdd/kSet/no signal), 6 rounds: %u "
+      "device failures",
+      log.Count());
 }
 
 // Selective signalling and tickets, one thread (one lane per wavefront):
@@ -1023,9 +1064,9 @@ __global__ void TicketKernel(ShmemDeviceContext ctx, uint8_t* src, uint8_t* recv
       const uint64_t seed = SeedOf(me, 9000 + v);
       for (size_t i = 0; i < kStagingBytes; i++) staging[i] = PatternByte(seed, i);
       uint64_t ticket = 0;
-      const bool ok = ShmemPutMemNbiThreadQp(ctx, recv + me * kSlot + kStagingOffset + v * kStagingBytes,
-                                             staging, kStagingBytes, pe, qp, CqeMode::kRequested,
-                                             &ticket);
+      const bool ok =
+          ShmemPutMemNbiThreadQp(ctx, recv + me * kSlot + kStagingOffset + v * kStagingBytes,
+                                 staging, kStagingBytes, pe, qp, CqeMode::kRequested, &ticket);
       bool done = false;
       const uint64_t t0 = core::WallClockNs();
       while (ok && !done && core::WallClockNs() - t0 < 10ull * 1000 * 1000 * 1000)
@@ -1067,7 +1108,8 @@ void TestTickets(RankEnv& env, uint8_t* src, uint8_t* recv, gpuStream_t stream) 
 }
 
 // ---- errors -----------------------------------------------------------------------------------
-__global__ void NarrowAtomicKernel(ShmemDeviceContext ctx, AtomicWords* w, int target, int* result) {
+__global__ void NarrowAtomicKernel(ShmemDeviceContext ctx, AtomicWords* w, int target,
+                                   int* result) {
   *result = ShmemAtomicAdd<uint32_t>(ctx, &w->narrow, 1u, target) ? 1 : 0;
 }
 
@@ -1078,8 +1120,8 @@ __global__ void BadRkeyKernel(ShmemDeviceContext ctx, uint8_t* src, int next, in
   d.local = core::mlx5::Mlx5LocalBuf{reinterpret_cast<uintptr_t>(src), ctx.heapLkey, 256};
   d.remote = core::mlx5::Mlx5RemoteBuf{p.remoteHeapBase + 4096, p.rkey ^ 0x00ffff00u};
   const core::rdma::QpEndpoint& ep = p.qps[0];
-  const core::rdma::QueueResult r =
-      core::rdma::PostWqe(ep, d, core::rdma::PostContext{ctx.wait.timeoutNs, ctx.wait.err, ctx.rank, next});
+  const core::rdma::QueueResult r = core::rdma::PostWqe(
+      ep, d, core::rdma::PostContext{ctx.wait.timeoutNs, ctx.wait.err, ctx.rank, next});
   const bool quiet = shmem::detail::RdmaQuietPe(ctx, next, "bad rkey test");
   *result = (r.status == core::rdma::QueueStatus::kOk ? 1 : 0) | (quiet ? 2 : 0);
 }
@@ -1118,12 +1160,13 @@ void TestErrors(RankEnv& env, AtomicWords* w, uint8_t* src, uint8_t* dst, gpuStr
   what = RaisedBy([&] { ShmemStreamSynchronize(stream); }, &kind);
   TEST_CHECK_GPU(gpuMemcpy(&r, result, sizeof(int), gpuMemcpyDeviceToHost));
   const std::string pe = core::StrFormat("to pe %d", next);
-  env.Check(r == 1 && kind == core::ErrorKind::kRemote &&
-                what.find("RDMA error completion") != std::string::npos &&
-                what.find("syndrome 0x13") != std::string::npos && what.find(pe) != std::string::npos,
-            "bad rkey: posted, quiet failed (result %d), raised RemoteError naming pe %d and syndrome "
-            "0x13: '%s'",
-            r, next, what.c_str());
+  env.Check(
+      r == 1 && kind == core::ErrorKind::kRemote &&
+          what.find("RDMA error completion") != std::string::npos &&
+          what.find("syndrome 0x13") != std::string::npos && what.find(pe) != std::string::npos,
+      "bad rkey: posted, quiet failed (result %d), raised RemoteError naming pe %d and syndrome "
+      "0x13: '%s'",
+      r, next, what.c_str());
 
   PutAfterErrorKernel<<<1, 1, 0, stream>>>(ShmemGetDeviceContext(), src, dst, next, result);
   what = RaisedBy([&] { ShmemStreamSynchronize(stream); }, &kind);
@@ -1135,8 +1178,9 @@ void TestErrors(RankEnv& env, AtomicWords* w, uint8_t* src, uint8_t* dst, gpuStr
   // every PE broke its QP to its next RDMA peer), instead of waiting on it.
   kind = core::ErrorKind::kInternal;
   what = RaisedBy([&] { ShmemBarrierAll(); }, &kind);
-  env.Check(kind == core::ErrorKind::kRemote && what.find("RDMA error completion") != std::string::npos,
-            "the host barrier reports the failed QP again: '%s'", what.c_str());
+  env.Check(
+      kind == core::ErrorKind::kRemote && what.find("RDMA error completion") != std::string::npos,
+      "the host barrier reports the failed QP again: '%s'", what.c_str());
 }
 
 }  // namespace
@@ -1156,33 +1200,38 @@ int main(int argc, char** argv) {
   setenv("MORI_NUM_QP_PER_PE", "2", 0);       // explicit channels need more than one QP
   Options opt;
   opt.minPes = gGpuPerNode + 1;  // at least two nodes
-  return RunOnAllGpus(argc, argv, "shmem_rdma_test", [](RankEnv& env) {
-    const int n = env.npes;
-    gpuStream_t stream;
-    TEST_CHECK_GPU(gpuStreamCreateWithFlags(&stream, gpuStreamNonBlocking));
-    auto* src = static_cast<uint8_t*>(ShmemMalloc(kSlot));
-    auto* recv = static_cast<uint8_t*>(ShmemMalloc(kSlot * n));
-    auto* sigs = static_cast<uint64_t*>(ShmemMalloc(64 * sizeof(uint64_t)));
-    auto* chanSigs = static_cast<uint64_t*>(ShmemMalloc(kMaxRanks * kChannels * sizeof(uint64_t)));
-    auto* words = static_cast<AtomicWords*>(ShmemMalloc(sizeof(AtomicWords)));
-    const uint64_t total = static_cast<uint64_t>(n) * kAtomicBlocks * kAtomicThreads * kAtomicIters;
-    auto* seen = static_cast<uint64_t*>(ShmemMalloc(total * sizeof(uint64_t)));
-    auto* typed = static_cast<TypedSlots*>(ShmemMalloc(sizeof(TypedSlots)));
+  return RunOnAllGpus(
+      argc, argv, "shmem_rdma_test",
+      [](RankEnv& env) {
+        const int n = env.npes;
+        gpuStream_t stream;
+        TEST_CHECK_GPU(gpuStreamCreateWithFlags(&stream, gpuStreamNonBlocking));
+        auto* src = static_cast<uint8_t*>(ShmemMalloc(kSlot));
+        auto* recv = static_cast<uint8_t*>(ShmemMalloc(kSlot * n));
+        auto* sigs = static_cast<uint64_t*>(ShmemMalloc(64 * sizeof(uint64_t)));
+        auto* chanSigs =
+            static_cast<uint64_t*>(ShmemMalloc(kMaxRanks * kChannels * sizeof(uint64_t)));
+        auto* words = static_cast<AtomicWords*>(ShmemMalloc(sizeof(AtomicWords)));
+        const uint64_t total =
+            static_cast<uint64_t>(n) * kAtomicBlocks * kAtomicThreads * kAtomicIters;
+        auto* seen = static_cast<uint64_t*>(ShmemMalloc(total * sizeof(uint64_t)));
+        auto* typed = static_cast<TypedSlots*>(ShmemMalloc(sizeof(TypedSlots)));
 
-    TestTopology(env, src, stream);
-    TestPutGet(env, src, recv, stream);
-    TestPutSignal(env, src, recv, sigs, stream);
-    TestChannels(env, src, recv, chanSigs, stream);
-    TestPutSignalQp(env, src, recv, sigs, stream);
-    TestBatch(env, src, recv, sigs, stream);
-    TestTickets(env, src, recv, stream);
-    TestQuiet(env, src, recv, sigs + 32, stream);
-    TestHostBarrierCompletes(env, src, recv, stream);
-    TestAtomics(env, words, seen, stream);
-    TestTyped(env, typed, stream);
-    TestBarrier(env, sigs + 40, stream);
-    TestUserBuffer(env, src, recv, stream);
-    TestErrors(env, words, src, recv, stream);  // last: it leaves a QP in the error state
-    TEST_CHECK_GPU(gpuStreamDestroy(stream));
-  }, opt);
+        TestTopology(env, src, stream);
+        TestPutGet(env, src, recv, stream);
+        TestPutSignal(env, src, recv, sigs, stream);
+        TestChannels(env, src, recv, chanSigs, stream);
+        TestPutSignalQp(env, src, recv, sigs, stream);
+        TestBatch(env, src, recv, sigs, stream);
+        TestTickets(env, src, recv, stream);
+        TestQuiet(env, src, recv, sigs + 32, stream);
+        TestHostBarrierCompletes(env, src, recv, stream);
+        TestAtomics(env, words, seen, stream);
+        TestTyped(env, typed, stream);
+        TestBarrier(env, sigs + 40, stream);
+        TestUserBuffer(env, src, recv, stream);
+        TestErrors(env, words, src, recv, stream);  // last: it leaves a QP in the error state
+        TEST_CHECK_GPU(gpuStreamDestroy(stream));
+      },
+      opt);
 }

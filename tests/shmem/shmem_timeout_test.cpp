@@ -223,7 +223,8 @@ void RunBody(RankEnv& env) {
   //    TimeoutError after MORI_HOST_TIMEOUT_MS (+ the 5 s abort grace), not hang; once the kernel
   //    is released the library works again.
   int* releaseHost = nullptr;
-  TEST_CHECK_GPU(gpuHostAlloc(reinterpret_cast<void**>(&releaseHost), sizeof(int), gpuHostAllocMapped));
+  TEST_CHECK_GPU(
+      gpuHostAlloc(reinterpret_cast<void**>(&releaseHost), sizeof(int), gpuHostAllocMapped));
   *reinterpret_cast<volatile int*>(releaseHost) = 0;
   int* releaseDev = nullptr;
   TEST_CHECK_GPU(gpuHostGetDevicePointer(reinterpret_cast<void**>(&releaseDev), releaseHost, 0));

@@ -67,26 +67,16 @@ enum class Variant : int {
 
 const char* VariantName(Variant v) {
   switch (v) {
-    case Variant::kCopyEngine:
-      return "copy-engine";
-    case Variant::kThread:
-      return "thread";
-    case Variant::kWarp:
-      return "warp";
-    case Variant::kBlock:
-      return "block";
-    case Variant::kMultiWarp:
-      return "multi-warp";
-    case Variant::kMultiBlock:
-      return "multi-block";
-    case Variant::kLoopWarpNbi:
-      return "multi-warp nbi";
-    case Variant::kLoopBlockNbi:
-      return "multi-block nbi";
-    case Variant::kLoopWarp:
-      return "multi-warp";
-    case Variant::kLoopBlock:
-      return "multi-block";
+    case Variant::kCopyEngine: return "copy-engine";
+    case Variant::kThread: return "thread";
+    case Variant::kWarp: return "warp";
+    case Variant::kBlock: return "block";
+    case Variant::kMultiWarp: return "multi-warp";
+    case Variant::kMultiBlock: return "multi-block";
+    case Variant::kLoopWarpNbi: return "multi-warp nbi";
+    case Variant::kLoopBlockNbi: return "multi-block nbi";
+    case Variant::kLoopWarp: return "multi-warp";
+    case Variant::kLoopBlock: return "multi-block";
   }
   return "?";
 }
@@ -208,10 +198,8 @@ __global__ void PingPongKernel(ShmemDeviceContext ctx, uint64_t* data, uint64_t*
         case 0:
           return ShmemPutMemSignalNbiThread(ctx, data, data + 1, sizeof(uint64_t), sig, v,
                                             SignalOp::kSet, peer);
-        case 1:
-          return ShmemAtomicSet<uint64_t>(ctx, sig, v, peer);
-        default:
-          return ShmemPutTypeNbiThread<uint64_t>(ctx, sig, v, peer);
+        case 1: return ShmemAtomicSet<uint64_t>(ctx, sig, v, peer);
+        default: return ShmemPutTypeNbiThread<uint64_t>(ctx, sig, v, peer);
       }
     };
     if (me == 0) {
@@ -394,8 +382,8 @@ int RunPe(int rank, const Config& cfg, const UniqueId& id) {
       rows.push_back({bytes, v, blocks, threads, us, 1});
       const double gbs = double(bytes) / (us * 1e3);
       const double pct = ceUs > 0 ? 100.0 * ceUs / us : 100.0;
-      std::printf("%-10s | %-16s | %6d | %7d | %10.2f | %8.2f | %6.1f%%\n",
-                  SizeText(bytes).c_str(), VariantName(v), blocks, threads, us, gbs, pct);
+      std::printf("%-10s | %-16s | %6d | %7d | %10.2f | %8.2f | %6.1f%%\n", SizeText(bytes).c_str(),
+                  VariantName(v), blocks, threads, us, gbs, pct);
       std::fflush(stdout);
     };
 
@@ -531,12 +519,17 @@ int RunPe(int rank, const Config& cfg, const UniqueId& id) {
       std::vector<Variant> warp, block;
     };
     const Class classes[] = {
-        {"[1] per launch (1 msg/launch, blocking)", "[1] per launch",
+        {"[1] per launch (1 msg/launch, blocking)",
+         "[1] per launch",
          {Variant::kWarp, Variant::kMultiWarp},
          {Variant::kBlock, Variant::kMultiBlock}},
-        {"[2] in-kernel nbi (N msgs/launch)", "[2] in-kernel nbi", {Variant::kLoopWarpNbi},
+        {"[2] in-kernel nbi (N msgs/launch)",
+         "[2] in-kernel nbi",
+         {Variant::kLoopWarpNbi},
          {Variant::kLoopBlockNbi}},
-        {"[2] in-kernel blocking (N msgs/launch)", "[2] in-k. blocking", {Variant::kLoopWarp},
+        {"[2] in-kernel blocking (N msgs/launch)",
+         "[2] in-k. blocking",
+         {Variant::kLoopWarp},
          {Variant::kLoopBlock}},
     };
 
@@ -582,10 +575,11 @@ int RunPe(int rank, const Config& cfg, const UniqueId& id) {
           }
         }
         if (worstSize != 0)
-          std::printf("  %-40s %s scope: worst %5.1f%% of CE (at %s): %-7s [vs CE asymptotic: "
-                      "worst %.1f%%]\n",
-                      c.name, k == 0 ? "warp " : "block", worst, SizeText(worstSize).c_str(),
-                      worst >= 85.0 ? "MET" : "NOT MET", worstAsym);
+          std::printf(
+              "  %-40s %s scope: worst %5.1f%% of CE (at %s): %-7s [vs CE asymptotic: "
+              "worst %.1f%%]\n",
+              c.name, k == 0 ? "warp " : "block", worst, SizeText(worstSize).c_str(),
+              worst >= 85.0 ? "MET" : "NOT MET", worstAsym);
       }
     }
     std::printf("%s\n", verifyFailures == 0 ? "all results verified" : "SOME RESULTS WRONG");
@@ -608,17 +602,10 @@ size_t ParseSize(const char* s) {
   char* end = nullptr;
   double v = std::strtod(s, &end);
   switch (end && *end ? (*end | 0x20) : 0) {
-    case 'k':
-      v *= 1024;
-      break;
-    case 'm':
-      v *= 1024 * 1024;
-      break;
-    case 'g':
-      v *= 1024.0 * 1024 * 1024;
-      break;
-    default:
-      break;
+    case 'k': v *= 1024; break;
+    case 'm': v *= 1024 * 1024; break;
+    case 'g': v *= 1024.0 * 1024 * 1024; break;
+    default: break;
   }
   return static_cast<size_t>(v);
 }
@@ -675,8 +662,9 @@ int main(int argc, char** argv) {
   const int gpus = std::max(0, core::CountGpusInChildProcess(&why));
   if (gpus < 2 || cfg.gpus[0] == cfg.gpus[1] || std::max(cfg.gpus[0], cfg.gpus[1]) >= gpus ||
       std::min(cfg.gpus[0], cfg.gpus[1]) < 0) {
-    std::printf("SKIPPED: shmem_put_bench needs two distinct GPUs (found %d, asked for %d,%d%s%s)\n",
-                gpus, cfg.gpus[0], cfg.gpus[1], why.empty() ? "" : "; ", why.c_str());
+    std::printf(
+        "SKIPPED: shmem_put_bench needs two distinct GPUs (found %d, asked for %d,%d%s%s)\n", gpus,
+        cfg.gpus[0], cfg.gpus[1], why.empty() ? "" : "; ", why.c_str());
     return 77;
   }
   const UniqueId id = ShmemGetUniqueId();

@@ -17,18 +17,12 @@ enum class CmpOp : int32_t { kEq = 0, kNe, kGt, kGe, kLt, kLe };
 
 MORI_HD inline const char* CmpOpName(CmpOp op) {
   switch (op) {
-    case CmpOp::kEq:
-      return "==";
-    case CmpOp::kNe:
-      return "!=";
-    case CmpOp::kGt:
-      return ">";
-    case CmpOp::kGe:
-      return ">=";
-    case CmpOp::kLt:
-      return "<";
-    case CmpOp::kLe:
-      return "<=";
+    case CmpOp::kEq: return "==";
+    case CmpOp::kNe: return "!=";
+    case CmpOp::kGt: return ">";
+    case CmpOp::kGe: return ">=";
+    case CmpOp::kLt: return "<";
+    case CmpOp::kLe: return "<=";
   }
   return "?";
 }

@@ -13,6 +13,8 @@ namespace mori::core {
 // X(field, NAME, Type, default-as-text, help)
 // Types: Bool (1/0/true/false/yes/no/on/off), Int (decimal), Size (bytes; K/M/G/T suffixes,
 // optional B or iB, powers of 1024), String.
+// An X-macro table, one row per entry, laid out by hand:
+// clang-format off
 #define MORI_ENV_TABLE(X)                                                                          \
   X(logLevel, MORI_LOG_LEVEL, String, "WARN",                                                     \
     "Log threshold: NONE, ERROR, WARN, INFO, DEBUG, TRACE.")                                      \
@@ -77,6 +79,7 @@ namespace mori::core {
     "EP kernels are programmatic dependent launches (NVIDIA sm_90+): each may be launched while "  \
     "the kernel ahead of it on the stream completes, and waits for it on the GPU; 0 = plain "      \
     "launches.")
+// clang-format on
 
 enum class EnvType { kBool, kInt, kSize, kString };
 

@@ -37,10 +37,11 @@ class Error : public std::runtime_error {
   std::string message;
 };
 
-#define MORI_DEFINE_ERROR(Name, KindValue)                                              \
-  class Name : public Error {                                                            \
-   public:                                                                               \
-    Name(const char* file, int line, const std::string& msg) : Error(KindValue, file, line, msg) {} \
+#define MORI_DEFINE_ERROR(Name, KindValue)                   \
+  class Name : public Error {                                \
+   public:                                                   \
+    Name(const char* file, int line, const std::string& msg) \
+        : Error(KindValue, file, line, msg) {}               \
   };
 MORI_DEFINE_ERROR(InvalidUsageError, ErrorKind::kInvalidUsage)
 MORI_DEFINE_ERROR(TimeoutError, ErrorKind::kTimeout)
@@ -61,17 +62,17 @@ std::string StrFormatV(const char* fmt, va_list args);
   throw ::mori::core::ErrorType(__FILE__, __LINE__, ::mori::core::StrFormat(__VA_ARGS__))
 
 // MORI_ENSURE(n > 0, InvalidUsageError, "n must be positive, got %d", n)
-#define MORI_ENSURE(cond, ErrorType, ...)   \
-  do {                                      \
+#define MORI_ENSURE(cond, ErrorType, ...)            \
+  do {                                               \
     if (!(cond)) MORI_THROW(ErrorType, __VA_ARGS__); \
   } while (0)
 
 // For OS calls returning -1 and setting errno.
-#define MORI_CHECK_SYS(expr)                                                               \
-  do {                                                                                     \
-    if ((expr) == -1) {                                                                    \
-      int savedErrno_ = errno;                                                             \
+#define MORI_CHECK_SYS(expr)                                                                 \
+  do {                                                                                       \
+    if ((expr) == -1) {                                                                      \
+      int savedErrno_ = errno;                                                               \
       MORI_THROW(SystemError, "%s failed: %s (errno %d)", #expr, std::strerror(savedErrno_), \
-                 savedErrno_);                                                             \
-    }                                                                                      \
+                 savedErrno_);                                                               \
+    }                                                                                        \
   } while (0)

@@ -18,7 +18,9 @@ enum class Fp8Format : uint8_t { kE4M3Fn = 0, kE4M3Fnuz = 1 };
 constexpr Fp8Format kNativeFp8Format = kNativeFp8IsFnuz ? Fp8Format::kE4M3Fnuz : Fp8Format::kE4M3Fn;
 
 MORI_HOST_DEVICE inline int Fp8Bias(Fp8Format f) { return f == Fp8Format::kE4M3Fn ? 7 : 8; }
-MORI_HOST_DEVICE inline float Fp8Max(Fp8Format f) { return f == Fp8Format::kE4M3Fn ? 448.f : 240.f; }
+MORI_HOST_DEVICE inline float Fp8Max(Fp8Format f) {
+  return f == Fp8Format::kE4M3Fn ? 448.f : 240.f;
+}
 
 MORI_HOST_DEVICE inline float Fp8ToFloat(uint8_t v, Fp8Format f) {
   const uint32_t sign = v >> 7, exp = (v >> 3) & 0xF, man = v & 0x7;

@@ -4,14 +4,14 @@
 #include "mori/core/errors.hpp"
 #include "mori/core/gpu.hpp"
 
-#define MORI_CHECK_GPU(call)                                                                  \
-  do {                                                                                        \
-    gpuError_t moriErr_ = (call);                                                             \
-    if (moriErr_ != gpuSuccess) {                                                             \
-      (void)gpuGetLastError(); /* clear a non-sticky error so the process stays usable */    \
-      MORI_THROW(GpuRuntimeError, "%s failed: %s (%s)", #call, gpuGetErrorString(moriErr_),  \
-                 gpuGetErrorName(moriErr_));                                                  \
-    }                                                                                         \
+#define MORI_CHECK_GPU(call)                                                                \
+  do {                                                                                      \
+    gpuError_t moriErr_ = (call);                                                           \
+    if (moriErr_ != gpuSuccess) {                                                           \
+      (void)gpuGetLastError(); /* clear a non-sticky error so the process stays usable */   \
+      MORI_THROW(GpuRuntimeError, "%s failed: %s (%s)", #call, gpuGetErrorString(moriErr_), \
+                 gpuGetErrorName(moriErr_));                                                \
+    }                                                                                       \
   } while (0)
 
 // After a kernel launch: launch-configuration errors surface here.

@@ -30,11 +30,11 @@ void ReloadLogSettings();
 
 }  // namespace mori::core
 
-#define MORI_LOG(level, subsys, ...)                                                        \
-  do {                                                                                      \
-    if (::mori::core::LogEnabled(::mori::core::LogLevel::level, ::mori::core::subsys))      \
+#define MORI_LOG(level, subsys, ...)                                                          \
+  do {                                                                                        \
+    if (::mori::core::LogEnabled(::mori::core::LogLevel::level, ::mori::core::subsys))        \
       ::mori::core::LogMessage(::mori::core::LogLevel::level, ::mori::core::subsys, __FILE__, \
-                               __LINE__, __VA_ARGS__);                                      \
+                               __LINE__, __VA_ARGS__);                                        \
   } while (0)
 #define MORI_ERROR(subsys, ...) MORI_LOG(kError, subsys, __VA_ARGS__)
 #define MORI_WARN(subsys, ...) MORI_LOG(kWarn, subsys, __VA_ARGS__)

@@ -18,16 +18,18 @@
 //    address outside the heap, records a device error (see device/resolve.hpp; the host raises it
 //    from ShmemCheckDeviceError / ShmemStreamSynchronize) and returns false / a zero value without
 //    touching memory. Every thread of the scope gets the same result.
-//  * Nbi ("non-blocking") puts are complete, i.e. visible to the target PE, after ShmemQuiet{Thread,
+//  * Nbi ("non-blocking") puts are complete, i.e. visible to the target PE, after
+//  ShmemQuiet{Thread,
 //    Warp,Block} covering the issuing thread (or, for load/store peers, the end of the kernel; for
 //    RDMA peers a kernel's end completes nothing: quiet, the device barrier or the host's
 //    ShmemBarrierAll does). The source buffer may be reused as soon as the call returns, except
-//    for an RDMA put of more than 64 bytes, which the NIC reads until it completes (quiet). Blocking variants = Nbi + a scope-wide system release:
-//    when they return, the data of the whole scope is delivered (put) or in `dest` for every
-//    thread of the scope (get), ordered before every later store, atomic or signal by ANY thread
-//    of the scope, so a PE that observes such a later write (acquire: waits, AtomicFetch) sees
-//    the data. They are not sequentially consistent: only ShmemQuiet* (fence.sc) also orders the
-//    puts before later LOADS of words other PEs write (store-buffering / Dekker patterns).
+//    for an RDMA put of more than 64 bytes, which the NIC reads until it completes (quiet).
+//    Blocking variants = Nbi + a scope-wide system release: when they return, the data of the whole
+//    scope is delivered (put) or in `dest` for every thread of the scope (get), ordered before
+//    every later store, atomic or signal by ANY thread of the scope, so a PE that observes such a
+//    later write (acquire: waits, AtomicFetch) sees the data. They are not sequentially consistent:
+//    only ShmemQuiet* (fence.sc) also orders the puts before later LOADS of words other PEs write
+//    (store-buffering / Dekker patterns).
 //  * Scope-wide completion uses one fence, not one per thread: scope sync, ONE thread runs a
 //    system acq_rel fence, scope sync. Fences are cumulative through the barrier (PTX and
 //    HIP/HSA memory models: the barrier makes every thread's earlier accesses happen-before the
@@ -62,18 +64,12 @@ namespace mori::shmem {
 // =============================================================================================
 // Queries
 // =============================================================================================
-MORI_DEVICE_INLINE int ShmemMyPe(const ShmemDeviceContext& ctx) {
-  return ctx.rank;
-}
-MORI_DEVICE_INLINE int ShmemNPes(const ShmemDeviceContext& ctx) {
-  return ctx.worldSize;
-}
+MORI_DEVICE_INLINE int ShmemMyPe(const ShmemDeviceContext& ctx) { return ctx.rank; }
+MORI_DEVICE_INLINE int ShmemNPes(const ShmemDeviceContext& ctx) { return ctx.worldSize; }
 // Topology (the host's ShmemNodeOf / ShmemLocalRank agree): nodes are numbered 0.. in the order of
 // their lowest PE; a PE's local rank is its index among its node's PEs in PE order. -1 for a pe out
 // of range (a query: no error is recorded).
-MORI_DEVICE_INLINE int ShmemNumNodes(const ShmemDeviceContext& ctx) {
-  return ctx.numNodes;
-}
+MORI_DEVICE_INLINE int ShmemNumNodes(const ShmemDeviceContext& ctx) { return ctx.numNodes; }
 MORI_DEVICE_INLINE int ShmemNodeOf(const ShmemDeviceContext& ctx, int pe) {
   return static_cast<unsigned>(pe) < static_cast<unsigned>(ctx.worldSize) ? ctx.nodeOf[pe] : -1;
 }
@@ -105,9 +101,9 @@ namespace detail {
 // ---------------------------------------------------------------------------------------------
 // How an Nbi put or signal is posted to an RDMA peer (load/store peers ignore it).
 struct PostOpts {
-  int64_t qp = kWarpQp;              // a channel (>= 0, used mod numQps) or the calling warp's QP
+  int64_t qp = kWarpQp;               // a channel (>= 0, used mod numQps) or the calling warp's QP
   CqeMode cqe = CqeMode::kRequested;  // for the data of a put without signal
-  uint64_t* ticket = nullptr;        // receives the ticket (0: nothing to complete)
+  uint64_t* ticket = nullptr;         // receives the ticket (0: nothing to complete)
 };
 
 // The leader's RDMA outcome shared with the whole scope in one broadcast: the ticket, or
@@ -142,8 +138,7 @@ MORI_DEVICE_INLINE bool PutMemNbi(const ShmemDeviceContext& ctx, void* dest, con
       if (!ok && st.code != CallError::kNone) ReportCallError(ctx.wait, pe, op, st);
       return ShareRdmaOutcome<Scope>(ok, ticket, o);
     }
-    default:
-      break;
+    default: break;
   }
   if (Scope::Rank() == 0) ReportCallError(ctx.wait, pe, op, st);
   return false;
@@ -166,8 +161,7 @@ MORI_DEVICE_INLINE bool GetMemNbi(const ShmemDeviceContext& ctx, void* dest, con
       if (!ok && st.code != CallError::kNone) ReportCallError(ctx.wait, pe, op, st);
       return Scope::Broadcast(ok);
     }
-    default:
-      break;
+    default: break;
   }
   if (Scope::Rank() == 0) ReportCallError(ctx.wait, pe, op, st);
   return false;
@@ -186,8 +180,7 @@ MORI_DEVICE_INLINE void ScopeFenceAcqRelSystem() {
 // Signal update by the thread that just ran FenceAcqRelSystem: fence + relaxed system-scope
 // atomic is a release pattern (PTX and C++/HIP fence-atomic synchronisation), so the one fence
 // orders the data before the signal; a second release fence inside the atomic is not needed.
-MORI_DEVICE_INLINE void ApplySignalAfterFence(uint64_t* remoteSig, uint64_t value,
-                                              SignalOp sigOp) {
+MORI_DEVICE_INLINE void ApplySignalAfterFence(uint64_t* remoteSig, uint64_t value, SignalOp sigOp) {
   if (sigOp == SignalOp::kAdd) {
     core::AtomicFetchAddSystem(remoteSig, value);
   } else {
@@ -237,8 +230,7 @@ MORI_DEVICE_INLINE bool PutMemSignalNbi(const ShmemDeviceContext& ctx, void* des
       if (!ok && st.code != CallError::kNone) ReportCallError(ctx.wait, pe, op, st);
       return ShareRdmaOutcome<Scope>(ok, ticket, o);
     }
-    default:
-      break;
+    default: break;
   }
   if (Scope::Rank() == 0) ReportCallError(ctx.wait, pe, op, st);
   return false;
@@ -269,7 +261,8 @@ MORI_DEVICE_INLINE bool PutMemBatchSignalNbiWarp(const ShmemDeviceContext& ctx, 
     }
     const core::LaneMask bad = core::WarpBallot(!ok);
     if (bad != 0) {  // the lowest failing lane reports
-      if (!ok && (bad & ((core::LaneMask(1) << lane) - 1)) == 0) ReportCallError(ctx.wait, pe, op, st);
+      if (!ok && (bad & ((core::LaneMask(1) << lane) - 1)) == 0)
+        ReportCallError(ctx.wait, pe, op, st);
       return false;
     }
     for (int l = 0; l < core::kWarpSize; l++) {
@@ -309,8 +302,7 @@ MORI_DEVICE_INLINE T* WordTarget(const ShmemDeviceContext& ctx, const T* addr, i
     case Route::kRdma:  // callers take the RDMA route before asking for a load/store target
       st.Set(CallError::kRdmaUnsupported, reinterpret_cast<uintptr_t>(addr), sizeof(T));
       break;
-    default:
-      break;
+    default: break;
   }
   ReportCallError(ctx.wait, pe, op, st);
   return nullptr;
@@ -339,7 +331,8 @@ MORI_DEVICE_INLINE bool IsRdma(const ShmemDeviceContext& ctx, int pe) {
 }
 
 // Blocking completion of a scope's operation to `pe`: the scope-wide system release of the
-// load/store route, plus (RDMA) the leader's quiet of every QP to `pe`. Every thread gets the result.
+// load/store route, plus (RDMA) the leader's quiet of every QP to `pe`. Every thread gets the
+// result.
 template <class Scope>
 MORI_DEVICE_INLINE bool CompleteToPe(const ShmemDeviceContext& ctx, int pe, bool ok,
                                      const char* op) {
@@ -455,7 +448,8 @@ MORI_DEVICE_INLINE bool ShmemPutMemBlock(const ShmemDeviceContext& ctx, void* de
 template <typename T>
 MORI_DEVICE_INLINE bool ShmemPutTypeNbiThread(const ShmemDeviceContext& ctx, T* dest,
                                               detail::NonDeduced<T> value, int pe) {
-  if (detail::IsRdma(ctx, pe)) return detail::RdmaPutWord<T>(ctx, dest, value, pe, "ShmemPutTypeNbiThread");
+  if (detail::IsRdma(ctx, pe))
+    return detail::RdmaPutWord<T>(ctx, dest, value, pe, "ShmemPutTypeNbiThread");
   T* p = detail::ImmediateTarget(ctx, dest, pe, "ShmemPutTypeNbiThread");
   if (p == nullptr) return false;
   *reinterpret_cast<volatile T*>(p) = value;
@@ -614,10 +608,9 @@ MORI_DEVICE_INLINE bool ShmemPutMemSignalNbiThreadQp(const ShmemDeviceContext& c
       detail::PostOpts{qp, CqeMode::kRequested, ticket});
 }
 MORI_DEVICE_INLINE bool ShmemPutMemSignalNbiWarpQp(const ShmemDeviceContext& ctx, void* dest,
-                                                   const void* src, size_t bytes,
-                                                   uint64_t* sigAddr, uint64_t sigValue,
-                                                   SignalOp op, int pe, uint32_t qp,
-                                                   uint64_t* ticket = nullptr) {
+                                                   const void* src, size_t bytes, uint64_t* sigAddr,
+                                                   uint64_t sigValue, SignalOp op, int pe,
+                                                   uint32_t qp, uint64_t* ticket = nullptr) {
   return detail::PutMemSignalNbi<detail::WarpScope>(
       ctx, dest, src, bytes, sigAddr, sigValue, op, pe, "ShmemPutMemSignalNbiWarpQp",
       detail::PostOpts{qp, CqeMode::kRequested, ticket});
@@ -700,8 +693,8 @@ MORI_DEVICE_INLINE T ShmemAtomicFetchAdd(const ShmemDeviceContext& ctx, T* dest,
                                          detail::NonDeduced<T> value, int pe) {
   if (detail::IsRdma(ctx, pe)) {
     T old{};
-    detail::RdmaWord<T>(ctx, dest, pe, detail::rdma::WqeKind::kFetchAdd, static_cast<uint64_t>(value),
-                        0, true, &old, "ShmemAtomicFetchAdd");
+    detail::RdmaWord<T>(ctx, dest, pe, detail::rdma::WqeKind::kFetchAdd,
+                        static_cast<uint64_t>(value), 0, true, &old, "ShmemAtomicFetchAdd");
     return old;
   }
   T* p = detail::AtomicTarget(ctx, dest, pe, "ShmemAtomicFetchAdd");
@@ -854,9 +847,7 @@ MORI_DEVICE_INLINE void ShmemQuietBlock(const ShmemDeviceContext& ctx) {
   }
   detail::BlockScope::Sync();
 }
-MORI_DEVICE_INLINE void ShmemFenceThread(const ShmemDeviceContext&) {
-  core::FenceAcqRelSystem();
-}
+MORI_DEVICE_INLINE void ShmemFenceThread(const ShmemDeviceContext&) { core::FenceAcqRelSystem(); }
 
 // =============================================================================================
 // Device barrier across all PEs. Returns true when every PE has arrived; false on timeout (error

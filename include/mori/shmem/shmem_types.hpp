@@ -41,14 +41,14 @@ constexpr int kMaxUserRegions = 64;
 struct ShmemDeviceContext {
   int32_t rank;
   int32_t worldSize;
-  uintptr_t heapBase;        // this PE's heap base (local address)
+  uintptr_t heapBase;  // this PE's heap base (local address)
   uint64_t heapSize;
   const uintptr_t* peerHeapBases;  // [worldSize]: base of PE p's heap as mapped here; 0 if not
                                    // load/store reachable (RDMA-only or none)
   const TransportType* transport;  // [worldSize]
-  uint64_t* syncArea;        // symmetric; internal barrier counters (kSyncAreaWords words)
-  uint64_t* barrierEpoch;    // local, non-symmetric: epoch of the last device barrier, per PE
-  core::WaitContext wait;    // timeout + error record for every bounded wait
+  uint64_t* syncArea;              // symmetric; internal barrier counters (kSyncAreaWords words)
+  uint64_t* barrierEpoch;          // local, non-symmetric: epoch of the last device barrier, per PE
+  core::WaitContext wait;          // timeout + error record for every bounded wait
   const ShmemRdmaPeer* rdmaPeers;  // [worldSize] (entries of non-RDMA PEs unused); nullptr when
                                    // no PE of the job is reached by RDMA
   uint32_t heapLkey;               // this PE's heap key (local side of RDMA work requests)

@@ -43,9 +43,7 @@ CallbackBootstrapNetwork::CallbackBootstrapNetwork(int rank, int worldSize, Allg
               "callback bootstrap: the allgather callback is required");
 }
 
-CallbackBootstrapNetwork::~CallbackBootstrapNetwork() {
-  Finalize();
-}
+CallbackBootstrapNetwork::~CallbackBootstrapNetwork() { Finalize(); }
 
 void CallbackBootstrapNetwork::CheckUsable(const char* what) const {
   MORI_ENSURE(!finalized, InvalidUsageError, "callback bootstrap rank %d: %s after Finalize", rank,

@@ -42,9 +42,7 @@ MpiBootstrapNetwork::MpiBootstrapNetwork(MPI_Comm userComm) {
   }
 }
 
-MpiBootstrapNetwork::~MpiBootstrapNetwork() {
-  Finalize();
-}
+MpiBootstrapNetwork::~MpiBootstrapNetwork() { Finalize(); }
 
 void MpiBootstrapNetwork::Allgather(const void* send, void* recv, size_t bytesPerRank) {
   MORI_ENSURE(comm != MPI_COMM_NULL, InvalidUsageError, "MPI bootstrap: Allgather after Finalize");

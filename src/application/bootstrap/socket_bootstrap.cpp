@@ -66,9 +66,7 @@ void SocketBootstrapNetwork::ReleaseUniqueId(const SocketUniqueId& id) {
   Fd fd = detail::TakeRootListener(id.nonce);  // closed here
 }
 
-size_t SocketBootstrapNetwork::PendingUniqueIdCount() {
-  return detail::PendingRootListenerCount();
-}
+size_t SocketBootstrapNetwork::PendingUniqueIdCount() { return detail::PendingRootListenerCount(); }
 
 // ---- the network --------------------------------------------------------------------------------
 
@@ -127,16 +125,10 @@ SocketBootstrapNetwork::SocketBootstrapNetwork(const SocketUniqueId& id, int ran
             worldSize, m.listenAddr.ToString().c_str(), m.rootAddr.ToString().c_str());
 }
 
-SocketBootstrapNetwork::~SocketBootstrapNetwork() {
-  Finalize();
-}
+SocketBootstrapNetwork::~SocketBootstrapNetwork() { Finalize(); }
 
-int SocketBootstrapNetwork::Rank() const {
-  return impl->rank;
-}
-int SocketBootstrapNetwork::WorldSize() const {
-  return impl->worldSize;
-}
+int SocketBootstrapNetwork::Rank() const { return impl->rank; }
+int SocketBootstrapNetwork::WorldSize() const { return impl->worldSize; }
 
 void SocketBootstrapNetwork::Finalize() {
   if (!impl || impl->finalized) return;

@@ -82,9 +82,7 @@ sockaddr_in ToSockaddr(const Endpoint4& e) {
   return sa;
 }
 
-Endpoint4 FromSockaddr(const sockaddr_in& sa) {
-  return Endpoint4{sa.sin_addr.s_addr, sa.sin_port};
-}
+Endpoint4 FromSockaddr(const sockaddr_in& sa) { return Endpoint4{sa.sin_addr.s_addr, sa.sin_port}; }
 
 void TuneStream(int fd) {
   int one = 1;
@@ -138,8 +136,7 @@ Fd AcceptOne(int listenFd, Endpoint4* peer) {
       case ENONET:
       case EHOSTUNREACH:
       case EOPNOTSUPP:
-      case ENETUNREACH:
-        return Fd();
+      case ENETUNREACH: return Fd();
       default:
         MORI_THROW(SystemError, "accept() on the bootstrap listener failed: %s (errno %d)",
                    std::strerror(e), e);

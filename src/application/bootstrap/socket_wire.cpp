@@ -12,20 +12,13 @@ namespace mori::application::detail {
 
 const char* FrameTypeName(uint16_t t) {
   switch (static_cast<FrameType>(t)) {
-    case FrameType::kAck:
-      return "ack";
-    case FrameType::kReject:
-      return "reject";
-    case FrameType::kTable:
-      return "address table";
-    case FrameType::kAbort:
-      return "abort";
-    case FrameType::kAllgather:
-      return "Allgather";
-    case FrameType::kAllToAll:
-      return "AllToAll";
-    case FrameType::kBarrier:
-      return "Barrier";
+    case FrameType::kAck: return "ack";
+    case FrameType::kReject: return "reject";
+    case FrameType::kTable: return "address table";
+    case FrameType::kAbort: return "abort";
+    case FrameType::kAllgather: return "Allgather";
+    case FrameType::kAllToAll: return "AllToAll";
+    case FrameType::kBarrier: return "Barrier";
   }
   return "unknown";
 }

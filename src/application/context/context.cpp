@@ -94,8 +94,10 @@ void Context::NumberNodes() {
   for (int pe = 0; pe < worldSize; pe++) {
     const PeerRecord& p = peers[pe];
     const std::string id(p.nodeId, strnlen(p.nodeId, sizeof(p.nodeId)));
-    auto it = nodeIndex.emplace(std::make_pair(id, p.syntheticNode),
-                                static_cast<int32_t>(nodeSize.size())).first;
+    auto it =
+        nodeIndex
+            .emplace(std::make_pair(id, p.syntheticNode), static_cast<int32_t>(nodeSize.size()))
+            .first;
     if (it->second == static_cast<int32_t>(nodeSize.size())) nodeSize.push_back(0);
     nodeOf[pe] = it->second;
     localRankOf[pe] = nodeSize[it->second]++;

@@ -9,13 +9,9 @@
 namespace mori::application {
 namespace {
 
-bool IsPowerOfTwo(uint64_t v) {
-  return v != 0 && (v & (v - 1)) == 0;
-}
+bool IsPowerOfTwo(uint64_t v) { return v != 0 && (v & (v - 1)) == 0; }
 
-unsigned long long Ull(uint64_t v) {
-  return static_cast<unsigned long long>(v);
-}
+unsigned long long Ull(uint64_t v) { return static_cast<unsigned long long>(v); }
 
 }  // namespace
 

@@ -73,7 +73,8 @@ SymmetricHeap::SymmetricHeap(BootstrapNetwork& boot, const Context& context, uin
 void SymmetricHeap::CloseMappings() {
   for (void* p : openedHandles) {
     gpuError_t e = gpuIpcCloseMemHandle(p);
-    if (e != gpuSuccess) MORI_WARN(kLogMem, "closing IPC mapping %p failed: %s", p, gpuGetErrorString(e));
+    if (e != gpuSuccess)
+      MORI_WARN(kLogMem, "closing IPC mapping %p failed: %s", p, gpuGetErrorString(e));
   }
   openedHandles.clear();
   for (size_t pe = 0; pe < peerBases.size(); pe++) {
@@ -86,7 +87,8 @@ void SymmetricHeap::Release() {
   CloseMappings();
   if (base != nullptr) {
     gpuError_t e = gpuFree(base);
-    if (e != gpuSuccess) MORI_WARN(kLogMem, "freeing the symmetric heap failed: %s", gpuGetErrorString(e));
+    if (e != gpuSuccess)
+      MORI_WARN(kLogMem, "freeing the symmetric heap failed: %s", gpuGetErrorString(e));
     base = nullptr;
   }
 }

@@ -75,9 +75,9 @@ class GpuMemoryAccessor : public EmuMemoryAccessor {
     // Enqueuing must not wait for the GPU. It does while another thread of this process waits in
     // a launch for room in a full queue (the launch holds the runtime's calls from other threads),
     // and every QP of this PE stalls meanwhile: say so, once.
-    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
-                        std::chrono::steady_clock::now() - t0)
-                        .count();
+    const auto ms =
+        std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0)
+            .count();
     if (ms >= kSlowCallMs && !warnedSlowEnqueue) {
       warnedSlowEnqueue = true;
       MORI_WARN(kLogRdma,
@@ -129,7 +129,8 @@ class GpuMemoryAccessor : public EmuMemoryAccessor {
     for (int spins = 0;; spins++) {
       const gpuError_t e = gpuStreamQuery(stream);
       if (e == gpuSuccess) return;
-      if (!warned && std::chrono::steady_clock::now() - start > std::chrono::milliseconds(kSlowCallMs)) {
+      if (!warned &&
+          std::chrono::steady_clock::now() - start > std::chrono::milliseconds(kSlowCallMs)) {
         // Copies of a few MB take microseconds: the stream is not being served (SMs or the
         // stream's hardware queue held by other work), and every QP of this PE waits with it.
         warned = true;
@@ -138,9 +139,10 @@ class GpuMemoryAccessor : public EmuMemoryAccessor {
       }
       if (e != gpuErrorNotReady) MORI_CHECK_GPU(e);
       if (std::chrono::steady_clock::now() > deadline)
-        MORI_THROW(TimeoutError,
-                   "RDMA emulator: %s on device %d did not finish within MORI_HOST_TIMEOUT_MS=%lld ms",
-                   what, device, static_cast<long long>(timeoutMs));
+        MORI_THROW(
+            TimeoutError,
+            "RDMA emulator: %s on device %d did not finish within MORI_HOST_TIMEOUT_MS=%lld ms",
+            what, device, static_cast<long long>(timeoutMs));
       if (spins > 200) std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
   }
@@ -208,7 +210,8 @@ class EmulatedRdmaTransport : public RdmaTransport {
         std::make_unique<QueueEmulator>(std::make_unique<GpuMemoryAccessor>(device), options);
 
     // Keys: our own heap, then everyone's {base, key}.
-    const EmuMemoryRegion mine = emulator->RegisterMemory(rank, heap.Base(), heap.Size(), kEmuAllAccess);
+    const EmuMemoryRegion mine =
+        emulator->RegisterMemory(rank, heap.Base(), heap.Size(), kEmuAllAccess);
     lkey = mine.lkey;
     EmuHeapKey me{reinterpret_cast<uint64_t>(heap.Base()), mine.rkey, 0};
     std::vector<EmuHeapKey> keys(worldSize);
@@ -220,7 +223,8 @@ class EmulatedRdmaTransport : public RdmaTransport {
     const size_t cqBytes = static_cast<size_t>(numCqes) * 64;
     perQp = RoundUp(sqBytes + cqBytes + sizeof(rdma::QpCounters), kPage);
     int rdmaPeers = 0;
-    for (int pe = 0; pe < worldSize; pe++) rdmaPeers += context.Transport(pe) == TransportType::kRdma;
+    for (int pe = 0; pe < worldSize; pe++)
+      rdmaPeers += context.Transport(pe) == TransportType::kRdma;
     if (rdmaPeers > 0) {
       const size_t total = perQp * rdmaPeers * config.numQpPerPe;
       void* p = nullptr;
@@ -249,15 +253,18 @@ class EmulatedRdmaTransport : public RdmaTransport {
         uint8_t* h = block.host + slot * perQp;
         const uintptr_t shift =
             reinterpret_cast<uintptr_t>(block.dev) - reinterpret_cast<uintptr_t>(block.host);
-        auto dev = [&](void* hp) { return reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(hp) + shift); };
+        auto dev = [&](void* hp) {
+          return reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(hp) + shift);
+        };
         void* sqHost = h;
         void* cqHost = h + sqBytes;
         auto* ctrHost = reinterpret_cast<rdma::QpCounters*>(h + sqBytes + cqBytes);
         EmuInitCqRing(cqHost, numCqes);
         const uint32_t qpn = nextQpn++;
         // The endpoint the GPU uses: the same memory through device pointers.
-        rdma::QpEndpoint ep = rdma::MakeEndpoint(dev(sqHost), config.sqBlocks, qpn, dev(cqHost), numCqes,
-                                                 static_cast<rdma::QpCounters*>(dev(ctrHost)));
+        rdma::QpEndpoint ep =
+            rdma::MakeEndpoint(dev(sqHost), config.sqBlocks, qpn, dev(cqHost), numCqes,
+                               static_cast<rdma::QpCounters*>(dev(ctrHost)));
         out.qps.push_back(ep);
         // The emulator's view: host pointers.
         const rdma::QpEndpoint hostEp =
@@ -271,7 +278,8 @@ class EmulatedRdmaTransport : public RdmaTransport {
         (options.chaosSeed != 0 ? ", chaos seed " + std::to_string(options.chaosSeed) : "") +
         (options.traceEntries != 0 ? ", trace " + std::to_string(options.traceEntries) : "") + ")";
     if (rdmaPeers > 0) emulator->Start();
-    MORI_INFO(kLogRdma, "rank %d: RDMA transport %s to %d peers", rank, describe.c_str(), rdmaPeers);
+    MORI_INFO(kLogRdma, "rank %d: RDMA transport %s to %d peers", rank, describe.c_str(),
+              rdmaPeers);
   }
 
   ~EmulatedRdmaTransport() override {
@@ -287,7 +295,8 @@ class EmulatedRdmaTransport : public RdmaTransport {
   uint32_t HeapLkey() const override { return lkey; }
   const std::vector<RdmaPeerEndpoints>& Peers() const override { return peers; }
   void Stop() override {
-    if (emulator && emulator->Running()) emulator->Stop(static_cast<int>(core::Env().hostTimeoutMs));
+    if (emulator && emulator->Running())
+      emulator->Stop(static_cast<int>(core::Env().hostTimeoutMs));
   }
   std::string FatalError() const override { return emulator ? emulator->FatalError() : ""; }
   RdmaWireStats WireStats(bool reset) override { return emulator->WireStats(reset); }
@@ -314,7 +323,7 @@ class EmulatedRdmaTransport : public RdmaTransport {
   int rank = 0;
   std::mutex userMu;
   std::map<void*, uint32_t> userKeys;  // RegisterLocal: buffer -> its key
-  PinnedBlock block;  // declared before the emulator: destroyed after it
+  PinnedBlock block;                   // declared before the emulator: destroyed after it
   std::unique_ptr<QueueEmulator> emulator;
   uint32_t lkey = 0;
   std::vector<RdmaPeerEndpoints> peers;

@@ -20,9 +20,7 @@ namespace {
 constexpr const char* kMlx5Soname = "libmlx5.so.1";
 constexpr const char* kInitObjVersion = "MLX5_1.2";
 
-bool IsPowerOfTwo(uint32_t v) {
-  return v != 0 && (v & (v - 1)) == 0;
-}
+bool IsPowerOfTwo(uint32_t v) { return v != 0 && (v & (v - 1)) == 0; }
 }  // namespace
 
 bool LoadMlx5dvApi(const char* soname, Mlx5dvApi* api, std::string* why) {

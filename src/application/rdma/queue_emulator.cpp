@@ -64,18 +64,12 @@ uint64_t NowNs() {
 
 RdmaOpcode CountedOpcode(uint8_t opcode, bool isInline) {
   switch (opcode) {
-    case mlx5::kOpNop:
-      return RdmaOpcode::kNop;
-    case mlx5::kOpRdmaWrite:
-      return isInline ? RdmaOpcode::kWriteInline : RdmaOpcode::kWrite;
-    case mlx5::kOpRdmaWriteImm:
-      return RdmaOpcode::kWriteImm;
-    case mlx5::kOpRdmaRead:
-      return RdmaOpcode::kRead;
-    case mlx5::kOpAtomicFa:
-      return RdmaOpcode::kFetchAdd;
-    case mlx5::kOpAtomicCs:
-      return RdmaOpcode::kCompareSwap;
+    case mlx5::kOpNop: return RdmaOpcode::kNop;
+    case mlx5::kOpRdmaWrite: return isInline ? RdmaOpcode::kWriteInline : RdmaOpcode::kWrite;
+    case mlx5::kOpRdmaWriteImm: return RdmaOpcode::kWriteImm;
+    case mlx5::kOpRdmaRead: return RdmaOpcode::kRead;
+    case mlx5::kOpAtomicFa: return RdmaOpcode::kFetchAdd;
+    case mlx5::kOpAtomicCs: return RdmaOpcode::kCompareSwap;
   }
   return RdmaOpcode::kOther;
 }
@@ -133,8 +127,8 @@ EmuMemoryRegion QueueEmulator::RegisterMemory(int pe, void* base, size_t length,
   std::lock_guard<std::mutex> lock(mu);
   // Keys: index in the upper bits, a constant tag in the low byte (0 is never a key).
   const uint32_t key = (static_cast<uint32_t>(regions.size() + 1) << 8) | 0xa5u;
-  regions.push_back(Region{pe, static_cast<uint8_t*>(base), reinterpret_cast<uint64_t>(base), length,
-                           access, key, true});
+  regions.push_back(Region{pe, static_cast<uint8_t*>(base), reinterpret_cast<uint64_t>(base),
+                           length, access, key, true});
   return EmuMemoryRegion{key, key};
 }
 
@@ -147,7 +141,8 @@ void QueueEmulator::RegisterMemoryAs(int pe, uint32_t key, uint64_t iova, void* 
   for (const Region& r : regions)
     MORI_ENSURE(!(r.live && r.pe == pe && r.key == key), InvalidUsageError,
                 "RegisterMemoryAs: PE %d already has a region with key 0x%x", pe, key);
-  regions.push_back(Region{pe, static_cast<uint8_t*>(access), iova, length, accessFlags, key, true});
+  regions.push_back(
+      Region{pe, static_cast<uint8_t*>(access), iova, length, accessFlags, key, true});
 }
 
 void QueueEmulator::DeregisterMemory(uint32_t lkey) {
@@ -160,8 +155,7 @@ void QueueEmulator::DeregisterMemory(uint32_t lkey) {
 size_t QueueEmulator::AddQp(const EmuQpConfig& cfg) {
   MORI_ENSURE(cfg.sqRing && cfg.sqDbrec && cfg.cqRing, InvalidUsageError,
               "AddQp: SQ ring, SQ doorbell record and CQ ring are required");
-  MORI_ENSURE(cfg.sqBlocks > 0 && (cfg.sqBlocks & (cfg.sqBlocks - 1)) == 0 &&
-                  cfg.sqBlocks <= 32768,
+  MORI_ENSURE(cfg.sqBlocks > 0 && (cfg.sqBlocks & (cfg.sqBlocks - 1)) == 0 && cfg.sqBlocks <= 32768,
               InvalidUsageError, "AddQp: SQ blocks %u must be a power of two <= 32768",
               cfg.sqBlocks);
   MORI_ENSURE(cfg.numCqes >= cfg.sqBlocks && (cfg.numCqes & (cfg.numCqes - 1)) == 0,
@@ -255,12 +249,8 @@ void QueueEmulator::Record(const Qp& qp, RdmaOpcode op, RdmaWqeOutcome outcome, 
       row.atomics += (op == RdmaOpcode::kFetchAdd || op == RdmaOpcode::kCompareSwap) ? 1 : 0;
       row.sizeHist[RdmaSizeBucket(bytes)]++;
       break;
-    case RdmaWqeOutcome::kError:
-      row.errors++;
-      break;
-    case RdmaWqeOutcome::kFlushed:
-      row.flushed++;
-      break;
+    case RdmaWqeOutcome::kError: row.errors++; break;
+    case RdmaWqeOutcome::kFlushed: row.flushed++; break;
   }
   if (trace.empty()) return;
   RdmaTraceEntry& e = trace[traceTotal % trace.size()];
@@ -307,8 +297,8 @@ void QueueEmulator::WriteRecvCqe(Qp& qp, uint32_t imm, uint32_t byteCount) {
     if (peer->cfg.recvCqRing == nullptr) return;
     mlx5::Mlx5CqeFields f{};
     f.opcode = mlx5::kCqeRespWrImm;
-    f.owner = mlx5::CqeOwnerForIndex(static_cast<uint32_t>(peer->recvCqProduced),
-                                     peer->cfg.recvNumCqes);
+    f.owner =
+        mlx5::CqeOwnerForIndex(static_cast<uint32_t>(peer->recvCqProduced), peer->cfg.recvNumCqes);
     f.byteCount = byteCount;
     f.qpn = peer->cfg.qpn;
     alignas(8) uint8_t staged[64];
@@ -344,8 +334,8 @@ uint32_t QueueEmulator::ExecuteWqe(Qp& qp, uint64_t blk) {
   // The whole WQE, gathered across the ring end.
   alignas(16) uint8_t w[mlx5::kMaxWqeBasicBlocks * mlx5::kSendWqeBasicBlock];
   for (uint32_t b = 0; b < blocks; b++) {
-    std::memcpy(w + b * 64, mlx5::SqBasicBlock(c.sqRing, static_cast<uint32_t>(blk + b), c.sqBlocks),
-                64);
+    std::memcpy(w + b * 64,
+                mlx5::SqBasicBlock(c.sqRing, static_cast<uint32_t>(blk + b), c.sqBlocks), 64);
   }
   const uint32_t bytes = ds * mlx5::kSegmentBytes;
 
@@ -376,7 +366,8 @@ uint32_t QueueEmulator::ExecuteWqe(Qp& qp, uint64_t blk) {
     if (fail.why == nullptr) fail = WqeFailure{syn, why};
   };
   if (!dsOk) failWith(mlx5::kSyndromeLocalLengthErr, "bad DS count");
-  if (wqeIndex != static_cast<uint16_t>(blk)) failWith(mlx5::kSyndromeLocalQpOpErr, "stale WQE index");
+  if (wqeIndex != static_cast<uint16_t>(blk))
+    failWith(mlx5::kSyndromeLocalQpOpErr, "stale WQE index");
   if (qpn != (c.qpn & mlx5::kQpnMask)) failWith(mlx5::kSyndromeLocalQpOpErr, "QPN mismatch");
 
   auto raddr = [&]() { return mlx5::BeToHost64(mlx5::detail::LoadWord<uint64_t>(w, 16)); };
@@ -384,8 +375,7 @@ uint32_t QueueEmulator::ExecuteWqe(Qp& qp, uint64_t blk) {
 
   if (fail.why == nullptr) {
     switch (opcode) {
-      case mlx5::kOpNop:
-        break;
+      case mlx5::kOpNop: break;
       case mlx5::kOpRdmaWrite:
       case mlx5::kOpRdmaWriteImm:
       case mlx5::kOpRdmaRead: {
@@ -467,7 +457,8 @@ uint32_t QueueEmulator::ExecuteWqe(Qp& qp, uint64_t blk) {
         const uint32_t lkey = mlx5::BeToHost32(mlx5::detail::Load32(w, 52));
         const uint64_t laddr = mlx5::BeToHost64(mlx5::detail::LoadWord<uint64_t>(w, 56));
         const uint64_t ra = raddr();
-        const Region* lr = len == 8 ? FindRegion(c.pe, lkey, laddr, 8, kEmuLocalWrite, false) : nullptr;
+        const Region* lr =
+            len == 8 ? FindRegion(c.pe, lkey, laddr, 8, kEmuLocalWrite, false) : nullptr;
         if (lr == nullptr) {
           failWith(mlx5::kSyndromeLocalProtErr, "bad lkey or local result address");
           break;
@@ -482,21 +473,20 @@ uint32_t QueueEmulator::ExecuteWqe(Qp& qp, uint64_t blk) {
           break;
         }
         void* target = Translate(rr, ra);
-        const uint64_t old = opcode == mlx5::kOpAtomicFa ? mem->FetchAdd64(target, swapAdd)
-                                                         : mem->CompareSwap64(target, compare, swapAdd);
+        const uint64_t old = opcode == mlx5::kOpAtomicFa
+                                 ? mem->FetchAdd64(target, swapAdd)
+                                 : mem->CompareSwap64(target, compare, swapAdd);
         mem->Copy(Translate(lr, laddr), &old, 8);  // host order (8-byte HCA atomics)
         byteCount = 8;
         break;
       }
-      default:
-        failWith(mlx5::kSyndromeLocalQpOpErr, "unsupported opcode");
-        break;
+      default: failWith(mlx5::kSyndromeLocalQpOpErr, "unsupported opcode"); break;
     }
   }
 
   if (fail.why != nullptr) {
-    MORI_DEBUG(kLogRdma, "emulator: QP 0x%x WQE %u opcode 0x%02x: %s -> syndrome 0x%02x",
-               c.qpn, wqeIndex, opcode, fail.why, fail.syndrome);
+    MORI_DEBUG(kLogRdma, "emulator: QP 0x%x WQE %u opcode 0x%02x: %s -> syndrome 0x%02x", c.qpn,
+               wqeIndex, opcode, fail.why, fail.syndrome);
     qp.state.store(1, std::memory_order_release);
     nErrors.fetch_add(1, std::memory_order_relaxed);
     mem->Flush();
@@ -563,9 +553,7 @@ size_t QueueEmulator::ProcessOnce() {
   return ProcessRound().wqes;
 }
 
-size_t QueueEmulator::PendingCqes() const {
-  return nLate.load(std::memory_order_relaxed);
-}
+size_t QueueEmulator::PendingCqes() const { return nLate.load(std::memory_order_relaxed); }
 
 void QueueEmulator::Loop(const std::atomic<bool>& stop) {
   uint32_t idle = 0;
@@ -667,8 +655,7 @@ std::string QueueEmulator::FatalError() const {
 
 std::string DescribeQueueResult(const crdma::QueueResult& r, const crdma::QpEndpoint& ep) {
   switch (r.status) {
-    case crdma::QueueStatus::kOk:
-      return "ok";
+    case crdma::QueueStatus::kOk: return "ok";
     case crdma::QueueStatus::kTimeout:
       return core::StrFormat(
           "QP 0x%x: timed out after %.3f ms waiting for %s (*%p >= %llu, saw %llu)", ep.sq.qpn,
@@ -694,8 +681,10 @@ std::string DescribeQueueResult(const crdma::QueueResult& r, const crdma::QpEndp
 void ThrowIfFailed(const crdma::QueueResult& r, const crdma::QpEndpoint& ep) {
   switch (r.status) {
     case crdma::QueueStatus::kOk: return;
-    case crdma::QueueStatus::kTimeout: MORI_THROW(TimeoutError, "%s", DescribeQueueResult(r, ep).c_str());
-    case crdma::QueueStatus::kQpError: MORI_THROW(RemoteError, "%s", DescribeQueueResult(r, ep).c_str());
+    case crdma::QueueStatus::kTimeout:
+      MORI_THROW(TimeoutError, "%s", DescribeQueueResult(r, ep).c_str());
+    case crdma::QueueStatus::kQpError:
+      MORI_THROW(RemoteError, "%s", DescribeQueueResult(r, ep).c_str());
     case crdma::QueueStatus::kInvalid:
       MORI_THROW(InvalidUsageError, "%s", DescribeQueueResult(r, ep).c_str());
   }

@@ -36,25 +36,17 @@ std::string ReadFirstLine(const std::string& path) {
 #if MORI_HAVE_VERBS_H
 const char* PortStateName(int state) {
   switch (state) {
-    case IBV_PORT_NOP:
-      return "NOP";
-    case IBV_PORT_DOWN:
-      return "DOWN";
-    case IBV_PORT_INIT:
-      return "INIT";
-    case IBV_PORT_ARMED:
-      return "ARMED";
-    case IBV_PORT_ACTIVE:
-      return "ACTIVE";
-    case IBV_PORT_ACTIVE_DEFER:
-      return "ACTIVE_DEFER";
+    case IBV_PORT_NOP: return "NOP";
+    case IBV_PORT_DOWN: return "DOWN";
+    case IBV_PORT_INIT: return "INIT";
+    case IBV_PORT_ARMED: return "ARMED";
+    case IBV_PORT_ACTIVE: return "ACTIVE";
+    case IBV_PORT_ACTIVE_DEFER: return "ACTIVE_DEFER";
   }
   return "UNKNOWN";
 }
 
-int MtuBytes(int mtu) {
-  return mtu >= IBV_MTU_256 && mtu <= IBV_MTU_4096 ? 128 << mtu : 0;
-}
+int MtuBytes(int mtu) { return mtu >= IBV_MTU_256 && mtu <= IBV_MTU_4096 ? 128 << mtu : 0; }
 
 RdmaLinkLayer LinkLayerOf(uint8_t l) {
   if (l == IBV_LINK_LAYER_ETHERNET) return RdmaLinkLayer::kEthernet;
@@ -67,12 +59,9 @@ RdmaLinkLayer LinkLayerOf(uint8_t l) {
 
 const char* GidTypeName(uint32_t t) {
   switch (t) {
-    case IBV_GID_TYPE_IB:
-      return "IB";
-    case IBV_GID_TYPE_ROCE_V1:
-      return "RoCE v1";
-    case IBV_GID_TYPE_ROCE_V2:
-      return "RoCE v2";
+    case IBV_GID_TYPE_IB: return "IB";
+    case IBV_GID_TYPE_ROCE_V1: return "RoCE v1";
+    case IBV_GID_TYPE_ROCE_V2: return "RoCE v2";
   }
   return "";
 }
@@ -173,12 +162,9 @@ bool QueryDevice(const IbverbsApi& api, ibv_device* device, const std::string& s
 
 const char* RdmaLinkLayerName(RdmaLinkLayer l) {
   switch (l) {
-    case RdmaLinkLayer::kInfiniBand:
-      return "IB";
-    case RdmaLinkLayer::kEthernet:
-      return "Ethernet";
-    case RdmaLinkLayer::kUnspecified:
-      break;
+    case RdmaLinkLayer::kInfiniBand: return "IB";
+    case RdmaLinkLayer::kEthernet: return "Ethernet";
+    case RdmaLinkLayer::kUnspecified: break;
   }
   return "unspecified";
 }

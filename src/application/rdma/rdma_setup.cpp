@@ -22,9 +22,7 @@ std::string ErrText(int err) {
   return core::StrFormat("%s (errno %d)", std::strerror(err), err);
 }
 
-int RcErrno(int rc) {
-  return rc > 0 ? rc : (rc < 0 && errno != 0 ? errno : (rc < 0 ? -rc : 0));
-}
+int RcErrno(int rc) { return rc > 0 ? rc : (rc < 0 && errno != 0 ? errno : (rc < 0 ? -rc : 0)); }
 
 [[noreturn]] void ThrowVerbs(const char* call, const std::string& device, int port, int err) {
   if (port > 0) {
@@ -198,15 +196,9 @@ RdmaMemoryRegion::~RdmaMemoryRegion() {
   }
 }
 
-uint32_t RdmaMemoryRegion::Lkey() const {
-  return mr->lkey;
-}
-uint32_t RdmaMemoryRegion::Rkey() const {
-  return mr->rkey;
-}
-uintptr_t RdmaMemoryRegion::Addr() const {
-  return reinterpret_cast<uintptr_t>(mr->addr);
-}
+uint32_t RdmaMemoryRegion::Lkey() const { return mr->lkey; }
+uint32_t RdmaMemoryRegion::Rkey() const { return mr->rkey; }
+uintptr_t RdmaMemoryRegion::Addr() const { return reinterpret_cast<uintptr_t>(mr->addr); }
 
 // --- RC queue pair -------------------------------------------------------------------------
 RdmaRcQueuePair::RdmaRcQueuePair(const RdmaProtectionDomain& pdRef, const RdmaQpConfig& cfg)
@@ -311,9 +303,7 @@ void RdmaRcQueuePair::Release() noexcept {
   }
 }
 
-RdmaRcQueuePair::~RdmaRcQueuePair() {
-  Release();
-}
+RdmaRcQueuePair::~RdmaRcQueuePair() { Release(); }
 
 void RdmaRcQueuePair::ModifyOrThrow(void* attrPtr, int mask, const char* transition) {
   auto* attr = static_cast<ibv_qp_attr*>(attrPtr);
@@ -407,36 +397,24 @@ RdmaProtectionDomain::RdmaProtectionDomain(const IbverbsApi& apiRef, const std::
   NoVerbs();
 }
 RdmaProtectionDomain::~RdmaProtectionDomain() = default;
-int RdmaMemoryRegionAccessFlags() {
-  return 1 | 2 | 4 | 8;
-}
+int RdmaMemoryRegionAccessFlags() { return 1 | 2 | 4 | 8; }
 RdmaMemoryRegion::RdmaMemoryRegion(const RdmaProtectionDomain& pdRef, void*, size_t len, int,
                                    uint64_t)
     : pd(pdRef), length(len) {
   NoVerbs();
 }
 RdmaMemoryRegion::~RdmaMemoryRegion() = default;
-uint32_t RdmaMemoryRegion::Lkey() const {
-  return 0;
-}
-uint32_t RdmaMemoryRegion::Rkey() const {
-  return 0;
-}
-uintptr_t RdmaMemoryRegion::Addr() const {
-  return 0;
-}
+uint32_t RdmaMemoryRegion::Lkey() const { return 0; }
+uint32_t RdmaMemoryRegion::Rkey() const { return 0; }
+uintptr_t RdmaMemoryRegion::Addr() const { return 0; }
 RdmaRcQueuePair::RdmaRcQueuePair(const RdmaProtectionDomain& pdRef, const RdmaQpConfig& cfg)
     : pd(pdRef), config(cfg) {
   NoVerbs();
 }
 RdmaRcQueuePair::~RdmaRcQueuePair() = default;
-void RdmaRcQueuePair::ModifyOrThrow(void*, int, const char*) {
-  NoVerbs();
-}
+void RdmaRcQueuePair::ModifyOrThrow(void*, int, const char*) { NoVerbs(); }
 void RdmaRcQueuePair::Release() noexcept {}
-void RdmaRcQueuePair::Connect(const RdmaConnectionInfo&) {
-  NoVerbs();
-}
+void RdmaRcQueuePair::Connect(const RdmaConnectionInfo&) { NoVerbs(); }
 
 #endif  // MORI_HAVE_VERBS_H
 

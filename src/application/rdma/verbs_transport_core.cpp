@@ -39,12 +39,9 @@ RdmaDoorbellPolicy ParseRdmaDoorbellPolicy(const std::string& text) {
 
 const char* RdmaDoorbellPolicyName(RdmaDoorbellPolicy p) {
   switch (p) {
-    case RdmaDoorbellPolicy::kAuto:
-      return "auto";
-    case RdmaDoorbellPolicy::kUar:
-      return "uar";
-    case RdmaDoorbellPolicy::kCpu:
-      return "cpu";
+    case RdmaDoorbellPolicy::kAuto: return "auto";
+    case RdmaDoorbellPolicy::kUar: return "uar";
+    case RdmaDoorbellPolicy::kCpu: return "cpu";
   }
   return "?";
 }
@@ -72,9 +69,7 @@ void SetError(PeRecord* r, const std::exception& e) {
   std::snprintf(r->error, sizeof(r->error), "%s", typed ? typed->Message().c_str() : e.what());
 }
 
-bool IsPowerOfTwo(uint32_t v) {
-  return v != 0 && (v & (v - 1)) == 0;
-}
+bool IsPowerOfTwo(uint32_t v) { return v != 0 && (v & (v - 1)) == 0; }
 
 class VerbsRdmaTransport final : public RdmaTransport {
  public:
@@ -99,8 +94,9 @@ class VerbsRdmaTransport final : public RdmaTransport {
   RdmaWireStats WireStats(bool) override {
     RdmaWireStats s;
     s.available = false;
-    s.source = "not available: the verbs transport does not count work requests (the software "
-               "queue emulator does, MORI_RDMA_EMULATE=1)";
+    s.source =
+        "not available: the verbs transport does not count work requests (the software "
+        "queue emulator does, MORI_RDMA_EMULATE=1)";
     return s;
   }
   uint32_t RegisterLocal(void* ptr, size_t bytes) override;
@@ -128,8 +124,8 @@ class VerbsRdmaTransport final : public RdmaTransport {
   std::unique_ptr<RdmaMemoryRegion> heapMr;
   std::mutex userMu;
   std::map<void*, std::unique_ptr<RdmaMemoryRegion>> userMrs;  // RegisterLocal
-  std::vector<std::unique_ptr<RdmaRcQueuePair>> qps;  // [peer index][qp], flattened
-  std::vector<Mlx5QueueMemory> queues;                // parallel to qps
+  std::vector<std::unique_ptr<RdmaRcQueuePair>> qps;           // [peer index][qp], flattened
+  std::vector<Mlx5QueueMemory> queues;                         // parallel to qps
   core::rdma::QpCounters* countersHost = nullptr;
   core::rdma::QpCounters* countersDevice = nullptr;
   std::unique_ptr<DoorbellProxy> proxy;
@@ -157,7 +153,7 @@ void VerbsRdmaTransport::Release() noexcept {
 }
 
 std::unique_ptr<RdmaMemoryRegion> VerbsRdmaTransport::RegisterRange(void* ptr, size_t bytes,
-                                                                     const char* what) {
+                                                                    const char* what) {
   int fd = -1;
   uint64_t offset = 0;
   std::string dmabufWhy;

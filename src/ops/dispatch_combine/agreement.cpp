@@ -27,8 +27,7 @@ constexpr const char* kConfigFieldNames[] = {
     "gpu_per_node",
     "max_total_recv_tokens",
     "symmetric_bytes",
-    MORI_EP_SYMMETRIC_REGIONS(MORI_EP_AGREE_NAME, _)
-    "push combine (MORI_EP_COMBINE_PUSH)",
+    MORI_EP_SYMMETRIC_REGIONS(MORI_EP_AGREE_NAME, _) "push combine (MORI_EP_COMBINE_PUSH)",
 };
 #undef MORI_EP_AGREE_NAME
 constexpr int kNumConfigFields = static_cast<int>(sizeof(kConfigFieldNames) / sizeof(char*));
@@ -62,12 +61,9 @@ const char* StageNameOrUnknown(int32_t stage) {
 
 const char* EpAgreementStageName(EpAgreementStage stage) {
   switch (stage) {
-    case EpAgreementStage::kConfig:
-      return "creating an EP op (config check)";
-    case EpAgreementStage::kAllocation:
-      return "creating an EP op (allocation check)";
-    case EpAgreementStage::kRelease:
-      return "destroying an EP op";
+    case EpAgreementStage::kConfig: return "creating an EP op (config check)";
+    case EpAgreementStage::kAllocation: return "creating an EP op (allocation check)";
+    case EpAgreementStage::kRelease: return "destroying an EP op";
   }
   return "unknown";
 }
@@ -96,8 +92,7 @@ EpAgreementRow MakeEpConfigAgreementRow(const EpDispatchCombineConfig& c, uint64
       c.gpuPerNode,
       c.MaxNumRecvTokens(),
       static_cast<int64_t>(s.totalBytes),
-      MORI_EP_SYMMETRIC_REGIONS(MORI_EP_AGREE_VALUE, _)
-      pushCombine ? 1 : 0,
+      MORI_EP_SYMMETRIC_REGIONS(MORI_EP_AGREE_VALUE, _) pushCombine ? 1 : 0,
   };
 #undef MORI_EP_AGREE_VALUE
   static_assert(sizeof(values) / sizeof(values[0]) == kNumConfigFields,
@@ -170,7 +165,8 @@ std::string FindEpDisagreement(EpAgreementStage stage, const EpAgreementRow* row
           "the EP op config differs across PEs: PE %d has %s = %lld but PE 0 has %lld (every PE "
           "must use the same world_size, hidden_dim, max_token_type_size, "
           "max_num_inp_token_per_rank, num_experts_per_rank, num_experts_per_token, scale_dim, "
-          "scale_type_size, kernel_type, gpu_per_node and max_total_recv_tokens; block_num and warp_num_per_block may differ)",
+          "scale_type_size, kernel_type, gpu_per_node and max_total_recv_tokens; block_num and "
+          "warp_num_per_block may differ)",
           p, EpAgreementFieldName(stage, f), mine, first);
     }
   }

@@ -104,8 +104,8 @@ class IntraNodeBackend final : public EpBackend {
   EpFamily Family() const override { return EpFamily::kIntraNode; }
   bool PushCombine() const override { return push; }
 
-  void LaunchDispatch(const EpDispatchKernelArgs& k, EpIndexType indexType, int blocks,
-                      int threads, size_t smemBytes, gpuStream_t stream) override {
+  void LaunchDispatch(const EpDispatchKernelArgs& k, EpIndexType indexType, int blocks, int threads,
+                      size_t smemBytes, gpuStream_t stream) override {
     LaunchEpDispatch(k, EpFamily::kIntraNode, indexType, blocks, threads, smemBytes, stream);
   }
 
@@ -178,8 +178,8 @@ class InterNodeBackend final : public EpBackend {
     return emulated ? std::min(numSms, std::max(worldSize, numSms / 2)) : numSms;
   }
 
-  void LaunchDispatch(const EpDispatchKernelArgs& k, EpIndexType indexType, int blocks,
-                      int threads, size_t smemBytes, gpuStream_t stream) override {
+  void LaunchDispatch(const EpDispatchKernelArgs& k, EpIndexType indexType, int blocks, int threads,
+                      size_t smemBytes, gpuStream_t stream) override {
     const bool record = runAhead && runAhead->BeforeLaunch(stream, "dispatch");
     LaunchEpDispatch(k, EpFamily::kInterNode, indexType, blocks, threads, smemBytes, stream);
     if (record) runAhead->AfterLaunch(stream);
@@ -195,7 +195,7 @@ class InterNodeBackend final : public EpBackend {
 
  private:
   int worldSize;
-  bool emulated = false;  // some PE is reached through the RDMA emulator
+  bool emulated = false;                    // some PE is reached through the RDMA emulator
   std::unique_ptr<RunAheadBound> runAhead;  // emulated only
 };
 

@@ -143,15 +143,9 @@ MORI_HOST_DEVICE inline uint32_t EpStagedChunkLength(uint32_t off, uint32_t end,
 template <typename F>
 void WithCombineElem(EpDataType dataType, F&& launch) {
   switch (dataType) {
-    case EpDataType::kBFloat16:
-      launch(EpBf16Elem{});
-      break;
-    case EpDataType::kFloat16:
-      launch(EpFp16Elem{});
-      break;
-    case EpDataType::kFloat32:
-      launch(EpFp32Elem{});
-      break;
+    case EpDataType::kBFloat16: launch(EpBf16Elem{}); break;
+    case EpDataType::kFloat16: launch(EpFp16Elem{}); break;
+    case EpDataType::kFloat32: launch(EpFp32Elem{}); break;
     default:
       MORI_THROW(InvalidUsageError, "EP combine: no kernel for dtype %s (fp8 combine is not built)",
                  EpDataTypeName(dataType));

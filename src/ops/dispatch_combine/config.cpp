@@ -71,8 +71,9 @@ namespace {
 void CheckRange(const char* field, long long value, long long lo, long long hi,
                 const char* why = nullptr) {
   if (value < lo || value > hi) {
-    MORI_THROW(InvalidUsageError, "EpDispatchCombineConfig.%s = %lld is out of range [%lld, %lld]%s%s",
-               field, value, lo, hi, why ? ": " : "", why ? why : "");
+    MORI_THROW(InvalidUsageError,
+               "EpDispatchCombineConfig.%s = %lld is out of range [%lld, %lld]%s%s", field, value,
+               lo, hi, why ? ": " : "", why ? why : "");
   }
 }
 
@@ -105,11 +106,12 @@ void EpDispatchCombineConfig::Validate() const {
               MaxTokenRowBytes());
   CheckRange("scale_dim", scaleDim, 0, 1 << 16);
   if (scaleDim > 0) {
-    MORI_ENSURE(scaleTypeSize == 1 || scaleTypeSize == 2 || scaleTypeSize == 4 || scaleTypeSize == 8,
-                InvalidUsageError,
-                "EpDispatchCombineConfig.scale_type_size = %d: with scale_dim = %d it must be 1, "
-                "2, 4 or 8 bytes",
-                scaleTypeSize, scaleDim);
+    MORI_ENSURE(
+        scaleTypeSize == 1 || scaleTypeSize == 2 || scaleTypeSize == 4 || scaleTypeSize == 8,
+        InvalidUsageError,
+        "EpDispatchCombineConfig.scale_type_size = %d: with scale_dim = %d it must be 1, "
+        "2, 4 or 8 bytes",
+        scaleTypeSize, scaleDim);
   } else {
     CheckRange("scale_type_size", scaleTypeSize, 0, 8);
   }
@@ -126,7 +128,8 @@ void EpDispatchCombineConfig::Validate() const {
              "0 means world_size * max_num_inp_token_per_rank");
   if (!EpKernelTypeIsBuilt(kernelType)) {
     ThrowNotBuilt("kernel_type", "kernel type", static_cast<int>(kernelType), kEpNumKernelTypes,
-                  EpKernelTypeName(kernelType), "this build has the IntraNode and InterNode kernels");
+                  EpKernelTypeName(kernelType),
+                  "this build has the IntraNode and InterNode kernels");
   }
   if (kernelType == EpDispatchCombineKernelType::kInterNode) {
     MORI_ENSURE(worldSize % LocalSize() == 0, InvalidUsageError,
@@ -142,10 +145,11 @@ void EpDispatchCombineConfig::Validate() const {
   }
   for (int ws : {32, 64}) {
     size_t smem = EpDispatchSmemBytes(*this, ws);
-    MORI_ENSURE(smem <= kEpMaxDispatchSmemBytes, InvalidUsageError,
-                "EpDispatchCombineConfig: the dispatch kernel would need %zu bytes of shared memory "
-                "(max_num_inp_token_per_rank = %d, num_experts_per_rank = %d); the limit is %zu",
-                smem, maxNumInpTokenPerRank, numExpertsPerRank, kEpMaxDispatchSmemBytes);
+    MORI_ENSURE(
+        smem <= kEpMaxDispatchSmemBytes, InvalidUsageError,
+        "EpDispatchCombineConfig: the dispatch kernel would need %zu bytes of shared memory "
+        "(max_num_inp_token_per_rank = %d, num_experts_per_rank = %d); the limit is %zu",
+        smem, maxNumInpTokenPerRank, numExpertsPerRank, kEpMaxDispatchSmemBytes);
   }
 }
 
@@ -201,7 +205,7 @@ struct RegionPlacer {
 
 // One expansion of each table: the offsets into *l and, when `out` is set, the region list.
 static void PlaceSymmetric(const EpDispatchCombineConfig& c, EpSymmetricLayout* l,
-                    std::vector<EpRegionInfo>* out) {
+                           std::vector<EpRegionInfo>* out) {
   const EpLayoutDims d = MakeEpLayoutDims(c);
   RegionPlacer p;
   p.out = out;
@@ -210,7 +214,7 @@ static void PlaceSymmetric(const EpDispatchCombineConfig& c, EpSymmetricLayout* 
 }
 
 static void PlaceLocal(const EpDispatchCombineConfig& c, EpLocalLayout* l,
-                std::vector<EpRegionInfo>* out) {
+                       std::vector<EpRegionInfo>* out) {
   const EpLayoutDims d = MakeEpLayoutDims(c);
   RegionPlacer p;
   p.out = out;

@@ -79,10 +79,10 @@ EpDispatchCombineHandle::EpDispatchCombineHandle(const EpDispatchCombineConfig& 
       &localError);
 
   // 2. Config agreement: same config (and layout) on every PE, enough free heap everywhere.
-  EpAgreementRow row = problem.empty()
-                           ? MakeEpConfigAgreementRow(config, shmem::ShmemHeapFreeBytes(),
-                                                      backend->PushCombine())
-                           : MakeEpUnusableAgreementRow(EpAgreementStage::kConfig, problem);
+  EpAgreementRow row =
+      problem.empty()
+          ? MakeEpConfigAgreementRow(config, shmem::ShmemHeapFreeBytes(), backend->PushCombine())
+          : MakeEpUnusableAgreementRow(EpAgreementStage::kConfig, problem);
   std::string disagreement;
   try {
     disagreement = Agree(EpAgreementStage::kConfig, row, npes);
@@ -253,8 +253,7 @@ float* EpDispatchCombineHandle::CombineOutWeights() const {
 }
 
 void EpDispatchCombineHandle::ResolveLaunch(int numTokens, int blockNum, int warpPerBlock,
-                                            bool forDispatch, int* blocksOut,
-                                            int* warpsOut) const {
+                                            bool forDispatch, int* blocksOut, int* warpsOut) const {
   const int maxWarps = kEpMaxThreadsPerBlock / core::kWarpSize;
   int blocks = blockNum;
   int warps = warpPerBlock;
@@ -297,8 +296,8 @@ void EpDispatchCombineHandle::FillCommonArgs(EpKernelCommon* common) const {
   common->numExpertsPerRank = c.numExpertsPerRank;
   common->numExperts = c.NumExperts();
   common->topK = c.numExpertsPerToken;
-  common->localSize = c.kernelType == EpDispatchCombineKernelType::kIntraNode ? c.worldSize
-                                                                              : c.LocalSize();
+  common->localSize =
+      c.kernelType == EpDispatchCombineKernelType::kIntraNode ? c.worldSize : c.LocalSize();
   common->maxRecvRows = c.MaxNumRecvTokens();
   common->shmem = shmemCtx;
   common->symmHeapOffset = symmHeapOffset;
@@ -354,7 +353,8 @@ void EpDispatchCombineHandle::Dispatch(const EpDispatchArgs& args, gpuStream_t s
     MORI_ENSURE(Aligned(args.indices, EpIndexTypeSize(args.indexType)), InvalidUsageError,
                 "EP dispatch: indices %p are not aligned to their element size", args.indices);
     MORI_ENSURE(args.weights == nullptr || Aligned(args.weights, 4), InvalidUsageError,
-                "EP dispatch: weights %p are not 4-byte aligned", static_cast<const void*>(args.weights));
+                "EP dispatch: weights %p are not 4-byte aligned",
+                static_cast<const void*>(args.weights));
   }
   const size_t scaleBytes = c.ScaleRowBytes();
   MORI_ENSURE(args.scales == nullptr || scaleBytes > 0, InvalidUsageError,
@@ -399,7 +399,7 @@ void EpDispatchCombineHandle::Combine(const EpCombineArgs& args, gpuStream_t str
               "EP combine: dtype %s is not supported (combine sums bf16, fp16 or fp32; fp8 combine "
               "is not built)",
               EpDataTypeIsValid(static_cast<int32_t>(args.dataType)) ? EpDataTypeName(args.dataType)
-                                                                    : "unknown");
+                                                                     : "unknown");
   MORI_ENSURE(args.hiddenDim >= 1 && args.hiddenDim <= c.hiddenDim, InvalidUsageError,
               "EP combine: hidden size %d is out of range [1, %d] (config hidden_dim)",
               args.hiddenDim, c.hiddenDim);

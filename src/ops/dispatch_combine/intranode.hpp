@@ -23,17 +23,17 @@ struct EpKernelCommon {
   int32_t maxTokensPerRank;   // M
   int32_t numExpertsPerRank;  // Epr
   int32_t numExperts;
-  int32_t topK;               // K
-  int32_t localSize;          // PEs per node (node of PE p: p / localSize)
-  int32_t maxRecvRows;        // receive capacity (config MaxNumRecvTokens)
+  int32_t topK;                     // K
+  int32_t localSize;                // PEs per node (node of PE p: p / localSize)
+  int32_t maxRecvRows;              // receive capacity (config MaxNumRecvTokens)
   shmem::ShmemDeviceContext shmem;  // peers' heaps (P2P), RDMA endpoints, the wait context
-  uint64_t symmHeapOffset;         // offset of the handle's symmetric block in every heap
-  EpSymmetricLayout symm;          // offsets inside that block
-  uint8_t* symmLocal;              // this PE's symmetric block
+  uint64_t symmHeapOffset;          // offset of the handle's symmetric block in every heap
+  EpSymmetricLayout symm;           // offsets inside that block
+  uint8_t* symmLocal;               // this PE's symmetric block
   EpDeviceState* state;
-  int32_t* tokenSlot;              // [M][W]
+  int32_t* tokenSlot;  // [M][W]
   int32_t* totalRecv;
-  int32_t* localExpertCount;       // [Epr]
+  int32_t* localExpertCount;  // [Epr]
   // 1: the launchers launch the kernel as a programmatic dependent launch (MORI_EP_PDL, where the
   // device and the kernels' code allow it; EpKernelEnter waits for the kernel ahead).
   int32_t programmatic;
@@ -48,34 +48,34 @@ enum class EpScaleCopy : int32_t { kNone = 0, kWords = 1, kBytes = 2 };
 
 struct EpDispatchKernelArgs {
   EpKernelCommon c;
-  const uint8_t* inTokens;    // [T][rowBytes]
-  const float* inWeights;     // [T][K] or nullptr
-  const uint8_t* inScales;    // [T][scaleBytes] or nullptr
-  const void* inIndices;      // [T][K] IndexT
-  int32_t numTokens;          // T
-  uint32_t rowBytes;          // multiple of 16
+  const uint8_t* inTokens;  // [T][rowBytes]
+  const float* inWeights;   // [T][K] or nullptr
+  const uint8_t* inScales;  // [T][scaleBytes] or nullptr
+  const void* inIndices;    // [T][K] IndexT
+  int32_t numTokens;        // T
+  uint32_t rowBytes;        // multiple of 16
   uint32_t scaleBytes;
   EpScaleCopy scaleCopy;
-  uint64_t format;            // EpDispatchFormat(...) of this call
+  uint64_t format;  // EpDispatchFormat(...) of this call
 };
 
 struct EpCombineKernelArgs {
   EpKernelCommon c;
-  const uint8_t* inTokens;         // source of the copy when copyTokens
-  int64_t inRows;                  // rows readable at inTokens (copy only)
-  const float* inWeights;          // source of the weights copy when copyWeights
+  const uint8_t* inTokens;  // source of the copy when copyTokens
+  int64_t inRows;           // rows readable at inTokens (copy only)
+  const float* inWeights;   // source of the weights copy when copyWeights
   int64_t inWeightRows;
-  EpCombineSource tokenSource;     // announced to peers (kRegistered or kDispatchOut)
-  EpCombineSource weightSource;    // kNone, kRegistered or kDispatchOut
-  int32_t copyTokens;              // 1: copy inTokens into combineInTokens first
-  int32_t copyWeights;             // 1: copy inWeights into combineInWeights first
-  uint8_t* outTokens;              // [T][rowBytes], local
-  float* outWeights;               // [T][K], local; nullptr: no output weights
-  int32_t numTokens;               // T of the last dispatch
+  EpCombineSource tokenSource;   // announced to peers (kRegistered or kDispatchOut)
+  EpCombineSource weightSource;  // kNone, kRegistered or kDispatchOut
+  int32_t copyTokens;            // 1: copy inTokens into combineInTokens first
+  int32_t copyWeights;           // 1: copy inWeights into combineInWeights first
+  uint8_t* outTokens;            // [T][rowBytes], local
+  float* outWeights;             // [T][K], local; nullptr: no output weights
+  int32_t numTokens;             // T of the last dispatch
   uint32_t rowBytes;
-  int32_t dataType;                // EpDataType, for the cross-PE format check
-  int32_t partsPerToken;           // warps sharing one token's row (small batches)
-  int32_t staged;                  // 1: peer rows arrive by bulk copies into shared memory
+  int32_t dataType;       // EpDataType, for the cross-PE format check
+  int32_t partsPerToken;  // warps sharing one token's row (small batches)
+  int32_t staged;         // 1: peer rows arrive by bulk copies into shared memory
 };
 // The push combine (intranode_combine_push.cpp) reads its input in place: inTokens/inWeights are
 // this PE's rows (registered buffer, dispatch output or the caller's tensor; inWeights nullptr:

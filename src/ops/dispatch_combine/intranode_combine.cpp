@@ -66,9 +66,8 @@ MORI_DEVICE_INLINE bool WarpWaitStage(const core::WaitContext& wait, uint64_t* b
 // WarpSumFewRows. Returns false (warp-uniform) if a copy did not complete in time.
 template <typename Elem>
 MORI_DEVICE_INLINE bool WarpReduceRowsStaged(uint4* __restrict__ out, const uint8_t* const* rows,
-                                             int n, int vb, int ve, uint8_t* stages,
-                                             uint64_t* bars, uint32_t* uses,
-                                             const core::WaitContext& wait) {
+                                             int n, int vb, int ve, uint8_t* stages, uint64_t* bars,
+                                             uint32_t* uses, const core::WaitContext& wait) {
   constexpr int S = kEpCombineStages;
   const int lane = core::LaneId();
   const uint32_t chunk = EpStagedChunkBytes(n);
@@ -129,13 +128,14 @@ MORI_DEVICE_INLINE bool InterReturnRows(const EpCombineKernelArgs& a, const core
   const uint64_t dEpoch = *reinterpret_cast<volatile uint64_t*>(&c.state->dispatchEpoch);
   const int dParity = static_cast<int>(dEpoch & 1);
   uint8_t* L = c.symmLocal;
-  const uint8_t* tok = L + (a.tokenSource == EpCombineSource::kDispatchOut ? c.symm.dispatchOutTokens
-                                                                           : c.symm.combineInTokens);
-  const uint8_t* wts = a.weightSource == EpCombineSource::kNone
-                           ? nullptr
-                           : L + (a.weightSource == EpCombineSource::kDispatchOut
-                                      ? c.symm.dispatchOutWeights
-                                      : c.symm.combineInWeights);
+  const uint8_t* tok =
+      L + (a.tokenSource == EpCombineSource::kDispatchOut ? c.symm.dispatchOutTokens
+                                                          : c.symm.combineInTokens);
+  const uint8_t* wts =
+      a.weightSource == EpCombineSource::kNone
+          ? nullptr
+          : L + (a.weightSource == EpCombineSource::kDispatchOut ? c.symm.dispatchOutWeights
+                                                                 : c.symm.combineInWeights);
   const uint64_t landed = EpTagWord(epoch, EpLandingValue(ready, wts != nullptr));
   EpSignal* done = At<EpSignal>(L, c.symm.doneInbox);
   size_t recvBase = 0;
@@ -146,8 +146,7 @@ MORI_DEVICE_INLINE bool InterReturnRows(const EpCombineKernelArgs& a, const core
       for (int d = 0; d < me; d++) {
         if (NodeOf(c, d) == NodeOf(c, s)) continue;
         uint32_t cnt = 0;
-        if (!TagWait(wait,
-                     At<uint64_t>(L, c.symm.interCount) + EpInterCountIndex(dParity, s, d, W),
+        if (!TagWait(wait, At<uint64_t>(L, c.symm.interCount) + EpInterCountIndex(dParity, s, d, W),
                      dEpoch, s, "EP combine: count word of the last dispatch", &cnt))
           return false;
         landingBase += cnt;
@@ -169,8 +168,7 @@ MORI_DEVICE_INLINE bool InterReturnRows(const EpCombineKernelArgs& a, const core
 }
 
 template <typename Elem, int kThreads, bool kStaged, EpFamily kFamily>
-__global__ void __launch_bounds__(kThreads)
-    EpCombineKernel(const EpCombineKernelArgs a) {
+__global__ void __launch_bounds__(kThreads) EpCombineKernel(const EpCombineKernelArgs a) {
   constexpr bool kInter = kFamily == EpFamily::kInterNode;
   __shared__ const uint8_t* sTok[kEpMaxWorldSize];
   __shared__ const float* sW[kEpMaxWorldSize];
@@ -216,8 +214,8 @@ __global__ void __launch_bounds__(kThreads)
     }
     if (tid == 0) {
       if (a.copyTokens != 0 && R > a.inRows) {
-        ReportError(wait, -1, "EP combine: input has fewer rows than dispatch received",
-                    CmpOp::kGe, static_cast<uint64_t>(R), static_cast<uint64_t>(a.inRows));
+        ReportError(wait, -1, "EP combine: input has fewer rows than dispatch received", CmpOp::kGe,
+                    static_cast<uint64_t>(R), static_cast<uint64_t>(a.inRows));
         sFailed = 1;
       }
       if (a.copyWeights != 0 && R > a.inWeightRows) {
@@ -249,10 +247,9 @@ __global__ void __launch_bounds__(kThreads)
           SignalStoreAll(
               W,
               [&](int p) {
-                return kInter && IsRemote(c, p)
-                           ? nullptr
-                           : At<EpSignal>(PeerBlock(c, p), c.symm.readyInbox) +
-                                 EpReadyInboxIndex(parity, me, W);
+                return kInter && IsRemote(c, p) ? nullptr
+                                                : At<EpSignal>(PeerBlock(c, p), c.symm.readyInbox) +
+                                                      EpReadyInboxIndex(parity, me, W);
               },
               ready, epoch);
           if constexpr (kInter) {
@@ -265,9 +262,9 @@ __global__ void __launch_bounds__(kThreads)
   } else if (blockIdx.x == 0) {
     for (int p = tid; p < W; p += nThreads) {
       if (kInter && IsRemote(c, p)) continue;
-      SignalStore(At<EpSignal>(PeerBlock(c, p), c.symm.readyInbox) +
-                      EpReadyInboxIndex(parity, me, W),
-                  ready, epoch);
+      SignalStore(
+          At<EpSignal>(PeerBlock(c, p), c.symm.readyInbox) + EpReadyInboxIndex(parity, me, W),
+          ready, epoch);
     }
     if constexpr (kInter) {
       // The input (written by earlier kernels) is in place: return other nodes' rows.
@@ -299,8 +296,8 @@ __global__ void __launch_bounds__(kThreads)
         const uint32_t myFormat = EpLandingValue(ready, false);
         if ((v & ~0x10u) != myFormat) {
           ReportError(wait, p, "EP combine: PEs called combine with different dtype/hidden",
-                      static_cast<const uint64_t*>(w), CmpOp::kEq,
-                      static_cast<uint64_t>(myFormat), static_cast<uint64_t>(v & ~0x10u));
+                      static_cast<const uint64_t*>(w), CmpOp::kEq, static_cast<uint64_t>(myFormat),
+                      static_cast<uint64_t>(v & ~0x10u));
           sFailed = 1;
           continue;
         }
@@ -327,11 +324,10 @@ __global__ void __launch_bounds__(kThreads)
       uint8_t* pb = PeerBlock(c, p);
       sTok[p] = pb + (ts == EpCombineSource::kDispatchOut ? c.symm.dispatchOutTokens
                                                           : c.symm.combineInTokens);
-      sW[p] = ws == EpCombineSource::kNone
-                  ? nullptr
-                  : At<const float>(pb, ws == EpCombineSource::kDispatchOut
-                                            ? c.symm.dispatchOutWeights
-                                            : c.symm.combineInWeights);
+      sW[p] = ws == EpCombineSource::kNone ? nullptr
+                                           : At<const float>(pb, ws == EpCombineSource::kDispatchOut
+                                                                     ? c.symm.dispatchOutWeights
+                                                                     : c.symm.combineInWeights);
     }
   }
   __syncthreads();
@@ -356,8 +352,8 @@ __global__ void __launch_bounds__(kThreads)
     int next = queued ? stride + static_cast<int>(core::WarpShfl(ticket, 0)) : item + stride;
     // Staged: this warp's stages and their barriers; the proxy fence orders the ready acquires
     // above (through the block barrier) before this warp's bulk copies of the peers' rows.
-    uint8_t* const stages = sStages + static_cast<size_t>(warp) * kEpCombineStages *
-                                          kEpCombineStageBytes;
+    uint8_t* const stages =
+        sStages + static_cast<size_t>(warp) * kEpCombineStages * kEpCombineStageBytes;
     uint32_t stageUses = 0;
     if constexpr (kUseStages) {
       if (lane == 0) {
@@ -369,8 +365,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     // The slot table entry of the next item is loaded while the current one is reduced.
     int nextSlot = -1;
-    if (item < items && lane < W)
-      nextSlot = c.tokenSlot[static_cast<size_t>(item / P) * W + lane];
+    if (item < items && lane < W) nextSlot = c.tokenSlot[static_cast<size_t>(item / P) * W + lane];
     for (; item < items;) {
       const int t = item / P;
       const int part = item - t * P;
@@ -433,8 +428,7 @@ __global__ void __launch_bounds__(kThreads)
                   v[j] = wPre[j];
                 } else {
                   const float* src = sW[sPeer[warp][jb + j]];
-                  if (src != nullptr)
-                    v[j] = src[static_cast<size_t>(sSlot[warp][jb + j]) * K + k];
+                  if (src != nullptr) v[j] = src[static_cast<size_t>(sSlot[warp][jb + j]) * K + k];
                 }
               }
             }
@@ -488,8 +482,8 @@ __global__ void __launch_bounds__(kThreads)
           if (kInter && IsRemote(c, p)) {
             RdmaWrite(c, p, tag, &epoch, sizeof(epoch));
           } else {
-            core::AtomicStoreRelaxedSystem(&(At<EpSignal>(PeerBlock(c, p), c.symm.doneInbox) + me)->tag,
-                                           epoch);
+            core::AtomicStoreRelaxedSystem(
+                &(At<EpSignal>(PeerBlock(c, p), c.symm.doneInbox) + me)->tag, epoch);
           }
         }
       }
@@ -511,8 +505,8 @@ void LaunchCombineKernel(const EpCombineKernelArgs& args, EpFamily family, int b
                 : threads <= 256   ? EpCombineKernel<Elem, 256, false, kIntra>
                                    : EpCombineKernel<Elem, kMaxT, false, kIntra>;
   const size_t smem = args.staged != 0 ? EpCombineStagedSmemBytes(threads / kWarpSize) : 0;
-  MORI_CHECK_GPU(core::GpuLaunchKernel(kernel, blocks, threads, smem, stream,
-                                       args.c.programmatic != 0, args));
+  MORI_CHECK_GPU(
+      core::GpuLaunchKernel(kernel, blocks, threads, smem, stream, args.c.programmatic != 0, args));
 }
 // Above 48 KB a kernel's dynamic shared memory must be opted in to (per device).
 template <typename Elem>

@@ -119,7 +119,8 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
       // The row's first kPushUnroll vectors per lane (all of them for small batches) and its
       // weights are loaded before the source position, on which only the destination depends:
       // the two latencies overlap.
-      const uint4* src = reinterpret_cast<const uint4*>(a.inTokens + static_cast<size_t>(r) * a.rowBytes);
+      const uint4* src =
+          reinterpret_cast<const uint4*>(a.inTokens + static_cast<size_t>(r) * a.rowBytes);
       uint4 head[kPushUnroll];
 #pragma unroll
       for (int u = 0; u < kPushUnroll; u++) {
@@ -170,9 +171,9 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
       core::FenceAcqRelSystem();
       for (int p = 0; p < W; p++) {
         if (sPushed[p] != 0)
-          core::AtomicFetchAddSystem(At<uint64_t>(PeerBlock(c, p), c.symm.pushArrived) +
-                                         EpPushArrivedIndex(parity, me, W),
-                                     static_cast<uint64_t>(sPushed[p]));
+          core::AtomicFetchAddSystem(
+              At<uint64_t>(PeerBlock(c, p), c.symm.pushArrived) + EpPushArrivedIndex(parity, me, W),
+              static_cast<uint64_t>(sPushed[p]));
       }
     }
     EpTraceStamp(tr, 1);
@@ -185,8 +186,7 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
       if (p == me) continue;
       EpSignal* sig = inbox + EpReadyInboxIndex(parity, p, W);
       uint64_t v = 0;
-      if (!SignalWait(wait, sig, epoch, p, "EP combine: peer's push started (format signal)",
-                      &v)) {
+      if (!SignalWait(wait, sig, epoch, p, "EP combine: peer's push started (format signal)", &v)) {
         sFailed = 1;
         continue;
       }
@@ -233,17 +233,17 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
         const size_t ps = EpPushSlot(parity, t, lane, M, W);
         sRows[warp][j] = lane == me ? a.inTokens + static_cast<size_t>(slot) * a.rowBytes
                                     : recvTok + ps * a.rowBytes;
-        sWRows[warp][j] = lane == me ? (a.inWeights != nullptr
-                                            ? a.inWeights + static_cast<size_t>(slot) * K
-                                            : nullptr)
-                                     : recvW + ps * K;
+        sWRows[warp][j] =
+            lane == me
+                ? (a.inWeights != nullptr ? a.inWeights + static_cast<size_t>(slot) * K : nullptr)
+                : recvW + ps * K;
       }
       core::WarpSync();
       const int vb = EpShareBegin(vecs, part, P);
       const int ve = EpShareBegin(vecs, part + 1, P);
       WarpReduceRows<Elem, kThreads>(
-          reinterpret_cast<uint4*>(a.outTokens + static_cast<size_t>(t) * a.rowBytes),
-          sRows[warp], n, vb, ve);
+          reinterpret_cast<uint4*>(a.outTokens + static_cast<size_t>(t) * a.rowBytes), sRows[warp],
+          n, vb, ve);
       // outWeights is set only when this PE passed weights, so its own row has them.
       if (part == 0 && a.outWeights != nullptr) {
         for (int k = lane; k < K; k += kWarpSize) {
@@ -294,8 +294,7 @@ void LaunchPush(const EpCombineKernelArgs& args, int blocks, int threads, gpuStr
   MORI_CHECK_GPU(core::GpuLaunchKernel(threads <= 256
                                            ? EpCombinePushKernel<Elem, 256>
                                            : EpCombinePushKernel<Elem, kEpMaxThreadsPerBlock>,
-                                       blocks, threads, 0, stream, args.c.programmatic != 0,
-                                       args));
+                                       blocks, threads, 0, stream, args.c.programmatic != 0, args));
 }
 
 }  // namespace detail

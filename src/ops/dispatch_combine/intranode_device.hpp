@@ -12,7 +12,6 @@
 #include "intranode.hpp"
 #include "trace.hpp"
 
-
 namespace mori::ops::detail {
 
 using core::kWarpSize;
@@ -165,8 +164,8 @@ MORI_DEVICE_INLINE bool EpCountWait(const EpKernelCommon& c, const core::WaitCon
   if constexpr (kFamily == EpFamily::kInterNode) {
     return InterCountWait(c, wait, parity, src, dst, epoch, format, label, count);
   } else {
-    EpSignal* slot =
-        At<EpSignal>(c.symmLocal, c.symm.countInbox) + EpCountInboxIndex(parity, src, dst, c.worldSize);
+    EpSignal* slot = At<EpSignal>(c.symmLocal, c.symm.countInbox) +
+                     EpCountInboxIndex(parity, src, dst, c.worldSize);
     uint64_t v = 0;
     if (!SignalWait(wait, slot, epoch, src, label, &v)) return false;
     if (EpFormatOf(v) != format) {
@@ -350,7 +349,7 @@ struct EpBf16Elem {
   MORI_DEVICE_INLINE static uint32_t ToBits(float f) {
     uint32_t u = __float_as_uint(f);
     if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0u;  // NaN
-    u += 0x7FFFu + ((u >> 16) & 1u);                       // round to nearest even
+    u += 0x7FFFu + ((u >> 16) & 1u);                      // round to nearest even
     return u >> 16;
   }
   MORI_DEVICE_INLINE static uint4 Pack(const float (&acc)[kPerVec]) {

@@ -46,8 +46,7 @@ MORI_DEVICE_INLINE size_t AlignUp16(size_t v) { return (v + 15) & ~static_cast<s
 // 155 registers a thread, so one block per SM); in the 512-thread build (128 registers a thread)
 // that would spill, so it loads after the wait.
 template <typename IndexT, int kThreads, EpFamily kFamily>
-__global__ void __launch_bounds__(kThreads, 1)
-    EpDispatchKernel(const EpDispatchKernelArgs a) {
+__global__ void __launch_bounds__(kThreads, 1) EpDispatchKernel(const EpDispatchKernelArgs a) {
   constexpr bool kEarlyLoad = kThreads <= 256;
   constexpr bool kInter = kFamily == EpFamily::kInterNode;
   extern __shared__ __align__(16) uint8_t smemDyn[];
@@ -111,7 +110,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // (every block tests all T x K ids; docs/performance.md, "Dispatch block split and scan").
   const IndexT lo = static_cast<IndexT>(dest) * static_cast<IndexT>(Epr);
   const IndexT hi = lo + static_cast<IndexT>(Epr);
-  auto loadIds = [&](int w, int k0, IndexT (&ids)[kDispatchScanBatch]) {
+  auto loadIds = [&](int w, int k0, IndexT(&ids)[kDispatchScanBatch]) {
     const int t = w * kWarpSize + lane;
     const IndexT* row = idx + static_cast<size_t>(t) * K;
 #pragma unroll
@@ -121,7 +120,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Marks membership from one batch of ids (k0.. of token t) and, in leaders, counts each distinct
   // expert of `dest` once: an id is compared with the earlier ids of this batch (registers) and,
   // for top-k above the batch, of the earlier batches (memory).
-  auto scanBatch = [&](int t, int k0, const IndexT (&ids)[kDispatchScanBatch], bool* member) {
+  auto scanBatch = [&](int t, int k0, const IndexT(&ids)[kDispatchScanBatch], bool* member) {
 #pragma unroll
     for (int u = 0; u < kDispatchScanBatch; u++) {
       const IndexT e = ids[u];
@@ -195,11 +194,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   if constexpr (!kInter) {
     if (leader && sFailed == 0) {
-      // Values from all threads (relaxed), the barrier, ONE release fence (thread 0, cumulative over
-      // the barrier, as in 4c), then thread 0 stores the W tags: a release store per thread (Epr
-      // histogram entries, 256 with one PE) would cost one system fence each. The tag of the count
-      // signal to d also publishes d's histogram. Block 0's done-waits are ordered before all of it
-      // by the barrier above (causality is transitive through bar.sync).
+      // Values from all threads (relaxed), the barrier, ONE release fence (thread 0, cumulative
+      // over the barrier, as in 4c), then thread 0 stores the W tags: a release store per thread
+      // (Epr histogram entries, 256 with one PE) would cost one system fence each. The tag of the
+      // count signal to d also publishes d's histogram. Block 0's done-waits are ordered before all
+      // of it by the barrier above (causality is transitive through bar.sync).
       const uint64_t packed = EpPackCount(static_cast<uint32_t>(countD), a.format);
       const size_t countSlot = EpCountInboxIndex(parity, me, dest, W);
       for (int p = tid; p < W; p += nThreads)
@@ -223,9 +222,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     // WRITEs to the others. A remote dest gets its histogram by RDMA first, on the QP that then
     // carries its count words (RC order: the words land after it).
     const size_t countSlot = EpInterCountIndex(parity, me, dest, W);
-    int32_t* ex = destRemote ? At<int32_t>(c.symmLocal, c.symm.stageHist) + static_cast<size_t>(dest) * Epr
-                             : At<int32_t>(PeerBlock(c, dest), c.symm.expertInbox) +
-                                   EpExpertInboxIndex(parity, me, 0, W, Epr);
+    int32_t* ex = destRemote
+                      ? At<int32_t>(c.symmLocal, c.symm.stageHist) + static_cast<size_t>(dest) * Epr
+                      : At<int32_t>(PeerBlock(c, dest), c.symm.expertInbox) +
+                            EpExpertInboxIndex(parity, me, 0, W, Epr);
     for (int e = tid; e < Epr; e += nThreads) core::AtomicStoreRelaxedSystem(ex + e, hist[e]);
     __syncthreads();
     if (tid == 0) {
@@ -582,13 +582,12 @@ void LaunchEpDispatch(const EpDispatchKernelArgs& args, EpFamily family, EpIndex
   constexpr EpFamily kIntra = EpFamily::kIntraNode, kInter = EpFamily::kInterNode;
   const bool small = threads <= 256;
   const bool i32 = indexType == EpIndexType::kInt32;
-  auto kernel = family == kInter
-                    ? (i32 ? EpDispatchKernel<int32_t, kMaxT, kInter>
-                           : EpDispatchKernel<int64_t, kMaxT, kInter>)
-                : i32 ? (small ? EpDispatchKernel<int32_t, 256, kIntra>
-                               : EpDispatchKernel<int32_t, kMaxT, kIntra>)
-                      : (small ? EpDispatchKernel<int64_t, 256, kIntra>
-                               : EpDispatchKernel<int64_t, kMaxT, kIntra>);
+  auto kernel = family == kInter ? (i32 ? EpDispatchKernel<int32_t, kMaxT, kInter>
+                                        : EpDispatchKernel<int64_t, kMaxT, kInter>)
+                : i32            ? (small ? EpDispatchKernel<int32_t, 256, kIntra>
+                                          : EpDispatchKernel<int32_t, kMaxT, kIntra>)
+                                 : (small ? EpDispatchKernel<int64_t, 256, kIntra>
+                                          : EpDispatchKernel<int64_t, kMaxT, kIntra>);
   MORI_CHECK_GPU(core::GpuLaunchKernel(kernel, blocks, threads, smemBytes, stream,
                                        args.c.programmatic != 0, args));
 }

@@ -45,9 +45,10 @@ MORI_DEVICE_INLINE uint64_t* EpTraceRecord(const EpKernelCommon& c, EpTraceKind 
   if (c.trace == nullptr || static_cast<int>(blockIdx.x) >= c.traceMaxBlocks || c.traceSlots <= 0)
     return nullptr;
   const size_t slot = static_cast<size_t>(epoch % static_cast<uint64_t>(c.traceSlots));
-  return c.trace + ((static_cast<size_t>(static_cast<int>(kind)) * c.traceSlots + slot) * c.traceMaxBlocks +
-                    blockIdx.x) *
-                       kEpTraceWords;
+  return c.trace +
+         ((static_cast<size_t>(static_cast<int>(kind)) * c.traceSlots + slot) * c.traceMaxBlocks +
+          blockIdx.x) *
+             kEpTraceWords;
 }
 
 MORI_DEVICE_INLINE void EpTraceStamp(uint64_t* r, int i) {

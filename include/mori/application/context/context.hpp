@@ -18,10 +18,10 @@
 namespace mori::application {
 
 struct PeerRecord {
-  char nodeId[64];   // MORI_NODE_ID, kernel boot_id or host name (truncated)
-  char busId[32];    // PCI bus id of the PE's GPU
+  char nodeId[64];  // MORI_NODE_ID, kernel boot_id or host name (truncated)
+  char busId[32];   // PCI bus id of the PE's GPU
   int32_t pid;
-  int32_t device;    // the PE's device ordinal in its own process
+  int32_t device;         // the PE's device ordinal in its own process
   int32_t syntheticNode;  // rank / MORI_GPU_PER_NODE when set, else -1
 };
 
@@ -32,8 +32,8 @@ class Context {
 
   int Rank() const { return rank; }
   int WorldSize() const { return worldSize; }
-  int LocalRank() const { return localRank; }    // index among same-node PEs
-  int LocalSize() const { return localSize; }    // number of same-node PEs
+  int LocalRank() const { return localRank; }  // index among same-node PEs
+  int LocalSize() const { return localSize; }  // number of same-node PEs
   int NumNodes() const { return numNodes; }
   int NodeOf(int pe) const { return nodeOf[pe]; }            // pe in [0, WorldSize())
   int LocalRankOf(int pe) const { return localRankOf[pe]; }  // pe's index on its node

@@ -1,8 +1,9 @@
 // libibverbs, loaded on first use with dlopen("libibverbs.so.1"). mori never links -libverbs: a
 // process that only uses P2P peers never loads it, and a host without rdma-core still runs.
 // The table holds the entry points of device discovery and of the PD/MR/CQ/QP set-up
-// (rdma_setup.hpp); optional newer ones (dma-buf registration) may be absent. The verbs types are only forward-declared, so this header does not need
-// the rdma-core headers; the .cpp that calls through these pointers includes <infiniband/verbs.h>.
+// (rdma_setup.hpp); optional newer ones (dma-buf registration) may be absent. The verbs types are
+// only forward-declared, so this header does not need the rdma-core headers; the .cpp that calls
+// through these pointers includes <infiniband/verbs.h>.
 #pragma once
 
 #include <cstddef>

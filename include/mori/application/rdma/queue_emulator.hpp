@@ -67,7 +67,7 @@ struct EmuQpConfig {
   uint32_t qpn;       // low 24 bits used
   const uint32_t* sqDbrec;
   void* cqRing;
-  uint32_t numCqes;  // power of two
+  uint32_t numCqes;         // power of two
   const uint32_t* cqDbrec;  // consumer index (overrun check); may be null
   int pe;                   // the PE whose regions the lkeys of this QP refer to
   int remotePe;             // the PE whose regions the rkeys refer to (the connected peer)

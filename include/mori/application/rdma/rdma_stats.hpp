@@ -28,22 +28,14 @@ constexpr int kRdmaNumOpcodes = 8;
 // "compare_swap", "write_imm", "nop", "other".
 inline const char* RdmaOpcodeName(RdmaOpcode op) {
   switch (op) {
-    case RdmaOpcode::kWrite:
-      return "write";
-    case RdmaOpcode::kWriteInline:
-      return "write_inline";
-    case RdmaOpcode::kRead:
-      return "read";
-    case RdmaOpcode::kFetchAdd:
-      return "fetch_add";
-    case RdmaOpcode::kCompareSwap:
-      return "compare_swap";
-    case RdmaOpcode::kWriteImm:
-      return "write_imm";
-    case RdmaOpcode::kNop:
-      return "nop";
-    case RdmaOpcode::kOther:
-      return "other";
+    case RdmaOpcode::kWrite: return "write";
+    case RdmaOpcode::kWriteInline: return "write_inline";
+    case RdmaOpcode::kRead: return "read";
+    case RdmaOpcode::kFetchAdd: return "fetch_add";
+    case RdmaOpcode::kCompareSwap: return "compare_swap";
+    case RdmaOpcode::kWriteImm: return "write_imm";
+    case RdmaOpcode::kNop: return "nop";
+    case RdmaOpcode::kOther: return "other";
   }
   return "other";
 }
@@ -60,9 +52,7 @@ inline int RdmaSizeBucket(uint64_t bytes) {
   return k;
 }
 // Smallest size that falls into bucket k (0, 1, 2, 4, 8, ...).
-inline uint64_t RdmaSizeBucketLow(int k) {
-  return k == 0 ? 0 : 1ull << (k - 1);
-}
+inline uint64_t RdmaSizeBucketLow(int k) { return k == 0 ? 0 : 1ull << (k - 1); }
 
 // One (source PE, destination PE, opcode). `wqes`, `bytes`, `inlineWqes`, `atomics` and
 // `sizeHist` count work requests that executed; `errors` those that completed with an error CQE,
@@ -83,12 +73,9 @@ struct RdmaOpStats {
 enum class RdmaWqeOutcome : uint8_t { kOk = 0, kError, kFlushed };
 inline const char* RdmaWqeOutcomeName(RdmaWqeOutcome o) {
   switch (o) {
-    case RdmaWqeOutcome::kOk:
-      return "ok";
-    case RdmaWqeOutcome::kError:
-      return "error";
-    case RdmaWqeOutcome::kFlushed:
-      return "flushed";
+    case RdmaWqeOutcome::kOk: return "ok";
+    case RdmaWqeOutcome::kError: return "error";
+    case RdmaWqeOutcome::kFlushed: return "flushed";
   }
   return "ok";
 }

@@ -87,20 +87,17 @@ template <typename T>
 __device__ __noinline__ void RecordWaitTimeout(const WaitContext& ctx, int peer, const char* label,
                                                const T* addr, CmpOp op, T target, T seen,
                                                uint64_t elapsedNs) {
-  const DeviceErrorFields f{DeviceErrorKind::kTimeout,
-                            peer,
-                            static_cast<int32_t>(op),
-                            static_cast<int32_t>(sizeof(T)),
-                            reinterpret_cast<uint64_t>(addr),
-                            static_cast<uint64_t>(target),
-                            static_cast<uint64_t>(seen),
-                            elapsedNs};
+  const DeviceErrorFields f{DeviceErrorKind::kTimeout,        peer,
+                            static_cast<int32_t>(op),         static_cast<int32_t>(sizeof(T)),
+                            reinterpret_cast<uint64_t>(addr), static_cast<uint64_t>(target),
+                            static_cast<uint64_t>(seen),      elapsedNs};
   if (RecordDeviceError(ctx, f, label)) {
-    printf("[MORI device timeout] rank %d block %d thread %d: waited %llu ns for %s on peer %d: "
-           "*%p %s %llu, saw %llu\n",
-           ctx.rank, (int)blockIdx.x, (int)threadIdx.x, (unsigned long long)elapsedNs,
-           label ? label : "?", peer, (const void*)addr, CmpOpName(op),
-           (unsigned long long)target, (unsigned long long)seen);
+    printf(
+        "[MORI device timeout] rank %d block %d thread %d: waited %llu ns for %s on peer %d: "
+        "*%p %s %llu, saw %llu\n",
+        ctx.rank, (int)blockIdx.x, (int)threadIdx.x, (unsigned long long)elapsedNs,
+        label ? label : "?", peer, (const void*)addr, CmpOpName(op), (unsigned long long)target,
+        (unsigned long long)seen);
   }
 }
 
@@ -110,20 +107,17 @@ __device__ __noinline__ void RecordWaitTimeout(const WaitContext& ctx, int peer,
 template <typename T>
 __device__ __noinline__ void RecordUsageError(const WaitContext& ctx, int peer, const char* label,
                                               const T* addr, CmpOp op, T required, T value) {
-  const DeviceErrorFields f{DeviceErrorKind::kUsage,
-                            peer,
-                            static_cast<int32_t>(op),
-                            addr != nullptr ? static_cast<int32_t>(sizeof(T)) : 0,
-                            reinterpret_cast<uint64_t>(addr),
-                            static_cast<uint64_t>(required),
-                            static_cast<uint64_t>(value),
-                            0};
+  const DeviceErrorFields f{
+      DeviceErrorKind::kUsage,          peer,
+      static_cast<int32_t>(op),         addr != nullptr ? static_cast<int32_t>(sizeof(T)) : 0,
+      reinterpret_cast<uint64_t>(addr), static_cast<uint64_t>(required),
+      static_cast<uint64_t>(value),     0};
   if (RecordDeviceError(ctx, f, label) || ctx.err == nullptr) {
-    printf("[MORI device error] rank %d block %d thread %d: %s (peer %d): found %llu, required %s "
-           "%llu (at %p)\n",
-           ctx.rank, (int)blockIdx.x, (int)threadIdx.x, label ? label : "?", peer,
-           (unsigned long long)value, CmpOpName(op), (unsigned long long)required,
-           (const void*)addr);
+    printf(
+        "[MORI device error] rank %d block %d thread %d: %s (peer %d): found %llu, required %s "
+        "%llu (at %p)\n",
+        ctx.rank, (int)blockIdx.x, (int)threadIdx.x, label ? label : "?", peer,
+        (unsigned long long)value, CmpOpName(op), (unsigned long long)required, (const void*)addr);
   }
 }
 
@@ -175,8 +169,8 @@ MORI_DEVICE_INLINE bool WaitUntil(const WaitContext& ctx, T* addr, CmpOp op, T t
 // value beside it). Same contract as WaitUntil; a timeout records `== target` and the whole word
 // seen. On success *seen is the word (when seen != nullptr).
 template <typename T>
-MORI_DEVICE_INLINE bool WaitUntilMasked(const WaitContext& ctx, T* addr, T mask, T target,
-                                        int peer, const char* label, T* seen = nullptr) {
+MORI_DEVICE_INLINE bool WaitUntilMasked(const WaitContext& ctx, T* addr, T mask, T target, int peer,
+                                        const char* label, T* seen = nullptr) {
   T last = 0;
   const bool ok = detail::SpinUntil(
       ctx, addr,

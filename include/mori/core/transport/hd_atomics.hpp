@@ -76,9 +76,7 @@ MORI_HD_INLINE bool TryLock(uint32_t* lock) {
                                      __ATOMIC_RELAXED);
 #endif
 }
-MORI_HD_INLINE void Unlock(uint32_t* lock) {
-  StoreRelease<uint32_t>(lock, 0u);
-}
+MORI_HD_INLINE void Unlock(uint32_t* lock) { StoreRelease<uint32_t>(lock, 0u); }
 // Release fence: this thread's earlier stores (the WQE bytes) before its later ones.
 MORI_HD_INLINE void FenceRelease() {
 #if MORI_DEVICE_PASS

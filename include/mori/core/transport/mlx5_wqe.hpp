@@ -97,24 +97,12 @@ MORI_ENC_HD constexpr uint64_t Bswap64(uint64_t v) {
          Bswap32(static_cast<uint32_t>(v >> 32));
 }
 // Host order <-> big-endian (the host and GPUs we target are little-endian; see the #error above).
-MORI_ENC_HD constexpr uint16_t HostToBe16(uint16_t v) {
-  return Bswap16(v);
-}
-MORI_ENC_HD constexpr uint32_t HostToBe32(uint32_t v) {
-  return Bswap32(v);
-}
-MORI_ENC_HD constexpr uint64_t HostToBe64(uint64_t v) {
-  return Bswap64(v);
-}
-MORI_ENC_HD constexpr uint16_t BeToHost16(uint16_t v) {
-  return Bswap16(v);
-}
-MORI_ENC_HD constexpr uint32_t BeToHost32(uint32_t v) {
-  return Bswap32(v);
-}
-MORI_ENC_HD constexpr uint64_t BeToHost64(uint64_t v) {
-  return Bswap64(v);
-}
+MORI_ENC_HD constexpr uint16_t HostToBe16(uint16_t v) { return Bswap16(v); }
+MORI_ENC_HD constexpr uint32_t HostToBe32(uint32_t v) { return Bswap32(v); }
+MORI_ENC_HD constexpr uint64_t HostToBe64(uint64_t v) { return Bswap64(v); }
+MORI_ENC_HD constexpr uint16_t BeToHost16(uint16_t v) { return Bswap16(v); }
+MORI_ENC_HD constexpr uint32_t BeToHost32(uint32_t v) { return Bswap32(v); }
+MORI_ENC_HD constexpr uint64_t BeToHost64(uint64_t v) { return Bswap64(v); }
 
 static_assert(Bswap16(0x1234) == 0x3412, "Bswap16");
 static_assert(Bswap32(0x12345678u) == 0x78563412u, "Bswap32");
@@ -235,9 +223,7 @@ MORI_ENC_HD constexpr uint32_t DsCount(uint32_t bytes) {
   return (bytes + kSegmentBytes - 1) / kSegmentBytes;
 }
 // 64-byte basic blocks a WQE of `dsCount` 16-byte units occupies in the SQ.
-MORI_ENC_HD constexpr uint32_t WqeBasicBlocks(uint32_t dsCount) {
-  return (dsCount + 3) / 4;
-}
+MORI_ENC_HD constexpr uint32_t WqeBasicBlocks(uint32_t dsCount) { return (dsCount + 3) / 4; }
 // Bytes an inline segment carrying `len` payload bytes occupies (header + data, padded to 16).
 MORI_ENC_HD constexpr uint32_t InlineSegBytes(uint32_t len) {
   return DsCount(static_cast<uint32_t>(sizeof(Mlx5InlineSegHeader)) + len) * kSegmentBytes;
@@ -292,12 +278,8 @@ MORI_ENC_HD T LoadWord(const void* src, size_t offset) {
   return v;
 }
 #endif
-MORI_ENC_HD void Store32(void* dst, size_t offset, uint32_t v) {
-  StoreWord(dst, offset, v);
-}
-MORI_ENC_HD void Store64(void* dst, size_t offset, uint64_t v) {
-  StoreWord(dst, offset, v);
-}
+MORI_ENC_HD void Store32(void* dst, size_t offset, uint32_t v) { StoreWord(dst, offset, v); }
+MORI_ENC_HD void Store64(void* dst, size_t offset, uint64_t v) { StoreWord(dst, offset, v); }
 MORI_ENC_HD uint32_t Load32(const void* src, size_t offset) {
   return LoadWord<uint32_t>(src, offset);
 }
@@ -329,9 +311,7 @@ MORI_ENC_HD uint32_t EncodeCtrlSeg(void* dst, uint16_t wqeIndex, uint8_t opcode,
   return kSegmentBytes;
 }
 // Immediate data as the ctrl segment carries it (network order).
-MORI_ENC_HD constexpr uint32_t ImmData(uint32_t hostValue) {
-  return HostToBe32(hostValue);
-}
+MORI_ENC_HD constexpr uint32_t ImmData(uint32_t hostValue) { return HostToBe32(hostValue); }
 
 MORI_ENC_HD uint32_t EncodeRaddrSeg(void* dst, uint64_t raddr, uint32_t rkey) {
   detail::Store64(dst, 0, HostToBe64(raddr));

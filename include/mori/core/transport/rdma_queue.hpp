@@ -62,11 +62,11 @@ struct SqHandle {
   void* ring;          // WQE ring, numBlocks * 64 bytes
   uint32_t numBlocks;  // power of two, at most 32768
   uint32_t qpn;
-  uint64_t* reserved;   // counters (see the header comment)
+  uint64_t* reserved;  // counters (see the header comment)
   uint64_t* ready;
   uint64_t* signalled;
-  uint32_t* dbrec;      // SQ doorbell record (DBR dword 1): BE32(producer & 0xffff)
-  uint64_t* doorbell;   // UAR register or mailbox: first 8 bytes of the last published ctrl seg
+  uint32_t* dbrec;     // SQ doorbell record (DBR dword 1): BE32(producer & 0xffff)
+  uint64_t* doorbell;  // UAR register or mailbox: first 8 bytes of the last published ctrl seg
   DoorbellMode doorbellMode;
 };
 
@@ -114,9 +114,9 @@ struct alignas(64) QpCounters {
 
 enum class QueueStatus : int32_t {
   kOk = 0,
-  kTimeout = 1,   // a bounded wait expired; see QueueResult.waitedFor
-  kQpError = 2,   // an error completion was seen on this QP (see CqHandle::error)
-  kInvalid = 3,   // bad argument (e.g. a WQE larger than the ring)
+  kTimeout = 1,  // a bounded wait expired; see QueueResult.waitedFor
+  kQpError = 2,  // an error completion was seen on this QP (see CqHandle::error)
+  kInvalid = 3,  // bad argument (e.g. a WQE larger than the ring)
 };
 
 // Outcome of an operation: on kTimeout what it waited for (`*addr >= expected`, saw `seen`).
@@ -143,9 +143,7 @@ MORI_HD_INLINE QueueResult QueueOk(uint64_t value = 0) {
   return QueueResult{QueueStatus::kOk, nullptr, nullptr, 0, 0, 0, value};
 }
 
-MORI_HD_INLINE bool QpInError(const CqHandle& cq) {
-  return hd::LoadAcquire(&cq.error->valid) != 0;
-}
+MORI_HD_INLINE bool QpInError(const CqHandle& cq) { return hd::LoadAcquire(&cq.error->valid) != 0; }
 
 // Drains ready CQEs (at most `maxCqes`) if no other thread is draining: advances consumer and
 // completed, updates the CQ doorbell record, records the first error CQE. Returns the number of
@@ -215,8 +213,7 @@ MORI_HD_INLINE QueueResult WaitCounterAtLeast(const QpEndpoint& ep, uint64_t* co
         nextAbortCheck = elapsed + kAbortCheckPeriodNs;
       }
       if (elapsed > ctx.timeoutNs) {
-        RecordWaitTimeout<uint64_t>(wctx, ctx.peer, label, counter, CmpOp::kGe, target, v,
-                                    elapsed);
+        RecordWaitTimeout<uint64_t>(wctx, ctx.peer, label, counter, CmpOp::kGe, target, v, elapsed);
         return QueueResult{QueueStatus::kTimeout, label, counter, target, v, elapsed, 0};
       }
 #else
@@ -233,10 +230,9 @@ MORI_HD_INLINE QueueResult WaitCounterAtLeast(const QpEndpoint& ep, uint64_t* co
 MORI_HD_INLINE void CopyToRing(const SqHandle& sq, uint64_t start, const uint8_t* src,
                                uint32_t bytes) {
   for (uint32_t off = 0; off < bytes; off += mlx5::kSegmentBytes) {
-    uint8_t* dst =
-        static_cast<uint8_t*>(mlx5::SqBasicBlock(sq.ring, static_cast<uint32_t>(start + off / 64),
-                                                 sq.numBlocks)) +
-        (off % 64);
+    uint8_t* dst = static_cast<uint8_t*>(mlx5::SqBasicBlock(
+                       sq.ring, static_cast<uint32_t>(start + off / 64), sq.numBlocks)) +
+                   (off % 64);
     const uint64_t* s = reinterpret_cast<const uint64_t*>(src + off);
     uint64_t* d = reinterpret_cast<uint64_t*>(dst);
     d[0] = s[0];
@@ -267,8 +263,13 @@ MORI_HD_INLINE QueueResult ReserveSlots(const QpEndpoint& ep, uint32_t numBlocks
                                         const PostContext& ctx) {
   if (numBlocks == 0 || numBlocks > MaxReserveBlocks(ep.sq) ||
       numBlocks > mlx5::kMaxWqeBasicBlocks * 64) {
-    return QueueResult{QueueStatus::kInvalid, "block count within MaxReserveBlocks", nullptr,
-                       MaxReserveBlocks(ep.sq), numBlocks, 0, 0};
+    return QueueResult{QueueStatus::kInvalid,
+                       "block count within MaxReserveBlocks",
+                       nullptr,
+                       MaxReserveBlocks(ep.sq),
+                       numBlocks,
+                       0,
+                       0};
   }
   if (QpInError(ep.cq)) {
     return QueueResult{QueueStatus::kQpError, "no error completion", nullptr, 0, 0, 0, 0};
@@ -296,8 +297,8 @@ enum class WqeKind : uint32_t {
 
 struct WqeDesc {
   WqeKind kind;
-  uint8_t fence;           // 0 or mlx5::kCtrlFence / kCtrlInitiatorSmallFence
-  bool unsignalled;        // request no CQE (a later CQE of this SQ covers it; see HoldsPeriodEnd)
+  uint8_t fence;     // 0 or mlx5::kCtrlFence / kCtrlInitiatorSmallFence
+  bool unsignalled;  // request no CQE (a later CQE of this SQ covers it; see HoldsPeriodEnd)
   mlx5::Mlx5LocalBuf local;    // write source / read destination / atomic result (8 bytes)
   mlx5::Mlx5RemoteBuf remote;  // write/read/atomic target
   uint64_t swapAdd;            // atomics: addend or new value
@@ -326,7 +327,8 @@ MORI_HD_INLINE uint32_t WriteWqe(const SqHandle& sq, uint64_t block, const WqeDe
   const mlx5::Mlx5WqeHeader h{static_cast<uint16_t>(block), sq.qpn,
                               static_cast<uint8_t>((cqe ? mlx5::kCtrlCqUpdate : 0) | d.fence)};
   if (d.kind == WqeKind::kWriteInline && d.local.len > kMaxInlinePayload) return 0;
-  const bool contiguous = (static_cast<uint32_t>(block) & (sq.numBlocks - 1)) + blocks <= sq.numBlocks;
+  const bool contiguous =
+      (static_cast<uint32_t>(block) & (sq.numBlocks - 1)) + blocks <= sq.numBlocks;
   alignas(16) uint8_t staging[kMaxInlineBlocks * mlx5::kSendWqeBasicBlock];
   void* dst = contiguous ? mlx5::SqBasicBlock(sq.ring, static_cast<uint32_t>(block), sq.numBlocks)
                          : static_cast<void*>(staging);
@@ -340,19 +342,15 @@ MORI_HD_INLINE uint32_t WriteWqe(const SqHandle& sq, uint64_t block, const WqeDe
     case WqeKind::kWriteInline:
       ds = mlx5::EncodeRdmaWriteInlineWqe(dst, h, d.inlineData, d.local.len, d.remote);
       break;
-    case WqeKind::kRead:
-      ds = mlx5::EncodeRdmaReadWqe(dst, h, d.local, d.remote);
-      break;
+    case WqeKind::kRead: ds = mlx5::EncodeRdmaReadWqe(dst, h, d.local, d.remote); break;
     case WqeKind::kFetchAdd:
       ds = mlx5::EncodeAtomicWqe(dst, h, mlx5::kOpAtomicFa, d.local, d.remote, d.swapAdd, 0);
       break;
     case WqeKind::kCompareSwap:
-      ds = mlx5::EncodeAtomicWqe(dst, h, mlx5::kOpAtomicCs, d.local, d.remote, d.swapAdd,
-                                 d.compare);
+      ds =
+          mlx5::EncodeAtomicWqe(dst, h, mlx5::kOpAtomicCs, d.local, d.remote, d.swapAdd, d.compare);
       break;
-    case WqeKind::kNop:
-      ds = mlx5::EncodeNopWqe(dst, h);
-      break;
+    case WqeKind::kNop: ds = mlx5::EncodeNopWqe(dst, h); break;
   }
   if (!contiguous) {
     // Unused tail of the last block stays as it was; the WQE is ds * 16 bytes.
@@ -392,8 +390,13 @@ MORI_HD_INLINE QueueResult RingDoorbell(const QpEndpoint& ep, uint64_t start, ui
 MORI_HD_INLINE QueueResult PostWqe(const QpEndpoint& ep, const WqeDesc& d, const PostContext& ctx) {
   const uint32_t blocks = WqeBlocks(d);
   if (d.kind == WqeKind::kWriteInline && d.local.len > kMaxInlinePayload) {
-    return QueueResult{QueueStatus::kInvalid, "inline payload within kMaxInlinePayload", nullptr,
-                       kMaxInlinePayload, d.local.len, 0, 0};
+    return QueueResult{QueueStatus::kInvalid,
+                       "inline payload within kMaxInlinePayload",
+                       nullptr,
+                       kMaxInlinePayload,
+                       d.local.len,
+                       0,
+                       0};
   }
   QueueResult r = ReserveSlots(ep, blocks, ctx);
   if (r.status != QueueStatus::kOk) return r;
@@ -412,8 +415,13 @@ MORI_HD_INLINE QueueResult PostWqes(const QpEndpoint& ep, const WqeDesc* d, uint
   uint32_t blocks = 0;
   for (uint32_t i = 0; i < n; i++) {
     if (d[i].kind == WqeKind::kWriteInline && d[i].local.len > kMaxInlinePayload) {
-      return QueueResult{QueueStatus::kInvalid, "inline payload within kMaxInlinePayload", nullptr,
-                         kMaxInlinePayload, d[i].local.len, 0, 0};
+      return QueueResult{QueueStatus::kInvalid,
+                         "inline payload within kMaxInlinePayload",
+                         nullptr,
+                         kMaxInlinePayload,
+                         d[i].local.len,
+                         0,
+                         0};
     }
     blocks += WqeBlocks(d[i]);
   }
@@ -498,8 +506,8 @@ MORI_HD_INLINE QueueResult WaitCompleted(const QpEndpoint& ep, uint64_t ticket,
     if (r.status != QueueStatus::kOk) return r;
     target = r.value + 1;
   }
-  QueueResult r = detail::WaitCounterAtLeast(ep, ep.cq.completed, target, true, ctx,
-                                             "SQ completions (quiet)");
+  QueueResult r =
+      detail::WaitCounterAtLeast(ep, ep.cq.completed, target, true, ctx, "SQ completions (quiet)");
   if (r.status != QueueStatus::kOk) return r;
   if (QpInError(ep.cq)) {
     return QueueResult{QueueStatus::kQpError, "no error completion", nullptr, 0, 0, 0, target};

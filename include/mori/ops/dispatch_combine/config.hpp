@@ -54,32 +54,32 @@ const char* EpIndexTypeName(EpIndexType type);
 int EpIndexTypeSize(EpIndexType type);
 
 // Limits of this implementation (checked by Validate and at every call).
-constexpr int kEpMaxWorldSize = 32;           // PEs of one IntraNode group
-constexpr int kEpMaxTopK = 64;                // numExpertsPerToken
-constexpr int kEpMaxExpertsPerRank = 4096;    // numExpertsPerRank (shared-memory histogram)
-constexpr int kEpMaxTokensPerRank = 65536;    // maxNumInpTokenPerRank (shared-memory bitmap)
-constexpr int kEpMaxThreadsPerBlock = 512;    // kernels are compiled for at most this many
-constexpr int kEpRowAlignBytes = 16;          // token rows move as 16-byte vectors
-constexpr int kEpSmallBatchTokens = 128;      // small-batch launch defaults up to this many tokens
-constexpr int kEpSmallBatchBlocks = 64;       // default blocks (at least) for small batches (measured)
+constexpr int kEpMaxWorldSize = 32;         // PEs of one IntraNode group
+constexpr int kEpMaxTopK = 64;              // numExpertsPerToken
+constexpr int kEpMaxExpertsPerRank = 4096;  // numExpertsPerRank (shared-memory histogram)
+constexpr int kEpMaxTokensPerRank = 65536;  // maxNumInpTokenPerRank (shared-memory bitmap)
+constexpr int kEpMaxThreadsPerBlock = 512;  // kernels are compiled for at most this many
+constexpr int kEpRowAlignBytes = 16;        // token rows move as 16-byte vectors
+constexpr int kEpSmallBatchTokens = 128;    // small-batch launch defaults up to this many tokens
+constexpr int kEpSmallBatchBlocks = 64;  // default blocks (at least) for small batches (measured)
 
 struct EpDispatchCombineConfig {
   int rank = 0;
   int worldSize = 0;
-  int hiddenDim = 4096;              // largest hidden size of any call (a call may use less)
-  int scaleDim = 0;                  // per-token scale elements (0: no scales)
-  int scaleTypeSize = 0;             // bytes per scale element
-  int maxTokenTypeSize = 4;          // largest token element size of any call (sizes buffers)
-  int maxNumInpTokenPerRank = 128;   // most tokens one rank dispatches per call
+  int hiddenDim = 4096;             // largest hidden size of any call (a call may use less)
+  int scaleDim = 0;                 // per-token scale elements (0: no scales)
+  int scaleTypeSize = 0;            // bytes per scale element
+  int maxTokenTypeSize = 4;         // largest token element size of any call (sizes buffers)
+  int maxNumInpTokenPerRank = 128;  // most tokens one rank dispatches per call
   int numExpertsPerRank = 1;
-  int numExpertsPerToken = 2;        // top-k
-  int warpNumPerBlock = 8;           // default warps per block (per-call override possible)
-  int blockNum = 80;                 // default blocks (per-call override possible)
-  bool useExternalInpBuf = true;     // combine input is a user tensor (copied) by default
+  int numExpertsPerToken = 2;     // top-k
+  int warpNumPerBlock = 8;        // default warps per block (per-call override possible)
+  int blockNum = 80;              // default blocks (per-call override possible)
+  bool useExternalInpBuf = true;  // combine input is a user tensor (copied) by default
   EpDispatchCombineKernelType kernelType = EpDispatchCombineKernelType::kIntraNode;
-  int gpuPerNode = 8;                // inter-node kernels only
-  int rdmaBlockNum = 0;              // inter-node kernels only
-  int numQpPerPe = 1;                // inter-node kernels only
+  int gpuPerNode = 8;    // inter-node kernels only
+  int rdmaBlockNum = 0;  // inter-node kernels only
+  int numQpPerPe = 1;    // inter-node kernels only
   // Rows one PE can receive in one dispatch (sizes the receive buffers); 0: W * M (every token of
   // every PE). A dispatch that would exceed it records an error naming the PEs instead of writing.
   int maxTotalRecvTokens = 0;

@@ -38,16 +38,16 @@
 namespace mori::ops {
 
 struct EpDispatchArgs {
-  const void* input = nullptr;        // [numTokens][hiddenDim] of dataType, 16-byte aligned
+  const void* input = nullptr;  // [numTokens][hiddenDim] of dataType, 16-byte aligned
   EpDataType dataType = EpDataType::kBFloat16;
-  int numTokens = 0;                  // 0 .. maxNumInpTokenPerRank
-  int hiddenDim = 0;                  // 1 .. config.hiddenDim; row bytes a multiple of 16
-  const float* weights = nullptr;     // [numTokens][K] or nullptr
-  const void* scales = nullptr;       // [numTokens][scaleDim] of scaleTypeSize bytes, or nullptr
-  const void* indices = nullptr;      // [numTokens][K] global expert ids
+  int numTokens = 0;               // 0 .. maxNumInpTokenPerRank
+  int hiddenDim = 0;               // 1 .. config.hiddenDim; row bytes a multiple of 16
+  const float* weights = nullptr;  // [numTokens][K] or nullptr
+  const void* scales = nullptr;    // [numTokens][scaleDim] of scaleTypeSize bytes, or nullptr
+  const void* indices = nullptr;   // [numTokens][K] global expert ids
   EpIndexType indexType = EpIndexType::kInt32;
-  int blockNum = -1;                  // -1: config (or the small-batch default)
-  int warpPerBlock = -1;              // -1: config (or the small-batch default)
+  int blockNum = -1;      // -1: config (or the small-batch default)
+  int warpPerBlock = -1;  // -1: config (or the small-batch default)
 };
 
 struct EpCombineArgs {
@@ -57,8 +57,8 @@ struct EpCombineArgs {
   const void* input = nullptr;
   EpDataType dataType = EpDataType::kBFloat16;  // bf16, fp16 or fp32
   int hiddenDim = 0;
-  int64_t inputRows = 0;              // rows readable at `input` (checked on the device)
-  const float* weights = nullptr;     // [weightRows][K] or nullptr (then no output weights)
+  int64_t inputRows = 0;           // rows readable at `input` (checked on the device)
+  const float* weights = nullptr;  // [weightRows][K] or nullptr (then no output weights)
   int64_t weightRows = 0;
   int blockNum = -1;
   int warpPerBlock = -1;
@@ -72,11 +72,11 @@ class EpDispatchCombineHandle {
   // Collective over the shmem PEs (allocates symmetric memory, zeroes it). Raises
   // InvalidUsageError for a bad config, a kernel type that is not built, shmem not initialised,
   // rank/worldSize not matching shmem, or a topology the kernel type cannot serve (IntraNode: a PE
-  // not reachable by load/store; InterNode: gpu_per_node not matching shmem's nodes). Before allocating,
-  // the PEs exchange their configs through the bootstrap and after allocating the heap offset of
-  // the block: if any PE's config (or layout) differs, a PE cannot create the handle, a PE lacks
-  // heap, or the offsets differ, every PE raises InvalidUsageError naming the first PE and field
-  // that differ, and nothing stays allocated.
+  // not reachable by load/store; InterNode: gpu_per_node not matching shmem's nodes). Before
+  // allocating, the PEs exchange their configs through the bootstrap and after allocating the heap
+  // offset of the block: if any PE's config (or layout) differs, a PE cannot create the handle, a
+  // PE lacks heap, or the offsets differ, every PE raises InvalidUsageError naming the first PE and
+  // field that differ, and nothing stays allocated.
   explicit EpDispatchCombineHandle(const EpDispatchCombineConfig& config);
   // Release(), with failures logged as warnings instead of raised (collective, like Release).
   ~EpDispatchCombineHandle();
@@ -146,10 +146,11 @@ class EpDispatchCombineHandle {
   int device = -1;
   int numSms = 0;
   std::unique_ptr<EpBackend> backend;  // the kernel family (src/ops/dispatch_combine/backend.hpp)
-  uint8_t* symmBase = nullptr;   // local address of the symmetric block
-  uint64_t symmHeapOffset = 0;   // its offset in every PE's heap
+  uint8_t* symmBase = nullptr;         // local address of the symmetric block
+  uint64_t symmHeapOffset = 0;         // its offset in every PE's heap
   uint8_t* localBase = nullptr;
-  uint64_t initGeneration = 0;  // shmem's init generation at construction (notices finalize/re-init)
+  uint64_t initGeneration =
+      0;  // shmem's init generation at construction (notices finalize/re-init)
   shmem::ShmemDeviceContext shmemCtx{};
   int lastNumTokens = -1;
   uint32_t lastRowBytes = 0;

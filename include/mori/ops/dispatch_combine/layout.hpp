@@ -50,14 +50,14 @@ static_assert(sizeof(EpSignal) == 16, "EpSignal must be 16 bytes");
 
 // Per-handle device state in local memory. Only the kernels touch it after construction.
 struct EpDeviceState {
-  uint64_t dispatchEpoch;          // dispatch calls completed on this PE
-  uint64_t combineEpoch;           // combine calls completed on this PE
-  uint32_t dispatchBlocksDone;     // grid counter: last block bumps the epoch and resets it
+  uint64_t dispatchEpoch;       // dispatch calls completed on this PE
+  uint64_t combineEpoch;        // combine calls completed on this PE
+  uint32_t dispatchBlocksDone;  // grid counter: last block bumps the epoch and resets it
   uint32_t combineBlocksDone;
   uint32_t combineCopyBlocksDone;  // grid counter of the external-input copy
   uint32_t combineNextItem;        // combine work queue (items beyond the first round); last block
                                    // resets it
-  uint32_t combineFailed;           // push combine: a block failed (the last block then does not
+  uint32_t combineFailed;          // push combine: a block failed (the last block then does not
                                    // judge the arrival counts); last block resets it
   // Written by dispatch for the push and InterNode combines: sendCount[d] = our tokens routed to
   // PE d, recvCount[s] = rows received from PE s (last dispatch).
@@ -86,6 +86,8 @@ enum class EpRegionRole : int32_t { kControl = 0, kOutput = 1, kInput = 2, kStag
 const char* EpRegionRoleName(EpRegionRole role);
 
 // X(field, python name, bytes, role). Order is layout order.
+// An X-macro table, one row per entry, laid out by hand:
+// clang-format off
 #define MORI_EP_SYMMETRIC_REGIONS(X, d)                                                           \
   /* [parity][src][dst] src's token count for dst (+format); IntraNode */                         \
   X(countInbox, "count_inbox", 2 * d.w * d.w * sizeof(EpSignal), kControl)                       \
@@ -128,7 +130,10 @@ const char* EpRegionRoleName(EpRegionRole role);
   /* InterNode: rows of our tokens returned by other nodes' PEs, by destination then list index */ \
   X(landingTokens, "landing_tokens", d.inter * d.landing * d.row, kStaging)                      \
   X(landingWeights, "landing_weights", d.inter * d.landing * d.k * sizeof(float), kStaging)
+// clang-format on
 
+// An X-macro table, one row per entry, laid out by hand:
+// clang-format off
 #define MORI_EP_LOCAL_REGIONS(X, d)                                                               \
   /* epochs and grid counters (kernels update them) */                                             \
   X(state, "state", sizeof(EpDeviceState), kControl)                                             \
@@ -140,6 +145,7 @@ const char* EpRegionRoleName(EpRegionRole role);
   X(tokenSlot, "token_slot", d.m * d.w * sizeof(int32_t), kControl)                              \
   X(combineOutWeights, "combine_out_weights", d.m * d.k * sizeof(float), kOutput)                \
   X(combineOutTokens, "combine_out_tokens", d.m * d.row, kOutput)
+// clang-format on
 
 #define MORI_EP_LAYOUT_FIELD(field, name, bytes, role) size_t field = 0;
 struct EpSymmetricLayout {
@@ -230,8 +236,8 @@ enum class EpCombineSource : uint32_t {
 };
 // readyInbox value: token source bits 0..3, weight source bits 4..7, dtype bits 8..11, row
 // bytes bits 16..47.
-MORI_HD inline uint64_t EpPackReady(EpCombineSource tokens, EpCombineSource weights,
-                                    int dataType, uint32_t rowBytes) {
+MORI_HD inline uint64_t EpPackReady(EpCombineSource tokens, EpCombineSource weights, int dataType,
+                                    uint32_t rowBytes) {
   return static_cast<uint64_t>(tokens) | (static_cast<uint64_t>(weights) << 4) |
          (static_cast<uint64_t>(dataType & 0xF) << 8) | (static_cast<uint64_t>(rowBytes) << 16);
 }

@@ -1,6 +1,6 @@
 // The RDMA route of the shmem device API: each call becomes mlx5 work requests posted by the
-// calling thread (the scope's leader for Warp/Block calls) on an RC queue pair to the peer, with the
-// posting protocol of core/transport/rdma_queue.hpp. Internal to the shmem device API.
+// calling thread (the scope's leader for Warp/Block calls) on an RC queue pair to the peer, with
+// the posting protocol of core/transport/rdma_queue.hpp. Internal to the shmem device API.
 //
 // Contract (what differs from the load/store route):
 //  * Local buffers of RDMA work requests must lie in this PE's symmetric heap (registered at init)
@@ -18,7 +18,8 @@
 //    data is in its destination only then. Fetching atomics wait for their own completion. A
 //    put's ticket (the SQ block count after its requests) tells when it has completed without a
 //    quiet (ShmemRdmaCompleted).
-//  * Atomics over RDMA are 64-bit (the NIC's FETCH_ADD / COMPARE_SWAP); 32-bit ones record an error.
+//  * Atomics over RDMA are 64-bit (the NIC's FETCH_ADD / COMPARE_SWAP); 32-bit ones record an
+//  error.
 //  * A timed-out wait is recorded by the queue (label names what it waited for); an error
 //    completion is recorded with QPN, WQE index and syndrome (kind kRemote, cmp =
 //    kDeviceErrorRdmaCqe; the host raises RemoteError). Either
@@ -117,14 +118,20 @@ __device__ __noinline__ inline void ReportRdmaFailure(const ShmemDeviceContext& 
     const uint64_t syndrome = static_cast<uint64_t>(e.syndrome) |
                               (static_cast<uint64_t>(e.vendorSyndrome) << 8) |
                               (static_cast<uint64_t>(e.sendOpcode) << 16);
-    const core::DeviceErrorFields f{core::DeviceErrorKind::kRemote, pe, core::kDeviceErrorRdmaCqe,
-                                    0, e.qpn, e.wqeCounter, syndrome, 0};
-    if (core::RecordDeviceError(ctx.wait, f, op, ": error completion") ||
-        ctx.wait.err == nullptr) {
-      printf("[MORI device error] rank %d block %d thread %d: %s: RDMA error completion from pe %d: "
-             "QP 0x%x WQE %u syndrome 0x%02x vendor 0x%02x\n",
-             ctx.rank, (int)blockIdx.x, (int)threadIdx.x, op, pe, e.qpn, (unsigned)e.wqeCounter,
-             (unsigned)e.syndrome, (unsigned)e.vendorSyndrome);
+    const core::DeviceErrorFields f{core::DeviceErrorKind::kRemote,
+                                    pe,
+                                    core::kDeviceErrorRdmaCqe,
+                                    0,
+                                    e.qpn,
+                                    e.wqeCounter,
+                                    syndrome,
+                                    0};
+    if (core::RecordDeviceError(ctx.wait, f, op, ": error completion") || ctx.wait.err == nullptr) {
+      printf(
+          "[MORI device error] rank %d block %d thread %d: %s: RDMA error completion from pe %d: "
+          "QP 0x%x WQE %u syndrome 0x%02x vendor 0x%02x\n",
+          ctx.rank, (int)blockIdx.x, (int)threadIdx.x, op, pe, e.qpn, (unsigned)e.wqeCounter,
+          (unsigned)e.syndrome, (unsigned)e.vendorSyndrome);
     }
     return;
   }
@@ -176,7 +183,8 @@ MORI_DEVICE_INLINE bool RdmaCompleted(const ShmemDeviceContext& ctx, int pe, uin
   const rdma::QpEndpoint& ep = ctx.rdmaPeers[pe].qps[q];
   if (!rdma::IsCompleted(ep, ticket)) return false;
   if (rdma::QpInError(ep.cq)) {
-    const rdma::QueueResult r{rdma::QueueStatus::kQpError, "no error completion", nullptr, 0, 0, 0, 0};
+    const rdma::QueueResult r{
+        rdma::QueueStatus::kQpError, "no error completion", nullptr, 0, 0, 0, 0};
     ReportRdmaFailure(ctx, pe, op, r, ep);
   }
   return true;
@@ -228,8 +236,8 @@ MORI_DEVICE_INLINE bool RdmaGet(const ShmemDeviceContext& ctx, int pe, void* des
   return RdmaTransfer(ctx, pe, rdma::WqeKind::kRead, dest, src, bytes, op, st);
 }
 
-// The scratch word (in this PE's heap) for the result of the WQE at `slot` on QP index q: indexed by
-// the slot modulo twice the ring, so it is unique while the WQE is outstanding and overwritten
+// The scratch word (in this PE's heap) for the result of the WQE at `slot` on QP index q: indexed
+// by the slot modulo twice the ring, so it is unique while the WQE is outstanding and overwritten
 // only after a full ring of later WQEs has also completed, far longer than a fetching thread
 // needs to read it after its completion.
 MORI_DEVICE_INLINE uint64_t* RdmaScratchWord(const ShmemRdmaPeer& p, uint32_t q, uint64_t slot) {
@@ -271,7 +279,8 @@ MORI_DEVICE_INLINE bool RdmaFetchOp(const ShmemDeviceContext& ctx, int pe, const
     r = rdma::detail::WaitCounterAtLeast(ep, ep.cq.completed, slot + 1, true, pc,
                                          "completion of a fetching RDMA request");
     if (r.status == rdma::QueueStatus::kOk && rdma::QpInError(ep.cq)) {
-      r = rdma::QueueResult{rdma::QueueStatus::kQpError, "no error completion", nullptr, 0, 0, 0, 0};
+      r = rdma::QueueResult{
+          rdma::QueueStatus::kQpError, "no error completion", nullptr, 0, 0, 0, 0};
     }
     if (r.status == rdma::QueueStatus::kOk) *old = core::AtomicLoadAcquireSystem(result);
   }
@@ -299,7 +308,7 @@ struct RdmaPutArgs {
 struct RdmaPutPieces {
   rdma::WqeDesc desc;  // the first piece; piece k moves both addresses by k * kRdmaMaxMessage
   uint32_t count;
-  uint32_t blocks;     // of all pieces
+  uint32_t blocks;  // of all pieces
   uint64_t bytes;
 
   // Describes [src, src + bytes) -> remote `raddr`; false with `st` set when the source needs a
@@ -335,7 +344,8 @@ struct RdmaPutPieces {
     if (d.kind == rdma::WqeKind::kWrite) {
       const uint64_t off = static_cast<uint64_t>(k) * kRdmaMaxMessage;
       d.local.addr += off;
-      d.local.len = static_cast<uint32_t>(bytes - off < kRdmaMaxMessage ? bytes - off : kRdmaMaxMessage);
+      d.local.len =
+          static_cast<uint32_t>(bytes - off < kRdmaMaxMessage ? bytes - off : kRdmaMaxMessage);
       d.remote.addr += off;
     }
     return d;
@@ -346,13 +356,15 @@ struct RdmaPutPieces {
 
 // The signal WQE at `slot` (a FETCH_ADD's old value goes to the slot's scratch word). `value` must
 // stay alive until it is written.
-MORI_DEVICE_INLINE rdma::WqeDesc RdmaSignalWqe(const ShmemDeviceContext& ctx, const ShmemRdmaPeer& p,
-                                               uint32_t q, uint64_t slot, uint64_t sigRaddr,
-                                               SignalOp sigOp, const uint64_t& value) {
+MORI_DEVICE_INLINE rdma::WqeDesc RdmaSignalWqe(const ShmemDeviceContext& ctx,
+                                               const ShmemRdmaPeer& p, uint32_t q, uint64_t slot,
+                                               uint64_t sigRaddr, SignalOp sigOp,
+                                               const uint64_t& value) {
   const mlx5::Mlx5LocalBuf result{reinterpret_cast<uintptr_t>(RdmaScratchWord(p, q, slot)),
                                   ctx.heapLkey, sizeof(uint64_t)};
-  return rdma::SignalWqe(sigOp == SignalOp::kAdd ? rdma::SignalUpdate::kAdd : rdma::SignalUpdate::kSet,
-                         mlx5::Mlx5RemoteBuf{sigRaddr, p.rkey}, value, result);
+  return rdma::SignalWqe(
+      sigOp == SignalOp::kAdd ? rdma::SignalUpdate::kAdd : rdma::SignalUpdate::kSet,
+      mlx5::Mlx5RemoteBuf{sigRaddr, p.rkey}, value, result);
 }
 
 // Posts a put (data pieces, then the signal) on QP index q of `pe`, in as few reservations as
@@ -438,13 +450,15 @@ MORI_DEVICE_INLINE bool RdmaPutBatchWarp(const ShmemDeviceContext& ctx, int pe, 
   CallStatus st;
   uint64_t raddr = 0, sigRaddr = 0;
   RdmaPutPieces data;
-  bool ok = a.bytes == 0 || RdmaRemote(ctx, p, a.dest, a.bytes, 1, raddr, st);  // idle lanes: any dest
+  bool ok =
+      a.bytes == 0 || RdmaRemote(ctx, p, a.dest, a.bytes, 1, raddr, st);  // idle lanes: any dest
   ok = ok && data.Plan(ctx, p, a.src, a.bytes, raddr, st);
   if (ok && lane == 0 && hasSig)
     ok = RdmaRemote(ctx, p, a.sigAddr, sizeof(uint64_t), sizeof(uint64_t), sigRaddr, st);
   const core::LaneMask bad = core::WarpBallot(!ok);
   if (bad != 0) {  // the lowest failing lane reports
-    if (!ok && (bad & ((core::LaneMask(1) << lane) - 1)) == 0) ReportCallError(ctx.wait, pe, op, st);
+    if (!ok && (bad & ((core::LaneMask(1) << lane) - 1)) == 0)
+      ReportCallError(ctx.wait, pe, op, st);
     return false;
   }
   uint32_t upTo = data.blocks;  // inclusive scan of the lanes' blocks

@@ -2,11 +2,11 @@
 // error record for invalid calls. Internal to the shmem device API (namespace detail).
 //
 // Errors that are not timed-out waits (pe out of range, address outside the symmetric heap,
-// an operation the transport does not offer) are written to the same DeviceErrorRecord the bounded waits use, with
-// kind kUsage and cmp = kDeviceErrorNotAWait, so the host raises them as InvalidUsageError through
-// ShmemCheckDeviceError; they also
-// raise the abort flag, so every bounded wait of the PE gives up instead of waiting for data that
-// will not come. The API call then returns false (or a zero value) and does nothing.
+// an operation the transport does not offer) are written to the same DeviceErrorRecord the bounded
+// waits use, with kind kUsage and cmp = kDeviceErrorNotAWait, so the host raises them as
+// InvalidUsageError through ShmemCheckDeviceError; they also raise the abort flag, so every bounded
+// wait of the PE gives up instead of waiting for data that will not come. The API call then returns
+// false (or a zero value) and does nothing.
 //
 // Each API function reports through one ReportCallError call site: HIP inlines every device
 // function (printf included), so error paths are funnelled to keep kernels small.
@@ -32,39 +32,29 @@ using NonDeduced = typename Identity<T>::type;
 
 enum class CallError : uint32_t {
   kNone = 0,
-  kPeOutOfRange,        // detail: pe
-  kPeUnreachable,       // transport kNone; detail: pe
-  kNotRegistered,       // RDMA local buffer outside this PE's heap; addr: the address; detail: bytes
-  kRdmaRejected,        // the RDMA queue refused the request; addr: value seen; detail: limit
-  kRdmaUnsupported,     // an operation RDMA does not offer (e.g. 32-bit atomics); detail: bytes
-  kNotInHeap,           // addr: the address; detail: bytes
-  kMisaligned,          // addr: the address; detail: required alignment
-  kPeerNotMapped,       // peerHeapBases[pe] == 0; detail: pe
-  kBadSignalOp,         // detail: the SignalOp value
+  kPeOutOfRange,     // detail: pe
+  kPeUnreachable,    // transport kNone; detail: pe
+  kNotRegistered,    // RDMA local buffer outside this PE's heap; addr: the address; detail: bytes
+  kRdmaRejected,     // the RDMA queue refused the request; addr: value seen; detail: limit
+  kRdmaUnsupported,  // an operation RDMA does not offer (e.g. 32-bit atomics); detail: bytes
+  kNotInHeap,        // addr: the address; detail: bytes
+  kMisaligned,       // addr: the address; detail: required alignment
+  kPeerNotMapped,    // peerHeapBases[pe] == 0; detail: pe
+  kBadSignalOp,      // detail: the SignalOp value
 };
 
 MORI_HOST_DEVICE inline const char* CallErrorText(CallError e) {
   switch (e) {
-    case CallError::kNone:
-      return "no error";
-    case CallError::kPeOutOfRange:
-      return "pe out of range";
-    case CallError::kPeUnreachable:
-      return "pe unreachable";
-    case CallError::kNotRegistered:
-      return "not RDMA-registered";
-    case CallError::kRdmaRejected:
-      return "RDMA request refused";
-    case CallError::kRdmaUnsupported:
-      return "not supported over RDMA";
-    case CallError::kNotInHeap:
-      return "addr not in heap";
-    case CallError::kMisaligned:
-      return "misaligned address";
-    case CallError::kPeerNotMapped:
-      return "peer heap not mapped";
-    case CallError::kBadSignalOp:
-      return "invalid SignalOp";
+    case CallError::kNone: return "no error";
+    case CallError::kPeOutOfRange: return "pe out of range";
+    case CallError::kPeUnreachable: return "pe unreachable";
+    case CallError::kNotRegistered: return "not RDMA-registered";
+    case CallError::kRdmaRejected: return "RDMA request refused";
+    case CallError::kRdmaUnsupported: return "not supported over RDMA";
+    case CallError::kNotInHeap: return "addr not in heap";
+    case CallError::kMisaligned: return "misaligned address";
+    case CallError::kPeerNotMapped: return "peer heap not mapped";
+    case CallError::kBadSignalOp: return "invalid SignalOp";
   }
   return "unknown error";
 }
@@ -86,8 +76,8 @@ struct CallStatus {
 __device__ __noinline__ inline void ReportCallError(const core::WaitContext& w, int peer,
                                                     const char* op, const CallStatus& st) {
   const char* what = CallErrorText(st.code);
-  const core::DeviceErrorFields f{core::DeviceErrorKind::kUsage, peer, core::kDeviceErrorNotAWait,
-                                  0, st.addr, st.detail, 0, 0};
+  const core::DeviceErrorFields f{
+      core::DeviceErrorKind::kUsage, peer, core::kDeviceErrorNotAWait, 0, st.addr, st.detail, 0, 0};
   if (!core::RecordDeviceError(w, f, op, ": ", what) && w.err != nullptr) return;
   printf(
       "[MORI device error] rank %d block %d thread %d: %s: %s (pe %d, addr 0x%llx, detail %llu)\n",
@@ -105,12 +95,9 @@ MORI_DEVICE_INLINE Route RouteTo(const ShmemDeviceContext& ctx, int pe, CallStat
   }
   switch (ctx.transport[pe]) {
     case TransportType::kSelf:
-    case TransportType::kP2P:
-      return Route::kLoadStore;
-    case TransportType::kRdma:
-      return Route::kRdma;
-    default:
-      break;
+    case TransportType::kP2P: return Route::kLoadStore;
+    case TransportType::kRdma: return Route::kRdma;
+    default: break;
   }
   st.Set(CallError::kPeUnreachable, 0, static_cast<uint64_t>(pe));
   return Route::kFailed;

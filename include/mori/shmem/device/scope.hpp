@@ -35,7 +35,9 @@ struct WarpScope {
   MORI_DEVICE_INLINE static int Rank() { return FlatThreadId() & (core::kWarpSize - 1); }
   MORI_DEVICE_INLINE static int Size() { return core::kWarpSize; }
   MORI_DEVICE_INLINE static void Sync() { core::WarpSync(); }
-  MORI_DEVICE_INLINE static bool Broadcast(bool v) { return core::WarpShfl(static_cast<int>(v), 0) != 0; }
+  MORI_DEVICE_INLINE static bool Broadcast(bool v) {
+    return core::WarpShfl(static_cast<int>(v), 0) != 0;
+  }
   MORI_DEVICE_INLINE static uint64_t BroadcastWord(uint64_t v) {
     return static_cast<uint64_t>(core::WarpShfl(static_cast<unsigned long long>(v), 0));
   }

@@ -15,12 +15,9 @@ enum class SignalOp : int32_t {
 
 inline const char* SignalOpName(SignalOp op) {
   switch (op) {
-    case SignalOp::kSet:
-      return "set";
-    case SignalOp::kAdd:
-      return "add";
-    case SignalOp::kNone:
-      return "none";
+    case SignalOp::kSet: return "set";
+    case SignalOp::kAdd: return "add";
+    case SignalOp::kNone: return "none";
   }
   return "?";
 }
@@ -38,6 +35,5 @@ enum class CqeMode : int32_t {
 // Words of ShmemDeviceContext::syncArea used by the device API. The area is symmetric, zeroed at
 // init and only ever grows (monotonic counters), so no reset is needed between barriers or kernels.
 constexpr int kSyncWordDeviceBarrier = 0;  // arrivals at this PE's device barrier, all epochs
-
 
 }  // namespace mori::shmem
