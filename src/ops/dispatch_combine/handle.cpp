@@ -259,8 +259,8 @@ void EpDispatchCombineHandle::ResolveLaunch(int numTokens, int blockNum, int war
   int warps = warpPerBlock;
   if (blocks <= 0) {
     blocks = config.blockNum;
-    // Small batches are latency-bound: both kernels spread them over up to 64 SMs (2x H200,
-    // session 4: combine at 16 blocks x 8 warps took 21 us, at 64 x 8 16.5; docs/performance.md).
+    // Small batches are latency-bound: both kernels spread them over up to kEpSmallBatchBlocks
+    // SMs, more than the config's default blocks (figures: docs/performance.md, session 4).
     if (numTokens <= kEpSmallBatchTokens)
       blocks = std::max(blocks, std::min(numSms, kEpSmallBatchBlocks));
   }
