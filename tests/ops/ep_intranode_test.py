@@ -1194,10 +1194,6 @@ def main(argv=None, default_kernel_type="IntraNode"):
         os.environ["MORI_GPU_PER_NODE"] = str(args.gpu_per_node)
         os.environ.setdefault("MORI_RDMA_EMULATE", "1")
         os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
-        # The emulator's copies go through one of the process's streams; with few hardware queues
-        # that stream can share one with the rank's stream, and its copies then wait behind the
-        # rank's next queued kernel, which waits (through its peers) for those copies.
-        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
     if args.list:
         for n, _ in CASES:
             print(n)

@@ -186,7 +186,6 @@ def main():
     os.environ["MORI_GPU_PER_NODE"] = str(args.gpu_per_node)
     os.environ.setdefault("MORI_RDMA_EMULATE", "1")
     os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")  # see tests/ops/ep_intranode_test.py
     return U.launch(worker, args.nproc, args)
 
 
