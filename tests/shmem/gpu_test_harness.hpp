@@ -362,13 +362,13 @@ class FailLogBuffer {
 };
 
 // Deterministic test data: byte i of the stream identified by `seed`.
-MORI_HOST_DEVICE inline uint64_t Mix64(uint64_t x) {
+MORI_HD inline uint64_t Mix64(uint64_t x) {
   x += 0x9E3779B97F4A7C15ull;
   x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
   x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
   return x ^ (x >> 31);
 }
-MORI_HOST_DEVICE inline uint8_t PatternByte(uint64_t seed, uint64_t i) {
+MORI_HD inline uint8_t PatternByte(uint64_t seed, uint64_t i) {
   return static_cast<uint8_t>(Mix64(seed ^ ((i >> 3) * 0xD6E8FEB86659FD93ull)) >> ((i & 7) * 8));
 }
 // p[i] = PatternByte(seed, i) for i < n (one hash per 8 bytes).
@@ -392,7 +392,7 @@ inline size_t FirstNotEqual(const uint8_t* p, size_t n, uint8_t v) {
     if (p[i] != v) return i;
   return n;
 }
-MORI_HOST_DEVICE inline uint64_t SeedOf(uint64_t a, uint64_t b, uint64_t c, uint64_t d = 0) {
+MORI_HD inline uint64_t SeedOf(uint64_t a, uint64_t b, uint64_t c, uint64_t d = 0) {
   return Mix64(Mix64(Mix64(a * 0x100000001B3ull + 1) ^ b) ^ (c * 31 + d));
 }
 

@@ -151,7 +151,7 @@ __global__ void SwapKernel(ShmemDeviceContext ctx, Arrays a, uint64_t swapTotal,
   }
 }
 
-MORI_HOST_DEVICE uint64_t SetValue(int src, int dst, int kind) {
+MORI_HD uint64_t SetValue(int src, int dst, int kind) {
   return Mix64(uint64_t(src) * 977 + uint64_t(dst) * 13 + uint64_t(kind));
 }
 

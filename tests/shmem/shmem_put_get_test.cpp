@@ -47,8 +47,8 @@ const char* ScopeName(Scope s) {
   }
   return "?";
 }
-MORI_HOST_DEVICE constexpr bool IsGet(Api a) { return a == Api::kGetNbi || a == Api::kGet; }
-MORI_HOST_DEVICE constexpr bool IsSignal(Api a) {
+MORI_HD constexpr bool IsGet(Api a) { return a == Api::kGetNbi || a == Api::kGet; }
+MORI_HD constexpr bool IsSignal(Api a) {
   return a == Api::kPutSignalSet || a == Api::kPutSignalAdd;
 }
 
@@ -70,7 +70,7 @@ struct CaseArgs {
 };
 
 // The bytes PE `src` sends to / lets be read by PE `dst` in `round`.
-MORI_HOST_DEVICE uint64_t DataSeed(int src, int dst, uint64_t round) {
+MORI_HD uint64_t DataSeed(int src, int dst, uint64_t round) {
   return SeedOf(src, dst, round, 0x5eed);
 }
 
@@ -194,7 +194,7 @@ KernelFn PickKernel(Api a, Scope s) {
 constexpr int kNumTypes = 8;  // uint8, int16, uint32, int32, uint64, int64, float, double
 
 template <typename T>
-MORI_HOST_DEVICE T TypedValue(int src, int dst, int t) {
+MORI_HD T TypedValue(int src, int dst, int t) {
   const uint64_t h = Mix64(uint64_t(src) * 1000003ull + uint64_t(dst) * 131ull + uint64_t(t));
   if constexpr (std::is_floating_point<T>::value) {
     return static_cast<T>(static_cast<double>(h % 1000000) / 64.0 - 7777.0);

@@ -68,9 +68,7 @@ const char* ScopeName(Scope s) {
   return s == Scope::kThread ? "thread" : s == Scope::kWarp ? "warp" : "block";
 }
 
-MORI_HOST_DEVICE inline uint64_t SeedOf(int pe, int round) {
-  return 0x5eed0000ull + pe * 131 + round;
-}
+MORI_HD inline uint64_t SeedOf(int pe, int round) { return 0x5eed0000ull + pe * 131 + round; }
 
 // ---- put / get ------------------------------------------------------------------------------
 // Every PE puts its `src` to slot `me` of `recv` on every PE (or gets every PE's src into slot p
@@ -694,7 +692,7 @@ __device__ bool WqeRequestsCqe(const ShmemDeviceContext& ctx, int pe, uint32_t q
   return (ctrl[11] & core::mlx5::kCtrlCqUpdate) != 0;
 }
 // Blocks of the data WQEs of an RDMA put of `bytes` (< 1 GiB).
-MORI_HOST_DEVICE inline uint32_t PutBlocks(size_t bytes) {
+MORI_HD inline uint32_t PutBlocks(size_t bytes) {
   if (bytes == 0) return 0;
   if (bytes > shmem::detail::kRdmaInlineMax) return 1;
   return core::mlx5::WqeBasicBlocks(core::mlx5::DsRdmaWriteInline(static_cast<uint32_t>(bytes)));
@@ -896,14 +894,14 @@ void TestPutSignalQp(RankEnv& env, uint8_t* src, uint8_t* recv, uint64_t* sigs,
 // Warp batch: lane l puts BatchLaneBytes(l, round) bytes of its own window (0 for some lanes),
 // one trailing signal (round % 3: kAdd, kSet, none).
 constexpr size_t kLaneWindow = 8192;
-MORI_HOST_DEVICE inline size_t BatchLaneBytes(int lane, int round) {
+MORI_HD inline size_t BatchLaneBytes(int lane, int round) {
   const size_t sizes[] = {0, 8, 64, 65, 1000, 4099, kLaneWindow};
   return sizes[(lane + round) % 7];
 }
-MORI_HOST_DEVICE inline SignalOp BatchOp(int round) {
+MORI_HD inline SignalOp BatchOp(int round) {
   return round % 3 == 0 ? SignalOp::kAdd : round % 3 == 1 ? SignalOp::kSet : SignalOp::kNone;
 }
-MORI_HOST_DEVICE inline uint64_t BatchSignal(int round) {
+MORI_HD inline uint64_t BatchSignal(int round) {
   return BatchOp(round) == SignalOp::kAdd ? 1 : static_cast<uint64_t>(round + 1);
 }
 

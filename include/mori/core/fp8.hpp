@@ -17,12 +17,10 @@ enum class Fp8Format : uint8_t { kE4M3Fn = 0, kE4M3Fnuz = 1 };
 // The encoding a platform's FP8 hardware and frameworks use for "float8 e4m3" (gpu.hpp).
 constexpr Fp8Format kNativeFp8Format = kNativeFp8IsFnuz ? Fp8Format::kE4M3Fnuz : Fp8Format::kE4M3Fn;
 
-MORI_HOST_DEVICE inline int Fp8Bias(Fp8Format f) { return f == Fp8Format::kE4M3Fn ? 7 : 8; }
-MORI_HOST_DEVICE inline float Fp8Max(Fp8Format f) {
-  return f == Fp8Format::kE4M3Fn ? 448.f : 240.f;
-}
+MORI_HD inline int Fp8Bias(Fp8Format f) { return f == Fp8Format::kE4M3Fn ? 7 : 8; }
+MORI_HD inline float Fp8Max(Fp8Format f) { return f == Fp8Format::kE4M3Fn ? 448.f : 240.f; }
 
-MORI_HOST_DEVICE inline float Fp8ToFloat(uint8_t v, Fp8Format f) {
+MORI_HD inline float Fp8ToFloat(uint8_t v, Fp8Format f) {
   const uint32_t sign = v >> 7, exp = (v >> 3) & 0xF, man = v & 0x7;
   if (f == Fp8Format::kE4M3Fn) {
     if (exp == 0xF && man == 0x7) return __builtin_nanf("");
@@ -44,7 +42,7 @@ MORI_HOST_DEVICE inline float Fp8ToFloat(uint8_t v, Fp8Format f) {
 }
 
 // Round to nearest even, saturating to the format's max (as frameworks' saturating casts do).
-MORI_HOST_DEVICE inline uint8_t FloatToFp8(float x, Fp8Format f) {
+MORI_HD inline uint8_t FloatToFp8(float x, Fp8Format f) {
   if (x != x) return f == Fp8Format::kE4M3Fn ? 0x7F : 0x80;
   uint32_t sign = 0;
   if (x < 0.f || (x == 0.f && 1.f / x < 0.f)) {

@@ -12,7 +12,6 @@
 #include <cuda/atomic>
 #endif
 
-#define MORI_HOST_DEVICE __host__ __device__
 #define MORI_DEVICE __device__
 #define MORI_DEVICE_INLINE __device__ __forceinline__
 

@@ -5,6 +5,7 @@
 //   MORI_GPU_COMPILER  1 when nvcc or a HIP compiler compiles the unit (host or device pass)
 //   MORI_DEVICE_PASS   1 in the device pass of such a compiler
 //   MORI_HD            __host__ __device__ under a GPU compiler, nothing otherwise
+//   MORI_HD_INLINE     MORI_HD inline: a function defined in a header for host and device
 #pragma once
 
 #if defined(__CUDACC__) || defined(__HIPCC__)
@@ -14,6 +15,8 @@
 #define MORI_GPU_COMPILER 0
 #define MORI_HD
 #endif
+
+#define MORI_HD_INLINE MORI_HD inline
 
 #if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
 #define MORI_DEVICE_PASS 1

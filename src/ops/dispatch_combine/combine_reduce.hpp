@@ -128,13 +128,13 @@ MORI_DEVICE_INLINE void WarpReduceRows(uint4* __restrict__ out, const uint8_t* c
 // stage; chunks are multiples of 16 bytes (the unit of the bulk copies and of the sums). Bytes
 // [begin, end) of a row make EpStagedChunkCount chunks; chunk c starts at begin + c * chunk and
 // has EpStagedChunkLength(begin + c * chunk, end, chunk) bytes (the last one may be shorter).
-MORI_HOST_DEVICE inline uint32_t EpStagedChunkBytes(int n) {
+MORI_HD inline uint32_t EpStagedChunkBytes(int n) {
   return (static_cast<uint32_t>(kEpCombineStageBytes) / n) & ~15u;
 }
-MORI_HOST_DEVICE inline uint32_t EpStagedChunkCount(uint32_t begin, uint32_t end, uint32_t chunk) {
+MORI_HD inline uint32_t EpStagedChunkCount(uint32_t begin, uint32_t end, uint32_t chunk) {
   return (end - begin + chunk - 1) / chunk;
 }
-MORI_HOST_DEVICE inline uint32_t EpStagedChunkLength(uint32_t off, uint32_t end, uint32_t chunk) {
+MORI_HD inline uint32_t EpStagedChunkLength(uint32_t off, uint32_t end, uint32_t chunk) {
   return end - off < chunk ? end - off : chunk;
 }
 

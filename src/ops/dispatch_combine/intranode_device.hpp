@@ -197,8 +197,7 @@ MORI_DEVICE_INLINE bool RdmaWrite(const EpKernelCommon& c, int pe, void* dst, co
 // local copy must not be the last to finish.
 // Tested through mori._C._testing (src/pybind/ep_test_bindings.cpp), as the work splits below.
 // ---------------------------------------------------------------------------------------------
-MORI_HOST_DEVICE inline void EpDispatchBlockRole(int b, int nb, int W, int me, int* dest, int* g,
-                                                 int* G) {
+MORI_HD inline void EpDispatchBlockRole(int b, int nb, int W, int me, int* dest, int* g, int* G) {
   if (W <= 1 || nb < 3 * W) {
     *dest = (b + me) % W;
     *g = b / W;
@@ -227,7 +226,7 @@ MORI_HOST_DEVICE inline void EpDispatchBlockRole(int b, int nb, int W, int me, i
 // Start of share i when n items are cut into `parts` contiguous shares: share i is
 // [EpShareBegin(n, i, parts), EpShareBegin(n, i + 1, parts)); the shares cover [0, n) once, in
 // order, and their sizes differ by at most one.
-MORI_HOST_DEVICE inline int EpShareBegin(int n, int i, int parts) {
+MORI_HD inline int EpShareBegin(int n, int i, int parts) {
   return static_cast<int>(static_cast<long long>(n) * i / parts);
 }
 
@@ -235,7 +234,7 @@ MORI_HOST_DEVICE inline int EpShareBegin(int n, int i, int parts) {
 // floor(warps / rows) while rows are fewer than warps, so that every warp has at most one item
 // (ceil would give some warps two: two rounds of load latency instead of one), but no more parts
 // than leave each part two vectors per lane; 1 otherwise.
-MORI_HOST_DEVICE inline int EpPartsPerRow(int rows, int warps, int vecs) {
+MORI_HD inline int EpPartsPerRow(int rows, int warps, int vecs) {
   if (rows <= 0 || rows >= warps) return 1;
   const int parts = warps / rows;
   const int maxParts = vecs / (2 * kWarpSize) > 1 ? vecs / (2 * kWarpSize) : 1;
@@ -244,7 +243,7 @@ MORI_HOST_DEVICE inline int EpPartsPerRow(int rows, int warps, int vecs) {
 
 // The word of a membership bitmap that holds list position p: the last of words [0, nWords)
 // whose exclusive prefix count is <= p (prefix non-decreasing, prefix[0] == 0 <= p).
-MORI_HOST_DEVICE inline int EpWordOfPosition(const int* prefix, int nWords, int p) {
+MORI_HD inline int EpWordOfPosition(const int* prefix, int nWords, int p) {
   int lo = 0, hi = nWords - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;

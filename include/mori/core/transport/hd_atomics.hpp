@@ -11,7 +11,6 @@
 #if MORI_GPU_COMPILER
 #include "mori/core/gpu.hpp"
 #endif
-#define MORI_HD_INLINE MORI_HD inline
 
 #if !MORI_DEVICE_PASS
 #include <chrono>

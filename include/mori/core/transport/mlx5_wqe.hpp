@@ -14,8 +14,6 @@
 
 #include "mori/core/host_device.hpp"
 
-#define MORI_ENC_HD MORI_HD inline
-
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "mlx5_wqe.hpp assumes a little-endian host and device (x86-64, aarch64, NVIDIA, AMD GPUs)"
 #endif
@@ -86,23 +84,23 @@ constexpr uint32_t kQpnMask = 0x00ffffffu;
 // ---------------------------------------------------------------------------------------------
 // Byte order (written with shifts: nvcc and clang device code both turn them into byte permutes)
 // ---------------------------------------------------------------------------------------------
-MORI_ENC_HD constexpr uint16_t Bswap16(uint16_t v) {
+MORI_HD_INLINE constexpr uint16_t Bswap16(uint16_t v) {
   return static_cast<uint16_t>((v >> 8) | (v << 8));
 }
-MORI_ENC_HD constexpr uint32_t Bswap32(uint32_t v) {
+MORI_HD_INLINE constexpr uint32_t Bswap32(uint32_t v) {
   return (v >> 24) | ((v >> 8) & 0x0000ff00u) | ((v << 8) & 0x00ff0000u) | (v << 24);
 }
-MORI_ENC_HD constexpr uint64_t Bswap64(uint64_t v) {
+MORI_HD_INLINE constexpr uint64_t Bswap64(uint64_t v) {
   return (static_cast<uint64_t>(Bswap32(static_cast<uint32_t>(v))) << 32) |
          Bswap32(static_cast<uint32_t>(v >> 32));
 }
 // Host order <-> big-endian (the host and GPUs we target are little-endian; see the #error above).
-MORI_ENC_HD constexpr uint16_t HostToBe16(uint16_t v) { return Bswap16(v); }
-MORI_ENC_HD constexpr uint32_t HostToBe32(uint32_t v) { return Bswap32(v); }
-MORI_ENC_HD constexpr uint64_t HostToBe64(uint64_t v) { return Bswap64(v); }
-MORI_ENC_HD constexpr uint16_t BeToHost16(uint16_t v) { return Bswap16(v); }
-MORI_ENC_HD constexpr uint32_t BeToHost32(uint32_t v) { return Bswap32(v); }
-MORI_ENC_HD constexpr uint64_t BeToHost64(uint64_t v) { return Bswap64(v); }
+MORI_HD_INLINE constexpr uint16_t HostToBe16(uint16_t v) { return Bswap16(v); }
+MORI_HD_INLINE constexpr uint32_t HostToBe32(uint32_t v) { return Bswap32(v); }
+MORI_HD_INLINE constexpr uint64_t HostToBe64(uint64_t v) { return Bswap64(v); }
+MORI_HD_INLINE constexpr uint16_t BeToHost16(uint16_t v) { return Bswap16(v); }
+MORI_HD_INLINE constexpr uint32_t BeToHost32(uint32_t v) { return Bswap32(v); }
+MORI_HD_INLINE constexpr uint64_t BeToHost64(uint64_t v) { return Bswap64(v); }
 
 static_assert(Bswap16(0x1234) == 0x3412, "Bswap16");
 static_assert(Bswap32(0x12345678u) == 0x78563412u, "Bswap32");
@@ -219,13 +217,13 @@ static_assert(offsetof(Mlx5ErrCqe, opOwn) == 63, "err cqe layout");
 // Sizes
 // ---------------------------------------------------------------------------------------------
 // 16-byte units ("DS") covering `bytes`.
-MORI_ENC_HD constexpr uint32_t DsCount(uint32_t bytes) {
+MORI_HD_INLINE constexpr uint32_t DsCount(uint32_t bytes) {
   return (bytes + kSegmentBytes - 1) / kSegmentBytes;
 }
 // 64-byte basic blocks a WQE of `dsCount` 16-byte units occupies in the SQ.
-MORI_ENC_HD constexpr uint32_t WqeBasicBlocks(uint32_t dsCount) { return (dsCount + 3) / 4; }
+MORI_HD_INLINE constexpr uint32_t WqeBasicBlocks(uint32_t dsCount) { return (dsCount + 3) / 4; }
 // Bytes an inline segment carrying `len` payload bytes occupies (header + data, padded to 16).
-MORI_ENC_HD constexpr uint32_t InlineSegBytes(uint32_t len) {
+MORI_HD_INLINE constexpr uint32_t InlineSegBytes(uint32_t len) {
   return DsCount(static_cast<uint32_t>(sizeof(Mlx5InlineSegHeader)) + len) * kSegmentBytes;
 }
 // DS counts of the WQEs built below (RC: no address vector segment).
@@ -233,11 +231,11 @@ constexpr uint32_t kDsRdmaWrite = 3;  // ctrl + raddr + data
 constexpr uint32_t kDsRdmaRead = 3;   // ctrl + raddr + data (local destination)
 constexpr uint32_t kDsAtomic = 4;     // ctrl + raddr + atomic + data (local result)
 constexpr uint32_t kDsNop = 1;        // ctrl
-MORI_ENC_HD constexpr uint32_t DsRdmaWriteInline(uint32_t len) {
+MORI_HD_INLINE constexpr uint32_t DsRdmaWriteInline(uint32_t len) {
   return 2 + InlineSegBytes(len) / kSegmentBytes;
 }
 // Largest inline payload that fits a WQE of `maxBasicBlocks` blocks.
-MORI_ENC_HD constexpr uint32_t MaxInlineBytes(uint32_t maxBasicBlocks) {
+MORI_HD_INLINE constexpr uint32_t MaxInlineBytes(uint32_t maxBasicBlocks) {
   return maxBasicBlocks * kSendWqeBasicBlock - 2 * kSegmentBytes -
          static_cast<uint32_t>(sizeof(Mlx5InlineSegHeader));
 }
@@ -246,7 +244,7 @@ static_assert(WqeBasicBlocks(5) == 2, "blocks round up");
 static_assert(DsRdmaWriteInline(12) == 3 && DsRdmaWriteInline(13) == 4, "inline ds");
 
 // Address of basic block `index` (a free-running counter) in an SQ of `numBlocks` (power of two).
-MORI_ENC_HD void* SqBasicBlock(void* sqBase, uint32_t index, uint32_t numBlocks) {
+MORI_HD_INLINE void* SqBasicBlock(void* sqBase, uint32_t index, uint32_t numBlocks) {
   return static_cast<uint8_t*>(sqBase) +
          (static_cast<size_t>(index & (numBlocks - 1)) << kSendWqeShift);
 }
@@ -259,34 +257,34 @@ MORI_ENC_HD void* SqBasicBlock(void* sqBase, uint32_t index, uint32_t numBlocks)
 namespace detail {
 #if MORI_DEVICE_PASS
 template <typename T>
-MORI_ENC_HD void StoreWord(void* dst, size_t offset, T v) {
+MORI_HD_INLINE void StoreWord(void* dst, size_t offset, T v) {
   *reinterpret_cast<T*>(static_cast<uint8_t*>(dst) + offset) = v;
 }
 template <typename T>
-MORI_ENC_HD T LoadWord(const void* src, size_t offset) {
+MORI_HD_INLINE T LoadWord(const void* src, size_t offset) {
   return *reinterpret_cast<const T*>(static_cast<const uint8_t*>(src) + offset);
 }
 #else
 template <typename T>
-MORI_ENC_HD void StoreWord(void* dst, size_t offset, T v) {
+MORI_HD_INLINE void StoreWord(void* dst, size_t offset, T v) {
   __builtin_memcpy(static_cast<uint8_t*>(dst) + offset, &v, sizeof(T));
 }
 template <typename T>
-MORI_ENC_HD T LoadWord(const void* src, size_t offset) {
+MORI_HD_INLINE T LoadWord(const void* src, size_t offset) {
   T v;
   __builtin_memcpy(&v, static_cast<const uint8_t*>(src) + offset, sizeof(T));
   return v;
 }
 #endif
-MORI_ENC_HD void Store32(void* dst, size_t offset, uint32_t v) { StoreWord(dst, offset, v); }
-MORI_ENC_HD void Store64(void* dst, size_t offset, uint64_t v) { StoreWord(dst, offset, v); }
-MORI_ENC_HD uint32_t Load32(const void* src, size_t offset) {
+MORI_HD_INLINE void Store32(void* dst, size_t offset, uint32_t v) { StoreWord(dst, offset, v); }
+MORI_HD_INLINE void Store64(void* dst, size_t offset, uint64_t v) { StoreWord(dst, offset, v); }
+MORI_HD_INLINE uint32_t Load32(const void* src, size_t offset) {
   return LoadWord<uint32_t>(src, offset);
 }
-MORI_ENC_HD uint16_t Load16(const void* src, size_t offset) {
+MORI_HD_INLINE uint16_t Load16(const void* src, size_t offset) {
   return LoadWord<uint16_t>(src, offset);
 }
-MORI_ENC_HD uint8_t Load8(const void* src, size_t offset) {
+MORI_HD_INLINE uint8_t Load8(const void* src, size_t offset) {
   return static_cast<const uint8_t*>(src)[offset];
 }
 }  // namespace detail
@@ -297,9 +295,9 @@ MORI_ENC_HD uint8_t Load8(const void* src, size_t offset) {
 // Control segment. `wqeIndex` is the low 16 bits of the WQE's first basic-block counter; `qpn`
 // keeps its low 24 bits; `fmFlags` is the fm_ce_se byte (kCtrlCqUpdate | fence bits ...);
 // `immOrRkey` is stored verbatim: for RDMA_WRITE_IMM pass ImmData(hostValue).
-MORI_ENC_HD uint32_t EncodeCtrlSeg(void* dst, uint16_t wqeIndex, uint8_t opcode, uint8_t opmod,
-                                   uint32_t qpn, uint8_t dsCount, uint8_t fmFlags,
-                                   uint8_t signature, uint32_t immOrRkey) {
+MORI_HD_INLINE uint32_t EncodeCtrlSeg(void* dst, uint16_t wqeIndex, uint8_t opcode, uint8_t opmod,
+                                      uint32_t qpn, uint8_t dsCount, uint8_t fmFlags,
+                                      uint8_t signature, uint32_t immOrRkey) {
   detail::Store32(dst, 0,
                   HostToBe32((static_cast<uint32_t>(opmod) << 24) |
                              (static_cast<uint32_t>(wqeIndex) << 8) | opcode));
@@ -311,23 +309,23 @@ MORI_ENC_HD uint32_t EncodeCtrlSeg(void* dst, uint16_t wqeIndex, uint8_t opcode,
   return kSegmentBytes;
 }
 // Immediate data as the ctrl segment carries it (network order).
-MORI_ENC_HD constexpr uint32_t ImmData(uint32_t hostValue) { return HostToBe32(hostValue); }
+MORI_HD_INLINE constexpr uint32_t ImmData(uint32_t hostValue) { return HostToBe32(hostValue); }
 
-MORI_ENC_HD uint32_t EncodeRaddrSeg(void* dst, uint64_t raddr, uint32_t rkey) {
+MORI_HD_INLINE uint32_t EncodeRaddrSeg(void* dst, uint64_t raddr, uint32_t rkey) {
   detail::Store64(dst, 0, HostToBe64(raddr));
   detail::Store32(dst, 8, HostToBe32(rkey));
   detail::Store32(dst, 12, 0);
   return kSegmentBytes;
 }
 
-MORI_ENC_HD uint32_t EncodeDataSeg(void* dst, uint32_t len, uint32_t lkey, uint64_t addr) {
+MORI_HD_INLINE uint32_t EncodeDataSeg(void* dst, uint32_t len, uint32_t lkey, uint64_t addr) {
   detail::Store32(dst, 0, HostToBe32(len));
   detail::Store32(dst, 4, HostToBe32(lkey));
   detail::Store64(dst, 8, HostToBe64(addr));
   return kSegmentBytes;
 }
 
-MORI_ENC_HD uint32_t EncodeAtomicSeg(void* dst, uint64_t swapAdd, uint64_t compare) {
+MORI_HD_INLINE uint32_t EncodeAtomicSeg(void* dst, uint64_t swapAdd, uint64_t compare) {
   detail::Store64(dst, 0, HostToBe64(swapAdd));
   detail::Store64(dst, 8, HostToBe64(compare));
   return kSegmentBytes;
@@ -335,7 +333,7 @@ MORI_ENC_HD uint32_t EncodeAtomicSeg(void* dst, uint64_t swapAdd, uint64_t compa
 
 // Inline data segment: header, `len` bytes of `data`, zero padding to a 16-byte multiple.
 // Returns InlineSegBytes(len). `dst` must have room for that many contiguous bytes.
-MORI_ENC_HD uint32_t EncodeInlineSeg(void* dst, const void* data, uint32_t len) {
+MORI_HD_INLINE uint32_t EncodeInlineSeg(void* dst, const void* data, uint32_t len) {
   detail::Store32(dst, 0, HostToBe32(len | kInlineSegFlag));
   uint8_t* out = static_cast<uint8_t*>(dst) + sizeof(Mlx5InlineSegHeader);
   const uint8_t* in = static_cast<const uint8_t*>(data);
@@ -369,9 +367,9 @@ struct Mlx5RemoteBuf {
 };
 
 // RDMA write (opcode kOpRdmaWrite) or write-with-immediate (kOpRdmaWriteImm, imm = ImmData(v)).
-MORI_ENC_HD uint32_t EncodeRdmaWriteWqe(void* dst, const Mlx5WqeHeader& h, const Mlx5LocalBuf& src,
-                                        const Mlx5RemoteBuf& dstRemote, bool withImm = false,
-                                        uint32_t imm = 0) {
+MORI_HD_INLINE uint32_t EncodeRdmaWriteWqe(void* dst, const Mlx5WqeHeader& h,
+                                           const Mlx5LocalBuf& src, const Mlx5RemoteBuf& dstRemote,
+                                           bool withImm = false, uint32_t imm = 0) {
   uint8_t* p = static_cast<uint8_t*>(dst);
   p += EncodeCtrlSeg(p, h.wqeIndex, withImm ? kOpRdmaWriteImm : kOpRdmaWrite, 0, h.qpn,
                      kDsRdmaWrite, h.fmFlags, 0, withImm ? imm : 0);
@@ -381,8 +379,9 @@ MORI_ENC_HD uint32_t EncodeRdmaWriteWqe(void* dst, const Mlx5WqeHeader& h, const
 }
 
 // RDMA write of `len` bytes carried inside the WQE (no lkey needed).
-MORI_ENC_HD uint32_t EncodeRdmaWriteInlineWqe(void* dst, const Mlx5WqeHeader& h, const void* data,
-                                              uint32_t len, const Mlx5RemoteBuf& dstRemote) {
+MORI_HD_INLINE uint32_t EncodeRdmaWriteInlineWqe(void* dst, const Mlx5WqeHeader& h,
+                                                 const void* data, uint32_t len,
+                                                 const Mlx5RemoteBuf& dstRemote) {
   const uint32_t ds = DsRdmaWriteInline(len);
   uint8_t* p = static_cast<uint8_t*>(dst);
   p += EncodeCtrlSeg(p, h.wqeIndex, kOpRdmaWrite, 0, h.qpn, static_cast<uint8_t>(ds), h.fmFlags, 0,
@@ -393,8 +392,8 @@ MORI_ENC_HD uint32_t EncodeRdmaWriteInlineWqe(void* dst, const Mlx5WqeHeader& h,
 }
 
 // RDMA read of dst.len bytes from the remote source into the local destination.
-MORI_ENC_HD uint32_t EncodeRdmaReadWqe(void* dst, const Mlx5WqeHeader& h,
-                                       const Mlx5LocalBuf& localDst, const Mlx5RemoteBuf& src) {
+MORI_HD_INLINE uint32_t EncodeRdmaReadWqe(void* dst, const Mlx5WqeHeader& h,
+                                          const Mlx5LocalBuf& localDst, const Mlx5RemoteBuf& src) {
   uint8_t* p = static_cast<uint8_t*>(dst);
   p += EncodeCtrlSeg(p, h.wqeIndex, kOpRdmaRead, 0, h.qpn, kDsRdmaRead, h.fmFlags, 0, 0);
   p += EncodeRaddrSeg(p, src.addr, src.rkey);
@@ -405,9 +404,9 @@ MORI_ENC_HD uint32_t EncodeRdmaReadWqe(void* dst, const Mlx5WqeHeader& h,
 // 8-byte fetch-add (kOpAtomicFa: swapAdd = addend, compare ignored and written 0) or
 // compare-swap (kOpAtomicCs: swapAdd = new value, compare = expected). The old value lands in
 // `result` (8 bytes, result.len is written as 8).
-MORI_ENC_HD uint32_t EncodeAtomicWqe(void* dst, const Mlx5WqeHeader& h, uint8_t opcode,
-                                     const Mlx5LocalBuf& result, const Mlx5RemoteBuf& target,
-                                     uint64_t swapAdd, uint64_t compare) {
+MORI_HD_INLINE uint32_t EncodeAtomicWqe(void* dst, const Mlx5WqeHeader& h, uint8_t opcode,
+                                        const Mlx5LocalBuf& result, const Mlx5RemoteBuf& target,
+                                        uint64_t swapAdd, uint64_t compare) {
   uint8_t* p = static_cast<uint8_t*>(dst);
   p += EncodeCtrlSeg(p, h.wqeIndex, opcode, 0, h.qpn, kDsAtomic, h.fmFlags, 0, 0);
   p += EncodeRaddrSeg(p, target.addr, target.rkey);
@@ -417,13 +416,13 @@ MORI_ENC_HD uint32_t EncodeAtomicWqe(void* dst, const Mlx5WqeHeader& h, uint8_t 
 }
 
 // NOP (e.g. a signalled WQE that closes a batch).
-MORI_ENC_HD uint32_t EncodeNopWqe(void* dst, const Mlx5WqeHeader& h) {
+MORI_HD_INLINE uint32_t EncodeNopWqe(void* dst, const Mlx5WqeHeader& h) {
   EncodeCtrlSeg(dst, h.wqeIndex, kOpNop, 0, h.qpn, kDsNop, h.fmFlags, 0, 0);
   return kDsNop;
 }
 
 // Doorbell record value of the send queue (DBR dword 1): the producer counter's low 16 bits, BE.
-MORI_ENC_HD constexpr uint32_t SqDoorbellRecord(uint32_t producerIndex) {
+MORI_HD_INLINE constexpr uint32_t SqDoorbellRecord(uint32_t producerIndex) {
   return HostToBe32(producerIndex & 0xffffu);
 }
 
@@ -442,12 +441,12 @@ struct Mlx5CqeFields {
   uint8_t vendorSyndrome;  // error CQEs only, else 0
 };
 
-MORI_ENC_HD constexpr bool IsErrorCqeOpcode(uint8_t opcode) {
+MORI_HD_INLINE constexpr bool IsErrorCqeOpcode(uint8_t opcode) {
   return opcode == kCqeReqErr || opcode == kCqeRespErr;
 }
 
 // Reads the fields above from a 64-byte CQE (8-byte aligned).
-MORI_ENC_HD Mlx5CqeFields DecodeCqe(const void* cqe) {
+MORI_HD_INLINE Mlx5CqeFields DecodeCqe(const void* cqe) {
   Mlx5CqeFields f{};
   const uint8_t opOwn = detail::Load8(cqe, 63);
   f.opcode = static_cast<uint8_t>(opOwn >> 4);
@@ -470,7 +469,7 @@ MORI_ENC_HD Mlx5CqeFields DecodeCqe(const void* cqe) {
 // Writes a complete 64-byte CQE (all other bytes 0) from `f`: what the NIC would write, for the
 // software queue emulator and tests. The word holding op_own is written last, but this makes no
 // memory-ordering claim: a writer racing a poller must publish that word with release semantics.
-MORI_ENC_HD void EncodeCqe(void* cqe, const Mlx5CqeFields& f) {
+MORI_HD_INLINE void EncodeCqe(void* cqe, const Mlx5CqeFields& f) {
   for (uint32_t off = 0; off < 56; off += 4) detail::Store32(cqe, off, 0);
   if (IsErrorCqeOpcode(f.opcode)) {
     // Bytes 52..55: reserved, reserved, vendor syndrome, syndrome.
@@ -493,11 +492,11 @@ MORI_ENC_HD void EncodeCqe(void* cqe, const Mlx5CqeFields& f) {
 // Normal (non-collapsed) CQ of `numCqes` entries (power of two): the CQE for consumer index `ci`
 // is at slot ci & (numCqes-1) and belongs to software once its opcode is not kCqeInvalid and its
 // owner bit equals the lap parity of `ci`.
-MORI_ENC_HD constexpr bool CqeReadyForSoftware(uint8_t opOwn, uint32_t ci, uint32_t numCqes) {
+MORI_HD_INLINE constexpr bool CqeReadyForSoftware(uint8_t opOwn, uint32_t ci, uint32_t numCqes) {
   return (opOwn >> 4) != kCqeInvalid && (opOwn & kCqeOwnerMask) == ((ci & numCqes) ? 1 : 0);
 }
 // The owner bit the NIC writes for producer index `pi` (what the emulator must write).
-MORI_ENC_HD constexpr uint8_t CqeOwnerForIndex(uint32_t pi, uint32_t numCqes) {
+MORI_HD_INLINE constexpr uint8_t CqeOwnerForIndex(uint32_t pi, uint32_t numCqes) {
   return (pi & numCqes) ? 1 : 0;
 }
 

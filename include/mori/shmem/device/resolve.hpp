@@ -43,7 +43,7 @@ enum class CallError : uint32_t {
   kBadSignalOp,      // detail: the SignalOp value
 };
 
-MORI_HOST_DEVICE inline const char* CallErrorText(CallError e) {
+MORI_HD inline const char* CallErrorText(CallError e) {
   switch (e) {
     case CallError::kNone: return "no error";
     case CallError::kPeOutOfRange: return "pe out of range";
