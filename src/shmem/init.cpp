@@ -535,23 +535,14 @@ size_t ShmemHeapFreeBytes() { return State("shmem_heap_free_bytes").heap->Alloca
 
 void ShmemStreamSynchronize(gpuStream_t stream) {
   ShmemState& s = State("shmem_stream_synchronize");
-  const auto deadline =
-      std::chrono::steady_clock::now() + std::chrono::milliseconds(core::Env().hostTimeoutMs);
-  for (int spins = 0;; spins++) {
-    gpuError_t e = gpuStreamQuery(stream);
-    if (e == gpuSuccess) break;
-    if (e != gpuErrorNotReady) MORI_CHECK_GPU(e);
-    if (std::chrono::steady_clock::now() > deadline) {
-      // Make every bounded device wait give up so the stream drains, then report.
-      RaiseAbortFlag(s);
-      MORI_THROW(
-          TimeoutError,
-          "rank %d: device work on stream %p did not finish within MORI_HOST_TIMEOUT_MS=%lld "
-          "ms; device waits were told to abort",
-          s.devCtx.rank, static_cast<void*>(stream),
-          static_cast<long long>(core::Env().hostTimeoutMs));
-    }
-    if (spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(50));
+  if (!core::PollGpuReady([&] { return gpuStreamQuery(stream); }, core::Env().hostTimeoutMs)) {
+    // Make every bounded device wait give up so the stream drains, then report.
+    RaiseAbortFlag(s);
+    MORI_THROW(TimeoutError,
+               "rank %d: device work on stream %p did not finish within MORI_HOST_TIMEOUT_MS=%lld "
+               "ms; device waits were told to abort",
+               s.devCtx.rank, static_cast<void*>(stream),
+               static_cast<long long>(core::Env().hostTimeoutMs));
   }
   RaiseIfDeviceError(s);
 }

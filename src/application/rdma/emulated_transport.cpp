@@ -123,28 +123,17 @@ class GpuMemoryAccessor : public EmuMemoryAccessor {
   }
   // Bounded stream wait: a kernel occupying every SM would keep the atomic kernel from running.
   void Wait(const char* what) {
-    const auto start = std::chrono::steady_clock::now();
-    const auto deadline = start + std::chrono::milliseconds(timeoutMs);
-    bool warned = false;
-    for (int spins = 0;; spins++) {
-      const gpuError_t e = gpuStreamQuery(stream);
-      if (e == gpuSuccess) return;
-      if (!warned &&
-          std::chrono::steady_clock::now() - start > std::chrono::milliseconds(kSlowCallMs)) {
-        // Copies of a few MB take microseconds: the stream is not being served (SMs or the
-        // stream's hardware queue held by other work), and every QP of this PE waits with it.
-        warned = true;
-        MORI_WARN(kLogRdma, "RDMA emulator: %s on device %d pending for over %d ms", what, device,
-                  kSlowCallMs);
-      }
-      if (e != gpuErrorNotReady) MORI_CHECK_GPU(e);
-      if (std::chrono::steady_clock::now() > deadline)
-        MORI_THROW(
-            TimeoutError,
-            "RDMA emulator: %s on device %d did not finish within MORI_HOST_TIMEOUT_MS=%lld ms",
-            what, device, static_cast<long long>(timeoutMs));
-      if (spins > 200) std::this_thread::sleep_for(std::chrono::microseconds(20));
-    }
+    // Copies of a few MB take microseconds: one pending for a second is not being served (SMs
+    // or the stream's hardware queue held by other work), and every QP of this PE waits with it.
+    const bool done = core::PollGpuReady(
+        [&] { return gpuStreamQuery(stream); }, timeoutMs, kSlowCallMs,
+        [&] {
+          MORI_WARN(kLogRdma, "RDMA emulator: %s on device %d pending for over %d ms", what, device,
+                    kSlowCallMs);
+        });
+    MORI_ENSURE(done, TimeoutError,
+                "RDMA emulator: %s on device %d did not finish within MORI_HOST_TIMEOUT_MS=%lld ms",
+                what, device, static_cast<long long>(timeoutMs));
   }
 
   static constexpr int kSlowCallMs = 1000;

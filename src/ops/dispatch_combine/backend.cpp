@@ -2,8 +2,6 @@
 #include "backend.hpp"
 
 #include <algorithm>
-#include <chrono>
-#include <thread>
 #include <vector>
 
 #include "mori/core/env.hpp"
@@ -35,7 +33,7 @@ gpuDeviceProp_t DeviceProperties(int device) {
 // graph capture nothing is recorded or waited for (the graph's replays are the caller's to pace).
 class RunAheadBound {
  public:
-  explicit RunAheadBound(int depth) : events(static_cast<size_t>(depth), nullptr) {
+  RunAheadBound(int depth, int pe) : events(static_cast<size_t>(depth), nullptr), pe(pe) {
     for (gpuEvent_t& e : events) MORI_CHECK_GPU(gpuEventCreateWithFlags(&e, gpuEventDisableTiming));
   }
   ~RunAheadBound() {
@@ -53,19 +51,15 @@ class RunAheadBound {
     if (recorded < events.size()) return true;
     gpuEvent_t oldest = events[next];
     const int64_t timeoutMs = core::Env().hostTimeoutMs;
-    const auto start = std::chrono::steady_clock::now();
-    for (int spins = 0;; spins++) {
-      const gpuError_t e = gpuEventQuery(oldest);
-      if (e == gpuSuccess) return true;
-      if (e != gpuErrorNotReady) MORI_CHECK_GPU(e);
-      MORI_ENSURE(std::chrono::steady_clock::now() - start <= std::chrono::milliseconds(timeoutMs),
-                  TimeoutError,
-                  "EP %s: the call queued %zu calls earlier on this PE did not finish within "
-                  "MORI_HOST_TIMEOUT_MS=%lld ms (MORI_RDMA_EMULATE_RUNAHEAD=%zu bounds the calls "
-                  "queued ahead); a peer may not have made the matching call",
-                  what, events.size(), static_cast<long long>(timeoutMs), events.size());
-      if (spins > 100) std::this_thread::sleep_for(std::chrono::microseconds(20));
-    }
+    if (core::PollGpuReady([&] { return gpuEventQuery(oldest); }, timeoutMs)) return true;
+    // As every host wait on expiry: make the device waits give up, so the stream drains.
+    shmem::ShmemAbortDeviceWaits();
+    MORI_THROW(TimeoutError,
+               "EP %s on PE %d: the call queued %zu calls earlier did not finish within "
+               "MORI_HOST_TIMEOUT_MS=%lld ms (MORI_RDMA_EMULATE_RUNAHEAD=%zu bounds the calls "
+               "queued ahead); a peer may not have made the matching call; device waits were "
+               "told to abort",
+               what, pe, events.size(), static_cast<long long>(timeoutMs), events.size());
   }
   void AfterLaunch(gpuStream_t stream) {
     MORI_CHECK_GPU(gpuEventRecord(events[next], stream));
@@ -75,6 +69,7 @@ class RunAheadBound {
 
  private:
   std::vector<gpuEvent_t> events;
+  int pe;
   size_t next = 0;      // the slot of the oldest recorded launch once all are in use
   size_t recorded = 0;  // slots in use
 };
@@ -171,7 +166,7 @@ class InterNodeBackend final : public EpBackend {
     MORI_ENSURE(depth >= 0 && depth <= 4096, InvalidUsageError,
                 "MORI_RDMA_EMULATE_RUNAHEAD=%lld is out of range [0, 4096]",
                 static_cast<long long>(depth));
-    if (emulated) runAhead = std::make_unique<RunAheadBound>(static_cast<int>(depth));
+    if (emulated) runAhead = std::make_unique<RunAheadBound>(static_cast<int>(depth), pe);
   }
   EpFamily Family() const override { return EpFamily::kInterNode; }
   int MaxBlocks(int numSms) const override {
