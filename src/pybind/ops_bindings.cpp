@@ -225,7 +225,7 @@ void RegisterOpsBindings(py::module_& m) {
           "dispatch",
           [](EpDispatchCombineHandle& h, uintptr_t input, int dataType, int numTokens,
              int hiddenDim, uintptr_t weights, uintptr_t scales, uintptr_t indices, int indexType,
-             int blockNum, int warpPerBlock, uintptr_t stream) {
+             int blockNum, int warpPerBlock, uintptr_t stream, bool checkExpertIds) {
             ops::EpDispatchArgs a;
             a.input = Ptr<const void>(input);
             a.dataType = DataTypeFromInt(dataType, "dispatch");
@@ -237,11 +237,13 @@ void RegisterOpsBindings(py::module_& m) {
             a.indexType = IndexTypeFromInt(indexType);
             a.blockNum = blockNum;
             a.warpPerBlock = warpPerBlock;
+            a.checkExpertIds = checkExpertIds;
             h.Dispatch(a, reinterpret_cast<gpuStream_t>(stream));
           },
           py::arg("input"), py::arg("data_type"), py::arg("num_tokens"), py::arg("hidden_dim"),
           py::arg("weights"), py::arg("scales"), py::arg("indices"), py::arg("index_type"),
-          py::arg("block_num"), py::arg("warp_per_block"), py::arg("stream"))
+          py::arg("block_num"), py::arg("warp_per_block"), py::arg("stream"),
+          py::arg("check_expert_ids") = true)
       .def(
           "combine",
           [](EpDispatchCombineHandle& h, uintptr_t input, int dataType, int hiddenDim,
@@ -268,6 +270,11 @@ void RegisterOpsBindings(py::module_& m) {
           },
           py::arg("stream") = 0)
       .def("release", &EpDispatchCombineHandle::Release, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "take_expert_id_error",
+          [](EpDispatchCombineHandle& h) { h.TakeExpertIdError("check_device_error"); },
+          "Raises (InvalidUsageError) and clears the out-of-range expert id an earlier dispatch "
+          "recorded; no synchronisation")
       .def(
           "set_trace",  // debug: per-block phase trace (tools/bench/ep_trace.py); 0 turns it off
           [](EpDispatchCombineHandle& h, uintptr_t buffer, int slots, int maxBlocks) {

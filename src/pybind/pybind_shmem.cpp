@@ -302,6 +302,10 @@ void RegisterShmem(py::module_& m) {
         "returns (allgather_recv, alltoall_recv).");
 
   m.def("shmem_finalize", [] { CallLibrary([] { shmem::ShmemFinalize(); }); });
+  m.def(
+      "_shmem_prepare_process_exit", [] { shmem::ShmemPrepareProcessExit(); },
+      py::call_guard<py::gil_scoped_release>(),
+      "Abandons shmem without collectives (registered with atexit by mori.shmem).");
   m.def("shmem_is_initialized",
         [] { return CallLibrary([] { return shmem::ShmemIsInitialized(); }); });
   m.def("shmem_mype", [] { return CallLibrary([] { return shmem::ShmemMyPe(); }); });

@@ -3,6 +3,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -58,6 +59,7 @@ constexpr int64_t kMaxTimeoutMs = 24ll * 3600 * 1000;
 std::mutex gMutex;
 std::unique_ptr<ShmemState> gState;
 uint64_t gInitGeneration = 0;  // incremented by every successful init
+std::atomic<bool> gProcessExiting{false};
 
 ShmemState& State(const char* caller) {
   if (!gState)
@@ -324,6 +326,8 @@ void DeviceSynchronizeBounded(ShmemState& s, const char* what) {
 }
 
 void InitWith(std::unique_ptr<application::BootstrapNetwork> boot) {
+  static std::once_flag atExitRegistered;
+  std::call_once(atExitRegistered, [] { std::atexit([] { ShmemPrepareProcessExit(); }); });
   std::lock_guard<std::mutex> lock(gMutex);
   MORI_ENSURE(!gState, InvalidUsageError,
               "shmem is already initialised; call shmem_finalize first");
@@ -404,6 +408,27 @@ void ShmemFinalize() {
   DestroyState(s);
   gState.reset();
   if (firstError) std::rethrow_exception(firstError);
+}
+
+bool ShmemProcessExiting() noexcept { return gProcessExiting.load(); }
+
+void ShmemPrepareProcessExit() noexcept {
+  gProcessExiting = true;
+  std::unique_ptr<ShmemState> abandoned;
+  {
+    std::lock_guard<std::mutex> lock(gMutex);
+    abandoned = std::move(gState);
+  }
+  if (!abandoned) return;
+  try {
+    if (abandoned->rdma) abandoned->rdma->Stop();
+  } catch (const std::exception& e) {
+    MORI_WARN(kLogInit, "process exit: stopping the RDMA transport: %s", e.what());
+  } catch (...) {
+  }
+  // Never destroyed: the bootstrap may hold callbacks into an interpreter that is shutting down,
+  // and freeing device memory or unmapping peers' heaps is the driver's job at exit.
+  (void)abandoned.release();
 }
 
 bool ShmemIsInitialized() {

@@ -629,17 +629,32 @@ def case_bad_inputs(env):
     expect("hidden too large", lambda: op.dispatch(torch.zeros((T, 2 * H), device=dev, dtype=torch.bfloat16), w, None, idx))
     expect("fp32 tokens with max_token_type_size 2", lambda: op.dispatch(x.float(), w, None, idx))
     expect("row not a multiple of 16 B", lambda: op.dispatch(x[:, :12].contiguous(), w, None, idx))
-    expect("expert id >= num_experts", lambda: op.dispatch(x, w, None, torch.full_like(idx, W * Epr)))
-    expect("expert id < -1", lambda: op.dispatch(x, w, None, torch.full_like(idx, -2)))
     expect("indices shape", lambda: op.dispatch(x, w, None, idx[:, :-1].contiguous()))
     expect("indices dtype", lambda: op.dispatch(x, w, None, idx.float()))
     expect("weights shape", lambda: op.dispatch(x, w[:, :-1].contiguous(), None, idx))
     expect("weights dtype", lambda: op.dispatch(x, w.half(), None, idx))
     expect("scales with scale_dim 0", lambda: op.dispatch(x, w, torch.zeros((T, 4), device=dev), idx))
     expect("tokens/indices row mismatch", lambda: op.dispatch(x[:T - 1].contiguous(), w, None, idx))
-    # a good round trip (collective) proves the op is still usable
+    # A round trip (collective) proves the op is still usable. Its ids include some outside
+    # [-1, E): the kernel treats them as -1 (the reference below does too) and records the first
+    # one, which check_device_error raises (then the record is clear).
+    E = W * Epr
+    bad_ids = {E, E + 77, -2, -9}
+    g = torch.Generator().manual_seed(97 + r)
+    where = torch.rand((T, K), generator=g) < 0.1
+    where[3, 1] = True
+    vals = torch.tensor(sorted(bad_ids), dtype=torch.int32)[torch.randint(0, len(bad_ids), (T, K), generator=g)]
+    idx = torch.where(where, vals, idx.cpu()).to(dev)
     outs = op.dispatch(x, w, None, idx)
     torch.cuda.synchronize()
+    try:
+        op.check_device_error()
+        errors.append("out-of-range expert ids: check_device_error raised nothing")
+    except mori.InvalidUsageError as e:
+        msg = str(e)
+        if "expert id" not in msg or not any(f"expert id {v} " in msg for v in bad_ids):
+            errors.append(f"out-of-range expert ids: message names no offending id: {msg}")
+    op.check_device_error()  # cleared
     if U.fp8_dtype(torch) is not None:
         expect("fp8 combine", lambda: op.combine(torch.zeros((W * M, H), device=dev, dtype=torch.uint8).view(U.fp8_dtype(torch)), None, idx))
     expect("combine int input", lambda: op.combine(torch.zeros((W * M, H), device=dev, dtype=torch.int16), None, idx))
@@ -653,7 +668,6 @@ def case_bad_inputs(env):
     torch.cuda.synchronize()
     mori.shmem.shmem_check_device_error()
     # compare with the reference
-    E = W * Epr
     dest = torch.where((idx >= 0) & (idx < E), idx.long() // Epr, -1)
     acc = torch.zeros((T, H), device=dev)
     for d in range(W):
@@ -661,8 +675,22 @@ def case_bad_inputs(env):
         acc = acc + torch.where(m, expert_fn(x, d, torch.bfloat16).float(), 0.0)
     if not torch.equal(out.view(torch.int16), acc.to(torch.bfloat16).view(torch.int16)):
         errors.append("round trip after bad calls: combine mismatch")
+    # The record is also raised by the next call, which launches nothing (every rank has an
+    # offender here, so every rank refuses and the ranks stay in step); the call after works.
+    op.dispatch(x, w, None, idx)
+    torch.cuda.synchronize()
+    expect("dispatch after one with out-of-range ids", lambda: op.dispatch(x, w, None, idx))
+    op.dispatch(x, w, None, torch.where(where.to(dev), -1, idx))
+    torch.cuda.synchronize()
+    op.check_device_error()
     op.close()
     expect("dispatch after close", lambda: op.dispatch(x, w, None, idx))
+    # check_inputs=False: the ids are not checked (still treated as -1 by the kernel)
+    unchecked = env.new_op(mk(), check_inputs=False)
+    unchecked.dispatch(x, w, None, idx)
+    torch.cuda.synchronize()
+    unchecked.check_device_error()
+    unchecked.close()
     if errors:
         raise CaseFailure("; ".join(errors))
 

@@ -381,6 +381,7 @@ def test_rdma_stats_without_rdma_peers_is_empty():
             "trace": [],
             "trace_dropped": 0,
             "trace_capacity": 0,
+            "pending_sq_blocks": 0,
         }
         assert "no RDMA peers" in stats["source"]
         assert mori.shmem.rdma_stats(reset=True)["per_peer"] == []

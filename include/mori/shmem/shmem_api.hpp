@@ -34,6 +34,16 @@ void ShmemInitWithUniqueId(int rank, int nranks, const UniqueId& id);
 void ShmemMpiInit(void* mpiComm);
 void ShmemFinalize();
 bool ShmemIsInitialized();
+// Process exit without finalize (engines exit with shmem and ops alive). Stops this PE's RDMA
+// service thread and abandons the state without any collective, device synchronisation or free:
+// peers may have exited already, and the process's GPU memory goes with it. Afterwards shmem
+// reads as not initialised, so objects holding symmetric memory (EP ops) release nothing
+// collectively either. Idempotent, never throws. Registered with std::atexit at the first init
+// (it then runs before the GPU runtime's own exit handlers); the Python package calls it from
+// its atexit hook, which runs before objects are collected at interpreter shutdown.
+void ShmemPrepareProcessExit() noexcept;
+// True once ShmemPrepareProcessExit ran: the process is exiting and nothing is to be freed.
+bool ShmemProcessExiting() noexcept;
 
 // --- queries --------------------------------------------------------------------------------
 int ShmemMyPe();

@@ -253,8 +253,11 @@ class EpDispatchCombineOp:
         """Collective: every rank creates the op with the same config. The native handle checks
         the config (and every rank's config against rank 0's) before allocating, so a bad or
         mismatched config raises mori.InvalidUsageError on every rank.
-        check_inputs: also check expert ids are in [-1, num_experts) before dispatch; this
-        reads the indices on the host (one synchronisation; skipped during CUDA graph capture)."""
+        check_inputs: the dispatch kernel checks every expert id against [-1, num_experts)
+        (on the device: no synchronisation, also in CUDA graphs). An id outside is treated as -1
+        and the first one is raised as mori.InvalidUsageError, naming token, top-k slot and id,
+        by this rank's next dispatch or combine (which then launches nothing) or by
+        check_device_error()."""
         torch = _torch()
         if not isinstance(config, EpDispatchCombineConfig):
             raise _usage(f"EpDispatchCombineOp needs an EpDispatchCombineConfig, got {type(config).__name__}")
@@ -436,13 +439,6 @@ class EpDispatchCombineOp:
                     f"dispatch: scales have {scales.element_size()}-byte elements ({scales.dtype}) but "
                     f"scale_type_size is {cfg.scale_type_size}"
                 )
-        if self.check_inputs and num_tokens > 0 and not torch.cuda.is_current_stream_capturing():
-            bad = ((indices < -1) | (indices >= self._num_experts)).any()
-            if bool(bad.item()):
-                lo, hi = int(indices.min().item()), int(indices.max().item())
-                raise _usage(
-                    f"dispatch: expert ids must be in [-1, {self._num_experts}); got values in [{lo}, {hi}]"
-                )
         index_code = _index_code(torch, indices.dtype)
         launch = self._stream(stream)
         h.dispatch(
@@ -457,6 +453,7 @@ class EpDispatchCombineOp:
             int(block_num),
             int(warp_per_block),
             launch[0],
+            self.check_inputs,
         )
         self._last_dispatch_stream = launch
         self._last = (num_tokens, input.dtype, hidden, indices.dtype, None if scales is None else scales.dtype, weights is not None)
@@ -632,8 +629,11 @@ class EpDispatchCombineOp:
         if a wait expired (e.g. a peer never called), mori.InvalidUsageError if a kernel found a
         usage or protocol violation (e.g. combine input with fewer rows than dispatch received,
         ranks passing different dtypes), mori.RemoteError for an RDMA error completion. While
-        one is pending, dispatch and combine raise mori.TimeoutError before launching anything."""
+        one is pending, dispatch and combine raise mori.TimeoutError before launching anything.
+        Then the out-of-range expert id a finished dispatch recorded (check_inputs), as
+        mori.InvalidUsageError."""
         _C.shmem_check_device_error()
+        self._h().take_expert_id_error()
 
 
 __all__ = [

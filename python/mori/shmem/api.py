@@ -1,10 +1,19 @@
 """Thin Python layer over mori._C's shmem bindings: argument normalisation only (pointers, streams,
 unique ids); every rule is enforced, and every error raised, by the C++ library."""
 
+import atexit
 import sys
 
 from .. import _C
 from .._C import MORI_SHMEM_INIT_WITH_MPI_COMM, MORI_SHMEM_INIT_WITH_UNIQUEID  # noqa: F401
+
+# Engines exit with shmem and their ops still alive, often after destroying the process group
+# the bootstrap runs on, while peers exit at their own pace. At interpreter exit shmem is
+# abandoned without any collective (C++ ShmemPrepareProcessExit): ops collected afterwards free
+# nothing collectively, so exit neither waits for peers nor calls into a torch that is shutting
+# down. Handlers run last-registered first: a user's own atexit finalize registered after this
+# import still runs first, collectively.
+atexit.register(_C._shmem_prepare_process_exit)
 
 
 def _as_ptr(ptr):

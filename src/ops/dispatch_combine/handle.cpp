@@ -104,6 +104,12 @@ EpDispatchCombineHandle::EpDispatchCombineHandle(const EpDispatchCombineConfig& 
         localBase = static_cast<uint8_t*>(local);
         MORI_CHECK_GPU(gpuMemset(symmBase, 0, symmLayout.totalBytes));
         MORI_CHECK_GPU(gpuMemset(localBase, 0, localLayout.totalBytes));
+        void* word = nullptr;
+        MORI_CHECK_GPU(gpuHostAlloc(&word, sizeof(uint64_t), gpuHostAllocMapped));
+        badExpertIdHost = static_cast<uint64_t*>(word);
+        *badExpertIdHost = 0;
+        MORI_CHECK_GPU(gpuHostGetDevicePointer(&word, badExpertIdHost, 0));
+        badExpertIdDev = static_cast<uint64_t*>(word);
         shmem::ShmemDeviceSynchronize();
         symmHeapOffset = shmem::ShmemQueryMemObj(symmBase).heapOffset;
         for (int p = 0; p < npes; p++) {
@@ -129,6 +135,8 @@ EpDispatchCombineHandle::EpDispatchCombineHandle(const EpDispatchCombineConfig& 
     // offsets stay in step. Nothing was launched on these buffers.
     if (localBase != nullptr) (void)gpuFree(localBase);
     localBase = nullptr;
+    if (badExpertIdHost != nullptr) (void)gpuFreeHost(badExpertIdHost);
+    badExpertIdHost = badExpertIdDev = nullptr;
     if (symmBase != nullptr) shmem::ShmemFree(symmBase);
     symmBase = nullptr;
     if (localError) std::rethrow_exception(localError);
@@ -161,11 +169,15 @@ void EpDispatchCombineHandle::Release() {
   if (symmBase == nullptr && localBase == nullptr) return;
   uint8_t* symm = symmBase;
   uint8_t* local = localBase;
+  uint64_t* badIdWord = badExpertIdHost;
   symmBase = nullptr;  // idempotent even when a step below raises
   localBase = nullptr;
+  badExpertIdHost = badExpertIdDev = nullptr;
+  if (shmem::ShmemProcessExiting()) return;  // nothing is freed at exit (ShmemPrepareProcessExit)
   if (shmem::ShmemInitGeneration() != initGeneration) {
     // shmem was finalized since: finalize waited for every PE's device work and the heap is gone.
     (void)gpuFree(local);
+    (void)gpuFreeHost(badIdWord);
     return;
   }
   // Peers' kernels read our combine input and write our inboxes after our own last call returned,
@@ -184,6 +196,7 @@ void EpDispatchCombineHandle::Release() {
   }
   if (drained) {
     (void)gpuFree(local);
+    (void)gpuFreeHost(badIdWord);
   } else {
     MORI_WARN(kLogOps,
               "EP handle on PE %d: this GPU's work did not finish; keeping %zu bytes of device "
@@ -322,8 +335,27 @@ void EpDispatchCombineHandle::SetTrace(uint64_t* buffer, int slots, int maxBlock
   traceMaxBlocks = buffer != nullptr ? maxBlocks : 0;
 }
 
+void EpDispatchCombineHandle::TakeExpertIdError(const char* what) {
+  CheckUsable(what);
+  const uint64_t seen = __atomic_load_n(badExpertIdHost, __ATOMIC_ACQUIRE);
+  if (seen == 0) return;
+  __atomic_store_n(badExpertIdHost, 0, __ATOMIC_RELEASE);
+  int token = 0, k = 0;
+  long long id = 0;
+  EpUnpackBadExpertId(seen, &token, &k, &id);
+  const bool call = std::strcmp(what, "dispatch") == 0 || std::strcmp(what, "combine") == 0;
+  MORI_THROW(InvalidUsageError,
+             "EP %s on PE %d: an earlier dispatch on this PE got expert id %lld for token %d "
+             "(top-k slot %d), outside [-1, %d) (num_experts); it was treated as -1 (no expert)%s",
+             what, config.rank, id, token, k, config.NumExperts(),
+             call ? ". This call launched nothing: PEs that launched theirs time out waiting for "
+                    "this PE"
+                  : "");
+}
+
 void EpDispatchCombineHandle::Dispatch(const EpDispatchArgs& args, gpuStream_t stream) {
   CheckUsable("dispatch");
+  TakeExpertIdError("dispatch");
   const EpDispatchCombineConfig& c = config;
   MORI_ENSURE(EpDataTypeIsValid(static_cast<int32_t>(args.dataType)), InvalidUsageError,
               "EP dispatch: unknown dtype code %d", static_cast<int>(args.dataType));
@@ -381,6 +413,7 @@ void EpDispatchCombineHandle::Dispatch(const EpDispatchArgs& args, gpuStream_t s
   }
   k.format = EpDispatchFormat(k.rowBytes, static_cast<int>(args.dataType),
                               static_cast<int>(args.indexType));
+  k.badExpertId = args.checkExpertIds ? badExpertIdDev : nullptr;
 
   const size_t smem = EpDispatchSmemBytes(c, core::kWarpSize);
   backend->LaunchDispatch(k, args.indexType, blocks, warps * core::kWarpSize, smem, stream);
@@ -390,6 +423,7 @@ void EpDispatchCombineHandle::Dispatch(const EpDispatchArgs& args, gpuStream_t s
 
 void EpDispatchCombineHandle::Combine(const EpCombineArgs& args, gpuStream_t stream) {
   CheckUsable("combine");
+  TakeExpertIdError("combine");
   const EpDispatchCombineConfig& c = config;
   MORI_ENSURE(lastNumTokens >= 0, InvalidUsageError,
               "EP combine: no dispatch yet (combine returns the rows of the last dispatch)");

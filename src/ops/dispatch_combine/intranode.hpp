@@ -3,6 +3,7 @@
 // family is a template parameter); the push combine is IntraNode-only. Protocol: docs/ep.md.
 #pragma once
 
+#include <climits>
 #include <cstdint>
 
 #include "mori/core/device/wait.hpp"
@@ -57,7 +58,24 @@ struct EpDispatchKernelArgs {
   uint32_t scaleBytes;
   EpScaleCopy scaleCopy;
   uint64_t format;  // EpDispatchFormat(...) of this call
+  // Host-mapped word for the first expert id outside [-1, numExperts) (EpPackBadExpertId; 0:
+  // none seen), or nullptr: ids are not checked.
+  uint64_t* badExpertId;
 };
+
+// The bad-id record: bit 63 set, token (bits 32..48), top-k slot (bits 49..55), the id saturated to
+// int32 (bits 0..31; its full value is printed by the device).
+MORI_HD_INLINE uint64_t EpPackBadExpertId(int token, int k, long long id) {
+  const long long clipped = id < INT32_MIN ? INT32_MIN : (id > INT32_MAX ? INT32_MAX : id);
+  return (1ull << 63) | (static_cast<uint64_t>(k & 0x7F) << 49) |
+         (static_cast<uint64_t>(token & 0x1FFFF) << 32) |
+         static_cast<uint64_t>(static_cast<uint32_t>(static_cast<int32_t>(clipped)));
+}
+MORI_HD_INLINE void EpUnpackBadExpertId(uint64_t w, int* token, int* k, long long* id) {
+  *k = static_cast<int>((w >> 49) & 0x7F);
+  *token = static_cast<int>((w >> 32) & 0x1FFFF);
+  *id = static_cast<int32_t>(static_cast<uint32_t>(w));
+}
 
 struct EpCombineKernelArgs {
   EpKernelCommon c;

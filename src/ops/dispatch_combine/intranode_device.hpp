@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdio>
 
 #include "mori/core/device/wait.hpp"
 #include "mori/core/gpu.hpp"
@@ -97,6 +98,19 @@ MORI_DEVICE_INLINE void ReportError(const core::WaitContext& ctx, int peer, cons
                                     core::CmpOp op, uint64_t required, uint64_t value) {
   core::RecordUsageError(ctx, peer, label, static_cast<const uint64_t*>(nullptr), op, required,
                          value);
+}
+
+// Records (first offender wins) and prints one line; never raises the abort flag.
+__device__ __noinline__ inline void EpRecordBadExpertId(uint64_t* word, int rank, int token, int k,
+                                                        long long id, int numExperts) {
+  const uint64_t packed = EpPackBadExpertId(token, k, id);
+  if (core::AtomicCasSystem<unsigned long long>(reinterpret_cast<unsigned long long*>(word), 0ull,
+                                                static_cast<unsigned long long>(packed)) == 0ull)
+    printf(
+        "[MORI device error] rank %d: EP dispatch: expert id %lld of token %d (top-k slot %d) "
+        "is outside [-1, %d); it is treated as -1 (no expert), and this PE's next call raises "
+        "InvalidUsageError\n",
+        rank, id, token, k, numExperts);
 }
 
 // Waits until `s` carries `epoch`; returns false on timeout/abort or if it carries a later epoch

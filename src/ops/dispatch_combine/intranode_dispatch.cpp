@@ -108,6 +108,11 @@ __global__ void __launch_bounds__(kThreads, 1) EpDispatchKernel(const EpDispatch
   // work. The test of an id is two compares in the index type against dest's expert range (ids
   // outside [0, numExperts) fall outside it too), never a division: the scan is instruction-bound
   // (every block tests all T x K ids; docs/performance.md, "Dispatch block split and scan").
+  // Block 0 also checks every id against [-1, numExperts) when asked (a.badExpertId): the first
+  // offender is recorded for the host, which raises at this PE's next call; the kernels treat it
+  // as -1 either way, so the ranks stay in step.
+  const bool checkIds = b == 0 && a.badExpertId != nullptr;
+  const IndexT numE = static_cast<IndexT>(c.numExperts);
   const IndexT lo = static_cast<IndexT>(dest) * static_cast<IndexT>(Epr);
   const IndexT hi = lo + static_cast<IndexT>(Epr);
   auto loadIds = [&](int w, int k0, IndexT(&ids)[kDispatchScanBatch]) {
@@ -124,6 +129,8 @@ __global__ void __launch_bounds__(kThreads, 1) EpDispatchKernel(const EpDispatch
 #pragma unroll
     for (int u = 0; u < kDispatchScanBatch; u++) {
       const IndexT e = ids[u];
+      if (checkIds && (e < static_cast<IndexT>(-1) || e >= numE))
+        EpRecordBadExpertId(a.badExpertId, me, t, k0 + u, static_cast<long long>(e), c.numExperts);
       if (e < lo || e >= hi) continue;  // another PE's expert, -1 or an out-of-range id
       *member = true;
       if (leader) {

@@ -48,6 +48,10 @@ struct EpDispatchArgs {
   EpIndexType indexType = EpIndexType::kInt32;
   int blockNum = -1;      // -1: config (or the small-batch default)
   int warpPerBlock = -1;  // -1: config (or the small-batch default)
+  // The kernel checks every id against [-1, numExperts) (no host synchronisation). An id outside
+  // is treated as -1 (no expert); the first one is reported by this PE's next Dispatch, Combine
+  // or TakeExpertIdError as InvalidUsageError naming token, top-k slot and id.
+  bool checkExpertIds = true;
 };
 
 struct EpCombineArgs {
@@ -129,6 +133,10 @@ class EpDispatchCombineHandle {
   void ResolveLaunch(int numTokens, int blockNum, int warpPerBlock, bool forDispatch,
                      int* blocksOut, int* warpsOut) const;
   int MultiProcessorCount() const { return numSms; }
+  // Raises (and clears) the out-of-range expert id recorded by an earlier dispatch on this PE, as
+  // Dispatch and Combine do before launching; reads host memory, no synchronisation (a dispatch
+  // still running may report later). `what` names the caller in the message.
+  void TakeExpertIdError(const char* what);
 
   // Debug only: per-block phase trace of the kernels launched (or graph-captured) from now on.
   // `buffer` is device memory of 2 * slots * maxBlocks * 32 uint64 (layout:
@@ -154,6 +162,9 @@ class EpDispatchCombineHandle {
   shmem::ShmemDeviceContext shmemCtx{};
   int lastNumTokens = -1;
   uint32_t lastRowBytes = 0;
+  // Mapped pinned word the dispatch kernel records the first out-of-range expert id in.
+  uint64_t* badExpertIdHost = nullptr;
+  uint64_t* badExpertIdDev = nullptr;
   uint64_t* traceBuf = nullptr;  // SetTrace (debug)
   int traceSlots = 0;
   int traceMaxBlocks = 0;
