@@ -58,6 +58,7 @@ class Env:
         unless the case names one."""
         kw.setdefault("kernel_type", self.args.kernel_type)
         kw.setdefault("gpu_per_node", self.args.gpu_per_node or self.W)
+        kw.setdefault("num_qp_per_pe", self.args.num_qp_per_pe)
         return self.mori.ops.EpDispatchCombineConfig(**kw)
 
     def dt(self, name):
@@ -1213,9 +1214,13 @@ def main(argv=None, default_kernel_type="IntraNode"):
     p.add_argument("--gpu-per-node", type=int, default=0,
                    help="PEs per (virtual) node; InterNode with fewer than the ranks emulates RDMA between "
                         "nodes (MORI_GPU_PER_NODE, MORI_RDMA_EMULATE=1, CUDA_MODULE_LOADING=EAGER)")
+    p.add_argument("--num-qp-per-pe", type=int, default=1,
+                   help="config num_qp_per_pe, and shmem's QPs per RDMA peer (MORI_NUM_QP_PER_PE) unless set")
     p.add_argument("--list", action="store_true")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
+    if args.num_qp_per_pe != 1:
+        os.environ.setdefault("MORI_NUM_QP_PER_PE", str(args.num_qp_per_pe))
     if args.gpu_per_node > 0:
         # Nodes are emulated: shmem's topology (and the emulated NIC between nodes) come from these,
         # set before any rank initialises CUDA.

@@ -134,10 +134,23 @@ def test_field_order_is_rocm_mori_s():
                             rdma_block_num=0, num_qp_per_pe=1, quant_type="none")
 
 
+class _Dtype:
+    """A stand-in for a torch dtype (what the config reads of one: itemsize)."""
+
+    def __init__(self, name, itemsize):
+        self.name, self.itemsize = name, itemsize
+
+    def __repr__(self):
+        return self.name
+
+
+BF16 = _Dtype("bf16", 2)
+
+
 def test_positional_construction():
-    c = ops.EpDispatchCombineConfig("bf16", 1, 4, 7168, 56, 4, 2, 4096, 64, 8, 16, 64, 1000, False,
+    c = ops.EpDispatchCombineConfig(BF16, 1, 4, 7168, 56, 4, 2, 4096, 64, 8, 16, 64, 1000, False,
                                     ops.EpDispatchCombineKernelType.InterNode, 2, 32, 2, "none")
-    assert c.data_type == "bf16" and (c.rank, c.world_size, c.hidden_dim) == (1, 4, 7168)
+    assert c.data_type is BF16 and (c.rank, c.world_size, c.hidden_dim) == (1, 4, 7168)
     assert (c.warp_num_per_block, c.block_num, c.max_total_recv_tokens) == (16, 64, 1000)
     assert c.use_external_inp_buf is False and c.kernel_type is ops.EpDispatchCombineKernelType.InterNode
     assert (c.gpu_per_node, c.rdma_block_num, c.num_qp_per_pe, c.quant_type) == (2, 32, 2, "none")
@@ -397,3 +410,15 @@ def test_dtype_codes_come_from_the_binding():
     assert set(codes) == {"bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e4m3fnuz"}
     assert sorted(codes.values()) == list(range(len(codes)))
     assert _C.ops.INDEX_TYPE_CODES == {"int32": 0, "int64": 1}
+
+
+@pytest.mark.parametrize("dtype, needle", [
+    (_Dtype("fp32", 4), "data_type fp32 has 4-byte elements but max_token_type_size is 2"),
+    ("bf16", "data_type must be a torch dtype or None"),
+])
+def test_data_type_is_checked_against_the_row_size(dtype, needle):
+    c = ops.EpDispatchCombineConfig(dtype, 0, 2, 1024, 0, 0, 2, 64, 4, 2)
+    with pytest.raises(mori.InvalidUsageError, match=needle):
+        c.validate()
+    ops.EpDispatchCombineConfig(_Dtype("fp8", 1), 0, 2, 1024, 0, 0, 2, 64, 4, 2).validate()
+    ops.EpDispatchCombineConfig(None, 0, 2, 1024, 0, 0, 2, 64, 4, 2).validate()

@@ -71,7 +71,7 @@ def _quant_type_code(value):
 
 
 # Fields without a default in ROCm/mori's dataclass. They carry a None default here only so that
-# data_type (ignored, and optional for existing callers) can come first as in ROCm/mori;
+# data_type (optional for existing callers) can come first as in ROCm/mori;
 # __post_init__ raises for any of them left out, as a dataclass without defaults would.
 _REQUIRED_FIELDS = (
     "rank",
@@ -100,8 +100,12 @@ class EpDispatchCombineConfig:
     is accepted for MORI compatibility and ignored (the dtype comes from the tensors).
     `kernel_type`: an EpDispatchCombineKernelType, its name or value. `quant_type`: "none";
     "fp8_direct_cast" is recognised and refused (not built yet). `rdma_block_num` and
-    `num_qp_per_pe` are range-checked but not used by this build's kernels (the QPs per RDMA peer
-    are shmem's: MORI_NUM_QP_PER_PE)."""
+    `num_qp_per_pe`: InterNode spreads its RDMA work requests over that many of shmem's QPs per
+    peer (MORI_NUM_QP_PER_PE at shmem init; fewer, with a warning, when shmem has fewer).
+    `rdma_block_num` is range-checked; InterNode has no separate RDMA blocks (each block posts
+    its own destination's writes), so it has no effect in this build. `data_type` (optional) is
+    the token dtype: its element size must fit max_token_type_size; each call's dtype is its
+    input tensor's."""
 
     data_type: object = None
     rank: int = None
@@ -146,6 +150,17 @@ class EpDispatchCombineConfig:
                 raise _usage(f"EpDispatchCombineConfig.{name} must be an int, got {v!r}")
             return int(v)
 
+        dt = self.data_type
+        if dt is not None:  # the token dtype: its elements must fit the buffers' row size
+            size = getattr(dt, "itemsize", None)
+            if isinstance(size, bool) or not isinstance(size, int):
+                raise _usage(f"EpDispatchCombineConfig.data_type must be a torch dtype or None, got {dt!r}")
+            mtts = as_int("max_token_type_size")
+            if size > mtts:
+                raise _usage(
+                    f"EpDispatchCombineConfig.data_type {dt} has {size}-byte elements but "
+                    f"max_token_type_size is {mtts}"
+                )
         kt = self.kernel_type
         if isinstance(kt, str):
             try:
