@@ -43,7 +43,8 @@ EpIndexType IndexTypeFromInt(int code) {
   return static_cast<EpIndexType>(code);
 }
 
-// {"symmetric": {...}, "local": {...}}: name -> offset of every region the config uses (and
+// {"symmetric": {...}, "local": {...}, "expert_major": {...}}: name -> offset of every region the
+// config uses (and
 // "total_bytes"), plus "regions": [(block, name, offset, bytes, role)] of every region, used or
 // not.
 py::dict LayoutDict(const EpDispatchCombineConfig& c) {
@@ -61,6 +62,7 @@ py::dict LayoutDict(const EpDispatchCombineConfig& c) {
   };
   add("symmetric", ops::EpSymmetricRegions(c), ops::MakeEpSymmetricLayout(c).totalBytes);
   add("local", ops::EpLocalRegions(c), ops::MakeEpLocalLayout(c).totalBytes);
+  add("expert_major", ops::EpExpertMajorRegions(c), ops::MakeEpExpertMajorLayout(c).totalBytes);
   d["regions"] = all;
   return d;
 }
@@ -205,6 +207,8 @@ void RegisterOpsBindings(py::module_& m) {
         "Bytes of symmetric heap a handle for `config` allocates (validates the config)");
   o.def("ep_local_bytes", &ops::EpLocalBytes, py::arg("config"),
         "Bytes of ordinary device memory a handle for `config` allocates");
+  o.def("ep_expert_major_bytes", &ops::EpExpertMajorBytes, py::arg("config"),
+        "Bytes of ordinary device memory the first expert-major conversion of an op allocates");
   o.def("ep_layout", &LayoutDict, py::arg("config"),
         "Offsets of every buffer in the symmetric and local blocks (see docs/ep.md)");
   o.def("_find_ep_disagreement", &FindDisagreementForTest, py::arg("stage"), py::arg("entries"),
@@ -262,6 +266,34 @@ void RegisterOpsBindings(py::module_& m) {
           },
           py::arg("input"), py::arg("data_type"), py::arg("hidden_dim"), py::arg("input_rows"),
           py::arg("weights"), py::arg("weight_rows"), py::arg("block_num"),
+          py::arg("warp_per_block"), py::arg("stream"))
+      .def(
+          "convert_dispatch_output",
+          [](EpDispatchCombineHandle& h, int blockNum, int warpPerBlock, uintptr_t stream) {
+            ops::EpToExpertMajorArgs a;
+            a.blockNum = blockNum;
+            a.warpPerBlock = warpPerBlock;
+            h.ConvertDispatchOutput(a, reinterpret_cast<gpuStream_t>(stream));
+          },
+          py::arg("block_num"), py::arg("warp_per_block"), py::arg("stream"))
+      .def(
+          "convert_combine_input",
+          [](EpDispatchCombineHandle& h, uintptr_t expertOut, int dataType, int hiddenDim,
+             int64_t expertRows, uintptr_t weights, int64_t weightRows, int blockNum,
+             int warpPerBlock, uintptr_t stream) {
+            ops::EpFromExpertMajorArgs a;
+            a.expertOut = Ptr<const void>(expertOut);
+            a.dataType = DataTypeFromInt(dataType, "convert_combine_input");
+            a.hiddenDim = hiddenDim;
+            a.expertRows = expertRows;
+            a.weights = Ptr<const float>(weights);
+            a.weightRows = weightRows;
+            a.blockNum = blockNum;
+            a.warpPerBlock = warpPerBlock;
+            h.ConvertCombineInput(a, reinterpret_cast<gpuStream_t>(stream));
+          },
+          py::arg("expert_out"), py::arg("data_type"), py::arg("hidden_dim"),
+          py::arg("expert_rows"), py::arg("weights"), py::arg("weight_rows"), py::arg("block_num"),
           py::arg("warp_per_block"), py::arg("stream"))
       .def(
           "reset",
@@ -329,6 +361,24 @@ void RegisterOpsBindings(py::module_& m) {
       .def_property_readonly(
           "combine_input_weights",
           [](const EpDispatchCombineHandle& h) { return Int(h.CombineInputWeights()); })
+      .def_property_readonly(  // 0 until the first convert_dispatch_output
+          "expert_major_base",
+          [](const EpDispatchCombineHandle& h) { return Int(h.ExpertMajorBase()); })
+      .def_property_readonly(
+          "expert_major_tokens",
+          [](const EpDispatchCombineHandle& h) { return Int(h.ExpertMajorTokens()); })
+      .def_property_readonly(
+          "expert_major_scales",
+          [](const EpDispatchCombineHandle& h) { return Int(h.ExpertMajorScales()); })
+      .def_property_readonly(
+          "expert_major_counts",
+          [](const EpDispatchCombineHandle& h) { return Int(h.ExpertMajorCounts()); })
+      .def_property_readonly(
+          "expert_major_src_rows",
+          [](const EpDispatchCombineHandle& h) { return Int(h.ExpertMajorSrcRows()); })
+      .def_property_readonly(
+          "expert_major_src_pos",
+          [](const EpDispatchCombineHandle& h) { return Int(h.ExpertMajorSrcPos()); })
       .def_property_readonly(
           "combine_out_tokens",
           [](const EpDispatchCombineHandle& h) { return Int(h.CombineOutTokens()); })

@@ -15,6 +15,9 @@ Every rank generates every rank's inputs from fixed seeds, so references need no
   combine:  "experts" on rank d return (x * (1 + d/8)) in the combine dtype (weights * (d + 1));
             the result must equal, bitwise, the fp32 sum of those rows in ascending rank order,
             and match a float64 sum within the dtype's rounding; untouched rows stay poisoned.
+  standard MoE (-k standard_moe): the expert-major layout (counts, source rows and positions,
+            rows, scales) bit-exact, slots past the counts untouched, the weighted combine input
+            and the combined result bitwise the references in ep_test_utils.py.
 Checks run on the GPU without host synchronisation (so back-to-back loops stay back to back) and
 are read once per case. Output ends with "N passed, M failed"; the exit code is 1 on failure.
 """
@@ -281,25 +284,31 @@ def describe_failure(env, spec, op, outs, data, it):
         return f"(no details: {e})"
 
 
+def spec_op(env, spec):
+    """A new op sized for spec (hidden, dtypes of its first iterations, scales, M, Epr, K, launch)."""
+    torch = env.torch
+    dtypes = {spec.dtype(i) for i in range(min(spec.iters, 8))} | {spec.combine_dtype(i) for i in range(min(spec.iters, 8))}
+    tts = spec.cfg_tts or max(torch.empty((), dtype=env.dt(d)).element_size() for d in dtypes)
+    sdim, stsz = 0, 0
+    if spec.scale is not None:
+        sdim = spec.scale[0]
+        stsz = 4 if spec.scale[1] == "f32" else 1
+    launch = spec.cfg_launch or (80, 8)
+    cfg = env.config(
+        rank=env.rank, world_size=env.W, hidden_dim=spec.cfg_H or spec.H(0), scale_dim=sdim, scale_type_size=stsz,
+        max_token_type_size=tts, max_num_inp_token_per_rank=spec.M, num_experts_per_rank=spec.Epr,
+        num_experts_per_token=spec.K, block_num=launch[0], warp_num_per_block=launch[1],
+        use_external_inp_buf=(spec.mode(0) != "zero_copy"))
+    return env.new_op(cfg, check_inputs=False)
+
+
 def roundtrip(env, spec, op=None, label=""):
     """Runs spec.iters dispatch+combine round trips and checks them; raises CaseFailure."""
     torch = env.torch
     mori = env.mori
     W, r = env.W, env.rank
-    dtypes = {spec.dtype(i) for i in range(min(spec.iters, 8))} | {spec.combine_dtype(i) for i in range(min(spec.iters, 8))}
-    tts = spec.cfg_tts or max(torch.empty((), dtype=env.dt(d)).element_size() for d in dtypes)
     if op is None:
-        sdim, stsz = 0, 0
-        if spec.scale is not None:
-            sdim = spec.scale[0]
-            stsz = 4 if spec.scale[1] == "f32" else 1
-        launch = spec.cfg_launch or (80, 8)
-        cfg = env.config(
-            rank=r, world_size=W, hidden_dim=spec.cfg_H or spec.H(0), scale_dim=sdim, scale_type_size=stsz,
-            max_token_type_size=tts, max_num_inp_token_per_rank=spec.M, num_experts_per_rank=spec.Epr,
-            num_experts_per_token=spec.K, block_num=launch[0], warp_num_per_block=launch[1],
-            use_external_inp_buf=(spec.mode(0) != "zero_copy"))
-        op = env.new_op(cfg, check_inputs=False)
+        op = spec_op(env, spec)
     cnt = torch.zeros(len(C_NAMES), dtype=torch.int64, device=env.dev)
     last = None
     for it in range(spec.iters):
@@ -582,6 +591,21 @@ def case_cuda_graph(env):
     del g
 
 
+def expect_usage_error(mori, errors, what, fn, needle=None):
+    """Calls fn(); appends to `errors` unless it raised mori.InvalidUsageError (whose message holds
+    `needle`, when given)."""
+    try:
+        fn()
+    except mori.InvalidUsageError as e:
+        if needle is not None and needle not in str(e):
+            errors.append(f"{what}: message lacks {needle!r}: {e}")
+        return
+    except Exception as e:  # noqa: BLE001
+        errors.append(f"{what}: raised {type(e).__name__}: {e}")
+        return
+    errors.append(f"{what}: no error")
+
+
 def case_bad_inputs(env):
     """Each bad call raises InvalidUsageError (a ValueError) before launching; the op stays usable."""
     torch = env.torch
@@ -594,14 +618,7 @@ def case_bad_inputs(env):
     errors = []
 
     def expect(what, fn):
-        try:
-            fn()
-        except mori.InvalidUsageError:
-            return
-        except Exception as e:  # noqa: BLE001
-            errors.append(f"{what}: raised {type(e).__name__}: {e}")
-            return
-        errors.append(f"{what}: no error")
+        expect_usage_error(mori, errors, what, fn)
 
     # config errors (every rank raises; nothing is allocated)
     expect("kernel_type InterNodeV1 (not built)",
@@ -722,16 +739,7 @@ def case_config_mismatch_across_ranks(env):
     free0 = mori.shmem.shmem_heap_free_bytes()
 
     def expect(what, cfg, needle):
-        try:
-            env.new_op(cfg)
-        except mori.InvalidUsageError as e:
-            if needle not in str(e):
-                errors.append(f"{what}: message lacks {needle!r}: {e}")
-            return
-        except Exception as e:  # noqa: BLE001
-            errors.append(f"{what}: raised {type(e).__name__}: {e}")
-            return
-        errors.append(f"{what}: no error")
+        expect_usage_error(mori, errors, what, lambda: env.new_op(cfg), needle)
 
     last = W - 1
     expect("hidden_dim differs on the last rank", small_cfg(env, hidden_dim=1024 if r == last else 2048),
@@ -1042,6 +1050,269 @@ def case_stress(env):
     roundtrip(env, spec, label="stress")
 
 
+# ---------------------------------------------------------------------------------------------
+# Expert-major ("standard MoE") layout: convert_dispatch_output / dispatch_standard_moe and
+# convert_combine_input / combine_standard_moe, against the torch references of ep_test_utils
+# ---------------------------------------------------------------------------------------------
+EM_NAMES = ["em_counts", "em_vs_local_expert_count", "em_src_rows", "em_src_pos", "em_tokens", "em_scales",
+            "em_poison", "em_combine_input", "em_round_trip"]
+
+
+def moe_expert_fn(cdt):
+    """What local expert e of rank d returns for rows x: (x * (1 + d/8 + e/64)) in cdt (the factor is
+    exact in fp32, so every rank computes the same products). e: a tensor broadcastable to x's rows."""
+    def fn(x, d, e):
+        return (x.float() * (1.0 + 0.125 * d + e.float() / 64)).to(cdt)
+
+    return fn
+
+
+def dispatch_views(env, op, x, w, sc, idx):
+    """The dispatch outputs op.dispatch returns, for calls that did not return them."""
+    torch = env.torch
+    R, K = op.max_num_tokens_to_recv(), op.config.num_experts_per_token
+    return (op._view("dispatch_tokens", "dispatch_out_tokens", (R, int(x.shape[1])), x.dtype),
+            None if w is None else op._view("dispatch_weights", "dispatch_out_weights", (R, K), torch.float32),
+            None if sc is None else op._view("dispatch_scales", "dispatch_out_scales", (R, op.config.scale_dim), sc.dtype),
+            op._view("dispatch_indices", "dispatch_out_indices", (R, K), idx.dtype),
+            op.total_recv_token_num)
+
+
+def verify_expert_major(env, op, em, outs, cnt, poisoned):
+    """em (an ExpertMajorOutput) against the layout reference of the dispatch outputs `outs` (which
+    verify_dispatch checks against the inputs). Returns (ids [Rmax, K] with rows past total_recv
+    set to -1, row_slot [Rmax, K]) for the way back."""
+    torch = env.torch
+    out_tok, out_w, out_s, out_i, total = outs
+    R, Epr = out_i.shape[0], op.config.num_experts_per_rank
+    valid_row = (torch.arange(R, device=env.dev) < total[0]).view(R, 1)
+    ids = torch.where(valid_row, out_i.long(), torch.full_like(out_i.long(), -1))
+    counts, src_rows, row_slot = U.expert_major_layout_torch(torch, ids, env.rank, Epr)
+    got = em.counts.long()
+    cnt[0] += (got != counts).sum()
+    cnt[1] += (got != op.get_local_expert_count().long()).sum()
+    valid = torch.arange(R, device=env.dev).view(1, R) < counts.view(Epr, 1)  # [Epr, Rmax]
+    cnt[2] += ((em.src_rows.long() != src_rows) & valid).sum()
+    g = src_rows.clamp(min=0)
+    cnt[3] += ((em.src_pos.long() != op.get_dispatch_src_token_pos(sync=False).long()[g]) & valid).sum()
+    tok = em.tokens.view(torch.uint8)  # [Epr, Rmax, row bytes]
+    cnt[4] += ((tok != out_tok.view(torch.uint8)[g]).any(2) & valid).sum()
+    if out_s is not None:
+        cnt[5] += ((em.scales.view(torch.uint8) != out_s.view(torch.uint8)[g]).any(2) & valid).sum()
+    if poisoned:  # slots past the counts are never written
+        cnt[6] += ((tok != 0xFF).any(2) & ~valid).sum()
+        cnt[6] += ((em.src_rows != -1) & ~valid).sum() + ((em.src_pos != -1) & ~valid).sum()
+    return ids, row_slot
+
+
+def standard_moe_roundtrip(env, spec, op=None, label="", external_weights=False):
+    """spec.iters rounds of dispatch -> expert-major -> experts -> weighted way back -> combine,
+    alternating the split calls (dispatch + convert_dispatch_output, convert_combine_input + combine)
+    and the fused ones (dispatch_standard_moe, combine_standard_moe). Poisoned outputs; the layout,
+    the converted combine input and the result bit-exact against the references. With
+    external_weights the way back takes 2 x the dispatch's weights as a tensor (exact scaling)."""
+    torch = env.torch
+    W, r, Epr = env.W, env.rank, spec.Epr
+    if op is None:
+        op = spec_op(env, spec)
+    cnt = torch.zeros(len(C_NAMES), dtype=torch.int64, device=env.dev)
+    cnt_em = torch.zeros(len(EM_NAMES), dtype=torch.int64, device=env.dev)
+    experts = torch.arange(Epr, device=env.dev).view(Epr, 1, 1)
+    wscale = 2.0 if external_weights else 1.0
+    for it in range(spec.iters):
+        data = make_data(env, spec, it, spec.seed)
+        X, IDX, WT, SC, Ts = data
+        T = Ts[r]
+        poisoned = spec.poison
+        em_poisoned = poisoned and op._handle.expert_major_base != 0  # allocated by an earlier round
+        if poisoned:
+            env.barrier()
+            op.debug_fill_buffers(0xFF)
+            env.barrier()
+        x, idx, w = X[r, :T].contiguous(), IDX[r, :T].contiguous(), WT[r, :T].contiguous()
+        sc = SC[r, :T].contiguous() if SC is not None else None
+        db, dw = spec.d_launch(it)
+        cb, cw = spec.c_launch(it)
+        split = it % 2 == 0
+        if split:
+            outs = op.dispatch(x, w, sc, idx, block_num=db, warp_per_block=dw)
+            em = op.convert_dispatch_output(block_num=db, warp_per_block=dw)
+        else:
+            em = op.dispatch_standard_moe(x, w, sc, idx, block_num=db, warp_per_block=dw)
+            outs = dispatch_views(env, op, x, w, sc, idx)
+        verify_dispatch(env, spec, op, outs, data, cnt, poisoned, it)
+        ids, row_slot = verify_expert_major(env, op, em, outs, cnt_em, em_poisoned)
+        cdt = env.dt(spec.combine_dtype(it))
+        fn = moe_expert_fn(cdt)
+        y = fn(em.tokens, r, experts)  # slots past the counts hold poison (NaN): never to be read
+        wts = outs[1] * 2.0 if external_weights else None
+        if split:
+            buf = op.convert_combine_input(y, wts, block_num=cb, warp_per_block=cw)
+            out, out_w = op.combine(buf, None, idx, block_num=cb, warp_per_block=cw)
+        else:
+            out, out_w = op.combine_standard_moe(y, wts, idx, block_num=cb, warp_per_block=cw)
+            buf = op.get_registered_combine_input_buffer(cdt, spec.H(it))
+        iview = torch.int32 if cdt == torch.float32 else torch.int16
+        ref_in = U.expert_major_combine_input_torch(torch, y, ids, outs[1] * wscale, row_slot, r, Epr)
+        valid_row = torch.arange(ids.shape[0], device=env.dev) < outs[4][0]
+        cnt_em[7] += ((buf.view(iview) != ref_in.view(iview)).any(1) & valid_row).sum()
+        ref = U.standard_moe_combine_torch(torch, x, idx, w * wscale, W, Epr, fn, cdt)
+        cnt_em[8] += (out.view(iview) != ref.view(iview)).any(1).sum()
+        if out_w is not None:
+            cnt_em[8] += 1  # combine_standard_moe passes no weights to combine
+    _raise_on_counters(env, spec, op, cnt, None, label, upto=spec.iters)
+    bad = ", ".join(f"{EM_NAMES[i]}={v}" for i, v in enumerate(cnt_em.tolist()) if v)
+    if bad:
+        raise CaseFailure(f"{label} expert-major mismatches after {spec.iters} iterations: {bad}")
+    return op
+
+
+def case_standard_moe(env):
+    W = env.W
+    rt = ("random_neg", "random", "duplicates", "two_ranks")
+    standard_moe_roundtrip(env, Spec(H=2048, K=8, Epr=8, M=128, scale=(56, "f32"), routing=lambda it: rt[it % 4],
+                                     iters=4, seed=70), label="bf16, f32 scales")
+    env.close_ops()
+    standard_moe_roundtrip(env, Spec(H=7168, K=8, Epr=max(4, -(-8 // W)), M=64, dtype="fp8", cdtype="bf16", scale=(56, "f32"),
+                                     routing="two_ranks", t_mode="small", iters=2, seed=71), label="fp8 dispatch, bf16 experts")
+    env.close_ops()
+    mw = max_warps(env)
+    standard_moe_roundtrip(env, Spec(H=1024, K=6, Epr=8, M=96, dtype="fp16", idx="int64", scale=(7, "u8"),
+                                     routing="duplicates", iters=2, seed=72, d_launch=(W, 1), c_launch=(2 * W + 1, mw)),
+                           label="fp16, int64 ids, byte scales, external weights", external_weights=True)
+    env.close_ops()
+    standard_moe_roundtrip(env, Spec(H=512, K=4, Epr=max(4, -(-4 // W)), M=256, dtype="fp32", routing="one_rank",
+                                     t_mode="max", iters=2, seed=73), label="fp32, every token to rank 0")
+    env.close_ops()
+    op = standard_moe_roundtrip(env, Spec(H=1024, M=64, t_mode="zero_rank", iters=2, seed=74), label="a rank without tokens")
+    standard_moe_roundtrip(env, Spec(H=1024, M=64, t_mode="all_zero", iters=1, seed=75), op=op, label="no tokens anywhere")
+    standard_moe_roundtrip(env, Spec(H=1024, M=64, t_mode="vary", routing=lambda it: rt[it % 4], iters=6, poison=False,
+                                     seed=76), op=op, label="back to back, no poison")
+
+
+def case_standard_moe_graph(env):
+    """dispatch_standard_moe + experts + combine_standard_moe captured in one CUDA graph (after one
+    eager round: the first conversion allocates), replayed with new inputs."""
+    torch = env.torch
+    r, W, T, Epr = env.rank, env.W, 100, 8
+    spec = Spec(H=2048, K=8, Epr=Epr, M=128, t_mode=T, routing="random_neg", poison=False, seed=77)
+    op = spec_op(env, spec)
+    cdt = torch.bfloat16
+    fn = moe_expert_fn(cdt)
+    experts = torch.arange(Epr, device=env.dev).view(Epr, 1, 1)
+    sx = torch.zeros((T, 2048), dtype=cdt, device=env.dev)
+    sidx = torch.full((T, 8), -1, dtype=torch.int32, device=env.dev)
+    sw = torch.zeros((T, 8), dtype=torch.float32, device=env.dev)
+
+    def body():
+        em = op.dispatch_standard_moe(sx, sw, None, sidx)
+        out, _ = op.combine_standard_moe(fn(em.tokens, r, experts), indices=sidx)
+        return em, out
+
+    def load(it):
+        X, IDX, WT, SC, Ts = make_data(env, spec, it, spec.seed)
+        sx.copy_(X[r, :T])
+        sidx.copy_(IDX[r, :T])
+        sw.copy_(WT[r, :T])
+
+    load(0)
+    s = torch.cuda.Stream(device=env.dev)
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        body()
+    torch.cuda.current_stream().wait_stream(s)
+    env.barrier()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        em, out = body()
+    env.barrier()
+    cnt = torch.zeros(len(EM_NAMES), dtype=torch.int64, device=env.dev)
+    for it in range(1, 5):
+        load(it)
+        env.barrier()
+        g.replay()
+        outs = dispatch_views(env, op, sx, sw, None, sidx)
+        verify_expert_major(env, op, em, outs, cnt, False)
+        ref = U.standard_moe_combine_torch(torch, sx, sidx, sw, W, Epr, fn, cdt)
+        cnt[8] += (out.view(torch.int16) != ref.view(torch.int16)).any(1).sum()
+    torch.cuda.synchronize()
+    env.mori.shmem.shmem_check_device_error()
+    bad = ", ".join(f"{EM_NAMES[i]}={v}" for i, v in enumerate(cnt.tolist()) if v)
+    del g
+    if bad:
+        raise CaseFailure(f"graph replay mismatches: {bad}")
+
+
+def case_standard_moe_bad_inputs(env):
+    """Each bad expert-major call raises InvalidUsageError before launching; the op stays usable (a
+    checked round trip follows). Also: the first conversion of an op inside a graph capture."""
+    torch = env.torch
+    mori = env.mori
+    r, W = env.rank, env.W
+    spec = Spec(H=256, K=4, Epr=4, M=64, seed=78)
+    op = spec_op(env, spec)
+    T, H, K, Epr, R = 32, 256, 4, 4, op.max_num_tokens_to_recv()
+    dev = env.dev
+    x = torch.randn((T, H), device=dev).to(torch.bfloat16)
+    idx = torch.randint(0, W * Epr, (T, K), device=dev, dtype=torch.int32)
+    w = torch.rand((T, K), device=dev)
+    y = torch.zeros((Epr, R, H), device=dev, dtype=torch.bfloat16)
+    errors = []
+
+    def expect(what, fn, needle=None):
+        expect_usage_error(mori, errors, what, fn, needle)
+
+    expect("convert_dispatch_output before dispatch", lambda: op.convert_dispatch_output(), "no dispatch yet")
+    expect("convert_combine_input before dispatch", lambda: op.convert_combine_input(y), "no dispatch yet")
+    expect("combine_standard_moe before dispatch", lambda: op.combine_standard_moe(y), "no dispatch yet")
+    op.dispatch(x, None, None, idx)  # no weights
+    expect("convert_combine_input before convert_dispatch_output", lambda: op.convert_combine_input(y, torch.zeros((R, K), device=dev)),
+           "was not converted")
+    op.convert_dispatch_output()
+    expect("no weights anywhere", lambda: op.convert_combine_input(y), "no weights")
+    op.dispatch(x, w, None, idx)
+    expect("a dispatch since the conversion", lambda: op.convert_combine_input(y), "was not converted")
+    op.convert_dispatch_output()
+    expect("expert_out 2-D", lambda: op.convert_combine_input(y[0]))
+    expect("expert_out experts", lambda: op.convert_combine_input(y[:1].contiguous()), "must have shape")
+    expect("expert_out rows < max_num_tokens_to_recv", lambda: op.convert_combine_input(y[:, : R - 1].contiguous()), "must have shape")
+    expect("expert_out int16", lambda: op.convert_combine_input(y.view(torch.int16)))
+    if U.fp8_dtype(torch) is not None:
+        expect("expert_out fp8", lambda: op.convert_combine_input(torch.zeros((Epr, R, H), device=dev, dtype=torch.uint8).view(U.fp8_dtype(torch))))
+    expect("expert_out on the CPU", lambda: op.convert_combine_input(y.cpu()))
+    expect("expert_out not contiguous", lambda: op.convert_combine_input(y.transpose(0, 1).contiguous().transpose(0, 1)))
+    expect("expert_out hidden too large", lambda: op.convert_combine_input(torch.zeros((Epr, R, 2 * H), device=dev, dtype=torch.bfloat16)))
+    expect("expert_out row not a multiple of 16 B", lambda: op.convert_combine_input(y[:, :, :12].contiguous()))
+    expect("weights float16", lambda: op.convert_combine_input(y, torch.zeros((R, K), device=dev, dtype=torch.float16)))
+    expect("weights columns", lambda: op.convert_combine_input(y, torch.zeros((R, K + 1), device=dev)))
+    expect("weights rows", lambda: op.convert_combine_input(y, torch.zeros((R - 1, K), device=dev)), "must have shape")
+    expect("combine_standard_moe indices shape", lambda: op.combine_standard_moe(y, indices=idx[:5].contiguous()))
+    expect("combine_standard_moe rdma_block_num", lambda: op.combine_standard_moe(y, rdma_block_num=-7))
+    # the first conversion of an op cannot be captured (it allocates)
+    op2 = spec_op(env, spec)
+    op2.dispatch(x, w, None, idx)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    refused = [None]
+    try:
+        with torch.cuda.graph(g):
+            try:
+                op2.convert_dispatch_output()
+            except mori.InvalidUsageError as e:
+                refused[0] = str(e)
+    except Exception as e:  # noqa: BLE001
+        errors.append(f"ending the capture after the refused conversion failed: {type(e).__name__}: {e}")
+    if refused[0] is None or "graph capture" not in refused[0]:
+        errors.append(f"first conversion during a capture: not refused as expected ({refused[0]})")
+    del g
+    env.barrier()
+    if errors:
+        raise CaseFailure("; ".join(errors))
+    # both ops still work: checked round trips
+    standard_moe_roundtrip(env, spec, op=op2, label="after a refused capture")
+    standard_moe_roundtrip(env, spec, op=op, label="after the bad calls")
+
+
 class SkipCase(Exception):
     pass
 
@@ -1068,6 +1339,9 @@ CASES = [
     ("combine_input_too_short", case_combine_input_too_short),
     ("refused_after_device_abort", case_refused_after_device_abort),
     ("destroy_while_peers_combine", case_destroy_while_peers_combine),
+    ("standard_moe_layout_and_way_back", case_standard_moe),
+    ("standard_moe_cuda_graph", case_standard_moe_graph),
+    ("standard_moe_bad_inputs", case_standard_moe_bad_inputs),
     ("back_to_back_iterations", case_back_to_back),
     ("stress", case_stress),
 ]

@@ -203,3 +203,105 @@ def v1_combine_reference(torch, rows, masks, G, cdt):
             has = has | m
         out = out + torch.where(has, part.to(cdt).float(), 0.0)
     return out.to(cdt)
+
+
+# --- expert-major ("standard MoE") layout references ---------------------------------------------
+#
+# Received rows r = 0 .. R-1 in dispatch-output order, ids[r] = their K global expert ids; local
+# expert e of rank `rank` has global id rank * Epr + e.
+#   Layout: the slots of local expert e are the rows naming e (once per row, however often the
+#           row names it) in ascending r; counts[e] is their number.
+#   Way back (convert_combine_input): row r = round(sum over k ascending whose id is local of
+#           fp32(weights[r][k] * y[e_k][slot of r under e_k])): each product rounded to fp32,
+#           every addition an fp32 addition from +0.0, one rounding to y's dtype at the end.
+#   Round trip (combine_standard_moe): token t's result = round(sum over its destination ranks d
+#           ascending of the converted row rank d holds for it): the plain combine of the rows
+#           above, so the routing weights are applied once, before each rank's rounding.
+
+
+def fp32_mul(a, b):
+    """a * b in fp32 for fp32 values a, b: their double product is exact (48 bits), rounded once."""
+    return round_to("fp32", a * b)
+
+
+def expert_major_layout(ids, rank, Epr):
+    """Float form of the layout: ids = R lists of K ints. Returns (counts [Epr], src_rows = Epr
+    lists of row indices, row_slot = R lists of K slots, -1 where the k-th id is not local)."""
+    first = rank * Epr
+    src_rows = [[] for _ in range(Epr)]
+    row_slot = []
+    for r, row in enumerate(ids):
+        slot_of = {}
+        for g in row:
+            e = g - first
+            if 0 <= e < Epr and e not in slot_of:
+                slot_of[e] = len(src_rows[e])
+                src_rows[e].append(r)
+        row_slot.append([slot_of.get(g - first, -1) for g in row])
+    return [len(s) for s in src_rows], src_rows, row_slot
+
+
+def weighted_sum_floats(terms, dtype):
+    """One element of convert_combine_input: terms = (weight, value) of the row's local experts in
+    ascending k (values of `dtype`, weights fp32)."""
+    acc = 0.0
+    for w, v in terms:
+        acc = fp32_add(acc, fp32_mul(w, v))
+    return round_to(dtype, acc)
+
+
+def standard_moe_combine_floats(terms_by_rank, dtype):
+    """One element of combine_standard_moe: terms_by_rank[d] = the token's weighted_sum_floats terms
+    on rank d, or None when d is not a destination."""
+    return flat_combine_floats([None if t is None else weighted_sum_floats(t, dtype) for t in terms_by_rank], dtype)
+
+
+def expert_major_layout_torch(torch, ids, rank, Epr):
+    """Torch form of expert_major_layout: ids [R, K] (any int dtype; rows of no local expert, e.g.
+    all -1, take no slot). Returns (counts [Epr] int64, src_rows [Epr, R] int64 (-1 past counts),
+    row_slot [R, K] int64)."""
+    ids = ids.long()
+    R, K = ids.shape
+    e = ids - rank * Epr
+    local = (e >= 0) & (e < Epr)
+    ec = torch.where(local, e, torch.zeros_like(e))
+    experts = torch.arange(Epr, device=ids.device)
+    hit = ((e.view(R, K, 1) == experts.view(1, 1, Epr)) & local.view(R, K, 1)).any(1)  # [R, Epr]
+    slot = torch.cumsum(hit.long(), 0) - 1
+    row_slot = torch.where(local, slot.gather(1, ec), torch.full_like(ec, -1))
+    src_rows = torch.full((Epr, R), -1, dtype=torch.int64, device=ids.device)
+    rows = torch.arange(R, device=ids.device).view(R, 1).expand(R, Epr)
+    src_rows[experts.view(1, Epr).expand(R, Epr)[hit], slot[hit]] = rows[hit]
+    return hit.long().sum(0), src_rows, row_slot
+
+
+def expert_major_combine_input_torch(torch, y, ids, weights, row_slot, rank, Epr):
+    """Torch form of convert_combine_input: y [Epr, S, H] (the experts' outputs), ids/weights/
+    row_slot [R, K] (weights fp32). Returns [R, H] in y's dtype (weighted_sum_floats per element)."""
+    R, K = ids.shape
+    e = (ids.long() - rank * Epr).clamp(0, Epr - 1)
+    acc = torch.zeros((R, y.shape[2]), dtype=torch.float32, device=y.device)
+    for k in range(K):
+        m = (row_slot[:, k] >= 0).view(R, 1)
+        v = y[e[:, k], row_slot[:, k].clamp(min=0)].float()
+        acc = acc + torch.where(m, weights[:, k:k + 1] * v, 0.0)  # + 0.0 leaves acc unchanged
+    return acc.to(y.dtype)
+
+
+def standard_moe_combine_torch(torch, x, ids, weights, W, Epr, expert_fn, cdt):
+    """Torch form of combine_standard_moe on the tokens' own rank: x [T, H] its tokens, ids/weights
+    [T, K] their routing; expert_fn(x, d, e) = what local expert e of rank d returns for rows x
+    (e: a tensor of local expert ids broadcastable against x's rows), in cdt. Returns [T, H] cdt."""
+    T, K = ids.shape
+    ids = ids.long()
+    out = torch.zeros((T, x.shape[1]), dtype=torch.float32, device=x.device)
+    for d in range(W):
+        part = torch.zeros_like(out)
+        dest = torch.zeros((T, 1), dtype=torch.bool, device=x.device)
+        for k in range(K):
+            m = ((ids[:, k] >= d * Epr) & (ids[:, k] < (d + 1) * Epr)).view(T, 1)
+            y = expert_fn(x, d, (ids[:, k] - d * Epr).clamp(0, Epr - 1).view(T, 1))
+            part = part + torch.where(m, weights[:, k:k + 1] * y.float(), 0.0)
+            dest = dest | m
+        out = out + torch.where(dest, part.to(cdt).float(), 0.0)
+    return out.to(cdt)

@@ -75,6 +75,17 @@ MORI_DEVICE_INLINE T WarpReduceSum(T v) {
   return v;
 }
 
+// a * b rounded to fp32, never contracted with a following addition into a fused multiply-add:
+// sums of such products are bitwise those of a reference that rounds every product (torch).
+MORI_DEVICE_INLINE float MulNoContract(float a, float b) {
+#if MORI_HIP
+#pragma clang fp contract(off)
+  return a * b;
+#else
+  return __fmul_rn(a, b);
+#endif
+}
+
 MORI_DEVICE_INLINE int PopCount(LaneMask m) {
 #if MORI_HIP
   return __popcll(m);

@@ -10,6 +10,7 @@ import dataclasses
 import enum
 
 from .. import _C
+from .expert_major import ExpertMajorMixin
 
 
 def _native():
@@ -253,7 +254,7 @@ def _tensor_from_ptr(ptr, shape, dtype, device_index):
     return tensor_from_ptr(ptr, shape, dtype, device_index)
 
 
-class EpDispatchCombineOp:
+class EpDispatchCombineOp(ExpertMajorMixin):
     """One expert-parallel group (collective: create it on every rank, after shmem init).
 
     dispatch(input, weights, scales, indices) sends each token once to every distinct rank that
@@ -262,6 +263,8 @@ class EpDispatchCombineOp:
     combine(input, weights, indices) sums, for each token of the last dispatch, the rows its
     destination ranks return (rows in dispatch-output order) in fp32, ascending rank order
     (bitwise reproducible), and returns (out_tokens [num_tokens, hidden], out_weights).
+    The expert-major layout (convert_dispatch_output, dispatch_standard_moe,
+    convert_combine_input, combine_standard_moe) comes from ExpertMajorMixin (expert_major.py).
     """
 
     def __init__(self, config, check_inputs=True):
@@ -628,14 +631,15 @@ class EpDispatchCombineOp:
 
     def debug_fill_buffers(self, value=0xFF):
         """Test helper: fill every output buffer (dispatch outputs, source positions, counts,
-        combine outputs) with the byte `value`, on the current stream. Only while no rank is
+        combine outputs, expert-major outputs once allocated) with the byte `value`, on the
+        current stream. Only while no rank is
         inside a call of this op (e.g. after a host barrier): peers write and read these buffers
         during calls."""
         torch = _torch()
         h = self._h()
-        bases = {"symmetric": h.symmetric_base, "local": h.local_base}
+        bases = {"symmetric": h.symmetric_base, "local": h.local_base, "expert_major": h.expert_major_base}
         for block, _name, offset, nbytes, role in ep_layout(self.config)["regions"]:
-            if role == "output" and nbytes > 0:
+            if role == "output" and nbytes > 0 and bases[block] != 0:  # expert_major: 0 until used
                 t = _tensor_from_ptr(bases[block] + offset, (nbytes,), torch.uint8, self._device_index)
                 t.fill_(value & 0xFF)
 

@@ -181,6 +181,7 @@ EpLayoutDims MakeEpLayoutDims(const EpDispatchCombineConfig& c) {
   d.push = EpPushCombineFits(c) ? 1 : 0;
   d.inter = c.kernelType == EpDispatchCombineKernelType::kInterNode ? 1 : 0;
   d.landing = d.m * std::min(d.k, d.w);
+  d.markWords = (d.rmax + 31) / 32;
   return d;
 }
 
@@ -222,6 +223,15 @@ static void PlaceLocal(const EpDispatchCombineConfig& c, EpLocalLayout* l,
   l->totalBytes = p.off;
 }
 
+static void PlaceExpertMajor(const EpDispatchCombineConfig& c, EpExpertMajorLayout* l,
+                             std::vector<EpRegionInfo>* out) {
+  const EpLayoutDims d = MakeEpLayoutDims(c);
+  RegionPlacer p;
+  p.out = out;
+  MORI_EP_EXPERT_MAJOR_REGIONS(MORI_EP_PLACE, d)
+  l->totalBytes = p.off;
+}
+
 #undef MORI_EP_PLACE
 
 EpSymmetricLayout MakeEpSymmetricLayout(const EpDispatchCombineConfig& c) {
@@ -233,6 +243,12 @@ EpSymmetricLayout MakeEpSymmetricLayout(const EpDispatchCombineConfig& c) {
 EpLocalLayout MakeEpLocalLayout(const EpDispatchCombineConfig& c) {
   EpLocalLayout l;
   PlaceLocal(c, &l, nullptr);
+  return l;
+}
+
+EpExpertMajorLayout MakeEpExpertMajorLayout(const EpDispatchCombineConfig& c) {
+  EpExpertMajorLayout l;
+  PlaceExpertMajor(c, &l, nullptr);
   return l;
 }
 
@@ -258,6 +274,18 @@ size_t EpSymmetricBytes(const EpDispatchCombineConfig& config) {
 size_t EpLocalBytes(const EpDispatchCombineConfig& config) {
   config.Validate();
   return MakeEpLocalLayout(config).totalBytes;
+}
+
+std::vector<EpRegionInfo> EpExpertMajorRegions(const EpDispatchCombineConfig& c) {
+  EpExpertMajorLayout l;
+  std::vector<EpRegionInfo> out;
+  PlaceExpertMajor(c, &l, &out);
+  return out;
+}
+
+size_t EpExpertMajorBytes(const EpDispatchCombineConfig& config) {
+  config.Validate();
+  return MakeEpExpertMajorLayout(config).totalBytes;
 }
 
 }  // namespace mori::ops

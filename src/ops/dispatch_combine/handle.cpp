@@ -170,14 +170,17 @@ void EpDispatchCombineHandle::Release() {
   uint8_t* symm = symmBase;
   uint8_t* local = localBase;
   uint64_t* badIdWord = badExpertIdHost;
+  uint8_t* expertMajor = expertMajorBase;  // only this PE's kernels use it
   symmBase = nullptr;  // idempotent even when a step below raises
   localBase = nullptr;
   badExpertIdHost = badExpertIdDev = nullptr;
+  expertMajorBase = nullptr;
   if (shmem::ShmemProcessExiting()) return;  // nothing is freed at exit (ShmemPrepareProcessExit)
   if (shmem::ShmemInitGeneration() != initGeneration) {
     // shmem was finalized since: finalize waited for every PE's device work and the heap is gone.
     (void)gpuFree(local);
     (void)gpuFreeHost(badIdWord);
+    if (expertMajor != nullptr) (void)gpuFree(expertMajor);
     return;
   }
   // Peers' kernels read our combine input and write our inboxes after our own last call returned,
@@ -197,6 +200,7 @@ void EpDispatchCombineHandle::Release() {
   if (drained) {
     (void)gpuFree(local);
     (void)gpuFreeHost(badIdWord);
+    if (expertMajor != nullptr) (void)gpuFree(expertMajor);
   } else {
     MORI_WARN(kLogOps,
               "EP handle on PE %d: this GPU's work did not finish; keeping %zu bytes of device "
@@ -295,6 +299,24 @@ void EpDispatchCombineHandle::ResolveLaunch(int numTokens, int blockNum, int war
   *warpsOut = warps;
 }
 
+size_t EpDispatchCombineHandle::CheckedRowBytes(const char* what, EpDataType dataType,
+                                                int hiddenDim) const {
+  const EpDispatchCombineConfig& c = config;
+  MORI_ENSURE(hiddenDim >= 1 && hiddenDim <= c.hiddenDim, InvalidUsageError,
+              "EP %s: hidden size %d is out of range [1, %d] (config hidden_dim)", what, hiddenDim,
+              c.hiddenDim);
+  const int esize = EpDataTypeSize(dataType);
+  MORI_ENSURE(esize <= c.maxTokenTypeSize, InvalidUsageError,
+              "EP %s: dtype %s has %d-byte elements but max_token_type_size is %d", what,
+              EpDataTypeName(dataType), esize, c.maxTokenTypeSize);
+  const size_t rowBytes = static_cast<size_t>(hiddenDim) * esize;
+  MORI_ENSURE(rowBytes % kEpRowAlignBytes == 0, InvalidUsageError,
+              "EP %s: a token row is %zu bytes (hidden %d x %d B); it must be a multiple of %d "
+              "bytes",
+              what, rowBytes, hiddenDim, esize, kEpRowAlignBytes);
+  return rowBytes;
+}
+
 void EpDispatchCombineHandle::Reset(gpuStream_t) {}
 
 bool EpDispatchCombineHandle::ProgrammaticLaunch() const {
@@ -366,18 +388,7 @@ void EpDispatchCombineHandle::Dispatch(const EpDispatchArgs& args, gpuStream_t s
   MORI_ENSURE(args.numTokens >= 0 && args.numTokens <= c.maxNumInpTokenPerRank, InvalidUsageError,
               "EP dispatch: %d tokens, but max_num_inp_token_per_rank is %d", args.numTokens,
               c.maxNumInpTokenPerRank);
-  MORI_ENSURE(args.hiddenDim >= 1 && args.hiddenDim <= c.hiddenDim, InvalidUsageError,
-              "EP dispatch: hidden size %d is out of range [1, %d] (config hidden_dim)",
-              args.hiddenDim, c.hiddenDim);
-  const int esize = EpDataTypeSize(args.dataType);
-  MORI_ENSURE(esize <= c.maxTokenTypeSize, InvalidUsageError,
-              "EP dispatch: dtype %s has %d-byte elements but max_token_type_size is %d",
-              EpDataTypeName(args.dataType), esize, c.maxTokenTypeSize);
-  const size_t rowBytes = static_cast<size_t>(args.hiddenDim) * esize;
-  MORI_ENSURE(rowBytes % kEpRowAlignBytes == 0, InvalidUsageError,
-              "EP dispatch: a token row is %zu bytes (hidden %d x %d B); it must be a multiple of "
-              "%d bytes",
-              rowBytes, args.hiddenDim, esize, kEpRowAlignBytes);
+  const size_t rowBytes = CheckedRowBytes("dispatch", args.dataType, args.hiddenDim);
   if (args.numTokens > 0) {
     MORI_ENSURE(args.input != nullptr && args.indices != nullptr, InvalidUsageError,
                 "EP dispatch: input and indices are required when there are tokens");
@@ -420,6 +431,8 @@ void EpDispatchCombineHandle::Dispatch(const EpDispatchArgs& args, gpuStream_t s
   backend->LaunchDispatch(k, args.indexType, blocks, warps * core::kWarpSize, smem, stream);
   lastNumTokens = args.numTokens;
   lastRowBytes = k.rowBytes;
+  lastIndexType = args.indexType;
+  dispatchCalls++;
 }
 
 void EpDispatchCombineHandle::Combine(const EpCombineArgs& args, gpuStream_t stream) {
@@ -435,18 +448,7 @@ void EpDispatchCombineHandle::Combine(const EpCombineArgs& args, gpuStream_t str
               "is not built)",
               EpDataTypeIsValid(static_cast<int32_t>(args.dataType)) ? EpDataTypeName(args.dataType)
                                                                      : "unknown");
-  MORI_ENSURE(args.hiddenDim >= 1 && args.hiddenDim <= c.hiddenDim, InvalidUsageError,
-              "EP combine: hidden size %d is out of range [1, %d] (config hidden_dim)",
-              args.hiddenDim, c.hiddenDim);
-  const int esize = EpDataTypeSize(args.dataType);
-  MORI_ENSURE(esize <= c.maxTokenTypeSize, InvalidUsageError,
-              "EP combine: dtype %s has %d-byte elements but max_token_type_size is %d",
-              EpDataTypeName(args.dataType), esize, c.maxTokenTypeSize);
-  const size_t rowBytes = static_cast<size_t>(args.hiddenDim) * esize;
-  MORI_ENSURE(rowBytes % kEpRowAlignBytes == 0, InvalidUsageError,
-              "EP combine: a token row is %zu bytes (hidden %d x %d B); it must be a multiple of "
-              "%d bytes",
-              rowBytes, args.hiddenDim, esize, kEpRowAlignBytes);
+  const size_t rowBytes = CheckedRowBytes("combine", args.dataType, args.hiddenDim);
   MORI_ENSURE(args.input != nullptr && Aligned(args.input, kEpRowAlignBytes), InvalidUsageError,
               "EP combine: input %p is null or not %d-byte aligned", args.input, kEpRowAlignBytes);
   MORI_ENSURE(args.inputRows >= 0 && args.weightRows >= 0, InvalidUsageError,

@@ -68,6 +68,30 @@ struct EpCombineArgs {
   int warpPerBlock = -1;
 };
 
+// Expert-major ("standard MoE", DeepEP low-latency) layout of the last dispatch (docs/ep.md):
+// ConvertDispatchOutput groups the received rows by local expert, ConvertCombineInput takes the
+// experts' outputs back into the registered combine input, weighted. Both are local (no PE
+// waits for another), launch on `stream` and never synchronise the host; the first conversion
+// of a handle allocates the EpExpertMajorBytes(config) block, so it must not be inside a graph
+// capture (a later one may be).
+struct EpToExpertMajorArgs {
+  int blockNum = -1;  // -1: config (or the small-batch default)
+  int warpPerBlock = -1;
+};
+
+struct EpFromExpertMajorArgs {
+  const void* expertOut = nullptr;  // [numExpertsPerRank][expertRows][hiddenDim], 16-byte aligned
+  EpDataType dataType = EpDataType::kBFloat16;  // bf16, fp16 or fp32: also the output's dtype
+  int hiddenDim = 0;
+  int64_t expertRows = 0;  // rows per expert (>= MaxNumRecvTokens)
+  // [weightRows][K] routing weights of the received rows; nullptr: DispatchOutWeights() (rows
+  // from PEs whose dispatch passed no weights are undefined there, as in Dispatch).
+  const float* weights = nullptr;
+  int64_t weightRows = 0;  // >= MaxNumRecvTokens
+  int blockNum = -1;
+  int warpPerBlock = -1;
+};
+
 struct EpKernelCommon;  // kernel arguments (src/ops/dispatch_combine/intranode.hpp)
 class EpBackend;        // a kernel family's requirements and launches (backend.hpp)
 
@@ -89,6 +113,18 @@ class EpDispatchCombineHandle {
 
   void Dispatch(const EpDispatchArgs& args, gpuStream_t stream);
   void Combine(const EpCombineArgs& args, gpuStream_t stream);
+  // Expert-major layout of the last dispatch's received rows: for local expert e, slot s <
+  // ExpertMajorCounts()[e], row e * Rmax + s of ExpertMajorTokens() (and of ExpertMajorScales()
+  // when the config has scales) is received row ExpertMajorSrcRows()[e * Rmax + s], whose
+  // source position is ExpertMajorSrcPos()[...]. Slots follow received-row order; a row with
+  // several local experts appears under each, once per distinct expert. Raises
+  // InvalidUsageError before any dispatch, or when the block must be allocated during a capture.
+  void ConvertDispatchOutput(const EpToExpertMajorArgs& args, gpuStream_t stream);
+  // For each received row r of the last dispatch: CombineInputBuffer() row r = the sum, in fp32
+  // and ascending k, of weight[r][k] * expertOut[e_k][slot of r under e_k] over the k whose
+  // expert e_k is local, rounded once to args.dataType (no local expert: zeros). Needs the
+  // ConvertDispatchOutput of that dispatch; the combine that follows reads the registered buffer.
+  void ConvertCombineInput(const EpFromExpertMajorArgs& args, gpuStream_t stream);
   // Kept for MORI compatibility: the kernels reset their own state, so this does nothing.
   void Reset(gpuStream_t stream);
   // Collective (every PE releases its handle; bounded by MORI_HOST_TIMEOUT_MS and the bootstrap's
@@ -119,6 +155,14 @@ class EpDispatchCombineHandle {
   // Zero-copy combine input (rows in dispatch-output order) and weights.
   void* CombineInputBuffer() const { return symmBase + symmLayout.combineInTokens; }
   float* CombineInputWeights() const;
+  // Expert-major outputs (nullptr before the first ConvertDispatchOutput; offsets:
+  // EpExpertMajorRegions of Config()).
+  void* ExpertMajorBase() const { return expertMajorBase; }
+  void* ExpertMajorTokens() const;
+  void* ExpertMajorScales() const;  // nullptr when scaleDim == 0
+  int32_t* ExpertMajorCounts() const;
+  int32_t* ExpertMajorSrcRows() const;
+  int32_t* ExpertMajorSrcPos() const;
   // Combine outputs ([numTokens of the last dispatch] rows are valid).
   void* CombineOutTokens() const { return localBase + localLayout.combineOutTokens; }
   float* CombineOutWeights() const;
@@ -145,6 +189,11 @@ class EpDispatchCombineHandle {
 
  private:
   void CheckUsable(const char* what) const;
+  // Bytes of a row of `hiddenDim` elements of `dataType`; raises InvalidUsageError (naming `what`)
+  // when the hidden size, the element size or the row's 16-byte multiple does not fit the config.
+  size_t CheckedRowBytes(const char* what, EpDataType dataType, int hiddenDim) const;
+  // Allocates and zeroes the expert-major block on first use (refused during a graph capture).
+  void AllocateExpertMajor(gpuStream_t stream);
   // The part of the kernel arguments dispatch and combine share.
   void FillCommonArgs(EpKernelCommon* common) const;
 
@@ -165,6 +214,11 @@ class EpDispatchCombineHandle {
   // Mapped pinned word the dispatch kernel records the first out-of-range expert id in.
   uint64_t* badExpertIdHost = nullptr;
   uint64_t* badExpertIdDev = nullptr;
+  EpIndexType lastIndexType = EpIndexType::kInt32;
+  uint64_t dispatchCalls = 0;          // Dispatch calls launched
+  uint64_t convertedCall = 0;          // dispatchCalls at the last ConvertDispatchOutput (0: none)
+  uint8_t* expertMajorBase = nullptr;  // expert-major block (lazily allocated; local memory)
+  EpExpertMajorLayout expertMajorLayout;
   uint64_t* traceBuf = nullptr;  // SetTrace (debug)
   int traceSlots = 0;
   int traceMaxBlocks = 0;

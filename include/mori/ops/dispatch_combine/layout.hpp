@@ -1,6 +1,7 @@
 // Every byte the dispatch/combine handle allocates, in one place: the symmetric block (same
-// offsets on every PE, reached by peers over P2P or RDMA) and the local block (this PE only), plus
-// the size hints callers can use before allocating anything.
+// offsets on every PE, reached by peers over P2P or RDMA), the local block (this PE only) and the
+// expert-major block (this PE only, allocated on first use), plus the size hints callers can use
+// before allocating anything.
 //
 // Plain C++ (usable without a GPU runtime); the index helpers are host+device when compiled by
 // a GPU compiler.
@@ -71,12 +72,13 @@ struct EpDeviceState {
 // The sizes regions are computed from (EpLayoutDims(config)).
 struct EpLayoutDims {
   size_t w, k, m, epr;
-  size_t rmax;      // receive capacity in rows
-  size_t row;       // largest token row, bytes
-  size_t scaleRow;  // scales row, bytes
-  size_t push;      // 1: the push-combine buffers exist (EpPushCombineFits), else 0
-  size_t inter;     // 1: the inter-node regions exist (kernel type InterNode), else 0
-  size_t landing;   // rows of the landing region: M * min(K, W)
+  size_t rmax;       // receive capacity in rows
+  size_t row;        // largest token row, bytes
+  size_t scaleRow;   // scales row, bytes
+  size_t push;       // 1: the push-combine buffers exist (EpPushCombineFits), else 0
+  size_t inter;      // 1: the inter-node regions exist (kernel type InterNode), else 0
+  size_t landing;    // rows of the landing region: M * min(K, W)
+  size_t markWords;  // 32-bit words of one expert's row bitmap: ceil(rmax / 32)
 };
 
 // What a region holds: kControl (signals, counters: zeroed at creation, kernels keep them
@@ -147,7 +149,32 @@ const char* EpRegionRoleName(EpRegionRole role);
   X(combineOutTokens, "combine_out_tokens", d.m * d.row, kOutput)
 // clang-format on
 
+// The expert-major ("standard MoE") block: ordinary device memory a handle allocates at its first
+// ConvertDispatchOutput (handle.hpp), never before. [e][slot] = local expert e, slot < Rmax (a
+// row reaches an expert at most once); valid slots: [0, counts[e]).
+// An X-macro table, one row per entry, laid out by hand:
+// clang-format off
+#define MORI_EP_EXPERT_MAJOR_REGIONS(X, d)                                                        \
+  /* [Epr][Rmax] rows of the last dispatch, grouped by local expert, received-row order */        \
+  X(tokens, "tokens", d.epr * d.rmax * d.row, kOutput)                                           \
+  X(scales, "scales", d.epr * d.rmax * d.scaleRow, kOutput)                                      \
+  /* [Epr] rows per local expert */                                                                \
+  X(counts, "counts", d.epr * sizeof(int32_t), kOutput)                                          \
+  /* [Epr][Rmax] received-row index of each slot */                                                \
+  X(srcRows, "src_rows", d.epr * d.rmax * sizeof(int32_t), kOutput)                              \
+  /* [Epr][Rmax] srcRank * M + srcToken of each slot */                                            \
+  X(srcPos, "src_pos", d.epr * d.rmax * sizeof(int32_t), kOutput)                                \
+  /* [Epr][markWords] bit r: received row r has expert e; all zero between conversions */        \
+  X(marks, "marks", d.epr * d.markWords * sizeof(uint32_t), kControl)                            \
+  /* [Rmax][K] slot of (row, k) under the row's k-th expert, -1 where that expert is not local */ \
+  X(rowSlot, "row_slot", d.rmax * d.k * sizeof(int32_t), kStaging)
+// clang-format on
+
 #define MORI_EP_LAYOUT_FIELD(field, name, bytes, role) size_t field = 0;
+struct EpExpertMajorLayout {
+  MORI_EP_EXPERT_MAJOR_REGIONS(MORI_EP_LAYOUT_FIELD, _)
+  size_t totalBytes = 0;
+};
 struct EpSymmetricLayout {
   MORI_EP_SYMMETRIC_REGIONS(MORI_EP_LAYOUT_FIELD, _)
   size_t totalBytes = 0;
@@ -178,14 +205,18 @@ EpLayoutDims MakeEpLayoutDims(const EpDispatchCombineConfig& config);
 // Layouts for a config (Validate() it first; sizes are computed in size_t).
 EpSymmetricLayout MakeEpSymmetricLayout(const EpDispatchCombineConfig& config);
 EpLocalLayout MakeEpLocalLayout(const EpDispatchCombineConfig& config);
+EpExpertMajorLayout MakeEpExpertMajorLayout(const EpDispatchCombineConfig& config);
 // The tables with offsets, in layout order (every region, used or not).
 std::vector<EpRegionInfo> EpSymmetricRegions(const EpDispatchCombineConfig& config);
 std::vector<EpRegionInfo> EpLocalRegions(const EpDispatchCombineConfig& config);
+std::vector<EpRegionInfo> EpExpertMajorRegions(const EpDispatchCombineConfig& config);
 
 // Size hints: bytes of symmetric heap (MORI_SHMEM_HEAP_SIZE must leave room for it) and of
 // ordinary device memory a handle for `config` allocates. They validate the config.
 size_t EpSymmetricBytes(const EpDispatchCombineConfig& config);
 size_t EpLocalBytes(const EpDispatchCombineConfig& config);
+// Bytes of ordinary device memory the first expert-major conversion allocates (validates).
+size_t EpExpertMajorBytes(const EpDispatchCombineConfig& config);
 // Dynamic shared memory of the IntraNode dispatch kernel (membership bitmap, word prefix sums,
 // expert histogram); Validate() keeps it within kEpMaxDispatchSmemBytes.
 size_t EpDispatchSmemBytes(const EpDispatchCombineConfig& config, int warpSize);
