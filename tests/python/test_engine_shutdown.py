@@ -47,7 +47,7 @@ x = torch.randn(T, H, generator=g).to(torch.bfloat16).cuda()
 idx = torch.stack([torch.randperm(EPR * world, generator=g)[:K] for _ in range(T)]).to(torch.int32).cuda()
 w = torch.rand(T, K, generator=g).cuda()
 out, ow, _, oi, total = op.dispatch(x, w, None, idx)
-y, yw = op.combine(out, ow, oi)
+y, yw = op.combine(out, ow, idx)
 torch.cuda.synchronize()
 # Every token came back once per distinct destination rank: y = x * (number of ranks it went to).
 dests = torch.stack([(idx // EPR == r).any(dim=1) for r in range(world)], dim=1).sum(dim=1)

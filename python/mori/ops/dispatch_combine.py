@@ -101,8 +101,8 @@ class EpDispatchCombineConfig:
     is accepted for MORI compatibility and ignored (the dtype comes from the tensors).
     `kernel_type`: an EpDispatchCombineKernelType, its name or value. `quant_type`: "none";
     "fp8_direct_cast" is recognised and refused (not built yet). `rdma_block_num` and
-    `num_qp_per_pe`: InterNode spreads its RDMA work requests over that many of shmem's QPs per
-    peer (MORI_NUM_QP_PER_PE at shmem init; fewer, with a warning, when shmem has fewer).
+    `num_qp_per_pe` is range-checked; InterNode posts on one QP per peer in this build and warns
+    when it is above 1 (docs/ep.md).
     `rdma_block_num` is range-checked; InterNode has no separate RDMA blocks (each block posts
     its own destination's writes), so it has no effect in this build. `data_type` (optional) is
     the token dtype: its element size must fit max_token_type_size; each call's dtype is its

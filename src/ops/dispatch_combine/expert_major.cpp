@@ -24,6 +24,7 @@
 #include "mori/core/errors.hpp"
 #include "mori/core/gpu_check.hpp"
 #include "mori/ops/dispatch_combine/handle.hpp"
+#include "mori/shmem/shmem_api.hpp"
 
 namespace mori::ops {
 namespace detail {
@@ -328,6 +329,10 @@ void EpDispatchCombineHandle::AllocateExpertMajor(gpuStream_t stream) {
               "expert-major buffers (%zu bytes) and cannot run during a graph capture; convert "
               "once before capturing",
               layout.totalBytes);
+  // With peer access on, an allocation may wait for this GPU's kernels while holding the runtime
+  // lock the RDMA emulator's thread needs to enqueue the copies those kernels wait for: wait for
+  // this PE's work first (bounded), so the allocation has nothing to wait for.
+  shmem::ShmemDeviceSynchronize();
   void* block = nullptr;
   const gpuError_t err = gpuMalloc(&block, layout.totalBytes);
   if (err != gpuSuccess) {
