@@ -99,6 +99,39 @@ std::string FindDisagreementForTest(const std::string& stage, const py::list& en
   return ops::FindEpDisagreement(st, rows.data(), static_cast<int>(rows.size()));
 }
 
+// The phase trace's record layout (mori/ops/dispatch_combine/trace.hpp) for mori.ops.trace: word
+// indices, the magic, and each kind's phases in order as (stamp, name).
+py::dict TraceLayoutDict() {
+  py::dict d;
+  d["kinds"] = py::dict(py::arg("combine") = static_cast<int>(ops::EpTraceKind::kCombine),
+                        py::arg("dispatch") = static_cast<int>(ops::EpTraceKind::kDispatch));
+  d["num_kinds"] = ops::kEpTraceKinds;
+  d["words"] = ops::kEpTraceWords;
+  d["stamps"] = ops::kEpTraceStamps;
+  d["peers"] = ops::kEpTracePeers;
+  d["magic"] = ops::kEpTraceMagic;
+  d["word_time"] = ops::kEpTraceWordTime;
+  d["word_cycles"] = ops::kEpTraceWordCycles;
+  d["word_epoch"] = ops::kEpTraceWordEpoch;
+  d["word_block"] = ops::kEpTraceWordBlock;
+  d["word_sm"] = ops::kEpTraceWordSmId;
+  d["word_arrival"] = ops::kEpTraceWordArrival;
+  d["word_grid"] = ops::kEpTraceWordGrid;
+  d["word_block_dim"] = ops::kEpTraceWordBlockDim;
+  d["word_parts"] = ops::kEpTraceWordParts;
+  d["word_magic"] = ops::kEpTraceWordMagic;
+  d["word_peer_ready"] = ops::kEpTraceWordPeerReady;
+  d["entry_stamp"] = static_cast<int>(ops::kEpCombineEntry);
+  auto phases = [](const auto& table) {
+    py::list l;
+    for (const ops::EpTracePhase& p : table) l.append(py::make_tuple(p.stamp, p.name));
+    return l;
+  };
+  d["phases"] = py::dict(py::arg("combine") = phases(ops::kEpCombineTracePhases),
+                         py::arg("dispatch") = phases(ops::kEpDispatchTracePhases));
+  return d;
+}
+
 }  // namespace
 
 void RegisterOpsBindings(py::module_& m) {
@@ -140,6 +173,7 @@ void RegisterOpsBindings(py::module_& m) {
   o.attr("ROW_ALIGN_BYTES") = ops::kEpRowAlignBytes;
   o.attr("SMALL_BATCH_TOKENS") = ops::kEpSmallBatchTokens;
   o.attr("WARP_SIZE") = core::kWarpSize;
+  o.attr("TRACE_LAYOUT") = TraceLayoutDict();
 
   py::class_<EpDispatchCombineConfig>(o, "EpDispatchCombineConfig")
       .def(py::init([](int rank, int worldSize, int hiddenDim, int scaleDim, int scaleTypeSize,
@@ -308,11 +342,22 @@ void RegisterOpsBindings(py::module_& m) {
           "Raises (InvalidUsageError) and clears the out-of-range expert id an earlier dispatch "
           "recorded; no synchronisation")
       .def(
-          "set_trace",  // debug: per-block phase trace (tools/bench/ep_trace.py); 0 turns it off
-          [](EpDispatchCombineHandle& h, uintptr_t buffer, int slots, int maxBlocks) {
+          "set_trace",  // per-block phase trace (mori.ops.trace); buffer 0 turns it off
+          [](EpDispatchCombineHandle& h, uintptr_t buffer, int slots, int maxBlocks,
+             const py::object&) {
             h.SetTrace(reinterpret_cast<uint64_t*>(buffer), slots, maxBlocks);
           },
-          py::arg("buffer"), py::arg("slots"), py::arg("max_blocks"))
+          py::arg("buffer"), py::arg("slots"), py::arg("max_blocks"),
+          // The buffer's owner lives until the handle is destroyed (after its GPU work drained):
+          // kernels launched or graph-captured while tracing write into it until then.
+          py::arg("owner") = py::none(), py::keep_alive<1, 5>())
+      .def(
+          "sample_trace_clock",  // (host CLOCK_REALTIME ns, GPU trace clock ns, +- ns)
+          [](const EpDispatchCombineHandle& h) {
+            const ops::EpTraceClockSample s = h.SampleTraceClock();
+            return py::make_tuple(s.hostNs, s.deviceNs, s.uncertaintyNs);
+          },
+          py::call_guard<py::gil_scoped_release>())
       .def(
           "resolve_launch",
           [](const EpDispatchCombineHandle& h, int numTokens, int blockNum, int warpPerBlock,

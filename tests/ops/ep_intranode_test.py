@@ -1313,6 +1313,138 @@ def case_standard_moe_bad_inputs(env):
     standard_moe_roundtrip(env, spec, op=op, label="after the bad calls")
 
 
+def _check_phase_trace(env, tr, kind, grid):
+    """One dumped launch of this rank (Chrome-trace dict): returns (epoch, start ns, end ns,
+    clock uncertainty ns) of the launch; raises CaseFailure naming what is wrong."""
+    L = env.mori.ops.trace.layout()
+    r, W = env.rank, env.W
+    meta = tr["otherData"]["mori_trace"]
+    ev = tr["traceEvents"]
+    pid, base = r + 1, meta["tid_base"]
+    bad = []
+    if len(meta["launches"]) != 1 or meta["launches"][0]["grid"] != grid or not meta["launches"][0]["complete"]:
+        raise CaseFailure(f"{kind}: expected one complete launch of {grid} blocks, got {meta['launches']}")
+    if not meta["clock"]["aligned"] or not 0 <= meta["clock"]["uncertainty_ns"] < 1_000_000:
+        bad.append(f"clock sample missing or implausible: {meta['clock']}")
+    if any(e.get("pid") != pid for e in ev):
+        bad.append(f"an event not in process {pid}")
+    procs = [e["args"]["name"] for e in ev if e["ph"] == "M" and e["name"] == "process_name"]
+    if procs != [f"rank {r}"]:
+        bad.append(f"process names {procs}")
+    threads = {e["tid"]: e["args"]["name"] for e in ev if e["ph"] == "M" and e["name"] == "thread_name"}
+    want = {base: f"{kind} launches", **{base + 1 + b: f"{kind} block {b}" for b in range(grid)}}
+    if threads != want:
+        bad.append(f"thread names {sorted(threads.items())[:4]}... differ from one track per block")
+    phases = [n for _, n in L["phases"][kind]]
+    ns = lambda us: int(round(us * 1000))  # noqa: E731  (Perfetto's reading of a ts in us)
+    arrivals = []
+    first_ts, last_end = None, None
+    for b in range(grid):
+        tid = base + 1 + b
+        xs = sorted((e for e in ev if e["ph"] == "X" and e["tid"] == tid), key=lambda e: e["ts"])
+        names = [e["name"] for e in xs]
+        expect = phases if kind == "dispatch" else [n for n in phases if n != "tail"]
+        last_block = xs and xs[0]["args"]["arrival"] == grid
+        if kind == "combine" and last_block:
+            expect = phases
+        if names != expect:
+            bad.append(f"block {b}: phases {names}, expected {expect}")
+            continue
+        for a, c in zip(xs, xs[1:]):
+            if ns(a["ts"]) + ns(a["dur"]) != ns(c["ts"]):
+                bad.append(f"block {b}: {a['name']} and {c['name']} are not contiguous")
+        if any(e["dur"] < 0 for e in xs):
+            bad.append(f"block {b}: negative duration")
+        if any(e["args"]["block"] != b or e["args"]["epoch"] != meta["launches"][0]["epoch"] for e in xs):
+            bad.append(f"block {b}: args name another block or epoch")
+        arrivals.append(xs[0]["args"]["arrival"])
+        first_ts = ns(xs[0]["ts"]) if first_ts is None else min(first_ts, ns(xs[0]["ts"]))
+        end = ns(xs[-1]["ts"]) + ns(xs[-1]["dur"])
+        last_end = end if last_end is None else max(last_end, end)
+        if kind == "combine":
+            peers = [e["args"]["peer"] for e in ev if e["ph"] == "i" and e["tid"] == tid]
+            if len(set(peers)) != len(peers) or any(not 0 <= p < min(W, L["peers"]) for p in peers):
+                bad.append(f"block {b}: peer instants {peers}")
+            if env.args.kernel_type == "IntraNode" and W <= L["peers"] and len(peers) < W - 1:
+                bad.append(f"block {b}: {len(peers)} peer instants, expected >= {W - 1}")
+    if sorted(arrivals) != list(range(1, grid + 1)):
+        bad.append(f"arrival orders {sorted(arrivals)} are not 1..{grid}")
+    spans = [e for e in ev if e["ph"] == "X" and e["tid"] == base]
+    if len(spans) != 1 or (first_ts is not None and (ns(spans[0]["ts"]) != first_ts or
+                                                      ns(spans[0]["ts"]) + ns(spans[0]["dur"]) != last_end)):
+        bad.append("the launch slice does not span the blocks' slices")
+    if bad:
+        raise CaseFailure(f"{kind} trace: " + "; ".join(bad[:6]))
+    origin = meta["origin_unix_ns"]
+    return meta["launches"][0]["epoch"], origin + first_ts, origin + last_end, meta["clock"]["uncertainty_ns"]
+
+
+def case_phase_trace(env):
+    """enable_trace, checked round trips (pull combine: 512 tokens; push combine: small batches),
+    dump_dispatch_trace / dump_combine_trace: one track per block with the layout's phases in
+    order, contiguous and non-negative, every arrival order once; on the common clock no rank's
+    launch ends before another rank's same launch began (each waits for every rank's signal).
+    Disabled, nothing more is recorded; bad trace arguments raise and the op stays usable."""
+    import json
+    import tempfile
+
+    mori = env.mori
+    r, W = env.rank, env.W
+    for M, t_mode in ((512, "max"), (128, "small")):
+        op = env.new_op(small_cfg(env, max_num_inp_token_per_rank=M), check_inputs=False)
+        if env.any_rank(op.trace_enabled):
+            raise CaseFailure("a new op traces before enable_trace")
+        op.enable_trace(slots=8)
+        spec = Spec(H=2048, K=8, Epr=8, M=M, t_mode=t_mode, iters=3, poison=False, seed=61 + M)
+        roundtrip(env, spec, op=op, label=f"traced M={M}")
+        T = op._handle.last_num_tokens
+        with tempfile.TemporaryDirectory(prefix=f"mori_trace_rank{r}_") as d:
+            pd = op.dump_dispatch_trace(os.path.join(d, "dispatch_rank{rank}.json"))
+            pc = op.dump_combine_trace(d)
+            if pd != os.path.join(d, f"dispatch_rank{r}.json") or pc != os.path.join(d, f"mori_combine_trace_rank{r}.json"):
+                raise CaseFailure(f"dump paths {pd}, {pc}")
+            with open(pd) as f:
+                td = json.load(f)
+            with open(pc) as f:
+                tc = json.load(f)
+            spans = [_check_phase_trace(env, td, "dispatch", op.resolve_launch(T, -1, -1, True)[0]),
+                     _check_phase_trace(env, tc, "combine", op.resolve_launch(T, -1, -1, False)[0])]
+            every = [None] * W
+            env.dist.all_gather_object(every, spans)
+            for k, kind in enumerate(("dispatch", "combine")):
+                if len({every[s][k][0] for s in range(W)}) != 1:
+                    raise CaseFailure(f"{kind}: ranks dumped different launches: {[every[s][k][0] for s in range(W)]}")
+                for s in range(W):
+                    _, start_s, _, unc_s = every[s][k]
+                    _, _, end_me, unc_me = every[r][k]
+                    slack = unc_s + unc_me + 5000
+                    if end_me + slack < start_s:
+                        raise CaseFailure(f"{kind}: on the common clock rank {r}'s launch ended "
+                                          f"{(start_s - end_me) / 1e3:.1f} us before rank {s}'s began")
+            all_d = op.dump_dispatch_trace(os.path.join(d, "all.json"), launches="all")
+            with open(all_d) as f:
+                recorded = json.load(f)["otherData"]["mori_trace"]["recorded_epochs"]
+            if len(recorded) != spec.iters:
+                raise CaseFailure(f"{spec.iters} traced dispatches, {len(recorded)} recorded: {recorded}")
+            op.disable_trace()
+            roundtrip(env, Spec(H=2048, K=8, Epr=8, M=M, t_mode=t_mode, iters=1, poison=False, seed=71), op=op,
+                      label="after disable_trace")
+            with open(op.dump_dispatch_trace(os.path.join(d, "after.json"), launches="all")) as f:
+                after = json.load(f)["otherData"]["mori_trace"]["recorded_epochs"]
+            if after != recorded or op.trace_enabled:
+                raise CaseFailure(f"recorded after disable_trace: {recorded} -> {after}")
+            for bad in (lambda: op.enable_trace(slots=0), lambda: op.dump_combine_trace(d, launches="bogus"),
+                        lambda: op.dump_combine_trace(d, launches=10**6)):
+                try:
+                    bad()
+                    raise CaseFailure("a bad trace argument was accepted")
+                except mori.InvalidUsageError:
+                    pass
+        roundtrip(env, Spec(H=2048, K=8, Epr=8, M=M, t_mode=t_mode, iters=1, poison=False, seed=72), op=op,
+                  label="after bad trace arguments")
+        env.close_ops()
+
+
 class SkipCase(Exception):
     pass
 
@@ -1342,6 +1474,7 @@ CASES = [
     ("standard_moe_layout_and_way_back", case_standard_moe),
     ("standard_moe_cuda_graph", case_standard_moe_graph),
     ("standard_moe_bad_inputs", case_standard_moe_bad_inputs),
+    ("phase_trace", case_phase_trace),
     ("back_to_back_iterations", case_back_to_back),
     ("stress", case_stress),
 ]

@@ -2,11 +2,12 @@
 """Per-block phase trace of the IntraNode EP kernels on the LL config (where does combine time go?).
 
     torchrun --nproc_per_node=4 tools/bench/ep_trace.py [--shapes 16x16,64x16,64x8,132x8,132x16]
-    python3 tools/bench/ep_trace.py --nproc 2
+    python3 tools/bench/ep_trace.py --nproc 2 [--perfetto DIR]   # DIR: Chrome-trace JSON per run and rank
 
 LL config as tools/bench/ep_bench.py: 128 tokens/rank (--tokens 4096: the HT config), hidden 7168,
-top-8 of 256, BF16 zero-copy combine with weights, FP8 dispatch with scales. Tracing (EpDispatchCombineHandle::SetTrace, record layout in
-src/ops/dispatch_combine/trace.hpp) makes thread 0 of every block stamp globaltimer + clock64 at
+top-8 of 256, BF16 zero-copy combine with weights, FP8 dispatch with scales. Tracing (the op's
+enable_trace; record layout in include/mori/ops/dispatch_combine/trace.hpp, read through
+mori.ops.trace.layout()) makes thread 0 of every block stamp globaltimer + clock64 at
 kernel entry and at the end of each phase:
   P1 = entry -> ready sent      P2 = ready sent -> every peer's ready seen (+ barrier)
   P3 = reduce                   F  = per-block release fence (before the grid counter)
@@ -45,11 +46,39 @@ from test_ep_kernel_model import block_role  # noqa: E402  (the model of EpDispa
 
 HIDDEN, TOPK, EXPERTS, SCALE_DIM = 7168, 8, 256, 56
 T = 128  # tokens per rank (--tokens)
-WORDS, MAGIC, NPEER = 32, 0x7ACE0001, 8
 SLOTS = 64
-# record word indices (trace.hpp)
-G0, C0 = 0, 8
-EPOCH, BLOCK, SMID, ORDER, GRID, BDIM, PARTS, MAGW, SEEN = 16, 17, 18, 19, 20, 21, 22, 23, 24
+# The record layout (word indices, stamps) is the library's: mori.ops.trace.layout(), from the C++
+# constants of include/mori/ops/dispatch_combine/trace.hpp; load_layout() fills these.
+WORDS = MAGIC = NPEER = G0 = C0 = EPOCH = BLOCK = SMID = ORDER = GRID = PARTS = MAGW = SEEN = ENTRY = None
+STAMP = {}  # (kind code: 0 combine, 1 dispatch; phase name) -> the stamp that ends the phase
+PHASES = {}  # kind code -> [(stamp, phase name)] in the order a block passes them
+# this tool's short names of the phases
+LABELS = {0: {"send": "P1", "wait_peers": "P2", "reduce": "P3", "fence": "F", "grid_counter": "A"},
+          1: {"scan": "scan", "announce": "announce", "count_wait": "cwait", "copy": "copy", "publish": "publish",
+              "receive": "recv", "grid_counter": "ctr"}}
+
+
+def load_layout(mori):
+    global WORDS, MAGIC, NPEER, G0, C0, EPOCH, BLOCK, SMID, ORDER, GRID, PARTS, MAGW, SEEN, ENTRY
+    L = mori.ops.trace.layout()
+    WORDS, MAGIC, NPEER, ENTRY = L["words"], L["magic"], L["peers"], L["entry_stamp"]
+    G0, C0, SEEN = L["word_time"], L["word_cycles"], L["word_peer_ready"]
+    EPOCH, BLOCK, SMID, ORDER = L["word_epoch"], L["word_block"], L["word_sm"], L["word_arrival"]
+    GRID, PARTS, MAGW = L["word_grid"], L["word_parts"], L["word_magic"]
+    for name, code in L["kinds"].items():
+        PHASES[code] = L["phases"][name]
+        for stamp, phase in L["phases"][name]:
+            STAMP[(code, phase)] = stamp
+
+
+def phase_spans(kind):
+    """(label, from stamp, to stamp) of the kind's phases in order (the combine tail apart)."""
+    out, prev = [], ENTRY
+    for stamp, phase in PHASES[kind]:
+        if phase in LABELS[kind]:
+            out.append((LABELS[kind][phase], prev, stamp))
+        prev = stamp
+    return out
 
 
 def log(rank, *a):
@@ -89,7 +118,10 @@ def launches_from(buf, kind, nb_max, grid):
 
 def analyse_launch(recs, W, kind, me=0):
     """Per-launch metrics of one rank (times in ns; cycle deltas converted with a per-launch rate)."""
-    rates = [(r[C0 + 5] - r[C0]) / (r[G0 + 5] - r[G0]) for r in recs if r[G0 + 5] - r[G0] > 3000 and r[C0 + 5] > r[C0]]
+    st = lambda name: STAMP[(kind, name)]  # noqa: E731
+    cnt = st("grid_counter")
+    rates = [(r[C0 + cnt] - r[C0 + ENTRY]) / (r[G0 + cnt] - r[G0 + ENTRY]) for r in recs
+             if r[G0 + cnt] - r[G0 + ENTRY] > 3000 and r[C0 + cnt] > r[C0 + ENTRY]]
     rate = med(rates) if rates else 1.8  # cycles per ns
 
     def dur(r, i, j):
@@ -97,29 +129,27 @@ def analyse_launch(recs, W, kind, me=0):
             return None
         return (r[C0 + j] - r[C0 + i]) / rate
 
-    entry = [r[G0] for r in recs]
-    exit_ = [max(r[G0 + 5], r[G0 + 6]) for r in recs]
+    entry = [r[G0 + ENTRY] for r in recs]
+    exit_ = [max(r[G0 + cnt], r[G0 + st("tail")] if kind == 0 else 0) for r in recs]
     m = dict(start=min(entry), end=max(exit_), span=max(exit_) - min(entry), skew=max(entry) - min(entry), rate=rate)
-    names = (("P1", 0, 1), ("P2", 1, 2), ("P3", 2, 3), ("F", 3, 4), ("A", 4, 5)) if kind == 0 else \
-            (("scan", 0, 7), ("announce", 7, 1), ("cwait", 1, 4), ("copy", 4, 6), ("publish", 6, 2),
-             ("recv", 2, 3), ("ctr", 3, 5))
-    for nm, i, j in names:
+    for nm, i, j in phase_spans(kind):
         d = [dur(r, i, j) for r in recs]
         m[nm] = (med(d), mx(d))
-    last = [r for r in recs if r[G0 + 6] != 0]
-    m["tail"] = dur(last[0], 5, 6) if last and kind == 0 else None
+    last = [r for r in recs if kind == 0 and r[G0 + st("tail")] != 0]
+    m["tail"] = dur(last[0], cnt, st("tail")) if last else None
     order = [r[ORDER] for r in recs]
     if all(o > 0 for o in order):
-        m["exit_slope"] = slope(order, [r[G0 + 5] for r in recs])
-        m["fence_slope"] = slope(order, [dur(r, 3, 4) or 0.0 for r in recs]) if kind == 0 else float("nan")
+        m["exit_slope"] = slope(order, [r[G0 + cnt] for r in recs])
+        m["fence_slope"] = slope(order, [dur(r, st("reduce"), st("fence")) or 0.0 for r in recs]) \
+            if kind == 0 else float("nan")
         # time from the first to the last block reaching the counter, per block
-        m["ctr_spread"] = max(r[G0 + 5] for r in recs) - min(r[G0 + 5] for r in recs)
+        m["ctr_spread"] = max(r[G0 + cnt] for r in recs) - min(r[G0 + cnt] for r in recs)
     else:
         m["exit_slope"] = m["fence_slope"] = m["ctr_spread"] = float("nan")
     m["smids"] = len({r[SMID] for r in recs})
     if kind == 0:
         b0 = [r for r in recs if r[BLOCK] == 0][0]
-        m["issue"] = b0[G0 + 1]  # block 0: ready sent (zero-copy input)
+        m["issue"] = b0[G0 + st("send")]  # block 0: ready sent (zero-copy input)
         m["seen_min"] = [min(r[SEEN + p] for r in recs) if p < NPEER else 0 for p in range(min(W, NPEER))]
         m["seen_max"] = [max(r[SEEN + p] for r in recs) if p < NPEER else 0 for p in range(min(W, NPEER))]
         late = [m["seen_min"][p] - m["issue"] for p in range(len(m["seen_min"]))]
@@ -131,9 +161,10 @@ def analyse_launch(recs, W, kind, me=0):
         nb = len(recs)
         for grp, want in (("L", True), ("R", False)):
             g = [r for r in recs if (block_role(r[BLOCK], nb, W, me)[0] == me) == want]
-            d = [dur(r, 4, 6) for r in g]
+            d = [dur(r, st("count_wait"), st("copy")) for r in g]
             m["copy" + grp] = (med(d), mx(d))
-            m["pub" + grp] = mx([r[G0 + 2] - m["start"] for r in g if r[G0 + 2]])
+            pub = st("publish")
+            m["pub" + grp] = mx([r[G0 + pub] - m["start"] for r in g if r[G0 + pub]])
     return m
 
 
@@ -145,9 +176,9 @@ class Tracer:
         self.torch, self.dist, self.rank, self.W, self.args = torch, dist, rank, W, args
         self.dev = torch.device("cuda", local_rank)
         self.mori = U.import_mori()
+        load_layout(self.mori)
         self.fp8 = U.fp8_dtype(torch)
         self.nsm = torch.cuda.get_device_properties(local_rank).multi_processor_count
-        self.buf = torch.zeros(2 * SLOTS * self.nsm * WORDS, dtype=torch.int64, device=self.dev)
         cfg = self.mori.ops.EpDispatchCombineConfig(
             rank=rank, world_size=W, hidden_dim=HIDDEN, scale_dim=SCALE_DIM, scale_type_size=4, max_token_type_size=2,
             max_num_inp_token_per_rank=T, num_experts_per_rank=EXPERTS // W, num_experts_per_token=TOPK,
@@ -171,13 +202,23 @@ class Tracer:
         dist.barrier()
 
     def set_trace(self, on):
+        """The op's switch: on = a fresh buffer of SLOTS launches per kind, every SM's block."""
         self.torch.cuda.synchronize()
         if on:
-            self.buf.zero_()
-            self.h.set_trace(self.buf.data_ptr(), SLOTS, self.nsm)
+            self.op.enable_trace(slots=SLOTS, max_blocks=self.nsm)
         else:
-            self.h.set_trace(0, 0, 0)
+            self.op.disable_trace()
         self.torch.cuda.synchronize()
+
+    @property
+    def buf(self):
+        return self.op._trace.buffer
+
+    def dump(self, kind, label):
+        """--perfetto DIR: this rank's Chrome-trace JSON of every launch of the last run."""
+        name = f"ep_trace_{'combine' if kind == 0 else 'dispatch'}_{label.replace(' ', '_')}_rank{{rank}}.json"
+        path = os.path.join(self.args.perfetto, name)
+        return (self.op.dump_combine_trace if kind == 0 else self.op.dump_dispatch_trace)(path, launches="all")
 
     def fn(self, kind, b, w):
         if kind == 0:
@@ -373,6 +414,8 @@ def worker(rank, world, local_rank, args):
             for b, w in shapes:
                 for mode, flags in modes:
                     ms, bench_us, grid = tr.run(kind, b, w, mode)
+                    if args.perfetto:
+                        tr.dump(kind, f"{grid}x{w} {mode}")
                     gathered = [None] * world
                     dist.all_gather_object(gathered, ms)
                     bl = [None] * world
@@ -456,7 +499,12 @@ def main():
     p.add_argument("--no-dispatch", action="store_true")
     p.add_argument("--no-combine", action="store_true")
     p.add_argument("--tokens", type=int, default=128, help="tokens per rank (4096: the HT config)")
+    p.add_argument("--perfetto", metavar="DIR", default="",
+                   help="also write each run's launches as Chrome-trace JSON per rank into DIR (open in "
+                        "https://ui.perfetto.dev; merge ranks with mori.ops.trace.merge_chrome_traces)")
     args = p.parse_args()
+    if args.perfetto:
+        os.makedirs(args.perfetto, exist_ok=True)
     nproc = args.nproc
     if nproc <= 0 and "LOCAL_RANK" not in os.environ:
         import torch

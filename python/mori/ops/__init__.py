@@ -10,6 +10,7 @@
 torch is imported on first use (creating an op), never at ``import mori.ops``. See docs/ep.md.
 """
 
+from . import trace  # noqa: F401  (phase trace -> Chrome-trace/Perfetto JSON)
 from .dispatch_combine import (  # noqa: F401
     EpDispatchCombineConfig,
     EpDispatchCombineKernelType,

@@ -292,6 +292,7 @@ class EpDispatchCombineOp(ExpertMajorMixin):
         self._views = {}
         self._last = None  # (num_tokens, dtype, hidden, index dtype, scales dtype, has weights)
         self._last_dispatch_stream = None  # (handle, torch stream or None) of the last dispatch
+        self._trace = None  # mori.ops.trace.OpTrace once enable_trace was called
 
     # --- lifecycle ------------------------------------------------------------------------------
     def close(self):
@@ -302,6 +303,7 @@ class EpDispatchCombineOp(ExpertMajorMixin):
         at shmem finalize) and this raises."""
         handle, self._handle = self._handle, None
         self._views.clear()
+        self._trace = None  # its buffer stays alive with the native handle until that is destroyed
         if handle is not None:
             handle.release()
 
@@ -642,6 +644,44 @@ class EpDispatchCombineOp(ExpertMajorMixin):
             if role == "output" and nbytes > 0 and bases[block] != 0:  # expert_major: 0 until used
                 t = _tensor_from_ptr(bases[block] + offset, (nbytes,), torch.uint8, self._device_index)
                 t.fill_(value & 0xFF)
+
+    # --- phase trace (mori.ops.trace; docs/ep.md "Phase trace") ------------------------------------
+    def enable_trace(self, slots=64, max_blocks=None):
+        """Kernels launched (or graph-captured) from now on record per-block phase times into a
+        fresh device buffer of `slots` launches per kind and `max_blocks` blocks (default: the
+        GPU's SMs; blocks past it are not recorded). Takes a host/GPU clock sample. Calls of the op
+        stay collective as ever; tracing itself is per rank. Costs a little time per launch."""
+        from .trace import OpTrace
+
+        t = self._trace if self._trace is not None else OpTrace()
+        t.enable(self, slots, max_blocks)
+        self._trace = t
+
+    def disable_trace(self):
+        """Kernels launched from now on record nothing; the records so far can still be dumped."""
+        if self._trace is not None:
+            self._trace.disable(self)
+
+    @property
+    def trace_enabled(self):
+        return self._trace is not None and self._trace.enabled
+
+    def dump_dispatch_trace(self, path, launches="last"):
+        """Waits for this GPU's work and writes this rank's dispatch trace as Chrome-trace JSON
+        (open it in https://ui.perfetto.dev): "{rank}" in `path` becomes the rank; a directory gets
+        mori_dispatch_trace_rank<rank>.json. launches: "last" (newest fully recorded launch),
+        "all" (every launch still in the buffer), an epoch or a list of epochs. Returns the path."""
+        return self._trace_or_raise("dump_dispatch_trace").dump(self, "dispatch", path, launches)
+
+    def dump_combine_trace(self, path, launches="last"):
+        """As dump_dispatch_trace, for combine (with each block's per-peer ready times)."""
+        return self._trace_or_raise("dump_combine_trace").dump(self, "combine", path, launches)
+
+    def _trace_or_raise(self, what):
+        self._h()
+        if self._trace is None:
+            raise _usage(f"{what}: tracing was never enabled on this op (op.enable_trace())")
+        return self._trace
 
     def check_device_error(self):
         """Raise the recorded device-side error, if any, and clear the record: mori.TimeoutError

@@ -39,7 +39,8 @@ struct EpKernelCommon {
   // 1: the launchers launch the kernel as a programmatic dependent launch (MORI_EP_PDL, where the
   // device and the kernels' code allow it; EpKernelEnter waits for the kernel ahead).
   int32_t programmatic;
-  // Debug only (EpDispatchCombineHandle::SetTrace; layout in trace.hpp). nullptr: off.
+  // Phase trace (EpDispatchCombineHandle::SetTrace; layout: mori/ops/dispatch_combine/trace.hpp).
+  // nullptr: off.
   uint64_t* trace;
   int32_t traceSlots;
   int32_t traceMaxBlocks;

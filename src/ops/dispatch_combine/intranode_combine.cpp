@@ -17,7 +17,7 @@
 #include "intranode.hpp"
 #include "intranode_device.hpp"
 #include "combine_reduce.hpp"
-#include "trace.hpp"
+#include "trace_device.hpp"
 #include "mori/core/gpu_check.hpp"
 
 namespace mori::ops {
@@ -198,7 +198,7 @@ __global__ void __launch_bounds__(kThreads) EpCombineKernel(const EpCombineKerne
   const int parity = start.parity;
   const uint64_t ready = EpPackReady(a.tokenSource, a.weightSource, a.dataType, a.rowBytes);
 
-  // Debug trace (trace.hpp): nullptr unless SetTrace was called; thread 0 stamps phase ends.
+  // Phase trace (trace_device.hpp): nullptr unless SetTrace was called; thread 0 stamps phase ends.
   uint64_t* const tr = start.trace;
   if (tid == 0) sFailed = 0;
   __syncthreads();
@@ -271,7 +271,7 @@ __global__ void __launch_bounds__(kThreads) EpCombineKernel(const EpCombineKerne
       if (tid == 0 && !InterReturnRows<Elem>(a, wait, epoch, ready)) sFailed = 1;
     }
   }
-  if (tid == 0) EpTraceStamp(tr, 1);
+  if (tid == 0) EpTraceStamp(tr, kEpCombineSent);
 
   // ---- 2. every PE's rows are ready ------------------------------------------------------------
   if (sFailed == 0) {
@@ -318,7 +318,7 @@ __global__ void __launch_bounds__(kThreads) EpCombineKernel(const EpCombineKerne
         sFailed = 1;
         continue;
       }
-      if (tr != nullptr && p < kEpTracePeers) tr[24 + p] = core::WallClockNs();
+      if (tr != nullptr && p < kEpTracePeers) tr[kEpTraceWordPeerReady + p] = core::WallClockNs();
       const EpCombineSource ts = EpReadyTokens(v);
       const EpCombineSource ws = EpReadyWeights(v);
       uint8_t* pb = PeerBlock(c, p);
@@ -331,7 +331,7 @@ __global__ void __launch_bounds__(kThreads) EpCombineKernel(const EpCombineKerne
     }
   }
   __syncthreads();
-  if (tid == 0) EpTraceStamp(tr, 2);
+  if (tid == 0) EpTraceStamp(tr, kEpCombinePeersReady);
 
   // ---- 3. reduce ------------------------------------------------------------------------------
   if (sFailed == 0) {
@@ -455,13 +455,13 @@ __global__ void __launch_bounds__(kThreads) EpCombineKernel(const EpCombineKerne
   // cumulative release fence; the last block acquires them all through the counter, then signals.
   __syncthreads();
   if (tid == 0) {
-    EpTraceStamp(tr, 3);
+    EpTraceStamp(tr, kEpCombineReduced);
     core::FenceAcqRelSystem();
-    EpTraceStamp(tr, 4);
+    EpTraceStamp(tr, kEpCombineFenced);
     const unsigned old = atomicAdd(&c.state->combineBlocksDone, 1u);
     if (tr != nullptr) {
-      EpTraceStamp(tr, 5);
-      tr[19] = static_cast<uint64_t>(old) + 1;
+      EpTraceStamp(tr, kEpCombineCounted);
+      tr[kEpTraceWordArrival] = static_cast<uint64_t>(old) + 1;
     }
     if (old == gridDim.x - 1) {
       c.state->combineBlocksDone = 0;
@@ -489,7 +489,7 @@ __global__ void __launch_bounds__(kThreads) EpCombineKernel(const EpCombineKerne
       }
       // The next kernel on the stream reads the epoch: the kernel boundary publishes it.
       c.state->combineEpoch = epoch;
-      EpTraceStamp(tr, 6);
+      EpTraceStamp(tr, kEpCombineTail);
     }
   }
 }

@@ -29,7 +29,7 @@
 #include "combine_reduce.hpp"
 #include "intranode.hpp"
 #include "intranode_device.hpp"
-#include "trace.hpp"
+#include "trace_device.hpp"
 #include "mori/core/gpu_check.hpp"
 
 namespace mori::ops {
@@ -72,7 +72,7 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
   uint64_t* const arrived =
       At<uint64_t>(c.symmLocal, c.symm.pushArrived) + EpPushArrivedIndex(parity, 0, W);
 
-  uint64_t* const tr = start.trace;  // debug trace (trace.hpp), nullptr: off
+  uint64_t* const tr = start.trace;  // phase trace (trace_device.hpp), nullptr: off
   if (tid == 0) {
     sFailed = 0;
     // Same verdict in every block; block 0 records it.
@@ -176,7 +176,7 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
               static_cast<uint64_t>(sPushed[p]));
       }
     }
-    EpTraceStamp(tr, 1);
+    EpTraceStamp(tr, kEpCombineSent);
   }
 
   // ---- 3. every PE's rows for our tokens have arrived ---------------------------------------
@@ -212,11 +212,11 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
         sFailed = 1;
         continue;
       }
-      if (tr != nullptr && p < kEpTracePeers) tr[24 + p] = core::WallClockNs();
+      if (tr != nullptr && p < kEpTracePeers) tr[kEpTraceWordPeerReady + p] = core::WallClockNs();
     }
   }
   __syncthreads();
-  if (tid == 0) EpTraceStamp(tr, 2);
+  if (tid == 0) EpTraceStamp(tr, kEpCombinePeersReady);
 
   // ---- 4. reduce from our own memory ----------------------------------------------------------
   if (sFailed == 0) {
@@ -259,14 +259,14 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
   // ---- 5. check and reset the arrival counters; epoch --------------------------------------
   __syncthreads();
   if (tid == 0) {
-    EpTraceStamp(tr, 3);
-    EpTraceStamp(tr, 4);
+    EpTraceStamp(tr, kEpCombineReduced);
+    EpTraceStamp(tr, kEpCombineFenced);
     if (sFailed != 0) atomicOr(&c.state->combineFailed, 1u);
     __threadfence();
     const unsigned old = atomicAdd(&c.state->combineBlocksDone, 1u);
     if (tr != nullptr) {
-      EpTraceStamp(tr, 5);
-      tr[19] = static_cast<uint64_t>(old) + 1;
+      EpTraceStamp(tr, kEpCombineCounted);
+      tr[kEpTraceWordArrival] = static_cast<uint64_t>(old) + 1;
     }
     if (old == gridDim.x - 1) {
       __threadfence();
@@ -284,7 +284,7 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
       }
       // The next kernel on the stream reads the epoch: the kernel boundary publishes it.
       c.state->combineEpoch = epoch;
-      EpTraceStamp(tr, 6);
+      EpTraceStamp(tr, kEpCombineTail);
     }
   }
 }

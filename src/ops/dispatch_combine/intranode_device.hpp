@@ -11,7 +11,7 @@
 #include "mori/shmem/device/copy.hpp"
 #include "mori/shmem/shmem_device_api.hpp"
 #include "intranode.hpp"
-#include "trace.hpp"
+#include "trace_device.hpp"
 
 namespace mori::ops::detail {
 

@@ -28,7 +28,7 @@
 //   6. The last block to finish bumps the dispatch epoch and resets the grid counter.
 #include "intranode.hpp"
 #include "intranode_device.hpp"
-#include "trace.hpp"
+#include "trace_device.hpp"
 #include "mori/core/gpu_check.hpp"
 
 namespace mori::ops {
@@ -184,7 +184,7 @@ __global__ void __launch_bounds__(kThreads, 1) EpDispatchKernel(const EpDispatch
   }
   __syncthreads();
   const int countD = prefix[nWords];
-  if (tid == 0) EpTraceStamp(tr, 7);
+  if (tid == 0) EpTraceStamp(tr, kEpDispatchScanned);
 
   // ---- 2. announce ------------------------------------------------------------------------
   if (b == 0) {
@@ -261,7 +261,7 @@ __global__ void __launch_bounds__(kThreads, 1) EpDispatchKernel(const EpDispatch
     }
   }
   __syncthreads();  // every thread has seen sFailed before phase 3 may change it
-  if (tid == 0) EpTraceStamp(tr, 1);
+  if (tid == 0) EpTraceStamp(tr, kEpDispatchAnnounced);
 
   // ---- 3a. what this block copies, and the first item of each warp loaded now -------------
   // Rows [i0, i1) of dest's list, in items of a row slice each. Which token an item is and which
@@ -352,7 +352,7 @@ __global__ void __launch_bounds__(kThreads, 1) EpDispatchKernel(const EpDispatch
     __syncthreads();
   }
 
-  if (tid == 0) EpTraceStamp(tr, 4);
+  if (tid == 0) EpTraceStamp(tr, kEpDispatchSendBase);
   if (sFailed == 0) {
     const int sendBase = sSendBase;
     // Rows for a remote dest are staged at their list index (the WRITE places them at sendBase);
@@ -448,7 +448,7 @@ __global__ void __launch_bounds__(kThreads, 1) EpDispatchKernel(const EpDispatch
   // One fence per block, not per thread (fence.sc.sys in every thread serialises GPU-wide): the
   // barrier orders every thread's row stores before thread 0's release fence, which is cumulative.
   __syncthreads();
-  if (tid == 0) EpTraceStamp(tr, 6);
+  if (tid == 0) EpTraceStamp(tr, kEpDispatchCopied);
   if (destRemote) {
     // The group's last block to have staged its rows WRITEs the whole list (each array one
     // contiguous range of dest's outputs) and then the tail word, all from one thread (one QP: the
@@ -493,7 +493,7 @@ __global__ void __launch_bounds__(kThreads, 1) EpDispatchKernel(const EpDispatch
     core::AtomicFetchAddSystem(At<uint64_t>(PeerBlock(c, dest), c.symm.arrived) + me,
                                static_cast<uint64_t>(nRows));
   }
-  if (tid == 0) EpTraceStamp(tr, 2);
+  if (tid == 0) EpTraceStamp(tr, kEpDispatchPublished);
 
   // ---- 5. receive side (block 0) -------------------------------------------------------------
   // Two passes: every source's count (their sum is checked against the receive capacity before
@@ -562,14 +562,14 @@ __global__ void __launch_bounds__(kThreads, 1) EpDispatchKernel(const EpDispatch
   }
 
   // ---- 6. epoch ------------------------------------------------------------------------------
-  if (tid == 0) EpTraceStamp(tr, 3);
+  if (tid == 0) EpTraceStamp(tr, kEpDispatchReceived);
   __syncthreads();
   if (tid == 0) {
     __threadfence();
     const unsigned old = atomicAdd(&c.state->dispatchBlocksDone, 1u);
     if (tr != nullptr) {
-      EpTraceStamp(tr, 5);
-      tr[19] = static_cast<uint64_t>(old) + 1;
+      EpTraceStamp(tr, kEpDispatchCounted);
+      tr[kEpTraceWordArrival] = static_cast<uint64_t>(old) + 1;
     }
     if (old == gridDim.x - 1) {
       c.state->dispatchBlocksDone = 0;

@@ -33,6 +33,7 @@
 #include "mori/core/gpu.hpp"
 #include "mori/ops/dispatch_combine/config.hpp"
 #include "mori/ops/dispatch_combine/layout.hpp"
+#include "mori/ops/dispatch_combine/trace.hpp"
 #include "mori/shmem/shmem_types.hpp"
 
 namespace mori::ops {
@@ -182,10 +183,14 @@ class EpDispatchCombineHandle {
   // still running may report later). `what` names the caller in the message.
   void TakeExpertIdError(const char* what);
 
-  // Debug only: per-block phase trace of the kernels launched (or graph-captured) from now on.
-  // `buffer` is device memory of 2 * slots * maxBlocks * 32 uint64 (layout:
-  // src/ops/dispatch_combine/trace.hpp, reader: tools/bench/ep_trace.py); nullptr turns it off.
+  // Per-block phase trace of the kernels launched (or graph-captured) from now on. `buffer` is
+  // device memory of kEpTraceKinds * slots * maxBlocks * kEpTraceWords uint64 (layout:
+  // mori/ops/dispatch_combine/trace.hpp; reader: mori.ops.trace); nullptr turns it off.
   void SetTrace(uint64_t* buffer, int slots, int maxBlocks);
+  // Reads this GPU's trace clock against the host's CLOCK_REALTIME (a short kernel answering the
+  // host through mapped memory; best of a few rounds). Needs no other work of this GPU to hold
+  // all of its SMs; bounded by MORI_HOST_TIMEOUT_MS (TimeoutError). Defined in trace.cpp.
+  EpTraceClockSample SampleTraceClock() const;
 
  private:
   void CheckUsable(const char* what) const;
