@@ -48,6 +48,12 @@ struct EpDispatchArgs {
   EpIndexType indexType = EpIndexType::kInt32;
   int blockNum = -1;      // -1: config (or the small-batch default)
   int warpPerBlock = -1;  // -1: config (or the small-batch default)
+  // Fused quantisation (EpDispatchQuant, config.hpp): dataType bf16, hiddenDim a multiple of
+  // kEpQuantGroup, no scales; the receivers get quantOutType codes (kFp8E4M3Fn or kFp8E4M3Fnuz)
+  // in DispatchOutTokens() and EpDispatchQuantScaleBytes(quant, hiddenDim) bytes of scales per
+  // row, packed, in DispatchOutScales() (the config must reserve them: scaleTypeSize 4).
+  EpDispatchQuant quant = EpDispatchQuant::kNone;
+  EpDataType quantOutType = EpDataType::kFp8E4M3Fn;
 };
 
 struct EpCombineArgs {
