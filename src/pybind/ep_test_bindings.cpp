@@ -5,10 +5,13 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstring>
+#include <string>
 #include <tuple>
 #include <vector>
 
 #include "../ops/dispatch_combine/combine_reduce.hpp"
+#include "../ops/dispatch_combine/fp8_quant.hpp"
 #include "../ops/dispatch_combine/intranode_device.hpp"
 #include "pybind_common.hpp"
 
@@ -98,6 +101,38 @@ void RegisterEpTestBindings(py::module_& m) {
         return ep::EpStagedChunkLength(off, end, chunk);
       },
       py::arg("off"), py::arg("end"), py::arg("chunk"), "EpStagedChunkLength");
+  t.def(
+      "ep_fp8_quantize",
+      [](const py::bytes& rows, int hidden, int quant, bool fnuz) {
+        Require(hidden >= ops::kEpQuantGroup && hidden % ops::kEpQuantGroup == 0,
+                "hidden must be a positive multiple of QUANT_GROUP");
+        Require(quant >= 1 && quant < ops::kEpNumDispatchQuants, "quant must be an fp8 code");
+        const std::string in = rows;
+        const size_t rowBytes = static_cast<size_t>(hidden) * 2;
+        Require(in.size() % rowBytes == 0, "rows must be whole bf16 rows of `hidden` elements");
+        const size_t n = in.size() / rowBytes;
+        const auto q = static_cast<ops::EpDispatchQuant>(quant);
+        const size_t scaleBytes = static_cast<size_t>(ops::EpDispatchQuantScaleBytes(q, hidden));
+        std::string codes(n * hidden, '\0'), scales(n * scaleBytes, '\xAA');
+        std::vector<uint16_t> row(hidden);
+        for (size_t r = 0; r < n; r++) {
+          std::memcpy(row.data(), in.data() + r * rowBytes, rowBytes);
+          ep::EpFp8QuantizeRow(row.data(), hidden, q,
+                               fnuz ? core::Fp8Format::kE4M3Fnuz : core::Fp8Format::kE4M3Fn,
+                               reinterpret_cast<uint8_t*>(&codes[r * hidden]),
+                               reinterpret_cast<uint8_t*>(&scales[r * scaleBytes]));
+        }
+        return py::make_tuple(py::bytes(codes), py::bytes(scales));
+      },
+      py::arg("rows"), py::arg("hidden"), py::arg("quant"), py::arg("fnuz") = false,
+      "The dispatch quantisation's steps on the host (EpFp8QuantizeRow): bf16 rows (bytes) -> "
+      "(codes, scales) bytes");
+  t.def(
+      "fp8_encode",
+      [](float x, bool fnuz) {
+        return core::Fp8Encode(x, fnuz ? core::Fp8Format::kE4M3Fnuz : core::Fp8Format::kE4M3Fn);
+      },
+      py::arg("x"), py::arg("fnuz") = false, "core::Fp8Encode (the kernels' fp32 -> e4m3 cast)");
 }
 
 }  // namespace mori::pybind

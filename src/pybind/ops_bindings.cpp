@@ -152,6 +152,11 @@ void RegisterOpsBindings(py::module_& m) {
     for (int32_t v = 0; v < ops::kEpNumQuantTypes; v++)
       quantTypes[ops::EpQuantTypeName(static_cast<ops::EpQuantType>(v))] = v;
     o.attr("QUANT_TYPE_CODES") = quantTypes;  // MORI's config strings ("none", ...) -> code
+    py::dict dispatchQuants;
+    for (int32_t v = 0; v < ops::kEpNumDispatchQuants; v++)
+      dispatchQuants[ops::EpDispatchQuantName(static_cast<ops::EpDispatchQuant>(v))] = v;
+    o.attr("DISPATCH_QUANT_CODES") = dispatchQuants;  // dispatch's fused quantisation
+    o.attr("QUANT_GROUP") = ops::kEpQuantGroup;
   }
 
   // Element type codes by their torch names (EpDataTypeName / EpIndexTypeName): the Python op maps
@@ -263,7 +268,8 @@ void RegisterOpsBindings(py::module_& m) {
           "dispatch",
           [](EpDispatchCombineHandle& h, uintptr_t input, int dataType, int numTokens,
              int hiddenDim, uintptr_t weights, uintptr_t scales, uintptr_t indices, int indexType,
-             int blockNum, int warpPerBlock, uintptr_t stream, bool checkExpertIds) {
+             int blockNum, int warpPerBlock, uintptr_t stream, int quant, int quantOutType,
+             bool checkExpertIds) {
             ops::EpDispatchArgs a;
             a.input = Ptr<const void>(input);
             a.dataType = DataTypeFromInt(dataType, "dispatch");
@@ -276,11 +282,14 @@ void RegisterOpsBindings(py::module_& m) {
             a.blockNum = blockNum;
             a.warpPerBlock = warpPerBlock;
             a.checkExpertIds = checkExpertIds;
+            a.quant = static_cast<ops::EpDispatchQuant>(quant);  // range-checked by Dispatch
+            a.quantOutType = DataTypeFromInt(quantOutType, "dispatch (quantised rows)");
             h.Dispatch(a, reinterpret_cast<gpuStream_t>(stream));
           },
           py::arg("input"), py::arg("data_type"), py::arg("num_tokens"), py::arg("hidden_dim"),
           py::arg("weights"), py::arg("scales"), py::arg("indices"), py::arg("index_type"),
-          py::arg("block_num"), py::arg("warp_per_block"), py::arg("stream"),
+          py::arg("block_num"), py::arg("warp_per_block"), py::arg("stream"), py::arg("quant") = 0,
+          py::arg("quant_out_type") = static_cast<int>(ops::EpDataType::kFp8E4M3Fn),
           py::arg("check_expert_ids") = true)
       .def(
           "combine",

@@ -106,7 +106,7 @@ class Spec:
     def __init__(self, H=2048, K=8, Epr=8, M=256, dtype="bf16", cdtype=None, idx="int32", scale=None,
                  weights=True, routing="random_neg", t_mode="random", mode="zero_copy", wmode="external",
                  iters=1, seed=0, d_launch=(-1, -1), c_launch=(-1, -1), poison=True, cfg_H=None,
-                 cfg_tts=None, cfg_launch=None, check_every=0):
+                 cfg_tts=None, cfg_launch=None, check_every=0, quant=None):
         self.H = H if callable(H) else (lambda it, v=H: v)
         self.dtype = dtype if callable(dtype) else (lambda it, v=dtype: v)
         self.mode = mode if callable(mode) else (lambda it, v=mode: v)
@@ -119,6 +119,16 @@ class Spec:
         self.wmode, self.iters, self.seed, self.poison = wmode, iters, seed, poison
         self.cfg_H, self.cfg_tts, self.cfg_launch = cfg_H, cfg_tts, cfg_launch
         self.check_every = check_every
+        # Fused dispatch quantisation per iteration: None, "fp8", "fp8_round" or "fp8_ue8m0" (bf16
+        # input; the config reserves hidden / 128 fp32 scales when any iteration quantises).
+        self.quant = quant if callable(quant) else (lambda it, v=quant: v)
+
+    def quant_kw(self, it):
+        """dispatch's quantisation keywords for iteration `it`."""
+        q = self.quant(it)
+        if q is None:
+            return {}
+        return dict(use_fp8=True, round_scale=q == "fp8_round", use_ue8m0=q == "fp8_ue8m0")
 
     def combine_dtype(self, it):
         if self.cdtype is not None:
@@ -180,6 +190,11 @@ def make_data(env, spec, it, seed):
         x = torch.randn((T, H), generator=g, device=dev)
         if spec.dtype(it) == "fp8":
             x = x.clamp(-8, 8)
+        if spec.quant(it) is not None and H % 128 == 0:
+            # groups of very different magnitudes (scales 2^-24 .. 2^24 apart) and some all-zero
+            mag = torch.exp2(torch.randint(-24, 25, (T, H // 128, 1), generator=g, device=dev).float())
+            mag = mag * (torch.rand((T, H // 128, 1), generator=g, device=dev) > 0.05).float()
+            x = (x.view(T, H // 128, 128) * mag).view(T, H)
         X[s, :T] = x.to(dt)
         IDX[s, :T] = U.gen_routing(torch, g, dev, T, E, K, Epr, W, routing)
         WT[s, :T] = torch.rand((T, K), generator=g, device=dev)
@@ -202,6 +217,13 @@ def expert_fn(x, d, cdt):
 C_TOTAL, C_SRC, C_TOK, C_W, C_IDX, C_SC, C_POISON, C_EXPERT, C_COMB, C_COMB64, C_COMBW, C_CPOISON = range(12)
 C_NAMES = ["total_recv", "src_pos", "tokens", "weights", "indices", "scales", "dispatch_poison",
            "expert_count", "combine_bitwise", "combine_vs_fp64", "combine_weights", "combine_poison"]
+
+
+def quant_reference(env, spec, it, x):
+    """(codes, scales) the fused quantisation of iteration `it` must deliver for bf16 rows x."""
+    q = spec.quant(it)
+    return U.fp8_quantize_reference(env.torch, x, U.fp8_dtype(env.torch), round_scale=q == "fp8_round",
+                                    use_ue8m0=q == "fp8_ue8m0")
 
 
 def verify_dispatch(env, spec, op, outs, data, cnt, poisoned, it):
@@ -227,12 +249,22 @@ def verify_dispatch(env, spec, op, outs, data, cnt, poisoned, it):
     cnt[C_SRC] += ((src != exp_src) & valid).sum()
     gi = exp_src.clamp(min=0)
     got = out_tok.view(torch.uint8)
-    exp = X.view(torch.uint8).view(W * M, -1)[gi]  # gather bytes (fp8 indexing is not everywhere)
+    if spec.quant(it) is not None:
+        # codes and scales bit-exact against the torch reference of the same quantisation
+        if out_tok.dtype != U.fp8_dtype(torch):
+            cnt[C_TOK] += 1
+        ref_codes, ref_scales = quant_reference(env, spec, it, X.view(W * M, H)[gi])
+        exp = ref_codes.view(torch.uint8)
+        cnt[C_SC] += ((out_s.view(torch.int32) != ref_scales.view(torch.int32)).any(1) & valid).sum()
+        if poisoned:
+            cnt[C_POISON] += ((out_s.view(torch.uint8) != 0xFF).any(1) & ~valid).sum()
+    else:
+        exp = X.view(torch.uint8).view(W * M, -1)[gi]  # gather bytes (fp8 indexing is not everywhere)
     cnt[C_TOK] += ((got != exp).any(1) & valid).sum()
     if out_w is not None:
         cnt[C_W] += ((out_w.view(torch.int32) != WT.view(W * M, K)[gi].view(torch.int32)).any(1) & valid).sum()
     cnt[C_IDX] += ((out_i.long() != idx64.view(W * M, K)[gi]).any(1) & valid).sum()
-    if out_s is not None:
+    if out_s is not None and spec.quant(it) is None:
         cnt[C_SC] += ((out_s.view(torch.uint8) != SC.view(W * M, -1)[gi].view(torch.uint8)).any(1) & valid).sum()
     if poisoned:
         cnt[C_POISON] += ((got != 0xFF).any(1) & ~valid).sum()
@@ -249,6 +281,8 @@ def verify_combine(env, spec, op, out, out_w, data, cnt, poisoned, it, cdt):
     H = spec.H(it)
     T = Ts[r]
     x = X[r, :T]
+    if spec.quant(it) is not None:
+        x = quant_reference(env, spec, it, x)[0]  # the experts saw the codes
     idx64 = IDX[r, :T].long()
     dest = torch.where((idx64 >= 0) & (idx64 < E), idx64 // Epr, torch.full_like(idx64, -1))
     acc = torch.zeros((T, H), dtype=torch.float32, device=env.dev)
@@ -293,6 +327,8 @@ def spec_op(env, spec):
     if spec.scale is not None:
         sdim = spec.scale[0]
         stsz = 4 if spec.scale[1] == "f32" else 1
+    if any(spec.quant(i) is not None for i in range(min(spec.iters, 8))):
+        sdim, stsz = max(sdim, (spec.cfg_H or spec.H(0)) // 128), 4
     launch = spec.cfg_launch or (80, 8)
     cfg = env.config(
         rank=env.rank, world_size=env.W, hidden_dim=spec.cfg_H or spec.H(0), scale_dim=sdim, scale_type_size=stsz,
@@ -325,7 +361,8 @@ def roundtrip(env, spec, op=None, label=""):
         w = WT[r, :T].contiguous() if spec.weights else None
         sc = SC[r, :T].contiguous() if SC is not None else None
         db, dw = spec.d_launch(it)
-        outs = op.dispatch(x, w, sc, idx, block_num=db, warp_per_block=dw)
+        qkw = spec.quant_kw(it)
+        outs = op.dispatch(x, w, None if qkw else sc, idx, block_num=db, warp_per_block=dw, **qkw)
         verify_dispatch(env, spec, op, outs, data, cnt, poisoned, it)
         # "experts" on this rank
         cdt = env.dt(spec.combine_dtype(it))
@@ -441,6 +478,30 @@ def case_small_batch(env):
     # <= 128 tokens with the small-batch launch defaults (many blocks, warps split rows)
     roundtrip(env, Spec(H=7168, M=128, t_mode="small", dtype="fp8", cdtype="bf16", scale=(56, "f32"),
                         iters=5, poison=True, seed=33), label="small batch fp8")
+
+
+def case_fp8_dispatch(env):
+    """Fused bf16 -> e4m3 quantisation in dispatch (use_fp8, round_scale, use_ue8m0): received codes
+    and scales bit-exact against U.fp8_quantize_reference (random rows with groups 2^-24..2^24
+    apart and all-zero groups, outputs poisoned first), and the combine of the codes exact."""
+    mw = max_warps(env)
+    cases = [
+        # (label, spec)
+        ("fp8, HT shape, 512-thread blocks", Spec(H=7168, M=256, quant="fp8", d_launch=(-1, mw), seed=40)),
+        ("fp8 round_scale, int64 ids, 256-thread blocks", Spec(H=4096, M=192, idx="int64", quant="fp8_round",
+                                                               d_launch=(-1, 8), seed=41)),
+        ("fp8 ue8m0 (14 words)", Spec(H=7168, M=128, quant="fp8_ue8m0", seed=42)),
+        ("fp8 ue8m0, 3 groups (one padding byte)", Spec(H=384, M=64, quant="fp8_ue8m0", routing="random", seed=43)),
+        ("fp8 small batch (warps share rows)", Spec(H=7168, M=128, t_mode="small", quant="fp8", iters=3, seed=44)),
+        ("fp8 one block per destination", Spec(H=2048, M=128, quant="fp8_round", d_launch=(env.W, 1), seed=45)),
+    ]
+    for label, spec in cases:
+        roundtrip(env, spec, label=label)
+        env.close_ops()
+    # one op: quantised and plain bf16 dispatches (and a smaller hidden) alternating
+    modes = [None, "fp8", "fp8_ue8m0", None, "fp8_round"]
+    roundtrip(env, Spec(H=lambda it: (2048, 1024)[it % 2], cfg_H=2048, M=128, t_mode="vary",
+                        quant=lambda it: modes[it % len(modes)], iters=10, seed=46), label="fp8 and bf16 alternating")
 
 
 def max_warps(env):
@@ -653,6 +714,30 @@ def case_bad_inputs(env):
     expect("weights dtype", lambda: op.dispatch(x, w.half(), None, idx))
     expect("scales with scale_dim 0", lambda: op.dispatch(x, w, torch.zeros((T, 4), device=dev), idx))
     expect("tokens/indices row mismatch", lambda: op.dispatch(x[:T - 1].contiguous(), w, None, idx))
+    # fused fp8 quantisation: bad combinations
+    expect("use_fp8 without scales reserved (scale_dim 0)", lambda: op.dispatch(x, w, None, idx, use_fp8=True))
+    expect("round_scale without use_fp8", lambda: op.dispatch(x, w, None, idx, round_scale=True))
+    expect("use_ue8m0 without use_fp8", lambda: op.dispatch(x, w, None, idx, use_ue8m0=True))
+    expect("fp8_dtype without use_fp8", lambda: op.dispatch(x, w, None, idx, fp8_dtype=torch.bfloat16))
+    qop = env.new_op(mk(scale_dim=H // 128, scale_type_size=4))
+    expect("use_fp8 with fp16 input", lambda: qop.dispatch(x.half(), w, None, idx, use_fp8=True))
+    expect("use_fp8 with scales passed", lambda: qop.dispatch(x, w, torch.ones((T, H // 128), device=dev), idx, use_fp8=True))
+    expect("use_fp8 with hidden 192", lambda: qop.dispatch(x[:, :192].contiguous(), w, None, idx, use_fp8=True))
+    expect("use_fp8 with fp8_dtype bf16", lambda: qop.dispatch(x, w, None, idx, use_fp8=True, fp8_dtype=torch.bfloat16))
+    small = env.new_op(mk(scale_dim=H // 128 - 1, scale_type_size=4))
+    expect("use_fp8 with scale_dim too small", lambda: small.dispatch(x, w, None, idx, use_fp8=True))
+    bytes_op = env.new_op(mk(scale_dim=4 * (H // 128), scale_type_size=1))
+    expect("use_fp8 with 1-byte scale_type_size", lambda: bytes_op.dispatch(x, w, None, idx, use_fp8=True))
+    # the quantising op still works after the refused calls (checked against the reference)
+    qouts = qop.dispatch(x, w, None, idx, use_fp8=True, use_ue8m0=True, copy=True)
+    qref = U.fp8_quantize_reference(torch, x, U.fp8_dtype(torch), use_ue8m0=True)
+    pos = qop.get_dispatch_src_token_pos()
+    mine = (pos // M) == r  # rows this rank sent itself: compare with our own reference rows
+    t_of = (pos % M).long()[mine]
+    # compared as bytes: indexing fp8 tensors is not supported everywhere
+    if not (torch.equal(qouts[0].view(torch.uint8)[mine], qref[0].view(torch.uint8)[t_of])
+            and torch.equal(qouts[2][mine], qref[1][t_of])):
+        errors.append("fp8 dispatch after refused calls: codes or scales differ from the reference")
     # A round trip (collective) proves the op is still usable. Its ids include some outside
     # [-1, E): the kernel treats them as -1 (the reference below does too) and records the first
     # one, which check_device_error raises (then the record is clear).
@@ -1460,6 +1545,7 @@ CASES = [
     ("hidden_sizes", case_hidden_sizes),
     ("max_tokens_exactly", case_max_tokens),
     ("small_batch_path", case_small_batch),
+    ("fp8_dispatch_quantisation", case_fp8_dispatch),
     ("launch_shapes", case_launch_shapes),
     ("dispatch_only_and_combine_only_loops", case_dispatch_only_loop),
     ("combine_back_to_back", case_combine_back_to_back),

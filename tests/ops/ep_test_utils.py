@@ -305,3 +305,126 @@ def standard_moe_combine_torch(torch, x, ids, weights, W, Epr, expert_fn, cdt):
             dest = dest | m
         out = out + torch.where(dest, part.to(cdt).float(), 0.0)
     return out.to(cdt)
+
+
+# --- FP8 dispatch quantisation reference (docs/ep.md, "FP8 dispatch") -------------------------
+#
+# Per group of 128 elements of a bf16 row:
+#   amax  = max |x|
+#   scale = fp32(max(amax, fp8max * 2^-126) / fp8max)          (so 1/scale is finite)
+#   round_scale / use_ue8m0: scale = 2^ceil(log2(scale))
+#   inv   = fp32(1 / scale)
+#   code  = e4m3(clamp(fp32(x * inv), -fp8max, fp8max))        (round to nearest even)
+#   use_ue8m0: the scale's exponent byte (scale = 2^(byte - 127)), 4 per int32 word, little-endian,
+#   unused bytes of a row's last word 0.
+# fp8max is 448 (float8_e4m3fn) or 240 (float8_e4m3fnuz). Two forms: Python floats (exact, with the
+# codes found by a nearest-value search), and torch (what the GPU suites compare the kernels with).
+
+FP8_FORMATS = {"e4m3fn": (7, 448.0), "e4m3fnuz": (8, 240.0)}
+QUANT_GROUP = 128
+
+
+def fp8_decode_float(code, fmt):
+    """Value of an e4m3 code (fmt "e4m3fn" or "e4m3fnuz"), NaN for the NaN codes."""
+    import math
+
+    bias, _ = FP8_FORMATS[fmt]
+    sign, exp, man = code >> 7, (code >> 3) & 0xF, code & 0x7
+    if (fmt == "e4m3fn" and exp == 0xF and man == 0x7) or (fmt == "e4m3fnuz" and code == 0x80):
+        return math.nan
+    mag = man / 8.0 * 2.0 ** (1 - bias) if exp == 0 else (1.0 + man / 8.0) * 2.0 ** (exp - bias)
+    return -mag if sign else mag
+
+
+_FP8_TABLES = {}
+
+
+def _fp8_table(fmt):
+    if fmt not in _FP8_TABLES:
+        _, fmax = FP8_FORMATS[fmt]
+        codes = [c for c in range(0x80) if fp8_decode_float(c, fmt) <= fmax]  # NaN compares False
+        _FP8_TABLES[fmt] = ([fp8_decode_float(c, fmt) for c in codes], codes)
+    return _FP8_TABLES[fmt]
+
+
+def fp8_encode_float(x, fmt):
+    """x (a Python float) as an e4m3 code: the nearest value (ties to the even code), |x| beyond
+    fp8max saturating, NaN to the NaN code, -0 kept by e4m3fn (0x80) and not by e4m3fnuz."""
+    import bisect
+    import math
+
+    if math.isnan(x):
+        return 0x7F if fmt == "e4m3fn" else 0x80
+    _, fmax = FP8_FORMATS[fmt]
+    neg = math.copysign(1.0, x) < 0
+    a = min(abs(x), fmax)
+    values, codes = _fp8_table(fmt)
+    i = bisect.bisect_left(values, a)
+    if i == len(values):
+        i -= 1
+    elif i > 0 and values[i] != a:
+        lo, hi = a - values[i - 1], values[i] - a
+        if lo < hi or (lo == hi and codes[i - 1] % 2 == 0):
+            i -= 1
+    code = codes[i]
+    if neg and (code != 0 or fmt == "e4m3fn"):
+        code |= 0x80
+    return code
+
+
+def pow2_ceil_float(s):
+    """2^ceil(log2 s) for a positive float s."""
+    import math
+
+    m, e = math.frexp(s)  # s = m * 2^e, 0.5 <= m < 1
+    return s if m == 0.5 else 2.0 ** e
+
+
+def fp8_quantize_row_floats(xs, fmt, round_scale=False, use_ue8m0=False):
+    """One row (Python floats, bf16 values, a multiple of 128 of them) -> (codes, scales): codes a
+    list of ints; scales a list of fp32 values, or (use_ue8m0) a list of 32-bit words (ints)."""
+    import math
+
+    _, fmax = FP8_FORMATS[fmt]
+    floor = fmax * 2.0 ** -126
+    codes, scales, exps = [], [], []
+    for g in range(0, len(xs), QUANT_GROUP):
+        group = xs[g:g + QUANT_GROUP]
+        amax = max(abs(v) for v in group)
+        s = round_to("fp32", max(amax, floor) / fmax)
+        if round_scale or use_ue8m0:
+            s = pow2_ceil_float(s)
+        inv = round_to("fp32", 1.0 / s)
+        codes += [fp8_encode_float(round_to("fp32", v * inv), fmt) for v in group]
+        scales.append(s)
+        exps.append(math.frexp(s)[1] - 1 + 127)  # s = 2^(byte - 127)
+    if not use_ue8m0:
+        return codes, scales
+    exps += [0] * (-len(exps) % 4)
+    words = [exps[i] | exps[i + 1] << 8 | exps[i + 2] << 16 | exps[i + 3] << 24 for i in range(0, len(exps), 4)]
+    return codes, words
+
+
+def fp8_quantize_reference(torch, x, fp8_dtype, round_scale=False, use_ue8m0=False):
+    """x: [N, H] bfloat16 (H a multiple of 128) -> (codes [N, H] fp8_dtype, scales): scales
+    [N, H/128] float32, or (use_ue8m0) [N, ceil(H/512)] int32. Every step is one correctly rounded
+    fp32 operation (divisions by tensors, not scalars, which torch may turn into a multiplication
+    by the reciprocal), so the result is bit-exact on CPU and GPU."""
+    N, H = x.shape
+    G = H // QUANT_GROUP
+    fmax = float(torch.finfo(fp8_dtype).max)
+    xf = x.float().reshape(N, G, QUANT_GROUP)
+    amax = xf.abs().amax(dim=-1)
+    s = torch.maximum(amax, torch.full_like(amax, fmax * 2.0 ** -126)) / torch.full_like(amax, fmax)
+    if round_scale or use_ue8m0:
+        b = s.view(torch.int32)
+        b = torch.where((b & 0x7FFFFF) != 0, (b & -0x800000) + 0x800000, b)
+        s = b.view(torch.float32)
+    inv = torch.ones_like(s) / s
+    codes = (xf * inv.unsqueeze(-1)).clamp(-fmax, fmax).to(fp8_dtype).reshape(N, H)
+    if not use_ue8m0:
+        return codes, s
+    words = (G + 3) // 4
+    exps = torch.zeros((N, words * 4), dtype=torch.uint8, device=x.device)
+    exps[:, :G] = (s.view(torch.int32) >> 23).to(torch.uint8)
+    return codes, exps.view(torch.int32)

@@ -1,10 +1,12 @@
 // FP8 E4M3 in the two encodings our GPUs use:
 //   e4m3fn   (NVIDIA Hopper, OCP): bias 7, max 448, NaN = S.1111.111, no infinities, +-0.
 //   e4m3fnuz (AMD MI300 / gfx942): bias 8, max 240, NaN = 1.0000.000 (the only one), no -0.
-// Dispatch only moves FP8 bytes; these conversions are for references, tests and combine paths,
-// written portably (host and device) so both encodings work on every backend.
+// FloatToFp8 / Fp8ToFloat define the conversions (a search over the codes: slow, obviously
+// right); Fp8Encode is the kernels' bit-level form of FloatToFp8, equal to it for every float
+// (tests/core/fp8_test.cpp). All are host and device code, so both encodings work on every backend.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -65,6 +67,53 @@ MORI_HD inline uint8_t FloatToFp8(float x, Fp8Format f) {
   }
   if (best == 0 && sign && f == Fp8Format::kE4M3Fnuz) return 0;  // fnuz has no -0
   return static_cast<uint8_t>((sign << 7) | best);
+}
+
+// FloatToFp8 by bit manipulation (the kernels' encoder): round to nearest even, |x| >= max and
+// +-inf saturate to +-max, NaN gives the format's NaN, e4m3fnuz has no -0. Subnormal fp32 inputs
+// are converted exactly as long as the code is not compiled to flush them to zero.
+MORI_HD inline uint8_t Fp8Encode(float x, Fp8Format f) {
+  uint32_t bits;
+  memcpy(&bits, &x, sizeof(bits));
+  const uint32_t sign = bits >> 31;
+  const uint32_t a = bits & 0x7FFFFFFFu;
+  const bool fn = f == Fp8Format::kE4M3Fn;
+  if (a > 0x7F800000u) return fn ? 0x7F : 0x80;  // NaN
+  const int bias = Fp8Bias(f);
+  const uint32_t maxCode = fn ? 0x7Eu : 0x7Fu;
+  float mag;
+  memcpy(&mag, &a, sizeof(mag));
+  uint32_t code;
+  if (mag >= Fp8Max(f)) {
+    code = maxCode;
+  } else if (a < (static_cast<uint32_t>(128 - bias) << 23)) {
+    // Below the smallest normal 2^(1 - bias): multiples of 2^(-2 - bias), scaled exactly to an
+    // integer 0..8 and rounded to nearest even (8 is the smallest normal's code).
+    code = static_cast<uint32_t>(rintf(mag * (fn ? 512.f : 1024.f)));
+  } else {
+    // Normal: keep 3 mantissa bits, rounding the 20 dropped ones to nearest even (a carry moves
+    // into the exponent), then rebias the exponent from 127 to `bias`.
+    const uint32_t r = a + 0x7FFFFu + ((a >> 20) & 1u);
+    code = (r >> 20) - (static_cast<uint32_t>(127 - bias) << 3);
+    if (code > maxCode) code = maxCode;
+  }
+  if (sign == 0 || (code == 0 && !fn)) return static_cast<uint8_t>(code);
+  return static_cast<uint8_t>(code | 0x80u);
+}
+
+// Fp8ToFloat by bit manipulation (exact for every code).
+MORI_HD inline float Fp8Decode(uint8_t v, Fp8Format f) {
+  const uint32_t sign = v >> 7, exp = (v >> 3) & 0xF, man = v & 0x7;
+  const bool fn = f == Fp8Format::kE4M3Fn;
+  if (fn ? (exp == 0xF && man == 0x7) : v == 0x80) return __builtin_nanf("");
+  float mag;
+  if (exp == 0) {
+    mag = static_cast<float>(man) * (fn ? 0x1p-9f : 0x1p-10f);
+  } else {
+    const uint32_t bits = ((exp + 127u - static_cast<uint32_t>(Fp8Bias(f))) << 23) | (man << 20);
+    memcpy(&mag, &bits, sizeof(mag));
+  }
+  return sign ? -mag : mag;
 }
 
 }  // namespace mori::core

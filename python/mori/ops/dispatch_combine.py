@@ -244,6 +244,28 @@ def _dtype_codes(torch):
     return _DTYPE_CODES
 
 
+def _default_fp8_dtype(torch, device_index):
+    """The e4m3 flavour of the GPU's FP8 hardware and frameworks: float8_e4m3fnuz on AMD gfx94x
+    (MI300), float8_e4m3fn elsewhere (NVIDIA, and AMD's OCP-FP8 GPUs)."""
+    if getattr(torch.version, "hip", None) and hasattr(torch, "float8_e4m3fnuz"):
+        arch = getattr(torch.cuda.get_device_properties(device_index), "gcnArchName", "")
+        if "gfx94" in arch:
+            return torch.float8_e4m3fnuz
+    return torch.float8_e4m3fn
+
+
+def _dispatch_quant(use_fp8, round_scale, use_ue8m0):
+    """The native EpDispatchQuant code of dispatch's quantisation keywords (DeepEP's meaning)."""
+    codes = _native().DISPATCH_QUANT_CODES
+    if not use_fp8:
+        if round_scale or use_ue8m0:
+            raise _usage("dispatch: round_scale and use_ue8m0 need use_fp8=True")
+        return codes["none"]
+    if use_ue8m0:
+        return codes["fp8 (use_ue8m0)"]  # UE8M0 scales are powers of two: round_scale implied
+    return codes["fp8 (round_scale)"] if round_scale else codes["fp8"]
+
+
 def _index_code(torch, dtype):
     return _native().INDEX_TYPE_CODES[str(dtype).replace("torch.", "")]
 
@@ -418,7 +440,8 @@ class EpDispatchCombineOp(ExpertMajorMixin):
 
     # --- dispatch -------------------------------------------------------------------------------
     def dispatch(self, input, weights, scales, indices, block_num=-1, rdma_block_num=-1, warp_per_block=-1,
-                 call_local_expert_count=False, *, copy=False, stream=None):
+                 call_local_expert_count=False, *, use_fp8=False, round_scale=False, use_ue8m0=False,
+                 fp8_dtype=None, copy=False, stream=None):
         """Returns (out_tokens [R, hidden], out_weights [R, K] float32 or None, out_scales
         [R, scale_dim] or None, out_indices [R, K], total_recv_token_num [1] int32 on the GPU),
         R = max_num_tokens_to_recv(); rows [0, total_recv) are valid. The positional arguments
@@ -427,14 +450,43 @@ class EpDispatchCombineOp(ExpertMajorMixin):
         build's kernels), call_local_expert_count (accepted; every
         dispatch refreshes local_expert_count). Keyword-only: copy=True synchronises and returns
         private copies of the valid rows; stream= launches on that stream (default: torch's
-        current stream)."""
+        current stream).
+
+        use_fp8=True (DeepEP's keywords): bfloat16 input, hidden a multiple of 128, scales None;
+        the rows arrive as e4m3 codes (fp8_dtype: float8_e4m3fn, or float8_e4m3fnuz on gfx94x by
+        default) with one scale per 128 elements, computed while the rows are sent (formula:
+        docs/ep.md, "FP8 dispatch"): out_scales is [R, hidden / 128] float32, or with use_ue8m0
+        [R, ceil(hidden / 512)] int32 words of 4 UE8M0 exponent bytes. round_scale rounds scales
+        up to powers of two (implied by use_ue8m0). The config must reserve the scales:
+        scale_type_size 4 and scale_dim >= the columns of out_scales."""
         _check_rdma_block_num(rdma_block_num)
         torch = _torch()
         h = self._h()
         cfg = self.config
         self._check_tensor("dispatch: input", input, 2)
+        quant = _dispatch_quant(use_fp8, round_scale, use_ue8m0)
         codes = _dtype_codes(torch)
         code = codes.get(input.dtype)
+        out_dtype = input.dtype
+        if quant:
+            group = _native().QUANT_GROUP
+            if input.dtype != torch.bfloat16:
+                raise _usage(f"dispatch(use_fp8=True) quantises bfloat16 input, got {input.dtype}")
+            if scales is not None:
+                raise _usage("dispatch(use_fp8=True) computes the scales: pass scales=None")
+            if int(input.shape[1]) % group != 0:
+                raise _usage(
+                    f"dispatch(use_fp8=True) needs a hidden size that is a multiple of {group} (one scale "
+                    f"per {group} elements), got {int(input.shape[1])}"
+                )
+            out_dtype = _default_fp8_dtype(torch, self._device_index) if fp8_dtype is None else fp8_dtype
+            if out_dtype not in codes or torch.empty((), dtype=out_dtype).element_size() != 1:
+                raise _usage(
+                    f"dispatch(use_fp8=True): fp8_dtype must be torch.float8_e4m3fn or torch.float8_e4m3fnuz, "
+                    f"got {fp8_dtype!r}"
+                )
+        elif fp8_dtype is not None:
+            raise _usage("dispatch: fp8_dtype needs use_fp8=True")
         if code is None:
             raise _usage(
                 f"dispatch: input dtype {input.dtype} is not supported (bfloat16, float16, float32, "
@@ -473,17 +525,22 @@ class EpDispatchCombineOp(ExpertMajorMixin):
             int(block_num),
             int(warp_per_block),
             launch[0],
+            quant,
+            codes[out_dtype],
             self.check_inputs,
         )
         self._last_dispatch_stream = launch
-        self._last = (num_tokens, input.dtype, hidden, indices.dtype, None if scales is None else scales.dtype, weights is not None)
-        out = self._view("dispatch_tokens", "dispatch_out_tokens", (self._rmax, hidden), input.dtype)
+        out = self._view("dispatch_tokens", "dispatch_out_tokens", (self._rmax, hidden), out_dtype)
         out_w = self._view("dispatch_weights", "dispatch_out_weights", (self._rmax, self._K), torch.float32) if weights is not None else None
-        out_s = (
-            self._view("dispatch_scales", "dispatch_out_scales", (self._rmax, cfg.scale_dim), scales.dtype)
-            if scales is not None
-            else None
-        )
+        if quant:
+            groups = hidden // _native().QUANT_GROUP
+            shape = (self._rmax, (groups + 3) // 4) if use_ue8m0 else (self._rmax, groups)
+            out_s = self._view("dispatch_scales", "dispatch_out_scales", shape, torch.int32 if use_ue8m0 else torch.float32)
+        elif scales is not None:
+            out_s = self._view("dispatch_scales", "dispatch_out_scales", (self._rmax, cfg.scale_dim), scales.dtype)
+        else:
+            out_s = None
+        self._last = (num_tokens, out_dtype, hidden, indices.dtype, None if out_s is None else out_s.dtype, weights is not None)
         out_i = self._view("dispatch_indices", "dispatch_out_indices", (self._rmax, self._K), indices.dtype)
         total = self._total_recv_view()
         if copy:

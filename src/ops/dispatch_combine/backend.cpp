@@ -172,10 +172,11 @@ class InterNodeBackend final : public EpBackend {
     // warps over several QPs times out in the suite (4x2, and 2x2 under chaos; session 9), so it
     // stays off until that is understood.
     if (c.numQpPerPe > 1)
-      MORI_WARN(kLogOps,
-                "EP InterNode on PE %d: num_qp_per_pe = %d is not used yet: this build posts on one "
-                "QP per peer",
-                pe, c.numQpPerPe);
+      MORI_WARN(
+          kLogOps,
+          "EP InterNode on PE %d: num_qp_per_pe = %d is not used yet: this build posts on one "
+          "QP per peer",
+          pe, c.numQpPerPe);
   }
   EpFamily Family() const override { return EpFamily::kInterNode; }
   int MaxBlocks(int numSms) const override {

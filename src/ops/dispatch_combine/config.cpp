@@ -33,6 +33,16 @@ const char* EpQuantTypeName(EpQuantType type) {
   return "unknown";
 }
 
+const char* EpDispatchQuantName(EpDispatchQuant quant) {
+  switch (quant) {
+    case EpDispatchQuant::kNone: return "none";
+    case EpDispatchQuant::kFp8: return "fp8";
+    case EpDispatchQuant::kFp8RoundScale: return "fp8 (round_scale)";
+    case EpDispatchQuant::kFp8Ue8m0: return "fp8 (use_ue8m0)";
+  }
+  return "unknown";
+}
+
 const char* EpDataTypeName(EpDataType type) {
   switch (type) {
     case EpDataType::kBFloat16: return "bfloat16";

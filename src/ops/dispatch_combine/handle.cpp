@@ -13,6 +13,7 @@
 #include "intranode_device.hpp"
 #include "mori/core/env.hpp"
 #include "mori/core/errors.hpp"
+#include "mori/core/fp8.hpp"
 #include "mori/core/gpu_check.hpp"
 #include "mori/core/logging.hpp"
 #include "mori/ops/dispatch_combine/agreement.hpp"
@@ -171,7 +172,7 @@ void EpDispatchCombineHandle::Release() {
   uint8_t* local = localBase;
   uint64_t* badIdWord = badExpertIdHost;
   uint8_t* expertMajor = expertMajorBase;  // only this PE's kernels use it
-  symmBase = nullptr;  // idempotent even when a step below raises
+  symmBase = nullptr;                      // idempotent even when a step below raises
   localBase = nullptr;
   badExpertIdHost = badExpertIdDev = nullptr;
   expertMajorBase = nullptr;
@@ -388,7 +389,43 @@ void EpDispatchCombineHandle::Dispatch(const EpDispatchArgs& args, gpuStream_t s
   MORI_ENSURE(args.numTokens >= 0 && args.numTokens <= c.maxNumInpTokenPerRank, InvalidUsageError,
               "EP dispatch: %d tokens, but max_num_inp_token_per_rank is %d", args.numTokens,
               c.maxNumInpTokenPerRank);
-  const size_t rowBytes = CheckedRowBytes("dispatch", args.dataType, args.hiddenDim);
+  const int32_t quantCode = static_cast<int32_t>(args.quant);
+  MORI_ENSURE(quantCode >= 0 && quantCode < kEpNumDispatchQuants, InvalidUsageError,
+              "EP dispatch: unknown quantisation code %d", static_cast<int>(quantCode));
+  const bool quant = args.quant != EpDispatchQuant::kNone;
+  // The rows as they arrive: the input's dtype, or the fp8 codes of a quantised dispatch.
+  const EpDataType outType = quant ? args.quantOutType : args.dataType;
+  size_t quantScaleBytes = 0;
+  if (quant) {
+    const char* q = EpDispatchQuantName(args.quant);
+    MORI_ENSURE(args.dataType == EpDataType::kBFloat16, InvalidUsageError,
+                "EP dispatch: %s quantisation needs bfloat16 input, got %s", q,
+                EpDataTypeName(args.dataType));
+    MORI_ENSURE(args.quantOutType == EpDataType::kFp8E4M3Fn ||
+                    args.quantOutType == EpDataType::kFp8E4M3Fnuz,
+                InvalidUsageError,
+                "EP dispatch: %s quantisation writes float8_e4m3fn or float8_e4m3fnuz, "
+                "not %s",
+                q,
+                EpDataTypeIsValid(static_cast<int32_t>(args.quantOutType))
+                    ? EpDataTypeName(args.quantOutType)
+                    : "an unknown dtype");
+    MORI_ENSURE(args.hiddenDim % kEpQuantGroup == 0, InvalidUsageError,
+                "EP dispatch: %s quantisation needs a hidden size that is a multiple of %d (one "
+                "scale per %d elements), got %d",
+                q, kEpQuantGroup, kEpQuantGroup, args.hiddenDim);
+    MORI_ENSURE(args.scales == nullptr, InvalidUsageError,
+                "EP dispatch: scales were passed with %s quantisation, which computes them", q);
+    quantScaleBytes = static_cast<size_t>(EpDispatchQuantScaleBytes(args.quant, args.hiddenDim));
+    MORI_ENSURE(c.scaleTypeSize == 4 && c.ScaleRowBytes() >= quantScaleBytes, InvalidUsageError,
+                "EP dispatch: %s quantisation of hidden %d writes %zu 4-byte scale words per row, "
+                "but the config has scale_dim = %d, scale_type_size = %d (it needs scale_type_size "
+                "= 4 and scale_dim >= %zu)",
+                q, args.hiddenDim, quantScaleBytes / 4, c.scaleDim, c.scaleTypeSize,
+                quantScaleBytes / 4);
+  }
+  const size_t rowBytes = CheckedRowBytes("dispatch", outType, args.hiddenDim);
+  const size_t inRowBytes = static_cast<size_t>(args.hiddenDim) * EpDataTypeSize(args.dataType);
   if (args.numTokens > 0) {
     MORI_ENSURE(args.input != nullptr && args.indices != nullptr, InvalidUsageError,
                 "EP dispatch: input and indices are required when there are tokens");
@@ -400,7 +437,7 @@ void EpDispatchCombineHandle::Dispatch(const EpDispatchArgs& args, gpuStream_t s
                 "EP dispatch: weights %p are not 4-byte aligned",
                 static_cast<const void*>(args.weights));
   }
-  const size_t scaleBytes = c.ScaleRowBytes();
+  const size_t scaleBytes = quant ? quantScaleBytes : c.ScaleRowBytes();
   MORI_ENSURE(args.scales == nullptr || scaleBytes > 0, InvalidUsageError,
               "EP dispatch: scales were given but the config has scale_dim = 0");
 
@@ -415,7 +452,12 @@ void EpDispatchCombineHandle::Dispatch(const EpDispatchArgs& args, gpuStream_t s
   k.inIndices = args.indices;
   k.numTokens = args.numTokens;
   k.rowBytes = static_cast<uint32_t>(rowBytes);
+  k.inRowBytes = static_cast<uint32_t>(inRowBytes);
   k.scaleBytes = static_cast<uint32_t>(scaleBytes);
+  k.quant = args.quant;
+  k.fp8Format = static_cast<int32_t>(args.quantOutType == EpDataType::kFp8E4M3Fnuz
+                                         ? core::Fp8Format::kE4M3Fnuz
+                                         : core::Fp8Format::kE4M3Fn);
   if (args.scales == nullptr) {
     k.scaleCopy = EpScaleCopy::kNone;
   } else if (scaleBytes % 4 == 0 && Aligned(args.scales, 4)) {
@@ -423,8 +465,8 @@ void EpDispatchCombineHandle::Dispatch(const EpDispatchArgs& args, gpuStream_t s
   } else {
     k.scaleCopy = EpScaleCopy::kBytes;
   }
-  k.format = EpDispatchFormat(k.rowBytes, static_cast<int>(args.dataType),
-                              static_cast<int>(args.indexType));
+  k.format = EpDispatchFormat(k.rowBytes, static_cast<int>(outType),
+                              static_cast<int>(args.indexType), static_cast<int>(quantCode));
   k.badExpertId = args.checkExpertIds ? badExpertIdDev : nullptr;
 
   const size_t smem = EpDispatchSmemBytes(c, core::kWarpSize);

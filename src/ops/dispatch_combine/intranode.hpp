@@ -51,15 +51,20 @@ enum class EpScaleCopy : int32_t { kNone = 0, kWords = 1, kBytes = 2 };
 
 struct EpDispatchKernelArgs {
   EpKernelCommon c;
-  const uint8_t* inTokens;  // [T][rowBytes]
+  const uint8_t* inTokens;  // [T][inRowBytes]
   const float* inWeights;   // [T][K] or nullptr
   const uint8_t* inScales;  // [T][scaleBytes] or nullptr
   const void* inIndices;    // [T][K] IndexT
   int32_t numTokens;        // T
-  uint32_t rowBytes;        // multiple of 16
-  uint32_t scaleBytes;
-  EpScaleCopy scaleCopy;
-  uint64_t format;  // EpDispatchFormat(...) of this call
+  uint32_t rowBytes;        // bytes of a row as it arrives (multiple of 16)
+  uint32_t inRowBytes;      // bytes of an input row: rowBytes, or 2 * hidden when quantising
+  uint32_t scaleBytes;      // bytes of a scales row as it arrives
+  EpScaleCopy scaleCopy;    // kNone when quantising (the kernel writes the scales)
+  // kNone: rows are copied. Else bf16 rows are quantised to `fp8Format` codes while copied, and
+  // scaleBytes = EpDispatchQuantScaleBytes(quant, hidden) bytes of scales written per row.
+  EpDispatchQuant quant;
+  int32_t fp8Format;  // core::Fp8Format of the codes (quant only)
+  uint64_t format;    // EpDispatchFormat(...) of this call
   // Host-mapped word for the first expert id outside [-1, numExperts) (EpPackBadExpertId; 0:
   // none seen), or nullptr: ids are not checked.
   uint64_t* badExpertId;

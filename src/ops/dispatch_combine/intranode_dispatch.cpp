@@ -26,6 +26,7 @@
 //      arrived[s], and writes the received total and the per-local-expert counts. The kernel ends
 //      only then, so the next kernel on the stream sees every received row.
 //   6. The last block to finish bumps the dispatch epoch and resets the grid counter.
+#include "fp8_quant.hpp"
 #include "intranode.hpp"
 #include "intranode_device.hpp"
 #include "trace_device.hpp"
@@ -40,6 +41,66 @@ constexpr int kDispatchCopyUnroll = 8;  // 16-byte loads in flight per lane
 constexpr int kDispatchScanBatch = 8;   // top-k ids loaded together per token in the scan
 
 MORI_DEVICE_INLINE size_t AlignUp16(size_t v) { return (v + 15) & ~static_cast<size_t>(15); }
+
+// Fused quantisation (EpDispatchQuant). A lane holds input vector v of a row (8 bf16); a group of
+// kEpQuantGroup elements is 16 vectors, held by lanes 16k..16k+15 of the warp (callers keep their
+// rounds group-aligned: the first vector of a round and the warp size are multiples of 16), so a
+// group's amax is a max over those 16 lanes. Every lane of the warp calls this (shuffles);
+// `valid` is the same for the 16 lanes of a group. Writes the 8 codes of v to codes[8v..8v+8) and
+// (the group's first lane) the group's scale.
+constexpr int kQuantGroupVecs = kEpQuantGroup / 8;
+static_assert(kWarpSize % kQuantGroupVecs == 0, "a warp holds whole quantisation groups");
+
+MORI_DEVICE_INLINE void QuantizeVector(const uint4& x, bool valid, int v, uint8_t* codes,
+                                       uint8_t* scales, int nGroups, EpDispatchQuant quant,
+                                       core::Fp8Format fmt) {
+  const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+  float e[8];
+#pragma unroll
+  for (int i = 0; i < 4; i++) {
+    e[2 * i] = EpBf16ToFloat(static_cast<uint16_t>(w[i] & 0xFFFFu));
+    e[2 * i + 1] = EpBf16ToFloat(static_cast<uint16_t>(w[i] >> 16));
+  }
+  float amax = 0.f;
+  if (valid) {
+#pragma unroll
+    for (int i = 0; i < 8; i++) amax = fmaxf(amax, fabsf(e[i]));
+  }
+#pragma unroll
+  for (int off = kQuantGroupVecs / 2; off > 0; off >>= 1)
+    amax = fmaxf(amax, core::WarpShflXor(amax, off));
+  if (!valid) return;
+  const EpFp8GroupScale s = EpFp8ScaleOf(amax, fmt, EpQuantRoundsScale(quant));
+  uint32_t lo = 0, hi = 0;
+#pragma unroll
+  for (int i = 0; i < 4; i++) {
+    lo |= static_cast<uint32_t>(EpFp8Quantize(e[i], s, fmt)) << (8 * i);
+    hi |= static_cast<uint32_t>(EpFp8Quantize(e[4 + i], s, fmt)) << (8 * i);
+  }
+  *reinterpret_cast<uint2*>(codes + static_cast<size_t>(v) * 8) = make_uint2(lo, hi);
+  if (v % kQuantGroupVecs == 0) EpFp8StoreScale(scales, v / kQuantGroupVecs, nGroups, s, quant);
+}
+
+// WarpCopyVectors with quantisation: input vectors [vBegin, vEnd) of a row (group-aligned).
+template <int kUnroll>
+MORI_DEVICE_INLINE void WarpQuantizeVectors(uint8_t* codes, uint8_t* scales, const uint4* src,
+                                            int vBegin, int vEnd, int nGroups,
+                                            EpDispatchQuant quant, core::Fp8Format fmt) {
+  const int lane = core::LaneId();
+  for (int base = vBegin; base < vEnd; base += kUnroll * kWarpSize) {  // warp-uniform
+    uint4 r[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; u++) {
+      const int v = base + lane + u * kWarpSize;
+      r[u] = v < vEnd ? src[v] : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; u++) {
+      const int v = base + lane + u * kWarpSize;
+      QuantizeVector(r[u], v < vEnd, v, codes, scales, nGroups, quant, fmt);
+    }
+  }
+}
 
 // kThreads: the block size the kernel is built for (256, or kEpMaxThreadsPerBlock). The 256-thread
 // build has the registers to hold each warp's first item across the count wait (kEarlyLoad; about
@@ -272,7 +333,12 @@ __global__ void __launch_bounds__(kThreads, 1) EpDispatchKernel(const EpDispatch
   const int i0 = EpShareBegin(countD, g, G);
   const int i1 = EpShareBegin(countD, g + 1, G);
   nRows = i1 - i0;
-  const int vecs = static_cast<int>(a.rowBytes / 16);
+  // Items cut rows into input vectors; a quantised row only at group boundaries.
+  const bool quant = a.quant != EpDispatchQuant::kNone;
+  const core::Fp8Format fp8 = static_cast<core::Fp8Format>(a.fp8Format);
+  const int vecs = static_cast<int>(a.inRowBytes / 16);
+  const int unitVecs = quant ? kQuantGroupVecs : 1;
+  const int nUnits = vecs / unitVecs;  // quant: the row's groups
   // Few rows (small batches): several warps share a row, every warp has at most one item.
   const int parts = EpPartsPerRow(nRows, nWarps, vecs);
   const int items = sFailed == 0 ? nRows * parts : 0;
@@ -296,8 +362,8 @@ __global__ void __launch_bounds__(kThreads, 1) EpDispatchKernel(const EpDispatch
     it.p = i0 + r;
     const int lo = EpWordOfPosition(prefix, nWords, it.p);
     it.t = lo * kWarpSize + WarpNthSetBit(words[lo], it.p - prefix[lo]);
-    it.vb = EpShareBegin(vecs, part, parts);
-    it.ve = EpShareBegin(vecs, part + 1, parts);
+    it.vb = EpShareBegin(nUnits, part, parts) * unitVecs;
+    it.ve = EpShareBegin(nUnits, part + 1, parts) * unitVecs;
     it.meta = part == 0;
     it.w = 0.0f;
     it.id = 0;
@@ -316,7 +382,7 @@ __global__ void __launch_bounds__(kThreads, 1) EpDispatchKernel(const EpDispatch
     }
     if constexpr (kEarlyLoad) {
       const uint4* src =
-          reinterpret_cast<const uint4*>(a.inTokens + static_cast<size_t>(it.t) * a.rowBytes);
+          reinterpret_cast<const uint4*>(a.inTokens + static_cast<size_t>(it.t) * a.inRowBytes);
 #pragma unroll
       for (int u = 0; u < kDispatchCopyUnroll; u++) {
         const int v = it.vb + lane + u * kWarpSize;
@@ -398,19 +464,31 @@ __global__ void __launch_bounds__(kThreads, 1) EpDispatchKernel(const EpDispatch
       if (!kEarlyLoad || item != warp) loadItem(item, it);
       const int t = it.t;
       const size_t slot = static_cast<size_t>(slotBase) + it.p;
-      uint4* dst = reinterpret_cast<uint4*>(outTok + slot * a.rowBytes);
+      uint8_t* const dstRow = outTok + slot * a.rowBytes;
+      uint4* dst = reinterpret_cast<uint4*>(dstRow);
+      uint8_t* const dstScales = outS + slot * a.scaleBytes;  // written here only when quantising
+      const int nGroups = nUnits;
       int vFrom = it.vb;
       if constexpr (kEarlyLoad) {
 #pragma unroll
         for (int u = 0; u < kDispatchCopyUnroll; u++) {
           const int v = it.vb + lane + u * kWarpSize;
-          if (v < it.ve) dst[v] = it.r[u];
+          if (quant) {
+            QuantizeVector(it.r[u], v < it.ve, v, dstRow, dstScales, nGroups, a.quant, fp8);
+          } else if (v < it.ve) {
+            dst[v] = it.r[u];
+          }
         }
         vFrom += kDispatchCopyUnroll * kWarpSize;
       }
-      WarpCopyVectors<kDispatchCopyUnroll>(
-          dst, reinterpret_cast<const uint4*>(a.inTokens + static_cast<size_t>(t) * a.rowBytes),
-          vFrom, it.ve);
+      const uint4* srcRow =
+          reinterpret_cast<const uint4*>(a.inTokens + static_cast<size_t>(t) * a.inRowBytes);
+      if (quant) {
+        WarpQuantizeVectors<kDispatchCopyUnroll>(dstRow, dstScales, srcRow, vFrom, it.ve, nGroups,
+                                                 a.quant, fp8);
+      } else {
+        WarpCopyVectors<kDispatchCopyUnroll>(dst, srcRow, vFrom, it.ve);
+      }
       if (it.meta && metaFast) {
         if (lane < K) {
           if (a.inWeights != nullptr) outW[slot * K + lane] = it.w;
@@ -472,7 +550,7 @@ __global__ void __launch_bounds__(kThreads, 1) EpDispatchKernel(const EpDispatch
             ok = RdmaWrite(c, dest, L + c.symm.dispatchOutWeights + at * K * sizeof(float),
                            L + c.symm.stageWeights + rows * K * sizeof(float),
                            n * K * sizeof(float));
-          if (ok && a.scaleCopy != EpScaleCopy::kNone)
+          if (ok && (a.scaleCopy != EpScaleCopy::kNone || a.quant != EpDispatchQuant::kNone))
             ok = RdmaWrite(c, dest, L + c.symm.dispatchOutScales + at * a.scaleBytes,
                            L + c.symm.stageScales + rows * a.scaleBytes, n * a.scaleBytes);
           if (ok)

@@ -35,6 +35,30 @@ constexpr int32_t kEpNumQuantTypes = 2;
 // MORI's config string of a quant type ("none", "fp8_direct_cast").
 const char* EpQuantTypeName(EpQuantType type);
 
+// Fused quantisation of one dispatch call (DeepEP's use_fp8 / round_scale / use_ue8m0): the
+// sender reads bf16 rows and writes e4m3 codes plus one scale per kEpQuantGroup elements to the
+// receiver. Per group: amax = max |x|; scale = max(amax, fp8max * 2^-126) / fp8max (fp32
+// division, so 1/scale is finite and an all-zero group has scale 2^-126); kRoundScale and
+// kUe8m0 round the scale up to a power of two; code = e4m3(x * (1 / scale)), the product rounded
+// once to fp32, the cast rounding to nearest even and saturating at +-fp8max. Scales: fp32
+// [rows][hidden / 128], or (kUe8m0) the scales' exponent bytes (bias 127), 4 per 32-bit word,
+// scale j in byte j % 4 (little-endian) of word j / 4, unused bytes of the last word 0.
+enum class EpDispatchQuant : int32_t {
+  kNone = 0,
+  kFp8 = 1,
+  kFp8RoundScale = 2,
+  kFp8Ue8m0 = 3,
+};
+constexpr int kEpNumDispatchQuants = 4;
+constexpr int kEpQuantGroup = 128;  // elements per scale
+const char* EpDispatchQuantName(EpDispatchQuant quant);
+// Bytes of one row of scales a quantised dispatch of `hiddenDim` elements writes (0 for kNone).
+inline int EpDispatchQuantScaleBytes(EpDispatchQuant quant, int hiddenDim) {
+  const int groups = hiddenDim / kEpQuantGroup;
+  if (quant == EpDispatchQuant::kNone) return 0;
+  return quant == EpDispatchQuant::kFp8Ue8m0 ? (groups + 3) / 4 * 4 : groups * 4;
+}
+
 // Token element type of one call. Dispatch moves bytes (any of these); combine sums in fp32 and
 // needs a floating type it can read (bf16, fp16, fp32).
 enum class EpDataType : int32_t {

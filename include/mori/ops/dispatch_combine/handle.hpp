@@ -53,6 +53,12 @@ struct EpDispatchArgs {
   // is treated as -1 (no expert); the first one is reported by this PE's next Dispatch, Combine
   // or TakeExpertIdError as InvalidUsageError naming token, top-k slot and id.
   bool checkExpertIds = true;
+  // Fused quantisation (EpDispatchQuant, config.hpp): dataType bf16, hiddenDim a multiple of
+  // kEpQuantGroup, no scales; the receivers get quantOutType codes (kFp8E4M3Fn or kFp8E4M3Fnuz)
+  // in DispatchOutTokens() and EpDispatchQuantScaleBytes(quant, hiddenDim) bytes of scales per
+  // row, packed, in DispatchOutScales() (the config must reserve them: scaleTypeSize 4).
+  EpDispatchQuant quant = EpDispatchQuant::kNone;
+  EpDataType quantOutType = EpDataType::kFp8E4M3Fn;
 };
 
 struct EpCombineArgs {

@@ -243,14 +243,17 @@ MORI_HD inline size_t EpPushArrivedIndex(int parity, int pe, int worldSize) {
 }
 
 // --- payload encodings ---------------------------------------------------------------------
-// countInbox value: count in bits 0..31, the dispatch "format" (row size, dtype, index type) in
-// bits 32..63. Every PE of one call must use the same format; a PE that sees another one records
-// an error instead of writing or reading misplaced rows. (Whether a call passes weights/scales is
-// not part of it: a PE without tokens may pass neither.)
-MORI_HD inline uint64_t EpDispatchFormat(uint32_t rowBytes, int dataType, int indexType) {
+// countInbox value: count in bits 0..31, the dispatch "format" (row size, dtype and index type of
+// the rows as they arrive, fused quantisation) in bits 32..63. Every PE of one call must use the
+// same format; a PE that sees another one records an error instead of writing or reading
+// misplaced rows. (Whether a call passes weights/scales is not part of it: a PE without tokens
+// may pass neither.)
+MORI_HD inline uint64_t EpDispatchFormat(uint32_t rowBytes, int dataType, int indexType,
+                                         int quant) {
   return (static_cast<uint64_t>(rowBytes / 16u) & 0xFFFFFull) |
          (static_cast<uint64_t>(dataType & 0xF) << 20) |
-         (static_cast<uint64_t>(indexType & 0x1) << 24);
+         (static_cast<uint64_t>(indexType & 0x1) << 24) |
+         (static_cast<uint64_t>(quant & 0x3) << 25);
 }
 MORI_HD inline uint64_t EpPackCount(uint32_t count, uint64_t format) {
   return static_cast<uint64_t>(count) | (format << 32);
