@@ -360,13 +360,15 @@ void RegisterOpsBindings(py::module_& m) {
           // The buffer's owner lives until the handle is destroyed (after its GPU work drained):
           // kernels launched or graph-captured while tracing write into it until then.
           py::arg("owner") = py::none(), py::keep_alive<1, 5>())
-      .def(
-          "sample_trace_clock",  // (host CLOCK_REALTIME ns, GPU trace clock ns, +- ns)
-          [](const EpDispatchCombineHandle& h) {
-            const ops::EpTraceClockSample s = h.SampleTraceClock();
-            return py::make_tuple(s.hostNs, s.deviceNs, s.uncertaintyNs);
-          },
-          py::call_guard<py::gil_scoped_release>())
+      .def("sample_trace_clock",  // (host CLOCK_REALTIME ns, GPU trace clock ns, +- ns)
+           [](const EpDispatchCombineHandle& h) {
+             ops::EpTraceClockSample s;
+             {
+               py::gil_scoped_release nogil;  // the tuple below needs the GIL back
+               s = h.SampleTraceClock();
+             }
+             return py::make_tuple(s.hostNs, s.deviceNs, s.uncertaintyNs);
+           })
       .def(
           "resolve_launch",
           [](const EpDispatchCombineHandle& h, int numTokens, int blockNum, int warpPerBlock,

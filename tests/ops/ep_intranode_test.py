@@ -1358,6 +1358,9 @@ def case_standard_moe_bad_inputs(env):
     op.dispatch(x, w, None, idx)
     expect("a dispatch since the conversion", lambda: op.convert_combine_input(y), "was not converted")
     op.convert_dispatch_output()
+    # Under the RDMA emulator, a synchronous copy (y.cpu() below) made while kernels wait for the
+    # emulator's copies holds those copies up (docs/rdma.md, "Host run-ahead"): finish first.
+    torch.cuda.synchronize()
     expect("expert_out 2-D", lambda: op.convert_combine_input(y[0]))
     expect("expert_out experts", lambda: op.convert_combine_input(y[:1].contiguous()), "must have shape")
     expect("expert_out rows < max_num_tokens_to_recv", lambda: op.convert_combine_input(y[:, : R - 1].contiguous()), "must have shape")
