@@ -7,6 +7,7 @@ Submodules (imported on first attribute access):
   mori.shmem  symmetric memory: init (unique id, MPI, torch process group), malloc, barriers
   mori.ops    expert-parallel dispatch/combine (EpDispatchCombineConfig, EpDispatchCombineOp)
   mori.info   the ``mori-info`` report
+  mori.compat DeepEP-compatible Buffer (mori.compat.deep_ep), see docs/compat.md
 
 Errors raised by the library are ``mori.MoriError`` subclasses (see ``help(mori.MoriError)``):
 InvalidUsageError (also a ValueError), TimeoutError (also the builtin TimeoutError), SystemError
@@ -41,7 +42,7 @@ from ._C import (  # noqa: F401  (re-exported)
 
 __version__ = _C.version()
 
-_SUBMODULES = ("shmem", "ops", "info")
+_SUBMODULES = ("shmem", "ops", "info", "compat")
 
 __all__ = [
     "__version__",

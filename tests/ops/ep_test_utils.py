@@ -428,3 +428,70 @@ def fp8_quantize_reference(torch, x, fp8_dtype, round_scale=False, use_ue8m0=Fal
     exps = torch.zeros((N, words * 4), dtype=torch.uint8, device=x.device)
     exps[:, :G] = (s.view(torch.int32) >> 23).to(torch.uint8)
     return codes, exps.view(torch.int32)
+
+
+# --- case tables run by spawned ranks (tests/python/test_engine_call_sequences.py, test_compat_deep_ep.py)
+def run_case_table(dist, rank, world, cases, run_one):
+    """Run run_one(fn) for each (name, fn) of `cases` on every rank; a case passes when no rank
+    raised. Rank 0 prints "[PASS] name" / "[FAIL] name: rank r: error | ..." per case and
+    "N passed, M failed" at the end. Returns the number of failed cases."""
+    passed = failed = 0
+    for name, fn in cases:
+        msg = None
+        try:
+            run_one(fn)
+        except Exception as e:  # noqa: BLE001
+            msg = f"{type(e).__name__}: {e}"
+        msgs = [None] * world
+        dist.all_gather_object(msgs, msg)
+        bad = [f"rank {r}: {m}" for r, m in enumerate(msgs) if m]
+        passed += not bad
+        failed += bool(bad)
+        if rank == 0:
+            print(f"[{'FAIL' if bad else 'PASS'}] {name}" + (": " + " | ".join(bad) if bad else ""), flush=True)
+    if rank == 0:
+        print(f"{passed} passed, {failed} failed", flush=True)
+    return failed
+
+
+def run_case_script(script, nranks, env, expected_cases, timeout=900):
+    """pytest side of a case table: run `script --nproc nranks` and assert every case passed.
+    Returns None, or raises AssertionError with the output's tail."""
+    import re
+    import subprocess
+
+    cmd = [sys.executable, script, "--nproc", str(nranks)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    tail = f"$ {' '.join(cmd)}\n" + (proc.stdout + proc.stderr)[-4000:]
+    m = re.search(r"^(\d+) passed, (\d+) failed$", proc.stdout, re.M)
+    assert m is not None, tail
+    assert int(m.group(2)) == 0 and proc.returncode == 0, tail
+    assert int(m.group(1)) == expected_cases, tail
+
+
+def case_script_main(worker, argv=None, doc=None):
+    """`script --nproc N`: spawn N ranks (sharing the GPUs) running worker(rank, world, local_rank, args)."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=2, help="ranks (they share GPUs when there are fewer)")
+    return launch(worker, p.parse_args(argv).nproc, None)
+
+
+def setup_case_rank(rank, world, local_rank):
+    """A spawned rank of a case table: MORI_DEVICE_TIMEOUT_MS 30 s unless set, its GPU (ranks share
+    them round-robin), a gloo process group, mori imported. Returns (torch, torch.distributed, mori)."""
+    os.environ.setdefault("MORI_DEVICE_TIMEOUT_MS", "30000")
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(local_rank % max(1, torch.cuda.device_count()))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    return torch, dist, import_mori()
+
+
+def finish_case_rank(dist, failed):
+    """End of a case-table rank: barrier, destroy the process group; the exit code (1 on failure)."""
+    dist.barrier()
+    dist.destroy_process_group()
+    return 1 if failed else 0

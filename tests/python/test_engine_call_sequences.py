@@ -15,8 +15,6 @@ skips with the reason where no GPU is visible.
 import dataclasses
 import inspect
 import os
-import re
-import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -268,13 +266,10 @@ if UNDER_PYTEST:
             pytest.skip("NEEDS TORCH: torch is not installed for " + sys.executable)
         env = dict(subprocess_env)
         env["MORI_BUILD_DIR"] = os.environ.get("MORI_BUILD_DIR", "")
-        cmd = [sys.executable, os.path.abspath(__file__), "--nproc", str(nranks)]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-        tail = f"$ {' '.join(cmd)}\n" + (proc.stdout + proc.stderr)[-4000:]
-        m = re.search(r"^(\d+) passed, (\d+) failed$", proc.stdout, re.M)
-        assert m is not None, tail
-        assert int(m.group(2)) == 0 and proc.returncode == 0, tail
-        assert int(m.group(1)) == len(GPU_SEQUENCES), tail
+        sys.path.insert(0, os.path.join(REPO, "tests", "ops"))
+        import ep_test_utils as U
+
+        U.run_case_script(os.path.abspath(__file__), nranks, env, len(GPU_SEQUENCES))
 
 
 # --- GPU worker (run as a script) ----------------------------------------------------------------
@@ -428,67 +423,49 @@ GPU_SEQUENCES = [
 
 
 def _worker(rank, world, local_rank, args):
-    os.environ.setdefault("MORI_DEVICE_TIMEOUT_MS", "30000")
-    import torch
-    import torch.distributed as dist
-
     sys.path.insert(0, os.path.join(REPO, "tests", "ops"))
     import ep_test_utils as U
 
-    torch.cuda.set_device(local_rank % max(1, torch.cuda.device_count()))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    mori = U.import_mori()
+    torch, dist, mori = U.setup_case_rank(rank, world, local_rank)
     # As both engines do: register the CPU group under a name, then bootstrap shmem from it.
     torch._C._distributed_c10d._register_process_group("mori", dist.group.WORLD)
     mori.shmem.shmem_torch_process_group_init("mori")
-    failed = passed = 0
-    for name, seq in GPU_SEQUENCES:
+
+    def run_one(seq):
         made = []
 
-        def new_op(cfg, made=made):
+        def new_op(cfg):
             op = mori.ops.EpDispatchCombineOp(cfg)
             made.append(op)
             return op
 
         env = dict(torch=torch, mori=mori, rank=rank, world=world, dev=torch.device("cuda", torch.cuda.current_device()),
                    new_op=new_op)
-        msg = None
+        err = None
         try:
             seq(env)
             torch.cuda.synchronize()
             mori.shmem.shmem_check_device_error()
         except Exception as e:  # noqa: BLE001
-            msg = f"{type(e).__name__}: {e}"
-        for op in made:
+            err = e
+        for op in made:  # closed (collectively) whether or not the sequence failed
             try:
                 op.close()
             except Exception as e:  # noqa: BLE001
-                msg = msg or f"close: {e}"
-        msgs = [None] * world
-        dist.all_gather_object(msgs, msg)
-        bad = [f"rank {r}: {m}" for r, m in enumerate(msgs) if m]
-        passed += not bad
-        failed += bool(bad)
-        if rank == 0:
-            print(f"[{'FAIL' if bad else 'PASS'}] {name}" + (": " + " | ".join(bad) if bad else ""), flush=True)
+                err = err or RuntimeError(f"close: {e}")
+        if err is not None:
+            raise err
+
+    failed = U.run_case_table(dist, rank, world, GPU_SEQUENCES, run_one)
     mori.shmem.shmem_finalize()
-    if rank == 0:
-        print(f"{passed} passed, {failed} failed", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 1 if failed else 0
+    return U.finish_case_rank(dist, failed)
 
 
 def main(argv=None):
-    import argparse
-
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nproc", type=int, default=2, help="ranks (they share GPUs when there are fewer)")
-    args = p.parse_args(argv)
     sys.path.insert(0, os.path.join(REPO, "tests", "ops"))
     import ep_test_utils as U
 
-    return U.launch(_worker, args.nproc, args)
+    return U.case_script_main(_worker, argv, __doc__)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,943 @@
+"""DeepEP's ``Buffer`` API on top of mori's EpDispatchCombineOp (docs/compat.md).
+
+    from mori.compat.deep_ep import Buffer, Config, EventOverlap      # instead of: from deep_ep import ...
+    buf = Buffer(group, num_nvl_bytes, num_rdma_bytes)
+    per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, num_experts)
+    recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(x, topk_idx=topk_idx, topk_weights=w,
+        num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    y, y_w, _ = buf.combine(expert_out, handle, topk_weights=recv_w)
+
+Semantics are DeepEP's documented ones; where mori works differently the difference is stated on
+the call, and what cannot be honoured raises mori.InvalidUsageError naming it (nothing is dropped
+silently). How the calls map onto mori:
+
+* Ops are created lazily, one per shape, and reused. Creating one is collective (every rank, same
+  config; the op compares configs across ranks and raises on a mismatch), so the first call of
+  each shape must happen on every rank and outside CUDA-graph capture (checked: a first call
+  during capture raises).
+* Normal mode: one op per (hidden, element size, top-k, experts per rank, tokens per rank,
+  scales, receive cap). Tokens per rank: the Buffer's num_max_tokens_per_rank (a mori keyword)
+  when given, else the group's maximum of the call's token count, agreed by one all-reduce per
+  dispatch and rounded up to a power of two (>= 128).
+* Every op runs on the Buffer's communication stream, ordered after the caller's stream or
+  previous_event, as DeepEP's kernels are; async_finish returns an EventOverlap instead of making
+  the caller's stream wait.
+* Handles keep the routing (the sender's topk_idx). An op's buffers hold its last dispatch only;
+  combine(handle) of an older dispatch, and dispatch(x, handle=...), first re-establish that
+  routing with a dispatch of 16-byte dummy rows (same routing gives the same received-row order),
+  which costs one extra dispatch round.
+* Low-latency mode: two ops per shape used in turn (DeepEP's two low-latency buffers: results of
+  at most the two newest dispatches of a shape stay valid), expert-major layout and fused FP8 from
+  the op. No split phase yet (issue 15 §2): return_recv_hook=True returns a hook that does nothing
+  because the call has already completed, so there is no overlap of communication with the
+  caller's compute between send and receive.
+"""
+
+import warnings
+
+from .. import _C
+
+_DEFAULT_NUM_SMS = 20
+_QUANT_GROUP = 128
+_MIN_NORMAL_CAPACITY = 128
+_MAX_TOKENS_PER_RANK = 65536
+_MAX_WORLD = 32
+_DUMMY_HIDDEN = 8  # bf16 elements of the routing-only dispatches (16-byte rows, the minimum)
+_NOMINAL_TOPK = 8  # top-k the size hints assume (DeepEP's hints do not take one)
+_NOMINAL_TOKENS_PER_RANK = 4096  # Config's default capacity for the normal-mode size hints
+
+
+def _usage(msg):
+    return _C.InvalidUsageError(msg)
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def _ops():
+    from .. import ops
+
+    return ops
+
+
+def _check_int(what, value, lo=None, hi=None):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _usage(f"{what} must be an int, got {value!r}")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise _usage(f"{what} must be {bounds}, got {value}")
+    return value
+
+
+def _refuse_if(cond, msg):
+    if cond:
+        raise _usage(msg)
+
+
+def _pow2_at_least(n, floor):
+    return max(floor, 1 << max(0, (int(n) - 1).bit_length()))
+
+
+# --- size hints (no GPU: from the ops' layout table) ---------------------------------------------
+def _op_config(rank, world, hidden, token_bytes, max_tokens, experts_per_rank, topk, scale_dim=0,
+               scale_type_size=0, gpu_per_node=None, recv_cap=0):
+    ops = _ops()
+    gpn = world if gpu_per_node is None else gpu_per_node
+    kernel = ops.EpDispatchCombineKernelType.IntraNode if gpn >= world else ops.EpDispatchCombineKernelType.InterNode
+    return ops.EpDispatchCombineConfig(
+        rank=rank, world_size=world, hidden_dim=hidden, scale_dim=scale_dim,
+        scale_type_size=scale_type_size if scale_dim else 0, max_token_type_size=token_bytes,
+        max_num_inp_token_per_rank=max_tokens, num_experts_per_rank=experts_per_rank,
+        num_experts_per_token=topk, kernel_type=kernel, gpu_per_node=min(gpn, world),
+        max_total_recv_tokens=recv_cap)
+
+
+def _symmetric_bytes(**kw):
+    return int(_ops().ep_symmetric_bytes(_op_config(rank=0, **kw)))
+
+
+def _hidden_of_bytes(hidden_bytes):
+    # bf16 elements of a row of `hidden_bytes`, rounded up to 16-byte rows
+    return max(8, -(-int(hidden_bytes) // 16) * 8)
+
+
+class EventOverlap:
+    """DeepEP's event wrapper: `event` (a torch.cuda.Event, or None when the call already made the
+    caller's stream wait), `current_stream_wait()`, and use as a context manager (`with ev:` runs
+    the block, then makes the current stream wait). extra_tensors are kept alive with it."""
+
+    def __init__(self, event=None, extra_tensors=None):
+        self.event = event
+        self.extra_tensors = extra_tensors
+
+    def current_stream_wait(self):
+        """The current stream waits for the event. A None event (the call was not async) needs no
+        wait: the caller's stream was already ordered after the work."""
+        if self.event is not None:
+            _torch().cuda.current_stream().wait_event(self.event)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.current_stream_wait()
+        return False
+
+
+class Config:
+    """DeepEP's per-call tuning object. num_sms becomes the op's block count (mori launches one
+    kernel per phase with num_sms blocks, at least world size, at most the SM count). The chunk
+    sizes describe DeepEP's ring buffers, which mori does not have: they are range-checked and
+    kept (as attributes) but change nothing. num_max_tokens_per_rank (mori keyword) is the token
+    capacity the size hints assume."""
+
+    def __init__(self, num_sms=_DEFAULT_NUM_SMS, num_max_nvl_chunked_send_tokens=6,
+                 num_max_nvl_chunked_recv_tokens=256, num_max_rdma_chunked_send_tokens=6,
+                 num_max_rdma_chunked_recv_tokens=256, *, num_max_tokens_per_rank=_NOMINAL_TOKENS_PER_RANK):
+        self.num_sms = _check_int("Config.num_sms", num_sms, 1)
+        self.num_max_nvl_chunked_send_tokens = _check_int("Config.num_max_nvl_chunked_send_tokens",
+                                                          num_max_nvl_chunked_send_tokens, 1)
+        self.num_max_nvl_chunked_recv_tokens = _check_int("Config.num_max_nvl_chunked_recv_tokens",
+                                                          num_max_nvl_chunked_recv_tokens, 1)
+        self.num_max_rdma_chunked_send_tokens = _check_int("Config.num_max_rdma_chunked_send_tokens",
+                                                           num_max_rdma_chunked_send_tokens, 1)
+        self.num_max_rdma_chunked_recv_tokens = _check_int("Config.num_max_rdma_chunked_recv_tokens",
+                                                           num_max_rdma_chunked_recv_tokens, 1)
+        self.num_max_tokens_per_rank = _check_int("Config.num_max_tokens_per_rank", num_max_tokens_per_rank, 1,
+                                                  _MAX_TOKENS_PER_RANK)
+
+    def _bytes(self, hidden_bytes, num_ranks, gpu_per_node):
+        _check_int("hidden_bytes", hidden_bytes, 1)
+        _check_int("num_ranks", num_ranks, 1, _MAX_WORLD)
+        return _symmetric_bytes(world=num_ranks, hidden=_hidden_of_bytes(hidden_bytes), token_bytes=2,
+                                max_tokens=self.num_max_tokens_per_rank, experts_per_rank=1, topk=_NOMINAL_TOPK,
+                                gpu_per_node=gpu_per_node)
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes, num_ranks):
+        """Symmetric-heap bytes of a normal-mode op for rows of `hidden_bytes` among `num_ranks`
+        ranks on one node, for num_max_tokens_per_rank tokens per rank and top-8 (an estimate: the
+        op is sized when the first call shows the real shape). mori allocates from the shmem heap
+        (MORI_SHMEM_HEAP_SIZE), not from a buffer of this size: Buffer only compares the sum of
+        the sizes it is given with the heap's free bytes."""
+        return self._bytes(hidden_bytes, num_ranks, None)
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes, num_ranks):
+        """Extra bytes the InterNode op's staging and landing rows take over the one-node op when
+        `num_ranks` spans nodes of 8 ranks (0 for up to 8 ranks, as DeepEP's hint)."""
+        if _check_int("num_ranks", num_ranks, 1, _MAX_WORLD) <= 8:
+            return 0
+        return max(0, self._bytes(hidden_bytes, num_ranks, 8) - self._bytes(hidden_bytes, num_ranks, None))
+
+    def __repr__(self):
+        return (f"Config(num_sms={self.num_sms}, nvl_chunks=({self.num_max_nvl_chunked_send_tokens}, "
+                f"{self.num_max_nvl_chunked_recv_tokens}), rdma_chunks=({self.num_max_rdma_chunked_send_tokens}, "
+                f"{self.num_max_rdma_chunked_recv_tokens}), num_max_tokens_per_rank={self.num_max_tokens_per_rank})")
+
+
+class _Routing:
+    """What a later call needs to re-establish a dispatch's layout: the sender's routing."""
+
+    def __init__(self, topk_idx, num_tokens, num_recv=None, weights=None):
+        self.topk_idx = topk_idx  # private copy
+        self.num_tokens = num_tokens
+        self.num_recv = num_recv  # host count (normal mode without num_worst_tokens), else None
+        self.weights = weights  # (tensor, its _version) when the weights travelled with the dispatch
+
+
+class _OpSlot:
+    def __init__(self, op, key):
+        self.op = op
+        self.key = key
+        self.current = None  # the _Routing of the op's last dispatch
+
+
+class DispatchHandle:
+    """Normal-mode handle (DeepEP's is a tuple of layout tensors; engines only pass it back).
+    Attributes: num_tokens (this rank's tokens), num_recv_tokens (rows received; the padded count
+    with num_worst_tokens), topk_idx (a copy of the routing), the op it used. combine() and
+    dispatch(handle=...) accept it at any later time while the Buffer lives."""
+
+    def __init__(self, buffer, slot, routing, num_recv_rows, hidden):
+        self._buffer = buffer
+        self._slot = slot
+        self._routing = routing
+        self.num_tokens = routing.num_tokens
+        self.num_recv_tokens = num_recv_rows
+        self.hidden = hidden
+
+    @property
+    def topk_idx(self):
+        return self._routing.topk_idx
+
+
+class LowLatencyHandle:
+    """Low-latency handle: the op slot, routing, num_max_dispatch_tokens_per_rank, hidden and
+    num_experts of the dispatch (DeepEP's holds src_info/layout_range tensors; engines only pass
+    it back). src_pos: [num_local_experts, W*M] int32, src_rank * M + src_token of each slot."""
+
+    def __init__(self, buffer, slot, routing, num_max_dispatch_tokens_per_rank, hidden, num_experts, src_pos):
+        self._buffer = buffer
+        self._slot = slot
+        self._routing = routing
+        self.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank
+        self.hidden = hidden
+        self.num_experts = num_experts
+        self.src_pos = src_pos
+
+
+class _OnComm:
+    """The Buffer's communication stream for one call: it waits for previous_event (or the caller's
+    stream); outputs are allocated on the caller's stream unless allocate_on_comm_stream; at the
+    end the caller's stream waits (async_finish=False) or an event is returned."""
+
+    def __init__(self, buf, previous_event, async_finish, allocate_on_comm_stream, inputs=()):
+        self.torch = _torch()
+        self.buf = buf
+        self.previous_event = previous_event
+        self.async_finish = bool(async_finish)
+        self.alloc_on_comm = bool(allocate_on_comm_stream)
+        self.inputs = [t for t in inputs if t is not None]
+        self.outputs = []
+        self.event = None
+
+    def __enter__(self):
+        torch = self.torch
+        self.compute = torch.cuda.current_stream(self.buf._device)
+        self.comm = self.buf._comm_stream
+        if self.previous_event is not None and self.previous_event.event is not None:
+            self.comm.wait_event(self.previous_event.event)
+        else:
+            self.comm.wait_stream(self.compute)
+        self._guard = torch.cuda.stream(self.comm)
+        self._guard.__enter__()
+        return self
+
+    def empty(self, shape, dtype):
+        torch = self.torch
+        if self.alloc_on_comm:
+            t = torch.empty(shape, dtype=dtype, device=self.buf._device)
+        else:
+            with torch.cuda.stream(self.compute):
+                t = torch.empty(shape, dtype=dtype, device=self.buf._device)
+        self.outputs.append(t)
+        return t
+
+    def __exit__(self, exc_type, exc, tb):
+        self._guard.__exit__(exc_type, exc, tb)
+        if exc_type is not None:
+            self.compute.wait_stream(self.comm)
+            return False
+        if not self.torch.cuda.is_current_stream_capturing():  # a graph's memory lives with the graph
+            for t in self.inputs:  # freed by the caller before the comm stream is done with them
+                t.record_stream(self.comm)
+            for t in self.outputs:
+                t.record_stream(self.compute if self.alloc_on_comm else self.comm)
+        if self.async_finish:
+            ev = self.torch.cuda.Event()
+            ev.record(self.comm)
+            self.event = EventOverlap(ev, self.inputs + self.outputs)
+        else:
+            self.compute.wait_stream(self.comm)
+            self.event = EventOverlap(None)
+        return False
+
+
+def _check_events(previous_event, async_finish, allocate_on_comm_stream, what):
+    if previous_event is not None and not isinstance(previous_event, EventOverlap):
+        raise _usage(f"{what}: previous_event must be an EventOverlap or None, got {type(previous_event).__name__}")
+    if allocate_on_comm_stream and not (previous_event is not None and async_finish):
+        raise _usage(f"{what}: allocate_on_comm_stream=True needs previous_event and async_finish=True (as DeepEP)")
+
+
+def dispatch_layout(topk_idx, num_experts, num_ranks, gpu_per_node):
+    """DeepEP's dispatch layout with torch ops on topk_idx's device (what
+    Buffer.get_dispatch_layout computes): (num_tokens_per_rank [W] int32, num_tokens_per_rdma_rank
+    [W / gpu_per_node] int32 or None when gpu_per_node >= W, num_tokens_per_expert [E] int32,
+    is_token_in_rank [T, W] bool). Ids outside [0, E) (-1: no expert) count nowhere."""
+    torch = _torch()
+    W, E = num_ranks, num_experts
+    epr = E // W
+    T = int(topk_idx.shape[0])
+    dev = topk_idx.device
+    idx = topk_idx.long()
+    valid = (idx >= 0) & (idx < E)
+    per_expert = torch.zeros(E + 1, dtype=torch.int64, device=dev)
+    per_expert.scatter_add_(0, torch.where(valid, idx, E).flatten(), torch.ones_like(idx).flatten())
+    in_rank = torch.zeros((T, W + 1), dtype=torch.bool, device=dev)
+    in_rank.scatter_(1, torch.where(valid, idx // epr, W), True)
+    in_rank = in_rank[:, :W].contiguous()
+    per_rdma = None
+    if gpu_per_node < W:
+        per_rdma = in_rank.view(T, W // gpu_per_node, gpu_per_node).any(2).sum(0).to(torch.int32)
+    return in_rank.sum(0).to(torch.int32), per_rdma, per_expert[:E].to(torch.int32), in_rank
+
+
+_live_shmem_owners = []
+
+
+class Buffer:
+    """DeepEP's Buffer over mori (collective: create it on every rank of `group`).
+
+    Initialises mori.shmem over `group` (a torch.distributed ProcessGroup) unless it is already
+    initialised, in which case it must span exactly the group's ranks in the same order.
+    num_nvl_bytes / num_rdma_bytes: mori allocates each op from the shmem symmetric heap
+    (MORI_SHMEM_HEAP_SIZE) when it is first used, so these are not allocated; a warning names
+    them if the heap has fewer free bytes than their sum. num_qps_per_rank is checked (>= 1) and
+    kept: the QPs are shmem's (MORI_NUM_QP_PER_PE; InterNode posts on one QP per peer).
+    Refused (InvalidUsageError): allow_mnnvl=True and use_fabric=True (no multi-node NVLink or
+    fabric memory: other nodes are reached by RDMA), allow_nvlink_for_low_latency_mode=False (mori
+    always uses load/store within a node), enable_shrink=True (no rank masking), comm (a group
+    is required). num_max_tokens_per_rank (mori keyword, >= 1): normal-mode token capacity per
+    rank; None: agreed per dispatch by an all-reduce of the token count over the group."""
+
+    num_sms = _DEFAULT_NUM_SMS
+
+    def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False, num_qps_per_rank=24,
+                 allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False, use_fabric=False,
+                 explicitly_destroy=False, enable_shrink=False, comm=None, *, num_max_tokens_per_rank=None):
+        self._ops_by_key = {}
+        self._slots = []
+        self._destroyed = True  # until construction succeeds
+        _check_int("Buffer: num_nvl_bytes", num_nvl_bytes, 0)
+        _check_int("Buffer: num_rdma_bytes", num_rdma_bytes, 0)
+        _check_int("Buffer: num_qps_per_rank", num_qps_per_rank, 1)
+        _refuse_if(allow_mnnvl, "Buffer: allow_mnnvl=True is not supported by mori: there is no multi-node NVLink "
+                                "path (ranks on other nodes are reached by RDMA)")
+        _refuse_if(use_fabric, "Buffer: use_fabric=True is not supported by mori (no fabric-memory allocation; the "
+                               "symmetric heap is per node)")
+        _refuse_if(not allow_nvlink_for_low_latency_mode,
+                   "Buffer: allow_nvlink_for_low_latency_mode=False is not supported by mori: ranks of one node "
+                   "always exchange by load/store, never through the NIC")
+        _refuse_if(enable_shrink, "Buffer: enable_shrink=True is not supported by mori (no rank masking / "
+                                  "low_latency_update_mask_buffer)")
+        _refuse_if(comm is not None, "Buffer: comm= is not supported by mori: pass a torch.distributed group")
+        _refuse_if(group is None, "Buffer: a torch.distributed process group is required")
+        if num_max_tokens_per_rank is not None:
+            _check_int("Buffer: num_max_tokens_per_rank", num_max_tokens_per_rank, 1, _MAX_TOKENS_PER_RANK)
+        torch = _torch()
+        import torch.distributed as dist
+
+        from .. import shmem
+
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.group_size = dist.get_world_size(group)
+        _refuse_if(self.group_size > _MAX_WORLD, f"Buffer: mori supports up to {_MAX_WORLD} ranks, the group has "
+                                                 f"{self.group_size}")
+        self.num_nvl_bytes = num_nvl_bytes
+        self.num_rdma_bytes = num_rdma_bytes
+        self.low_latency_mode = bool(low_latency_mode)
+        self.num_qps_per_rank = num_qps_per_rank
+        self.explicitly_destroy = bool(explicitly_destroy)
+        self.num_max_tokens_per_rank = num_max_tokens_per_rank
+        self._owns_shmem = False
+        if not shmem.shmem_is_initialized():
+            shmem.shmem_torch_process_group_init(group)
+            self._owns_shmem = True
+            _live_shmem_owners.append(self)
+        elif shmem.shmem_npes() != self.group_size or shmem.shmem_mype() != self.rank:
+            raise _usage(f"Buffer: mori.shmem is initialised with {shmem.shmem_npes()} PEs (this PE "
+                         f"{shmem.shmem_mype()}) but the group has {self.group_size} ranks (this rank {self.rank}); "
+                         "one shmem world per process: initialise it over this group")
+        self._num_nodes = shmem.shmem_num_nodes()
+        self._gpu_per_node = shmem.shmem_local_size()
+        self.num_rdma_ranks = self._num_nodes
+        free = shmem.shmem_heap_free_bytes()
+        if num_nvl_bytes + num_rdma_bytes > free:
+            warnings.warn(f"mori.compat.deep_ep.Buffer: asked for {num_nvl_bytes} + {num_rdma_bytes} bytes but the "
+                          f"shmem heap has {free} free; ops are allocated from it on first use (raise "
+                          "MORI_SHMEM_HEAP_SIZE if an op does not fit)", stacklevel=2)
+        self._device = torch.device("cuda", torch.cuda.current_device())
+        self._comm_stream = torch.cuda.Stream(self._device)
+        self._group_on_gpu = "nccl" in str(dist.get_backend(group)).lower() and "gloo" not in str(
+            dist.get_backend(group)).lower()
+        self._ll_turn = {}
+        self._ll_combine_inputs = {}
+        self._destroyed = False
+
+    # --- static / class-level API ---------------------------------------------------------------
+    @staticmethod
+    def set_num_sms(new_num_sms):
+        """Blocks (SMs) of the normal-mode kernels when no Config is given. Even, as DeepEP's."""
+        _check_int("Buffer.set_num_sms: new_num_sms", new_num_sms, 2)
+        _refuse_if(new_num_sms % 2 != 0, f"Buffer.set_num_sms: new_num_sms must be even, got {new_num_sms}")
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def get_dispatch_config(num_ranks):
+        """A Config with Buffer.num_sms for `num_ranks` ranks (1..32)."""
+        _check_int("Buffer.get_dispatch_config: num_ranks", num_ranks, 1, _MAX_WORLD)
+        return Config(Buffer.num_sms, 6, 256, 6, 128)
+
+    @staticmethod
+    def get_combine_config(num_ranks):
+        _check_int("Buffer.get_combine_config: num_ranks", num_ranks, 1, _MAX_WORLD)
+        return Config(Buffer.num_sms, 6, 256, 6, 128)
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts):
+        """Symmetric-heap bytes of the low-latency ops of this shape: the two ops used in turn
+        (FP8 scales reserved) plus the small op that carries combine weights, for top-8 and a
+        one-node layout up to 8 ranks (nodes of 8 beyond)."""
+        m = _check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1, _MAX_TOKENS_PER_RANK)
+        h = _check_int("hidden", hidden, 1)
+        w = _check_int("num_ranks", num_ranks, 1, _MAX_WORLD)
+        e = _check_int("num_experts", num_experts, 1)
+        _refuse_if(e % w != 0, f"num_experts ({e}) must be a multiple of num_ranks ({w})")
+        _refuse_if(h % _QUANT_GROUP != 0, f"hidden ({h}) must be a multiple of {_QUANT_GROUP}")
+        k = min(_NOMINAL_TOPK, e)
+        gpn = None if w <= 8 else 8
+        main = _symmetric_bytes(world=w, hidden=h, token_bytes=2, max_tokens=m, experts_per_rank=e // w, topk=k,
+                                scale_dim=h // _QUANT_GROUP, scale_type_size=4, gpu_per_node=gpn)
+        weights = _symmetric_bytes(world=w, hidden=_DUMMY_HIDDEN, token_bytes=2, max_tokens=m,
+                                   experts_per_rank=e // w, topk=k, gpu_per_node=gpn)
+        return 2 * main + weights
+
+    # --- lifecycle ------------------------------------------------------------------------------
+    def _alive(self, what):
+        _refuse_if(self._destroyed, f"Buffer.{what}: the buffer was destroyed")
+
+    def destroy(self):
+        """Collective: closes every op (in creation order, as every rank created them) and, if this
+        Buffer initialised mori.shmem and no other live Buffer did, finalises it. Needs
+        explicitly_destroy=True (as DeepEP); without it the ops are released when dropped."""
+        _refuse_if(not self.explicitly_destroy, "Buffer.destroy: explicitly_destroy must be set at construction")
+        self._alive("destroy")
+        self._destroyed = True
+        slots, self._slots, self._ops_by_key = self._slots, [], {}
+        self._ll_combine_inputs.clear()
+        for s in slots:
+            s.op.close()
+        if self._owns_shmem:
+            _live_shmem_owners.remove(self)
+            if not _live_shmem_owners:
+                from .. import shmem
+
+                shmem.shmem_finalize()
+
+    def get_comm_stream(self):
+        """The stream every op of this Buffer runs on."""
+        return self._comm_stream
+
+    def capture(self):
+        """An EventOverlap of an event recorded on the current stream now."""
+        torch = _torch()
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self._device))
+        return EventOverlap(ev)
+
+    def get_local_buffer_tensor(self, dtype, size=None, offset=0, use_rdma_buffer=False):
+        """Refused: mori has no single NVL/RDMA buffer to view (each op owns its regions)."""
+        raise _usage("Buffer.get_local_buffer_tensor is not supported by mori: there is no single NVL/RDMA buffer "
+                     "(each op owns its symmetric regions; see mori.ops ep_layout)")
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
+        """Nothing to clean: mori's signals carry the call's epoch (a stale value never matches a
+        later call) and the kernels reset their own counters, and normal and low-latency calls use
+        separate ops, so no region needs zeroing between modes. Arguments are range-checked."""
+        self._alive("clean_low_latency_buffer")
+        _check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
+        _check_int("hidden", hidden, 1)
+        _check_int("num_experts", num_experts, 1)
+
+    def low_latency_update_mask_buffer(self, *args, **kwargs):
+        raise _usage("Buffer.low_latency_update_mask_buffer is not supported by mori (no rank masking)")
+
+    # --- ops ------------------------------------------------------------------------------------
+    def _slot(self, key, **cfg):
+        slot = self._ops_by_key.get(key)
+        if slot is not None:
+            return slot
+        torch = _torch()
+        if torch.cuda.is_current_stream_capturing():
+            raise _usage(f"mori.compat.deep_ep: the first call of shape {key} happens during CUDA-graph capture; "
+                         "creating its op is collective and allocates, so run one call of every shape on every "
+                         "rank before capturing")
+        gpn = self._gpu_per_node if self._num_nodes > 1 else self.group_size
+        op = _ops().EpDispatchCombineOp(_op_config(rank=self.rank, world=self.group_size, gpu_per_node=gpn, **cfg))
+        slot = _OpSlot(op, key)
+        self._ops_by_key[key] = slot
+        self._slots.append(slot)
+        return slot
+
+    def _blocks(self, config):
+        if config is None:
+            return Buffer.num_sms
+        if not isinstance(config, Config):
+            raise _usage(f"config must be a mori.compat.deep_ep.Config or None, got {type(config).__name__}")
+        return config.num_sms
+
+    def _capacity(self, num_tokens):
+        """Tokens per rank of the normal-mode op for a dispatch of num_tokens."""
+        torch = _torch()
+        if self.num_max_tokens_per_rank is not None:
+            _refuse_if(num_tokens > self.num_max_tokens_per_rank,
+                       f"dispatch: {num_tokens} tokens exceed the Buffer's num_max_tokens_per_rank "
+                       f"({self.num_max_tokens_per_rank})")
+            return self.num_max_tokens_per_rank
+        _refuse_if(torch.cuda.is_current_stream_capturing(),
+                   "dispatch: during CUDA-graph capture pass num_max_tokens_per_rank to Buffer (without it each "
+                   "dispatch agrees on the capacity by an all-reduce, which cannot be captured)")
+        import torch.distributed as dist
+
+        t = torch.tensor([num_tokens], dtype=torch.int64, device=self._device if self._group_on_gpu else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        m = int(t.item())
+        _refuse_if(m > _MAX_TOKENS_PER_RANK, f"dispatch: a rank has {m} tokens; mori allows at most "
+                                             f"{_MAX_TOKENS_PER_RANK} per rank")
+        return min(_MAX_TOKENS_PER_RANK, _pow2_at_least(m, _MIN_NORMAL_CAPACITY))
+
+    def _reestablish(self, slot, routing, blocks=-1):
+        """Make `routing` the op's last dispatch again (a dispatch of dummy rows, same routing,
+        hence the same received-row order). Runs on the current (communication) stream."""
+        if slot.current is routing:
+            return
+        torch = _torch()
+        dummy = torch.zeros((routing.num_tokens, _DUMMY_HIDDEN), dtype=torch.bfloat16, device=self._device)
+        w = None if routing.weights is None else routing.weights[0]
+        slot.op.dispatch(dummy, w, None, routing.topk_idx, block_num=blocks)
+        slot.current = routing
+
+    # --- checks -----------------------------------------------------------------------------------
+    def _tensor(self, what, t, ndim, dtypes=None):
+        torch = _torch()
+        if not isinstance(t, torch.Tensor):
+            raise _usage(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device != self._device:
+            raise _usage(f"{what} is on {t.device}, the Buffer on {self._device}")
+        if t.dim() != ndim:
+            raise _usage(f"{what} must be {ndim}-D, got shape {tuple(t.shape)}")
+        if dtypes is not None and t.dtype not in dtypes:
+            raise _usage(f"{what} must be {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
+        return t
+
+    def _num_experts(self, num_experts, what):
+        _check_int(f"{what}: num_experts", num_experts, 1)
+        _refuse_if(num_experts % self.group_size != 0,
+                   f"{what}: num_experts ({num_experts}) must be a multiple of the group size ({self.group_size})")
+        return num_experts // self.group_size
+
+    # --- normal mode ------------------------------------------------------------------------------
+    def get_dispatch_layout(self, topk_idx, num_experts, previous_event=None, async_finish=False,
+                            allocate_on_comm_stream=False):
+        """From topk_idx [T, K] (int64 or int32; -1: no expert): num_tokens_per_rank [W] int32
+        (tokens with at least one expert on rank r), num_tokens_per_rdma_rank [nodes] int32 (at
+        least one expert on a rank of node n; nodes are mori's, shmem_local_size() ranks each) or
+        None on one node, num_tokens_per_expert [E] int32 (top-k slots naming expert e),
+        is_token_in_rank [T, W] bool, and an EventOverlap. Ids outside [-1, E) count nowhere."""
+        self._alive("get_dispatch_layout")
+        _check_events(previous_event, async_finish, allocate_on_comm_stream, "get_dispatch_layout")
+        self._num_experts(num_experts, "get_dispatch_layout")
+        torch = _torch()
+        self._tensor("get_dispatch_layout: topk_idx", topk_idx, 2, (torch.int64, torch.int32))
+        W = self.group_size
+        gpn = self._gpu_per_node if self._num_nodes > 1 else W
+        with _OnComm(self, previous_event, async_finish, allocate_on_comm_stream, (topk_idx,)) as ctx:
+            layout = dispatch_layout(topk_idx, num_experts, W, gpn)
+            outs = []
+            for t in layout:
+                if t is None:
+                    outs.append(None)
+                    continue
+                o = ctx.empty(tuple(t.shape), t.dtype)
+                o.copy_(t)
+                outs.append(o)
+            out_per_rank, out_per_rdma, out_per_expert, out_in_rank = outs
+        return out_per_rank, out_per_rdma, out_per_expert, out_in_rank, ctx.event
+
+    def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
+                 is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
+                 expert_alignment=1, num_worst_tokens=0, config=None, previous_event=None, async_finish=False,
+                 allocate_on_comm_stream=False):
+        """x: [T, H] (bf16, fp16, fp32 or fp8) or (x_fp8 [T, H], scales [T, S] float32/int32).
+        Returns (recv_x or (recv_x, recv_scales), recv_topk_idx, recv_topk_weights,
+        num_recv_tokens_per_expert_list, handle, event): fresh tensors of the received rows
+        (ordered by source rank, then source token), recv_topk_idx in local expert ids with -1
+        for other ranks' experts (weights 0 there), the per-local-expert counts as a Python list
+        rounded up to expert_alignment (this synchronises with the GPU, as in DeepEP).
+        num_worst_tokens > 0: no host synchronisation; outputs have num_worst_tokens rows (rows
+        past the received count: topk_idx -1, weights 0, x unspecified), the count list is empty,
+        and a dispatch receiving more rows is an attributed device error.
+        handle given (cached layout): x goes where that dispatch's tokens went; returns
+        (recv_x, None, None, None, None, event).
+        topk_idx and num_tokens_per_expert are required without a handle (mori routes by expert id;
+        the expert count is num_tokens_per_expert's length). num_tokens_per_rank,
+        num_tokens_per_rdma_rank and is_token_in_rank are shape-checked only: the routing is
+        derived from topk_idx on the GPU."""
+        self._alive("dispatch")
+        _check_events(previous_event, async_finish, allocate_on_comm_stream, "dispatch")
+        _check_int("dispatch: expert_alignment", expert_alignment, 1)
+        _check_int("dispatch: num_worst_tokens", num_worst_tokens, 0)
+        blocks = self._blocks(config)
+        torch = _torch()
+        x, x_scales = x if isinstance(x, tuple) else (x, None)
+        self._tensor("dispatch: x", x, 2)
+        T, H = int(x.shape[0]), int(x.shape[1])
+        if x_scales is not None:
+            self._tensor("dispatch: x scales", x_scales, 2, (torch.float32, torch.int32))
+            _refuse_if(int(x_scales.shape[0]) != T, f"dispatch: x scales must have {T} rows, got {tuple(x_scales.shape)}")
+            x_scales = x_scales.contiguous()  # DeepEP accepts column-major scales; the op moves rows
+        x = x.contiguous()
+        if handle is not None:
+            return self._cached_dispatch(x, x_scales, handle, topk_idx, topk_weights, num_worst_tokens, blocks,
+                                         previous_event, async_finish, allocate_on_comm_stream)
+        _refuse_if(topk_idx is None, "dispatch: topk_idx is required (mori routes tokens by expert id; dispatch by "
+                                     "is_token_in_rank alone is not supported)")
+        _refuse_if(num_tokens_per_expert is None, "dispatch: num_tokens_per_expert is required (its length is the "
+                                                  "number of experts)")
+        self._tensor("dispatch: topk_idx", topk_idx, 2, (torch.int64, torch.int32))
+        K = int(topk_idx.shape[1])
+        _refuse_if(int(topk_idx.shape[0]) != T, f"dispatch: topk_idx must have {T} rows, got {tuple(topk_idx.shape)}")
+        self._tensor("dispatch: num_tokens_per_expert", num_tokens_per_expert, 1)
+        E = int(num_tokens_per_expert.shape[0])
+        epr = self._num_experts(E, "dispatch")
+        W = self.group_size
+        if num_tokens_per_rank is not None:
+            self._tensor("dispatch: num_tokens_per_rank", num_tokens_per_rank, 1)
+            _refuse_if(tuple(num_tokens_per_rank.shape) != (W,), f"dispatch: num_tokens_per_rank must have shape [{W}]")
+        if is_token_in_rank is not None:
+            self._tensor("dispatch: is_token_in_rank", is_token_in_rank, 2)
+            _refuse_if(tuple(is_token_in_rank.shape) != (T, W), f"dispatch: is_token_in_rank must have shape [{T}, {W}]")
+        if num_tokens_per_rdma_rank is not None:
+            self._tensor("dispatch: num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, 1)
+        if topk_weights is not None:
+            self._tensor("dispatch: topk_weights", topk_weights, 2, (torch.float32,))
+            _refuse_if(tuple(topk_weights.shape) != (T, K), f"dispatch: topk_weights must have shape [{T}, {K}]")
+            topk_weights = topk_weights.contiguous()
+        topk_idx = topk_idx.contiguous()
+        _refuse_if(torch.cuda.is_current_stream_capturing() and num_worst_tokens == 0,
+                   "dispatch: without num_worst_tokens the received count is read on the host, which cannot be "
+                   "captured in a CUDA graph (pass num_worst_tokens)")
+        esize = x.element_size()
+        with _OnComm(self, previous_event, async_finish, allocate_on_comm_stream,
+                     (x, x_scales, topk_idx, topk_weights)) as ctx:
+            M = self._capacity(T)
+            cap = num_worst_tokens if 0 < num_worst_tokens < W * M else 0
+            sd = 0 if x_scales is None else int(x_scales.shape[1])
+            key = ("normal", H, max(2, esize), K, epr, M, sd, cap)
+            slot = self._slot(key, hidden=H, token_bytes=max(2, esize), max_tokens=M, experts_per_rank=epr, topk=K,
+                              scale_dim=sd, scale_type_size=4, recv_cap=cap)
+            op = slot.op
+            out, out_w, out_s, out_i, total = op.dispatch(x, topk_weights, x_scales, topk_idx, block_num=blocks)
+            routing = _Routing(topk_idx.clone(), T)
+            slot.current = routing
+            if num_worst_tokens:
+                n = num_worst_tokens
+                rows = min(n, int(out.shape[0]))
+                valid = (torch.arange(n, device=self._device) < total.to(torch.int64)).view(n, 1)
+            else:
+                n = rows = int(total.item())
+                valid = None
+            routing.num_recv = n
+            recv_x = ctx.empty((n, H), out.dtype)
+            recv_x[:rows].copy_(out[:rows])
+            recv_s = None
+            if out_s is not None:
+                recv_s = ctx.empty((n, sd), out_s.dtype)
+                recv_s[:rows].copy_(out_s[:rows])
+            local = self._local_ids(out_i[:rows], epr)
+            recv_idx = ctx.empty((n, K), topk_idx.dtype)
+            recv_idx.fill_(-1)
+            recv_idx[:rows].copy_(local)
+            if valid is not None:
+                recv_idx.copy_(torch.where(valid, recv_idx, torch.full_like(recv_idx, -1)))
+            recv_w = None
+            if out_w is not None:
+                recv_w = ctx.empty((n, K), torch.float32)
+                recv_w.zero_()
+                recv_w[:rows].copy_(torch.where(local >= 0, out_w[:rows], torch.zeros_like(out_w[:rows])))
+                if valid is not None:
+                    recv_w.copy_(torch.where(valid, recv_w, torch.zeros_like(recv_w)))
+            counts = []
+            if not num_worst_tokens:
+                a = expert_alignment
+                counts = [-(-c // a) * a for c in op.get_local_expert_count().tolist()]
+            handle = DispatchHandle(self, slot, routing, n, H)
+        return ((recv_x, recv_s) if recv_s is not None else recv_x), recv_idx, recv_w, counts, handle, ctx.event
+
+    def _local_ids(self, ids, epr):
+        """Global expert ids of received rows -> this rank's local ids, -1 for other ranks' experts."""
+        torch = _torch()
+        e = ids - self.rank * epr
+        return torch.where((e >= 0) & (e < epr), e, torch.full_like(e, -1))
+
+    def _cached_dispatch(self, x, x_scales, handle, topk_idx, topk_weights, num_worst_tokens, blocks,
+                         previous_event, async_finish, allocate_on_comm_stream):
+        self._check_handle(handle, DispatchHandle, "dispatch")
+        _refuse_if(topk_idx is not None or topk_weights is not None,
+                   "dispatch(handle=...): the cached layout carries the routing; pass neither topk_idx nor topk_weights")
+        _refuse_if(num_worst_tokens != 0, "dispatch(handle=...): num_worst_tokens is not supported with a cached handle")
+        routing, slot = handle._routing, handle._slot
+        T, H = int(x.shape[0]), int(x.shape[1])
+        _refuse_if(T != routing.num_tokens, f"dispatch(handle=...): x has {T} tokens, the handle's dispatch had "
+                                            f"{routing.num_tokens}")
+        cfg = slot.op.config
+        _refuse_if(H > cfg.hidden_dim or x.element_size() > cfg.max_token_type_size,
+                   f"dispatch(handle=...): rows of {H} x {x.dtype} exceed the handle's op (hidden {cfg.hidden_dim}, "
+                   f"{cfg.max_token_type_size}-byte elements)")
+        if x_scales is not None:
+            _refuse_if(int(x_scales.shape[1]) != cfg.scale_dim,
+                       f"dispatch(handle=...): scales must have {cfg.scale_dim} columns (the handle's op)")
+        n = handle.num_recv_tokens
+        with _OnComm(self, previous_event, async_finish, allocate_on_comm_stream, (x, x_scales)) as ctx:
+            out, _, out_s, _, _ = slot.op.dispatch(x, None, x_scales, routing.topk_idx, block_num=blocks)
+            slot.current = routing
+            recv_x = ctx.empty((n, H), out.dtype)
+            recv_x.copy_(out[:n])
+            recv_s = None
+            if out_s is not None:
+                recv_s = ctx.empty((n, int(out_s.shape[1])), out_s.dtype)
+                recv_s.copy_(out_s[:n])
+        return ((recv_x, recv_s) if recv_s is not None else recv_x), None, None, None, None, ctx.event
+
+    def _check_handle(self, handle, cls, what):
+        if not isinstance(handle, cls):
+            raise _usage(f"{what}: handle must be a {cls.__name__} from this Buffer, got {type(handle).__name__}")
+        _refuse_if(handle._buffer is not self, f"{what}: the handle comes from another Buffer")
+        _refuse_if(handle._slot.key not in self._ops_by_key, f"{what}: the handle's op was released")
+
+    def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None, async_finish=False,
+                allocate_on_comm_stream=False):
+        """x: [num_recv_tokens, H] bf16/fp16/fp32 in the order dispatch returned (any earlier
+        dispatch's handle). Returns (combined_x [T, H], combined_topk_weights [T, K] or None,
+        event): token t's rows from its destination ranks summed in fp32 in ascending rank order
+        and rounded once; weights likewise (dispatch zeroed other ranks' entries, so each weight
+        comes back from its expert's rank). bias: a tensor or a tuple of up to two [T, H] tensors,
+        added in fp32 to the rounded sum and rounded again (DeepEP adds them before its single
+        rounding: results may differ by one rounding)."""
+        self._alive("combine")
+        _check_events(previous_event, async_finish, allocate_on_comm_stream, "combine")
+        self._check_handle(handle, DispatchHandle, "combine")
+        torch = _torch()
+        routing, slot = handle._routing, handle._slot
+        op = slot.op
+        n, T, K = handle.num_recv_tokens, routing.num_tokens, op.config.num_experts_per_token
+        self._tensor("combine: x", x, 2, (torch.bfloat16, torch.float16, torch.float32))
+        H = int(x.shape[1])
+        _refuse_if(int(x.shape[0]) != n, f"combine: x must have the handle's {n} received rows, got {int(x.shape[0])}")
+        _refuse_if(H > op.config.hidden_dim or x.element_size() > op.config.max_token_type_size,
+                   f"combine: rows of {H} x {x.dtype} exceed the handle's op (hidden {op.config.hidden_dim}, "
+                   f"{op.config.max_token_type_size}-byte elements)")
+        if topk_weights is not None:
+            self._tensor("combine: topk_weights", topk_weights, 2, (torch.float32,))
+            _refuse_if(tuple(topk_weights.shape) != (n, K), f"combine: topk_weights must have shape [{n}, {K}]")
+            topk_weights = topk_weights.contiguous()
+        biases = () if bias is None else (bias if isinstance(bias, tuple) else (bias,))
+        _refuse_if(len(biases) > 2, "combine: bias takes at most two tensors")
+        for i, b in enumerate(biases):
+            self._tensor(f"combine: bias[{i}]", b, 2)
+            _refuse_if(tuple(b.shape) != (T, H), f"combine: bias[{i}] must have shape [{T}, {H}]")
+        x = x.contiguous()
+        blocks = self._blocks(config)
+        with _OnComm(self, previous_event, async_finish, allocate_on_comm_stream, (x, topk_weights) + biases) as ctx:
+            self._reestablish(slot, routing, blocks)
+            y, y_w = op.combine(x, topk_weights, None, block_num=blocks)
+            combined = ctx.empty((T, H), x.dtype)
+            if biases:
+                acc = y.float()
+                for b in biases:
+                    acc = acc + b.float()
+                combined.copy_(acc)
+            else:
+                combined.copy_(y)
+            combined_w = None
+            if y_w is not None:
+                combined_w = ctx.empty((T, K), torch.float32)
+                combined_w.copy_(y_w)
+        return combined, combined_w, ctx.event
+
+    # --- low-latency mode ---------------------------------------------------------------------------
+    def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                             cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
+                             use_fp8=True, round_scale=False, use_ue8m0=False, async_finish=False,
+                             return_recv_hook=False, *, topk_weights=None):
+        """x [T, H] bf16 (T <= num_max_dispatch_tokens_per_rank = M, H a multiple of 128 with
+        use_fp8), topk_idx [T, K] (-1: none). Returns (recv_x, recv_count, handle, event, hook):
+        recv_x [E_local, W*M, H] (float8_e4m3fn with use_fp8, else bf16; slot s < recv_count[e] of
+        local expert e is a received token, in (source rank, source token) order), with use_fp8
+        a tuple (recv_x, scales): scales [E_local, W*M, H/128] float32, or with use_ue8m0
+        [E_local, W*M, ceil(H/512)] int32 of packed exponent bytes, column-major per expert
+        (stride 1 along tokens) as DeepEP's; recv_count [E_local] int32. recv_x and recv_count
+        are views of one of the shape's two ops: valid until the second next dispatch of this
+        shape (as DeepEP's two buffers). The scales are a fresh tensor.
+        cumulative_local_expert_recv_stats ([E_local] int32) gets recv_count added.
+        dispatch_wait_recv_cost_stats is refused (no per-rank wait timing in mori).
+        return_recv_hook=True: the hook is a no-op, the data has already arrived when this
+        returns; mori has no split send/receive phases yet (issue 15 §2), so nothing overlaps.
+        topk_weights (mori keyword, [T, K] float32): send the routing weights with the tokens, so
+        that low_latency_combine with the same, unmodified tensor needs no extra round (else it
+        first sends the combine's weights with one small dispatch)."""
+        self._alive("low_latency_dispatch")
+        _refuse_if(not self.low_latency_mode, "low_latency_dispatch: the Buffer was created with low_latency_mode=False")
+        _refuse_if(dispatch_wait_recv_cost_stats is not None,
+                   "low_latency_dispatch: dispatch_wait_recv_cost_stats is not supported by mori (no per-rank wait "
+                   "timing; mori.ops phase traces give per-block times)")
+        _refuse_if(not use_fp8 and (round_scale or use_ue8m0), "low_latency_dispatch: round_scale and use_ue8m0 need "
+                                                                "use_fp8=True")
+        M = _check_int("low_latency_dispatch: num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1,
+                       _MAX_TOKENS_PER_RANK)
+        epr = self._num_experts(num_experts, "low_latency_dispatch")
+        torch = _torch()
+        self._tensor("low_latency_dispatch: x", x, 2, (torch.bfloat16,))
+        self._tensor("low_latency_dispatch: topk_idx", topk_idx, 2, (torch.int64, torch.int32))
+        T, H, K = int(x.shape[0]), int(x.shape[1]), int(topk_idx.shape[1])
+        _refuse_if(int(topk_idx.shape[0]) != T, f"low_latency_dispatch: topk_idx must have {T} rows")
+        _refuse_if(T > M, f"low_latency_dispatch: {T} tokens exceed num_max_dispatch_tokens_per_rank ({M})")
+        if use_fp8:
+            _refuse_if(H % _QUANT_GROUP != 0, f"low_latency_dispatch(use_fp8=True): hidden ({H}) must be a multiple "
+                                              f"of {_QUANT_GROUP}")
+        if cumulative_local_expert_recv_stats is not None:
+            self._tensor("low_latency_dispatch: cumulative_local_expert_recv_stats",
+                         cumulative_local_expert_recv_stats, 1, (torch.int32,))
+            _refuse_if(tuple(cumulative_local_expert_recv_stats.shape) != (epr,),
+                       f"low_latency_dispatch: cumulative_local_expert_recv_stats must have shape [{epr}]")
+        if topk_weights is not None:
+            self._tensor("low_latency_dispatch: topk_weights", topk_weights, 2, (torch.float32,))
+            _refuse_if(tuple(topk_weights.shape) != (T, K), f"low_latency_dispatch: topk_weights must be [{T}, {K}]")
+            _refuse_if(not topk_weights.is_contiguous(), "low_latency_dispatch: topk_weights must be contiguous")
+        groups = H // _QUANT_GROUP
+        sd = (((groups + 3) // 4) if use_ue8m0 else groups) if use_fp8 else 0
+        base = ("ll", H, K, epr, M, sd)
+        turn = self._ll_turn.get(base, 0)
+        x, topk_idx = x.contiguous(), topk_idx.contiguous()
+        with _OnComm(self, None, async_finish, False, (x, topk_idx, topk_weights)) as ctx:
+            slot = self._slot(base + (turn % 2,), hidden=H, token_bytes=2, max_tokens=M, experts_per_rank=epr, topk=K,
+                              scale_dim=sd, scale_type_size=4)
+            self._ll_turn[base] = turn + 1
+            op = slot.op
+            op.dispatch(x, topk_weights, None, topk_idx, use_fp8=bool(use_fp8), round_scale=bool(round_scale),
+                        use_ue8m0=bool(use_ue8m0))
+            routing = _Routing(topk_idx.clone(), T,
+                               weights=None if topk_weights is None else (topk_weights, topk_weights._version))
+            slot.current = routing
+            em = op.convert_dispatch_output()
+            recv_x = em.tokens
+            if use_fp8:
+                R = int(em.tokens.shape[1])
+                cols = ctx.empty((epr, sd, R), em.scales.dtype)
+                cols.copy_(em.scales[:, :, :sd].transpose(1, 2))
+                recv_x = (em.tokens, cols.transpose(1, 2))
+            if cumulative_local_expert_recv_stats is not None:
+                cumulative_local_expert_recv_stats.add_(em.counts)
+            handle = LowLatencyHandle(self, slot, routing, M, H, num_experts, em.src_pos)
+        hook = (lambda: None) if return_recv_hook else None
+        return recv_x, em.counts, handle, ctx.event, hook
+
+    def get_next_low_latency_combine_buffer(self, handle):
+        """A [E_local, W*M, H] bf16 tensor to write expert outputs into for
+        low_latency_combine(..., zero_copy=True). mori reads the combine input in place either way,
+        so zero-copy saves no copy here; the tensor is kept per op and reused."""
+        self._check_handle(handle, LowLatencyHandle, "get_next_low_latency_combine_buffer")
+        torch = _torch()
+        op = handle._slot.op
+        shape = (op.config.num_experts_per_rank, op.max_num_tokens_to_recv(), handle.hidden)
+        t = self._ll_combine_inputs.get(handle._slot.key)
+        if t is None or tuple(t.shape) != shape:
+            t = torch.empty(shape, dtype=torch.bfloat16, device=self._device)
+            self._ll_combine_inputs[handle._slot.key] = t
+        return t
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=False,
+                            async_finish=False, return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None):
+        """x [E_local, >= W*M, H] bf16: slot for slot the experts' outputs for the handle's recv_x.
+        Returns (combined_x [T, H] bf16, event, hook): for each token, sum over k of
+        topk_weights[t, k] times the output of expert topk_idx[t, k] for it, computed as mori's
+        combine_standard_moe: each destination rank sums its local experts' weighted rows in fp32
+        and rounds once, the token's rank sums those in fp32 in ascending rank order and rounds
+        once (DeepEP rounds once at the end: results may differ by a rounding). The routing comes
+        from the handle: topk_idx must be the dispatch's (shape-checked). Weights: those sent with
+        the dispatch when topk_weights is that same, unmodified tensor; else one small dispatch
+        carries topk_weights to the experts' ranks first (every rank must take the same path).
+        Refused: use_logfmt=True, combine_wait_recv_cost_stats. zero_copy: accepted, x is read in
+        place in both cases. return_recv_hook: a no-op hook (see low_latency_dispatch). out:
+        [T, H] bf16 to write the result into (returned)."""
+        self._alive("low_latency_combine")
+        _refuse_if(not self.low_latency_mode, "low_latency_combine: the Buffer was created with low_latency_mode=False")
+        _refuse_if(use_logfmt, "low_latency_combine: use_logfmt=True is not supported by mori (rows travel in bf16)")
+        _refuse_if(combine_wait_recv_cost_stats is not None,
+                   "low_latency_combine: combine_wait_recv_cost_stats is not supported by mori (no per-rank wait timing)")
+        self._check_handle(handle, LowLatencyHandle, "low_latency_combine")
+        torch = _torch()
+        routing, slot = handle._routing, handle._slot
+        op = slot.op
+        T, K, epr = routing.num_tokens, op.config.num_experts_per_token, op.config.num_experts_per_rank
+        R = op.max_num_tokens_to_recv()
+        self._tensor("low_latency_combine: x", x, 3, (torch.bfloat16,))
+        _refuse_if(int(x.shape[0]) != epr or int(x.shape[1]) < R or int(x.shape[2]) != handle.hidden,
+                   f"low_latency_combine: x must have shape [{epr}, >= {R}, {handle.hidden}], got {tuple(x.shape)}")
+        self._tensor("low_latency_combine: topk_idx", topk_idx, 2)
+        _refuse_if(tuple(topk_idx.shape) != (T, K), f"low_latency_combine: topk_idx must have the dispatch's shape "
+                                                    f"[{T}, {K}]")
+        self._tensor("low_latency_combine: topk_weights", topk_weights, 2, (torch.float32,))
+        _refuse_if(tuple(topk_weights.shape) != (T, K), f"low_latency_combine: topk_weights must have shape [{T}, {K}]")
+        if out is not None:
+            self._tensor("low_latency_combine: out", out, 2, (torch.bfloat16,))
+            _refuse_if(tuple(out.shape) != (T, handle.hidden), f"low_latency_combine: out must be [{T}, {handle.hidden}]")
+        x = x.contiguous()
+        sent = routing.weights
+        reuse = sent is not None and sent[0] is topk_weights and sent[1] == topk_weights._version
+        with _OnComm(self, None, async_finish, False, (x, topk_weights)) as ctx:
+            if slot.current is not routing:
+                # Older than the shape's two newest dispatches (beyond DeepEP's contract): dispatch
+                # the routing again; this overwrites the recv tensors of that op's newest dispatch.
+                self._reestablish(slot, routing)
+                op.convert_dispatch_output()
+            weights = None
+            if not reuse:
+                wslot = self._slot(("ll-weights", K, epr, handle.num_max_dispatch_tokens_per_rank), hidden=_DUMMY_HIDDEN,
+                                   token_bytes=2, max_tokens=handle.num_max_dispatch_tokens_per_rank,
+                                   experts_per_rank=epr, topk=K)
+                dummy = torch.zeros((T, _DUMMY_HIDDEN), dtype=torch.bfloat16, device=self._device)
+                _, weights, _, _, _ = wslot.op.dispatch(dummy, topk_weights.contiguous(), None, routing.topk_idx)
+                wslot.current = None
+            y, _ = op.combine_standard_moe(x, weights)
+            result = out if out is not None else ctx.empty((T, handle.hidden), torch.bfloat16)
+            result.copy_(y)
+        hook = (lambda: None) if return_recv_hook else None
+        return result, ctx.event, hook
+
+
+__all__ = ["Buffer", "Config", "DispatchHandle", "EventOverlap", "LowLatencyHandle", "dispatch_layout"]
