@@ -54,6 +54,8 @@ class Env:
         self.dev = torch.device("cuda", local_rank)
         self.args = args
         self.ops = []
+        # Some peers are reached through the software RDMA emulator (virtual nodes).
+        self.emulated_rdma = os.environ.get("MORI_RDMA_EMULATE") == "1" and 0 < (args.gpu_per_node or world) < world
         self.mori = None
 
     def config(self, **kw):
@@ -363,6 +365,10 @@ def roundtrip(env, spec, op=None, label=""):
         db, dw = spec.d_launch(it)
         qkw = spec.quant_kw(it)
         outs = op.dispatch(x, w, None if qkw else sc, idx, block_num=db, warp_per_block=dw, **qkw)
+        if env.emulated_rdma:
+            # verify_dispatch's first allocations (cudaMalloc with peer access on) can hold up the
+            # emulator's copies this dispatch waits for (docs/rdma.md, "Host run-ahead").
+            torch.cuda.synchronize()
         verify_dispatch(env, spec, op, outs, data, cnt, poisoned, it)
         # "experts" on this rank
         cdt = env.dt(spec.combine_dtype(it))

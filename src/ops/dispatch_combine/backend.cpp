@@ -169,8 +169,7 @@ class InterNodeBackend final : public EpBackend {
                 static_cast<long long>(depth));
     if (emulated) runAhead = std::make_unique<RunAheadBound>(static_cast<int>(depth), pe);
     // One channel (QP 0 of shmem's QPs to each peer) whatever num_qp_per_pe says: spreading the
-    // warps over several QPs times out in the suite (4x2, and 2x2 under chaos; session 9), so it
-    // stays off until that is understood.
+    // posts over several QPs (EpKernelCommon::qpChannels) has not been run on a GPU yet.
     if (c.numQpPerPe > 1)
       MORI_WARN(
           kLogOps,
