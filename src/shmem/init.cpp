@@ -50,7 +50,6 @@ struct ShmemState {
   int32_t* localRankOfDev = nullptr;
   uint64_t* barrierEpochDev = nullptr;
   uint64_t syncAreaOffset = 0;
-  int rdmaQpsPerPeer = 0;  // QPs to each RDMA peer (0: no PE of the job is reached by RDMA)
   ShmemDeviceContext devCtx{};
 };
 
@@ -119,7 +118,6 @@ void SetUpRdma(ShmemState& s) {
   MORI_ENSURE(numQp >= 1 && numQp <= 64, InvalidUsageError,
               "MORI_NUM_QP_PER_PE=%lld is out of range [1, 64]", static_cast<long long>(numQp));
   cfg.numQpPerPe = static_cast<int>(numQp);
-  s.rdmaQpsPerPeer = cfg.numQpPerPe;
   // Scratch words for fetched values: 2 per SQ block of every QP (see shmem/device/rdma.hpp).
   // Allocated on every PE in the same order, so it is symmetric like the sync area.
   const uint64_t scratchWordsPerPeer = 2ull * cfg.sqBlocks * cfg.numQpPerPe;
@@ -457,7 +455,6 @@ int ShmemNodeOf(int pe) {
 int ShmemNumNodes() { return State("shmem_num_nodes").context->NumNodes(); }
 int ShmemLocalRank() { return State("shmem_local_rank").context->LocalRank(); }
 int ShmemLocalSize() { return State("shmem_local_size").context->LocalSize(); }
-int ShmemRdmaQpsPerPeer() { return State("ShmemRdmaQpsPerPeer").rdmaQpsPerPeer; }
 
 ShmemDeviceContext ShmemGetDeviceContext() { return State("ShmemGetDeviceContext").devCtx; }
 

@@ -57,8 +57,6 @@ int ShmemNodeOf(int pe);  // node of PE `pe` (InvalidUsageError if out of range)
 int ShmemNumNodes();
 int ShmemLocalRank();  // this PE's index on its node
 int ShmemLocalSize();  // number of PEs on this PE's node
-// RDMA queue pairs init set up to each RDMA peer (MORI_NUM_QP_PER_PE); 0 without RDMA peers.
-int ShmemRdmaQpsPerPeer();
 // The struct kernels take by value to use the device API.
 ShmemDeviceContext ShmemGetDeviceContext();
 
