@@ -132,6 +132,30 @@ py::dict TraceLayoutDict() {
   return d;
 }
 
+// combine and combine_send take the same arguments.
+template <void (EpDispatchCombineHandle::*kCall)(const ops::EpCombineArgs&, gpuStream_t)>
+void DefCombineCall(py::class_<EpDispatchCombineHandle>& cls, const char* name) {
+  cls.def(
+      name,
+      [name](EpDispatchCombineHandle& h, uintptr_t input, int dataType, int hiddenDim,
+             int64_t inputRows, uintptr_t weights, int64_t weightRows, int blockNum,
+             int warpPerBlock, uintptr_t stream) {
+        ops::EpCombineArgs a;
+        a.input = Ptr<const void>(input);
+        a.dataType = DataTypeFromInt(dataType, name);
+        a.hiddenDim = hiddenDim;
+        a.inputRows = inputRows;
+        a.weights = Ptr<const float>(weights);
+        a.weightRows = weightRows;
+        a.blockNum = blockNum;
+        a.warpPerBlock = warpPerBlock;
+        (h.*kCall)(a, reinterpret_cast<gpuStream_t>(stream));
+      },
+      py::arg("input"), py::arg("data_type"), py::arg("hidden_dim"), py::arg("input_rows"),
+      py::arg("weights"), py::arg("weight_rows"), py::arg("block_num"), py::arg("warp_per_block"),
+      py::arg("stream"));
+}
+
 }  // namespace
 
 void RegisterOpsBindings(py::module_& m) {
@@ -260,7 +284,10 @@ void RegisterOpsBindings(py::module_& m) {
       },
       py::arg("config"), py::arg("warp_size") = core::kWarpSize);
 
-  py::class_<EpDispatchCombineHandle>(o, "EpDispatchCombineHandle")
+  py::class_<EpDispatchCombineHandle> handleCls(o, "EpDispatchCombineHandle");
+  DefCombineCall<&EpDispatchCombineHandle::Combine>(handleCls, "combine");
+  DefCombineCall<&EpDispatchCombineHandle::CombineSend>(handleCls, "combine_send");
+  handleCls
       .def(py::init<const EpDispatchCombineConfig&>(), py::arg("config"),
            py::call_guard<py::gil_scoped_release>(),
            "Collective: allocate and zero the buffers on every PE (needs shmem initialised)")
@@ -292,23 +319,32 @@ void RegisterOpsBindings(py::module_& m) {
           py::arg("quant_out_type") = static_cast<int>(ops::EpDataType::kFp8E4M3Fn),
           py::arg("check_expert_ids") = true)
       .def(
-          "combine",
-          [](EpDispatchCombineHandle& h, uintptr_t input, int dataType, int hiddenDim,
-             int64_t inputRows, uintptr_t weights, int64_t weightRows, int blockNum,
+          "convert_dispatch_output",
+          [](EpDispatchCombineHandle& h, int blockNum, int warpPerBlock, uintptr_t stream) {
+            ops::EpToExpertMajorArgs a;
+            a.blockNum = blockNum;
+            a.warpPerBlock = warpPerBlock;
+            h.ConvertDispatchOutput(a, reinterpret_cast<gpuStream_t>(stream));
+          },
+          py::arg("block_num"), py::arg("warp_per_block"), py::arg("stream"))
+      .def(
+          "convert_combine_input",
+          [](EpDispatchCombineHandle& h, uintptr_t expertOut, int dataType, int hiddenDim,
+             int64_t expertRows, uintptr_t weights, int64_t weightRows, int blockNum,
              int warpPerBlock, uintptr_t stream) {
-            ops::EpCombineArgs a;
-            a.input = Ptr<const void>(input);
-            a.dataType = DataTypeFromInt(dataType, "combine");
+            ops::EpFromExpertMajorArgs a;
+            a.expertOut = Ptr<const void>(expertOut);
+            a.dataType = DataTypeFromInt(dataType, "convert_combine_input");
             a.hiddenDim = hiddenDim;
-            a.inputRows = inputRows;
+            a.expertRows = expertRows;
             a.weights = Ptr<const float>(weights);
             a.weightRows = weightRows;
             a.blockNum = blockNum;
             a.warpPerBlock = warpPerBlock;
-            h.Combine(a, reinterpret_cast<gpuStream_t>(stream));
+            h.ConvertCombineInput(a, reinterpret_cast<gpuStream_t>(stream));
           },
-          py::arg("input"), py::arg("data_type"), py::arg("hidden_dim"), py::arg("input_rows"),
-          py::arg("weights"), py::arg("weight_rows"), py::arg("block_num"),
+          py::arg("expert_out"), py::arg("data_type"), py::arg("hidden_dim"),
+          py::arg("expert_rows"), py::arg("weights"), py::arg("weight_rows"), py::arg("block_num"),
           py::arg("warp_per_block"), py::arg("stream"))
       .def(
           "convert_dispatch_output",
@@ -338,6 +374,12 @@ void RegisterOpsBindings(py::module_& m) {
           py::arg("expert_out"), py::arg("data_type"), py::arg("hidden_dim"),
           py::arg("expert_rows"), py::arg("weights"), py::arg("weight_rows"), py::arg("block_num"),
           py::arg("warp_per_block"), py::arg("stream"))
+      .def(
+          "combine_recv",
+          [](EpDispatchCombineHandle& h, uintptr_t stream) {
+            h.CombineReceive(reinterpret_cast<gpuStream_t>(stream));
+          },
+          py::arg("stream"))
       .def(
           "reset",
           [](EpDispatchCombineHandle& h, uintptr_t stream) {

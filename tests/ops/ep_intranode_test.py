@@ -604,6 +604,80 @@ def case_combine_back_to_back(env):
     _raise_on_counters(env, spec, op, cnt, None, "back-to-back combines", 40)
 
 
+def case_split_phase_combine(env):
+    """combine_send / combine_recv (push combine): the halves with a matmul between them give the
+    fused combine's outputs bit-exactly, back to back (alternating x and 2x) and replayed from a
+    CUDA graph holding send, matmul and receive; misuse raises InvalidUsageError on every rank and
+    the op stays usable. InterNode ops refuse combine_send."""
+    torch = env.torch
+    mori = env.mori
+    errors = []
+    spec = Spec(H=2048, M=128, iters=1, seed=39, poison=False, mode="external")
+    op = roundtrip(env, spec, label="warm-up")
+    data = make_data(env, spec, 0, 39)
+    X, IDX, WT, SC, Ts = data
+    r = env.rank
+    cdt = torch.bfloat16
+    sel = IDX[r, : Ts[r]].contiguous()
+    op.dispatch(X[r, : Ts[r]].contiguous(), WT[r, : Ts[r]].contiguous(), None, sel)
+    out_tok = op._view("dispatch_tokens", "dispatch_out_tokens", (env.W * spec.M, 2048), cdt)
+    out_w = op._view("dispatch_weights", "dispatch_out_weights", (env.W * spec.M, spec.K), torch.float32)
+    inputs = [(expert_fn(out_tok, r, cdt), out_w * float(r + 1))]
+    inputs.append((inputs[0][0] * 2, inputs[0][1] * 2))
+    if env.args.kernel_type != "IntraNode":
+        expect_usage_error(mori, errors, "combine_send on an InterNode op", lambda: op.combine_send(*inputs[0], sel),
+                           "push combine")
+        if errors:
+            raise CaseFailure("; ".join(errors))
+        return
+    a = torch.randn((1024, 1024), device=env.dev)
+    env.barrier()
+    fused = [tuple(t.clone() for t in op.combine(x, w, sel)) for x, w in inputs]
+    split = []
+    for i in range(6):
+        x, w = inputs[i % 2]
+        op.combine_send(x, w, sel)
+        b = a @ a  # any work between the halves
+        out, ow = op.combine_recv()
+        split.append((out.clone(), ow.clone()))
+        del b
+    # misuse: every rank makes the same calls, so every rank raises (nothing is launched)
+    expect_usage_error(mori, errors, "combine_recv without combine_send", lambda: op.combine_recv(), "no combine_send")
+    op.combine_send(*inputs[0], sel)
+    expect_usage_error(mori, errors, "combine_send twice", lambda: op.combine_send(*inputs[0], sel), "pending")
+    expect_usage_error(mori, errors, "combine while a send is pending", lambda: op.combine(*inputs[0], sel), "pending")
+    expect_usage_error(mori, errors, "dispatch while a send is pending",
+                       lambda: op.dispatch(X[r, : Ts[r]].contiguous(), None, None, sel), "pending")
+    split.append(tuple(t.clone() for t in op.combine_recv()))
+    # a CUDA graph of send, matmul, receive (the receive half's outputs are the op's buffers)
+    s = torch.cuda.Stream(device=env.dev)
+    s.wait_stream(torch.cuda.current_stream())
+    torch.cuda.synchronize()
+    env.barrier()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        op.combine_send(*inputs[1], sel)
+        b = a @ a
+        gout, gow = op.combine_recv()
+    for _ in range(3):
+        env.barrier()
+        g.replay()
+        torch.cuda.synchronize()
+        split.append((gout.clone(), gow.clone()))
+    del g, b
+    torch.cuda.synchronize()
+    mori.shmem.shmem_check_device_error()
+    for i, (out, ow) in enumerate(split):
+        want = fused[1] if (i < 6 and i % 2 == 1) or i > 6 else fused[0]
+        if not (torch.equal(out.view(torch.int16), want[0].view(torch.int16)) and torch.equal(ow, want[1])):
+            errors.append(f"split-phase combine {i} differs from the fused combine")
+    cnt = torch.zeros(len(C_NAMES), dtype=torch.int64, device=env.dev)
+    verify_combine(env, spec, op, fused[0][0], fused[0][1], data, cnt, False, 0, cdt)
+    _raise_on_counters(env, spec, op, cnt, None, "fused combine (reference of the split ones)", 1)
+    if errors:
+        raise CaseFailure("; ".join(errors[:6]))
+
+
 def case_cuda_graph(env):
     torch = env.torch
     mori = env.mori
@@ -1558,6 +1632,7 @@ CASES = [
     ("launch_shapes", case_launch_shapes),
     ("dispatch_only_and_combine_only_loops", case_dispatch_only_loop),
     ("combine_back_to_back", case_combine_back_to_back),
+    ("split_phase_combine", case_split_phase_combine),
     ("cuda_graph_replay", case_cuda_graph),
     ("bad_inputs", case_bad_inputs),
     ("config_mismatch_across_ranks", case_config_mismatch_across_ranks),

@@ -313,6 +313,7 @@ class EpDispatchCombineOp(ExpertMajorMixin):
         self._num_experts = config.num_experts
         self._views = {}
         self._last = None  # (num_tokens, dtype, hidden, index dtype, scales dtype, has weights)
+        self._pending_combine = None  # (dtype, hidden, has weights) of a combine_send until combine_recv
         self._last_dispatch_stream = None  # (handle, torch stream or None) of the last dispatch
         self._trace = None  # mori.ops.trace.OpTrace once enable_trace was called
 
@@ -573,34 +574,68 @@ class EpDispatchCombineOp(ExpertMajorMixin):
         chosen by the input's address), call_reset (reset() first: a no-op). Keyword-only: copy,
         stream as in dispatch.
         Returns (out_tokens [num_tokens, hidden], out_weights [num_tokens, K] or None)."""
+        args = self._combine_args("combine", input, weights, indices, rdma_block_num, use_external_inp_buf,
+                                  call_reset)
+        launch = self._stream(stream)
+        self._h().combine(*args, int(block_num), int(warp_per_block), launch[0])
+        return self._combine_outputs(input.dtype, int(input.shape[1]), weights is not None, launch, copy)
+
+    def combine_send(self, input, weights, indices, block_num=-1, rdma_block_num=-1, warp_per_block=-1,
+                     use_external_inp_buf=-1, call_reset=False, *, stream=None):
+        """First half of a split-phase combine (ROCm/mori's name): this rank's rows go to their
+        tokens' ranks and the call returns without any SM waiting for a peer; any GPU work may
+        run before combine_recv(), which completes it. Arguments as combine(). The input and
+        weights must stay unchanged until combine_recv has run. Needs the push combine (kernel_type
+        IntraNode, max_num_inp_token_per_rank <= 256); other ops raise mori.InvalidUsageError.
+        Until combine_recv, dispatch/combine/combine_send raise. Returns None."""
+        args = self._combine_args("combine_send", input, weights, indices, rdma_block_num,
+                                  use_external_inp_buf, call_reset)
+        launch = self._stream(stream)
+        self._h().combine_send(*args, int(block_num), int(warp_per_block), launch[0])
+        self._pending_combine = (input.dtype, int(input.shape[1]), weights is not None)
+
+    def combine_recv(self, *, copy=False, stream=None):
+        """Second half of a split-phase combine: waits for every rank's rows and returns what
+        combine() would have returned for combine_send's arguments."""
+        h = self._h()
+        pending = self._pending_combine
+        if pending is None:
+            raise _usage("combine_recv: no combine_send is pending")
+        launch = self._stream(stream)
+        self._pending_combine = None
+        h.combine_recv(launch[0])
+        return self._combine_outputs(*pending, launch, copy)
+
+    def _combine_args(self, what, input, weights, indices, rdma_block_num, use_external_inp_buf, call_reset):
+        """The checks only a tensor can answer, then the native combine's leading arguments."""
         _check_rdma_block_num(rdma_block_num)
         if isinstance(use_external_inp_buf, bool):
             use_external_inp_buf = int(use_external_inp_buf)
         if not isinstance(use_external_inp_buf, int) or use_external_inp_buf not in (-1, 0, 1):
-            raise _usage(f"combine: use_external_inp_buf must be -1, 0 or 1 (or a bool), got {use_external_inp_buf!r}")
+            raise _usage(f"{what}: use_external_inp_buf must be -1, 0 or 1 (or a bool), got {use_external_inp_buf!r}")
         torch = _torch()
         h = self._h()
         if self._last is None:
-            raise _usage("combine: no dispatch yet (combine returns the tokens of the last dispatch)")
+            raise _usage(f"{what}: no dispatch yet (combine returns the tokens of the last dispatch)")
         num_tokens = self._last[0]
-        self._check_tensor("combine: input", input, 2)
+        self._check_tensor(f"{what}: input", input, 2)
         # Which dtypes combine sums, sizes and alignment: checked by the native handle.
         if input.dtype not in _dtype_codes(torch):
             raise _usage(
-                f"combine: input dtype {input.dtype} is not supported; combine sums bfloat16, float16 or "
+                f"{what}: input dtype {input.dtype} is not supported; combine sums bfloat16, float16 or "
                 "float32 rows"
             )
         rows, hidden = int(input.shape[0]), int(input.shape[1])
         weight_rows = 0
         if weights is not None:
-            self._check_tensor("combine: weights", weights, 2)
+            self._check_tensor(f"{what}: weights", weights, 2)
             if weights.dtype != torch.float32:
-                raise _usage(f"combine: weights must be float32, got {weights.dtype}")
+                raise _usage(f"{what}: weights must be float32, got {weights.dtype}")
             if int(weights.shape[1]) != self._K:
-                raise _usage(f"combine: weights must have {self._K} columns, got shape {tuple(weights.shape)}")
+                raise _usage(f"{what}: weights must have {self._K} columns, got shape {tuple(weights.shape)}")
             weight_rows = int(weights.shape[0])
         if indices is not None:
-            self._check_indices(indices, num_tokens, "combine")
+            self._check_indices(indices, num_tokens, what)
         if call_reset:
             self.reset()
         # An empty tensor may have no address: pass any other valid one (the kernel copies 0 rows,
@@ -609,21 +644,14 @@ class EpDispatchCombineOp(ExpertMajorMixin):
         weights_ptr = 0
         if weights is not None:
             weights_ptr = weights.data_ptr() if weight_rows > 0 else h.combine_out_weights
-        launch = self._stream(stream)
-        h.combine(
-            input_ptr,
-            _dtype_codes(torch)[input.dtype],
-            hidden,
-            rows,
-            weights_ptr,
-            weight_rows,
-            int(block_num),
-            int(warp_per_block),
-            launch[0],
-        )
-        out = self._view("combine_tokens", "combine_out_tokens", (self._M, hidden), input.dtype)[:num_tokens]
+        return input_ptr, _dtype_codes(torch)[input.dtype], hidden, rows, weights_ptr, weight_rows
+
+    def _combine_outputs(self, dtype, hidden, has_weights, launch, copy):
+        torch = _torch()
+        num_tokens = self._last[0]
+        out = self._view("combine_tokens", "combine_out_tokens", (self._M, hidden), dtype)[:num_tokens]
         out_w = None
-        if weights is not None:
+        if has_weights:
             out_w = self._view("combine_weights", "combine_out_weights", (self._M, self._K), torch.float32)[:num_tokens]
         if copy:
             # Copied on the current stream after the kernel; the launch stream waits for the copy.

@@ -391,6 +391,10 @@ void EpDispatchCombineHandle::ConvertDispatchOutput(const EpToExpertMajorArgs& a
 void EpDispatchCombineHandle::ConvertCombineInput(const EpFromExpertMajorArgs& args,
                                                   gpuStream_t stream) {
   CheckUsable("convert_combine_input");
+  MORI_ENSURE(!pendingCombine, InvalidUsageError,
+              "EP convert_combine_input on PE %d: a combine_send is pending (it reads the "
+              "registered combine input); call combine_recv first",
+              config.rank);
   const EpDispatchCombineConfig& c = config;
   MORI_ENSURE(lastNumTokens >= 0, InvalidUsageError,
               "EP convert_combine_input: no dispatch yet (it takes back the rows of the last "

@@ -379,6 +379,9 @@ void EpDispatchCombineHandle::TakeExpertIdError(const char* what) {
 
 void EpDispatchCombineHandle::Dispatch(const EpDispatchArgs& args, gpuStream_t stream) {
   CheckUsable("dispatch");
+  MORI_ENSURE(!pendingCombine, InvalidUsageError,
+              "EP dispatch on PE %d: a combine_send is pending; call combine_recv first",
+              config.rank);
   TakeExpertIdError("dispatch");
   const EpDispatchCombineConfig& c = config;
   MORI_ENSURE(EpDataTypeIsValid(static_cast<int32_t>(args.dataType)), InvalidUsageError,
@@ -478,8 +481,41 @@ void EpDispatchCombineHandle::Dispatch(const EpDispatchArgs& args, gpuStream_t s
 }
 
 void EpDispatchCombineHandle::Combine(const EpCombineArgs& args, gpuStream_t stream) {
-  CheckUsable("combine");
-  TakeExpertIdError("combine");
+  LaunchCombineCall(args, EpCombinePhase::kBoth, stream);
+}
+
+void EpDispatchCombineHandle::CombineSend(const EpCombineArgs& args, gpuStream_t stream) {
+  LaunchCombineCall(args, EpCombinePhase::kSend, stream);
+  pendingCombine = true;
+  pendingCombineArgs = args;
+}
+
+void EpDispatchCombineHandle::CombineReceive(gpuStream_t stream) {
+  const bool pending = pendingCombine;
+  pendingCombine = false;  // the pair ends here even if a check or the launch below fails
+  CheckUsable("combine_recv");
+  MORI_ENSURE(pending, InvalidUsageError, "EP combine_recv: no combine_send is pending on PE %d",
+              config.rank);
+  LaunchCombineCall(pendingCombineArgs, EpCombinePhase::kReceive, stream);
+}
+
+void EpDispatchCombineHandle::LaunchCombineCall(const EpCombineArgs& args, EpCombinePhase phase,
+                                                gpuStream_t stream) {
+  const char* what = phase == EpCombinePhase::kBoth
+                         ? "combine"
+                         : (phase == EpCombinePhase::kSend ? "combine_send" : "combine_recv");
+  CheckUsable(what);
+  if (phase != EpCombinePhase::kReceive) {
+    MORI_ENSURE(!pendingCombine, InvalidUsageError,
+                "EP %s on PE %d: a combine_send is pending; call combine_recv first", what,
+                config.rank);
+    MORI_ENSURE(phase == EpCombinePhase::kBoth || backend->PushCombine(), InvalidUsageError,
+                "EP combine_send: split-phase combine needs the push combine (kernel_type "
+                "IntraNode, max_num_inp_token_per_rank <= 256, MORI_EP_COMBINE_PUSH on); this op "
+                "uses the %s combine",
+                backend->Family() == EpFamily::kIntraNode ? "pull" : "InterNode");
+    TakeExpertIdError(what);  // never between the halves: the receive half always launches
+  }
   const EpDispatchCombineConfig& c = config;
   MORI_ENSURE(lastNumTokens >= 0, InvalidUsageError,
               "EP combine: no dispatch yet (combine returns the rows of the last dispatch)");
@@ -541,6 +577,8 @@ void EpDispatchCombineHandle::Combine(const EpCombineArgs& args, gpuStream_t str
   // warps reduce twice in a row while others idle, two rounds of peer-load latency).
   const int parts = detail::EpPartsPerRow(lastNumTokens, totalWarps, vecs);
   k.partsPerToken = parts;
+  k.phase = phase;
+  if (phase == EpCombinePhase::kSend) k.c.trace = nullptr;  // a trace records the receive half
   backend->LaunchCombine(k, args, c.MaxNumRecvTokens(), blocks, warps * core::kWarpSize, stream);
 }
 

@@ -84,6 +84,12 @@ MORI_HD_INLINE void EpUnpackBadExpertId(uint64_t w, int* token, int* k, long lon
   *id = static_cast<int32_t>(static_cast<uint32_t>(w));
 }
 
+// Which part of the push combine a launch runs. kSend stores our rows into their tokens' PEs and
+// publishes them (no wait on any peer); kReceive waits for every PE's rows for our tokens and sums
+// them. A split-phase combine is a kSend launch, any work, then a kReceive launch with the same
+// arguments; both use the same epoch (only kReceive advances it).
+enum class EpCombinePhase : int32_t { kBoth = 0, kSend = 1, kReceive = 2 };
+
 struct EpCombineKernelArgs {
   EpKernelCommon c;
   const uint8_t* inTokens;  // source of the copy when copyTokens
@@ -101,6 +107,7 @@ struct EpCombineKernelArgs {
   int32_t dataType;       // EpDataType, for the cross-PE format check
   int32_t partsPerToken;  // warps sharing one token's row (small batches)
   int32_t staged;         // 1: peer rows arrive by bulk copies into shared memory
+  EpCombinePhase phase;   // push combine only: both halves, or one of a split-phase call
 };
 // The push combine (intranode_combine_push.cpp) reads its input in place: inTokens/inWeights are
 // this PE's rows (registered buffer, dispatch output or the caller's tensor; inWeights nullptr:

@@ -19,6 +19,9 @@
 //   4. Each token's rows are summed in fp32 in ascending PE order, exactly as the pull combine:
 //      the row from PE d is in pushRecvTokens[t][d], ours is in our input at the token's slot.
 //   5. The last block checks and resets pushArrived and bumps the combine epoch.
+// Split phase (EpCombinePhase): a kSend launch runs steps 1-2 and returns (no wait on any peer), a
+// later kReceive launch with the same arguments steps 3-5. The argument below holds unchanged: a
+// PE's next kSend comes after its kReceive on its stream.
 // Why the receive slots of a parity are free when a PE pushes call k+2 into them: it finished
 // call k+1 first, which needed every PE's signal of call k+1, which each PE stores after it
 // finished call k (the last reader of those slots). The same holds for the counters and signals.
@@ -73,6 +76,8 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
       At<uint64_t>(c.symmLocal, c.symm.pushArrived) + EpPushArrivedIndex(parity, 0, W);
 
   uint64_t* const tr = start.trace;  // phase trace (trace_device.hpp), nullptr: off
+  const bool doSend = a.phase != EpCombinePhase::kReceive;  // steps 1-2
+  const bool doRecv = a.phase != EpCombinePhase::kSend;     // steps 3-5
   if (tid == 0) {
     sFailed = 0;
     // Same verdict in every block; block 0 records it.
@@ -90,7 +95,7 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
   __syncthreads();
 
   // ---- 1. our format, and done, to every PE ---------------------------------------------------
-  if (blockIdx.x == 0 && tid == 0 && sFailed == 0) {
+  if (doSend && blockIdx.x == 0 && tid == 0 && sFailed == 0) {
     const size_t readySlot = EpReadyInboxIndex(parity, me, W);
     SignalStoreAll(
         W, [&](int p) { return At<EpSignal>(PeerBlock(c, p), c.symm.readyInbox) + readySlot; },
@@ -102,7 +107,7 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
   }
 
   // ---- 2. push the rows we hold to their tokens' PEs ----------------------------------------
-  if (sFailed == 0) {
+  if (doSend && sFailed == 0) {
     int selfBegin = 0;
     for (int s = 0; s < me; s++) selfBegin += c.state->recvCount[s];
     const int selfCount = c.state->recvCount[me];
@@ -164,7 +169,7 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
   // One release fence per block (as dispatch): the barrier orders every thread's stores before
   // thread 0's cumulative fence; the counter adds after it publish them.
   __syncthreads();
-  if (tid == 0) {
+  if (doSend && tid == 0) {
     bool any = false;
     for (int p = 0; p < W; p++) any = any || sPushed[p] != 0;
     if (any) {
@@ -177,6 +182,12 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
       }
     }
     EpTraceStamp(tr, kEpCombineSent);
+  }
+
+  if (!doRecv) {
+    // Send only: a failure here fails the receive half (which checks combineFailed at its end).
+    if (tid == 0 && sFailed != 0) atomicOr(&c.state->combineFailed, 1u);
+    return;
   }
 
   // ---- 3. every PE's rows for our tokens have arrived ---------------------------------------

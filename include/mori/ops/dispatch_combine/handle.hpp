@@ -38,6 +38,8 @@
 
 namespace mori::ops {
 
+enum class EpCombinePhase : int32_t;  // src/ops/dispatch_combine/intranode.hpp
+
 struct EpDispatchArgs {
   const void* input = nullptr;  // [numTokens][hiddenDim] of dataType, 16-byte aligned
   EpDataType dataType = EpDataType::kBFloat16;
@@ -120,6 +122,15 @@ class EpDispatchCombineHandle {
 
   void Dispatch(const EpDispatchArgs& args, gpuStream_t stream);
   void Combine(const EpCombineArgs& args, gpuStream_t stream);
+  // Split-phase combine (push combine only: IntraNode, small-batch config): CombineSend stores this
+  // PE's rows into their tokens' PEs and returns without waiting on any peer; any work may run
+  // before CombineReceive, which waits for every PE's rows and writes the outputs Combine would.
+  // The input and weights must stay unchanged until CombineReceive has run (it reads this PE's
+  // own rows from them). Between the two only CombineReceive is accepted (Dispatch, Combine and
+  // a second CombineSend raise InvalidUsageError); both halves may be graph-captured.
+  void CombineSend(const EpCombineArgs& args, gpuStream_t stream);
+  void CombineReceive(gpuStream_t stream);
+  bool CombinePending() const { return pendingCombine; }
   // Expert-major layout of the last dispatch's received rows: for local expert e, slot s <
   // ExpertMajorCounts()[e], row e * Rmax + s of ExpertMajorTokens() (and of ExpertMajorScales()
   // when the config has scales) is received row ExpertMajorSrcRows()[e * Rmax + s], whose
@@ -220,6 +231,11 @@ class EpDispatchCombineHandle {
   uint64_t initGeneration =
       0;  // shmem's init generation at construction (notices finalize/re-init)
   shmem::ShmemDeviceContext shmemCtx{};
+  // The last CombineSend's arguments, until its CombineReceive.
+  bool pendingCombine = false;
+  EpCombineArgs pendingCombineArgs{};
+  // Combine's checks and launch, for one phase of the push combine (kBoth: the whole combine).
+  void LaunchCombineCall(const EpCombineArgs& args, EpCombinePhase phase, gpuStream_t stream);
   int lastNumTokens = -1;
   uint32_t lastRowBytes = 0;
   // Mapped pinned word the dispatch kernel records the first out-of-range expert id in.
