@@ -347,34 +347,6 @@ void RegisterOpsBindings(py::module_& m) {
           py::arg("expert_rows"), py::arg("weights"), py::arg("weight_rows"), py::arg("block_num"),
           py::arg("warp_per_block"), py::arg("stream"))
       .def(
-          "convert_dispatch_output",
-          [](EpDispatchCombineHandle& h, int blockNum, int warpPerBlock, uintptr_t stream) {
-            ops::EpToExpertMajorArgs a;
-            a.blockNum = blockNum;
-            a.warpPerBlock = warpPerBlock;
-            h.ConvertDispatchOutput(a, reinterpret_cast<gpuStream_t>(stream));
-          },
-          py::arg("block_num"), py::arg("warp_per_block"), py::arg("stream"))
-      .def(
-          "convert_combine_input",
-          [](EpDispatchCombineHandle& h, uintptr_t expertOut, int dataType, int hiddenDim,
-             int64_t expertRows, uintptr_t weights, int64_t weightRows, int blockNum,
-             int warpPerBlock, uintptr_t stream) {
-            ops::EpFromExpertMajorArgs a;
-            a.expertOut = Ptr<const void>(expertOut);
-            a.dataType = DataTypeFromInt(dataType, "convert_combine_input");
-            a.hiddenDim = hiddenDim;
-            a.expertRows = expertRows;
-            a.weights = Ptr<const float>(weights);
-            a.weightRows = weightRows;
-            a.blockNum = blockNum;
-            a.warpPerBlock = warpPerBlock;
-            h.ConvertCombineInput(a, reinterpret_cast<gpuStream_t>(stream));
-          },
-          py::arg("expert_out"), py::arg("data_type"), py::arg("hidden_dim"),
-          py::arg("expert_rows"), py::arg("weights"), py::arg("weight_rows"), py::arg("block_num"),
-          py::arg("warp_per_block"), py::arg("stream"))
-      .def(
           "combine_recv",
           [](EpDispatchCombineHandle& h, uintptr_t stream) {
             h.CombineReceive(reinterpret_cast<gpuStream_t>(stream));

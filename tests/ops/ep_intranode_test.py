@@ -641,6 +641,17 @@ def case_split_phase_combine(env):
         out, ow = op.combine_recv()
         split.append((out.clone(), ow.clone()))
         del b
+    # a temporary input (its only reference is the op's, until combine_recv) and the receive on
+    # another stream (it waits for the send half)
+    other = torch.cuda.Stream(device=env.dev)
+    op.combine_send(inputs[0][0].clone(), inputs[0][1].clone(), sel)
+    junk = [torch.full((1 << 20,), 7.0, device=env.dev) for _ in range(8)]  # reuses freed memory
+    other.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(other):
+        out, ow = op.combine_recv()
+        split.append((out.clone(), ow.clone()))
+    torch.cuda.current_stream().wait_stream(other)
+    del junk
     # misuse: every rank makes the same calls, so every rank raises (nothing is launched)
     expect_usage_error(mori, errors, "combine_recv without combine_send", lambda: op.combine_recv(), "no combine_send")
     op.combine_send(*inputs[0], sel)
@@ -668,7 +679,9 @@ def case_split_phase_combine(env):
     torch.cuda.synchronize()
     mori.shmem.shmem_check_device_error()
     for i, (out, ow) in enumerate(split):
-        want = fused[1] if (i < 6 and i % 2 == 1) or i > 6 else fused[0]
+        # 0-5 alternate x, 2x; 6: temporary x on another stream; 7: x (after the misuse checks);
+        # 8-10: graph replays of 2x
+        want = fused[1] if (i < 6 and i % 2 == 1) or i > 7 else fused[0]
         if not (torch.equal(out.view(torch.int16), want[0].view(torch.int16)) and torch.equal(ow, want[1])):
             errors.append(f"split-phase combine {i} differs from the fused combine")
     cnt = torch.zeros(len(C_NAMES), dtype=torch.int64, device=env.dev)

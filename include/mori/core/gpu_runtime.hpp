@@ -123,6 +123,7 @@ using gpuPointerAttributes_t = cudaPointerAttributes;
 #define gpuEventDisableTiming MORI_GPU_NAME(EventDisableTiming)
 #define gpuEventDestroy MORI_GPU_NAME(EventDestroy)
 #define gpuEventRecord MORI_GPU_NAME(EventRecord)
+#define gpuStreamWaitEvent MORI_GPU_NAME(StreamWaitEvent)
 #define gpuEventQuery MORI_GPU_NAME(EventQuery)
 #define gpuEventSynchronize MORI_GPU_NAME(EventSynchronize)
 #define gpuEventElapsedTime MORI_GPU_NAME(EventElapsedTime)

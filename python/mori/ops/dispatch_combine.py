@@ -313,7 +313,7 @@ class EpDispatchCombineOp(ExpertMajorMixin):
         self._num_experts = config.num_experts
         self._views = {}
         self._last = None  # (num_tokens, dtype, hidden, index dtype, scales dtype, has weights)
-        self._pending_combine = None  # (dtype, hidden, has weights) of a combine_send until combine_recv
+        self._pending_combine = None  # (dtype, hidden, has weights, input, weights) of a combine_send
         self._last_dispatch_stream = None  # (handle, torch stream or None) of the last dispatch
         self._trace = None  # mori.ops.trace.OpTrace once enable_trace was called
 
@@ -592,7 +592,9 @@ class EpDispatchCombineOp(ExpertMajorMixin):
                                   use_external_inp_buf, call_reset)
         launch = self._stream(stream)
         self._h().combine_send(*args, int(block_num), int(warp_per_block), launch[0])
-        self._pending_combine = (input.dtype, int(input.shape[1]), weights is not None)
+        # The receive half reads this rank's own rows from input/weights: keep them alive (their
+        # memory must not be reused by work between the halves).
+        self._pending_combine = (input.dtype, int(input.shape[1]), weights is not None, input, weights)
 
     def combine_recv(self, *, copy=False, stream=None):
         """Second half of a split-phase combine: waits for every rank's rows and returns what
@@ -604,7 +606,7 @@ class EpDispatchCombineOp(ExpertMajorMixin):
         launch = self._stream(stream)
         self._pending_combine = None
         h.combine_recv(launch[0])
-        return self._combine_outputs(*pending, launch, copy)
+        return self._combine_outputs(*pending[:3], launch, copy)
 
     def _combine_args(self, what, input, weights, indices, rdma_block_num, use_external_inp_buf, call_reset):
         """The checks only a tensor can answer, then the native combine's leading arguments."""
@@ -724,6 +726,8 @@ class EpDispatchCombineOp(ExpertMajorMixin):
         during calls."""
         torch = _torch()
         h = self._h()
+        if self._pending_combine is not None:
+            raise _usage("debug_fill_buffers: a combine_send is pending (its receive half reads these buffers)")
         bases = {"symmetric": h.symmetric_base, "local": h.local_base, "expert_major": h.expert_major_base}
         for block, _name, offset, nbytes, role in ep_layout(self.config)["regions"]:
             if role == "output" and nbytes > 0 and bases[block] != 0:  # expert_major: 0 until used

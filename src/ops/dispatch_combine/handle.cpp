@@ -164,6 +164,8 @@ EpDispatchCombineHandle::~EpDispatchCombineHandle() {
     MORI_WARN(kLogOps, "EP handle: destroying the op on PE %d failed (unknown exception)",
               config.rank);
   }
+  if (combineSentEvent != nullptr && !shmem::ShmemProcessExiting())
+    (void)gpuEventDestroy(combineSentEvent);
 }
 
 void EpDispatchCombineHandle::Release() {
@@ -224,7 +226,7 @@ void EpDispatchCombineHandle::Release() {
   if (firstError) std::rethrow_exception(firstError);
 }
 
-void EpDispatchCombineHandle::CheckUsable(const char* what) const {
+void EpDispatchCombineHandle::CheckUsable(const char* what, bool refuseOnDeviceError) const {
   MORI_ENSURE(symmBase != nullptr, InvalidUsageError, "EP %s: the op was released", what);
   MORI_ENSURE(shmem::ShmemIsInitialized(), InvalidUsageError,
               "EP %s: shmem was finalized; this op's buffers are gone (create a new op after "
@@ -239,7 +241,7 @@ void EpDispatchCombineHandle::CheckUsable(const char* what) const {
   // After a device-side timeout or abort every bounded wait gives up at once: a kernel launched
   // now would only abort, and its half-done signals would put this PE out of step.
   std::string pending;
-  if (shmem::ShmemDeviceErrorPending(&pending))
+  if (refuseOnDeviceError && shmem::ShmemDeviceErrorPending(&pending))
     MORI_THROW(TimeoutError,
                "EP %s refused: a device-side error is pending on this PE (%s). Read it with "
                "shmem_check_device_error() (op.check_device_error() in Python), which clears it; "
@@ -367,7 +369,7 @@ void EpDispatchCombineHandle::TakeExpertIdError(const char* what) {
   int token = 0, k = 0;
   long long id = 0;
   EpUnpackBadExpertId(seen, &token, &k, &id);
-  const bool call = std::strcmp(what, "dispatch") == 0 || std::strcmp(what, "combine") == 0;
+  const bool call = std::strcmp(what, "check_device_error") != 0;
   MORI_THROW(InvalidUsageError,
              "EP %s on PE %d: an earlier dispatch on this PE got expert id %lld for token %d "
              "(top-k slot %d), outside [-1, %d) (num_experts); it was treated as -1 (no expert)%s",
@@ -485,17 +487,20 @@ void EpDispatchCombineHandle::Combine(const EpCombineArgs& args, gpuStream_t str
 }
 
 void EpDispatchCombineHandle::CombineSend(const EpCombineArgs& args, gpuStream_t stream) {
+  if (combineSentEvent == nullptr)
+    MORI_CHECK_GPU(gpuEventCreateWithFlags(&combineSentEvent, gpuEventDisableTiming));
   LaunchCombineCall(args, EpCombinePhase::kSend, stream);
   pendingCombine = true;
   pendingCombineArgs = args;
+  MORI_CHECK_GPU(gpuEventRecord(combineSentEvent, stream));
 }
 
 void EpDispatchCombineHandle::CombineReceive(gpuStream_t stream) {
-  const bool pending = pendingCombine;
-  pendingCombine = false;  // the pair ends here even if a check or the launch below fails
-  CheckUsable("combine_recv");
-  MORI_ENSURE(pending, InvalidUsageError, "EP combine_recv: no combine_send is pending on PE %d",
-              config.rank);
+  CheckUsable("combine_recv", false);
+  MORI_ENSURE(pendingCombine, InvalidUsageError,
+              "EP combine_recv: no combine_send is pending on PE %d", config.rank);
+  pendingCombine = false;  // the pair ends here even if the launch below fails
+  MORI_CHECK_GPU(gpuStreamWaitEvent(stream, combineSentEvent, 0));
   LaunchCombineCall(pendingCombineArgs, EpCombinePhase::kReceive, stream);
 }
 
@@ -504,7 +509,7 @@ void EpDispatchCombineHandle::LaunchCombineCall(const EpCombineArgs& args, EpCom
   const char* what = phase == EpCombinePhase::kBoth
                          ? "combine"
                          : (phase == EpCombinePhase::kSend ? "combine_send" : "combine_recv");
-  CheckUsable(what);
+  CheckUsable(what, phase != EpCombinePhase::kReceive);
   if (phase != EpCombinePhase::kReceive) {
     MORI_ENSURE(!pendingCombine, InvalidUsageError,
                 "EP %s on PE %d: a combine_send is pending; call combine_recv first", what,

@@ -127,7 +127,10 @@ class EpDispatchCombineHandle {
   // before CombineReceive, which waits for every PE's rows and writes the outputs Combine would.
   // The input and weights must stay unchanged until CombineReceive has run (it reads this PE's
   // own rows from them). Between the two only CombineReceive is accepted (Dispatch, Combine and
-  // a second CombineSend raise InvalidUsageError); both halves may be graph-captured.
+  // a second CombineSend raise InvalidUsageError). The halves may run on different streams (the
+  // receive waits for the send); both eager, or both captured in the same graph. Once a send
+  // has launched, CombineReceive launches even while a device error is pending (the kernel's
+  // waits then end at once), so the PEs stay in step.
   void CombineSend(const EpCombineArgs& args, gpuStream_t stream);
   void CombineReceive(gpuStream_t stream);
   bool CombinePending() const { return pendingCombine; }
@@ -210,7 +213,8 @@ class EpDispatchCombineHandle {
   EpTraceClockSample SampleTraceClock() const;
 
  private:
-  void CheckUsable(const char* what) const;
+  // refuseOnDeviceError = false: every check but the pending device error (the receive half).
+  void CheckUsable(const char* what, bool refuseOnDeviceError = true) const;
   // Bytes of a row of `hiddenDim` elements of `dataType`; raises InvalidUsageError (naming `what`)
   // when the hidden size, the element size or the row's 16-byte multiple does not fit the config.
   size_t CheckedRowBytes(const char* what, EpDataType dataType, int hiddenDim) const;
@@ -231,9 +235,11 @@ class EpDispatchCombineHandle {
   uint64_t initGeneration =
       0;  // shmem's init generation at construction (notices finalize/re-init)
   shmem::ShmemDeviceContext shmemCtx{};
-  // The last CombineSend's arguments, until its CombineReceive.
+  // The last CombineSend's arguments, until its CombineReceive, and an event recorded after the
+  // send kernel (the receive's stream waits for it: the halves may run on different streams).
   bool pendingCombine = false;
   EpCombineArgs pendingCombineArgs{};
+  gpuEvent_t combineSentEvent = nullptr;
   // Combine's checks and launch, for one phase of the push combine (kBoth: the whole combine).
   void LaunchCombineCall(const EpCombineArgs& args, EpCombinePhase phase, gpuStream_t stream);
   int lastNumTokens = -1;
