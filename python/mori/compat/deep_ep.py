@@ -311,6 +311,8 @@ def dispatch_layout(topk_idx, num_experts, num_ranks, gpu_per_node):
     in_rank = in_rank[:, :W].contiguous()
     per_rdma = None
     if gpu_per_node < W:
+        if W % gpu_per_node != 0:
+            raise _usage(f"get_dispatch_layout: {W} ranks do not form nodes of {gpu_per_node} GPUs")
         per_rdma = in_rank.view(T, W // gpu_per_node, gpu_per_node).any(2).sum(0).to(torch.int32)
     return in_rank.sum(0).to(torch.int32), per_rdma, per_expert[:E].to(torch.int32), in_rank
 
@@ -382,6 +384,8 @@ class Buffer:
             raise _usage(f"Buffer: mori.shmem is initialised with {shmem.shmem_npes()} PEs (this PE "
                          f"{shmem.shmem_mype()}) but the group has {self.group_size} ranks (this rank {self.rank}); "
                          "one shmem world per process: initialise it over this group")
+        elif _live_shmem_owners:  # shmem a Buffer initialised: finalised when the last Buffer goes
+            _live_shmem_owners.append(self)
         self._num_nodes = shmem.shmem_num_nodes()
         self._gpu_per_node = shmem.shmem_local_size()
         self.num_rdma_ranks = self._num_nodes
@@ -441,8 +445,8 @@ class Buffer:
         _refuse_if(self._destroyed, f"Buffer.{what}: the buffer was destroyed")
 
     def destroy(self):
-        """Collective: closes every op (in creation order, as every rank created them) and, if this
-        Buffer initialised mori.shmem and no other live Buffer did, finalises it. Needs
+        """Collective: closes every op (in creation order, as every rank created them) and, if a
+        Buffer initialised mori.shmem and this is the last live Buffer, finalises it. Needs
         explicitly_destroy=True (as DeepEP); without it the ops are released when dropped."""
         _refuse_if(not self.explicitly_destroy, "Buffer.destroy: explicitly_destroy must be set at construction")
         self._alive("destroy")
@@ -451,7 +455,7 @@ class Buffer:
         self._ll_combine_inputs.clear()
         for s in slots:
             s.op.close()
-        if self._owns_shmem:
+        if self in _live_shmem_owners:
             _live_shmem_owners.remove(self)
             if not _live_shmem_owners:
                 from .. import shmem
@@ -598,7 +602,9 @@ class Buffer:
         (ordered by source rank, then source token), recv_topk_idx in local expert ids with -1
         for other ranks' experts (weights 0 there), the per-local-expert counts as a Python list
         rounded up to expert_alignment (this synchronises with the GPU, as in DeepEP).
-        num_worst_tokens > 0: no host synchronisation; outputs have num_worst_tokens rows (rows
+        num_worst_tokens > 0: no synchronisation for the count list (the per-dispatch capacity
+        agreement still reads a count on the host unless the Buffer has num_max_tokens_per_rank);
+        outputs have num_worst_tokens rows (rows
         past the received count: topk_idx -1, weights 0, x unspecified), the count list is empty,
         and a dispatch receiving more rows is an attributed device error.
         handle given (cached layout): x goes where that dispatch's tokens went; returns
@@ -726,11 +732,12 @@ class Buffer:
             out, _, out_s, _, _ = slot.op.dispatch(x, None, x_scales, routing.topk_idx, block_num=blocks)
             slot.current = routing
             recv_x = ctx.empty((n, H), out.dtype)
-            recv_x.copy_(out[:n])
+            m = min(n, int(out.shape[0]))  # num_worst_tokens may exceed the op's receive rows
+            recv_x[:m].copy_(out[:m])
             recv_s = None
             if out_s is not None:
                 recv_s = ctx.empty((n, int(out_s.shape[1])), out_s.dtype)
-                recv_s.copy_(out_s[:n])
+                recv_s[:m].copy_(out_s[:m])
         return ((recv_x, recv_s) if recv_s is not None else recv_x), None, None, None, None, ctx.event
 
     def _check_handle(self, handle, cls, what):
