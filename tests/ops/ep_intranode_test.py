@@ -343,8 +343,7 @@ def spec_op(env, spec):
 def roundtrip(env, spec, op=None, label=""):
     """Runs spec.iters dispatch+combine round trips and checks them; raises CaseFailure."""
     torch = env.torch
-    mori = env.mori
-    W, r = env.W, env.rank
+    r = env.rank
     if op is None:
         op = spec_op(env, spec)
     cnt = torch.zeros(len(C_NAMES), dtype=torch.int64, device=env.dev)
@@ -570,24 +569,34 @@ def case_dispatch_only_loop(env):
     _raise_on_counters(env, spec2, op, cnt, None, "combine loop", 30)
 
 
+def combine_inputs_of_one_dispatch(env, seed):
+    """A warmed-up op (H 2048, M 128, external input), one dispatch of seed's data, and two combine
+    inputs of its rows: x = the experts' rows with weights * (rank + 1), and 2x (the sums scale
+    exactly). Returns (op, spec, data, sel = this rank's indices, [(x, w), (2x, 2w)])."""
+    torch = env.torch
+    spec = Spec(H=2048, M=128, iters=1, seed=seed, poison=False, mode="external")
+    op = roundtrip(env, spec, label="warm-up")
+    data = make_data(env, spec, 0, seed)
+    X, IDX, WT, SC, Ts = data
+    r = env.rank
+    cdt = torch.bfloat16
+    sel = IDX[r, : Ts[r]].contiguous()
+    op.dispatch(X[r, : Ts[r]].contiguous(), WT[r, : Ts[r]].contiguous(), None, sel)
+    out_tok = op._view("dispatch_tokens", "dispatch_out_tokens", (env.W * spec.M, 2048), cdt)
+    out_w = op._view("dispatch_weights", "dispatch_out_weights", (env.W * spec.M, spec.K), torch.float32)
+    inputs = [(expert_fn(out_tok, r, cdt), out_w * float(r + 1))]
+    inputs.append((inputs[0][0] * 2, inputs[0][1] * 2))
+    return op, spec, data, sel, inputs
+
+
 def case_combine_back_to_back(env):
     """40 combines of one dispatch's rows, launched back to back (no host sync, no other work
     between them), alternating the input x and 2x (the sums scale exactly): a PE may run one call
     ahead of another, and its rows must not land in the buffers the other is still summing."""
     torch = env.torch
-    spec = Spec(H=2048, M=128, iters=1, seed=38, poison=False, mode="external")
-    op = roundtrip(env, spec, label="warm-up")
-    data = make_data(env, spec, 0, 38)
-    X, IDX, WT, SC, Ts = data
-    r = env.rank
     cdt = torch.bfloat16
     cnt = torch.zeros(len(C_NAMES), dtype=torch.int64, device=env.dev)
-    op.dispatch(X[r, : Ts[r]].contiguous(), WT[r, : Ts[r]].contiguous(), None, IDX[r, : Ts[r]].contiguous())
-    out_tok = op._view("dispatch_tokens", "dispatch_out_tokens", (env.W * spec.M, 2048), cdt)
-    out_w = op._view("dispatch_weights", "dispatch_out_weights", (env.W * spec.M, spec.K), torch.float32)
-    inputs = [(expert_fn(out_tok, r, cdt), out_w * float(r + 1))]
-    inputs.append((inputs[0][0] * 2, inputs[0][1] * 2))
-    sel = IDX[r, : Ts[r]].contiguous()
+    op, spec, data, sel, inputs = combine_inputs_of_one_dispatch(env, 38)
     env.barrier()
     results = []
     for i in range(40):
@@ -612,18 +621,10 @@ def case_split_phase_combine(env):
     torch = env.torch
     mori = env.mori
     errors = []
-    spec = Spec(H=2048, M=128, iters=1, seed=39, poison=False, mode="external")
-    op = roundtrip(env, spec, label="warm-up")
-    data = make_data(env, spec, 0, 39)
+    op, spec, data, sel, inputs = combine_inputs_of_one_dispatch(env, 39)
     X, IDX, WT, SC, Ts = data
     r = env.rank
     cdt = torch.bfloat16
-    sel = IDX[r, : Ts[r]].contiguous()
-    op.dispatch(X[r, : Ts[r]].contiguous(), WT[r, : Ts[r]].contiguous(), None, sel)
-    out_tok = op._view("dispatch_tokens", "dispatch_out_tokens", (env.W * spec.M, 2048), cdt)
-    out_w = op._view("dispatch_weights", "dispatch_out_weights", (env.W * spec.M, spec.K), torch.float32)
-    inputs = [(expert_fn(out_tok, r, cdt), out_w * float(r + 1))]
-    inputs.append((inputs[0][0] * 2, inputs[0][1] * 2))
     if env.args.kernel_type != "IntraNode":
         expect_usage_error(mori, errors, "combine_send on an InterNode op", lambda: op.combine_send(*inputs[0], sel),
                            "push combine")
@@ -1426,7 +1427,7 @@ def case_standard_moe_bad_inputs(env):
     checked round trip follows). Also: the first conversion of an op inside a graph capture."""
     torch = env.torch
     mori = env.mori
-    r, W = env.rank, env.W
+    W = env.W
     spec = Spec(H=256, K=4, Epr=4, M=64, seed=78)
     op = spec_op(env, spec)
     T, H, K, Epr, R = 32, 256, 4, 4, op.max_num_tokens_to_recv()

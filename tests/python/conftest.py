@@ -55,6 +55,24 @@ def subprocess_env():
 
 
 @pytest.fixture
+def run_case_script(subprocess_env):
+    """run_case_script(script, nranks, ncases): runs the GPU worker of test file `script` on
+    `nranks` ranks (tests/ops/ep_test_utils.run_case_script); skipped where torch is missing."""
+
+    def run(script, nranks, ncases):
+        if importlib.util.find_spec("torch") is None:
+            pytest.skip("NEEDS TORCH: torch is not installed for " + sys.executable)
+        env = dict(subprocess_env)
+        env["MORI_BUILD_DIR"] = os.environ.get("MORI_BUILD_DIR", "")
+        sys.path.insert(0, os.path.join(REPO_ROOT, "tests", "ops"))
+        import ep_test_utils as U
+
+        U.run_case_script(os.path.abspath(script), nranks, env, ncases)
+
+    return run
+
+
+@pytest.fixture
 def run_python(subprocess_env):
     """run_python(code, env_overrides=None) -> CompletedProcess (text, captured)."""
 

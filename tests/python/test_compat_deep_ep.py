@@ -226,17 +226,8 @@ if UNDER_PYTEST:
     # --- the GPU part -----------------------------------------------------------------------------
     @needs_gpu
     @pytest.mark.parametrize("nranks", [2, 4])
-    def test_deep_ep_buffer_on_gpu(nranks, subprocess_env):
-        import importlib.util
-
-        if importlib.util.find_spec("torch") is None:
-            pytest.skip("NEEDS TORCH: torch is not installed for " + sys.executable)
-        env = dict(subprocess_env)
-        env["MORI_BUILD_DIR"] = os.environ.get("MORI_BUILD_DIR", "")
-        sys.path.insert(0, os.path.join(REPO, "tests", "ops"))
-        import ep_test_utils as U
-
-        U.run_case_script(os.path.abspath(__file__), nranks, env, len(GPU_CASES))
+    def test_deep_ep_buffer_on_gpu(nranks, run_case_script):
+        run_case_script(__file__, nranks, len(GPU_CASES))
 
 
 # --- GPU worker (run as a script) ----------------------------------------------------------------

@@ -169,7 +169,7 @@ class InterNodeBackend final : public EpBackend {
                 static_cast<long long>(depth));
     if (emulated) runAhead = std::make_unique<RunAheadBound>(static_cast<int>(depth), pe);
     // One channel (QP 0 of shmem's QPs to each peer) whatever num_qp_per_pe says: spreading the
-    // posts over several QPs (EpKernelCommon::qpChannels) has not been run on a GPU yet.
+    // posts over several QPs (RdmaWrite) has not been run on a GPU yet.
     if (c.numQpPerPe > 1)
       MORI_WARN(
           kLogOps,

@@ -25,8 +25,6 @@ class EpBackend {
   // Most blocks one launch may use on a GPU of `numSms` SMs (every block must be resident: they
   // wait on each other), before the family's own minimum.
   virtual int MaxBlocks(int numSms) const { return numSms; }
-  // RDMA channels per peer the kernels spread their work requests over (EpKernelCommon).
-  virtual int QpChannels() const { return 1; }
   virtual void LaunchDispatch(const EpDispatchKernelArgs& k, EpIndexType indexType, int blocks,
                               int threads, size_t smemBytes, gpuStream_t stream) = 0;
   // `k` is filled by the shell as for the pull combine (sources, copies, outputs, parts per

@@ -337,7 +337,6 @@ void EpDispatchCombineHandle::FillCommonArgs(EpKernelCommon* common) const {
   common->localSize =
       c.kernelType == EpDispatchCombineKernelType::kIntraNode ? c.worldSize : c.LocalSize();
   common->maxRecvRows = c.MaxNumRecvTokens();
-  common->qpChannels = backend->QpChannels();
   common->shmem = shmemCtx;
   common->symmHeapOffset = symmHeapOffset;
   common->symm = symmLayout;

@@ -24,10 +24,9 @@ struct EpKernelCommon {
   int32_t maxTokensPerRank;   // M
   int32_t numExpertsPerRank;  // Epr
   int32_t numExperts;
-  int32_t topK;         // K
-  int32_t localSize;    // PEs per node (node of PE p: p / localSize)
-  int32_t maxRecvRows;  // receive capacity (config MaxNumRecvTokens)
-  int32_t qpChannels;   // RDMA channels per peer: a warp posts on channel (global warp) % this
+  int32_t topK;                     // K
+  int32_t localSize;                // PEs per node (node of PE p: p / localSize)
+  int32_t maxRecvRows;              // receive capacity (config MaxNumRecvTokens)
   shmem::ShmemDeviceContext shmem;  // peers' heaps (P2P), RDMA endpoints, the wait context
   uint64_t symmHeapOffset;          // offset of the handle's symmetric block in every heap
   EpSymmetricLayout symm;           // offsets inside that block

@@ -193,13 +193,11 @@ MORI_DEVICE_INLINE bool EpCountWait(const EpKernelCommon& c, const core::WaitCon
 }
 
 // RDMA WRITE of `bytes` from `src` (in this PE's heap, or <= 64 bytes from anywhere) to PE pe's
-// copy of our symmetric address `dst`, on the calling warp's channel to pe (c.qpChannels of them:
-// a later write of the same thread lands after it). Failures are recorded by the shmem device API.
+// copy of our symmetric address `dst`, on QP 0 to pe (every write of the op on one QP: RC order
+// holds between any two of them). Failures are recorded by the shmem device API.
 MORI_DEVICE_INLINE bool RdmaWrite(const EpKernelCommon& c, int pe, void* dst, const void* src,
                                   size_t bytes) {
-  const uint32_t warp = (blockIdx.x * blockDim.x + threadIdx.x) / core::kWarpSize;
-  return bytes == 0 || shmem::ShmemPutMemNbiThreadQp(c.shmem, dst, src, bytes, pe,
-                                                     warp % static_cast<uint32_t>(c.qpChannels));
+  return bytes == 0 || shmem::ShmemPutMemNbiThreadQp(c.shmem, dst, src, bytes, pe, 0);
 }
 
 // ---------------------------------------------------------------------------------------------
