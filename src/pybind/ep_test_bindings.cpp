@@ -1,6 +1,7 @@
 // mori._C._testing: the host-callable work splits of the EP kernels (src/ops/dispatch_combine),
 // bound so that tests check the functions the kernels call rather than copies of them
-// (tests/python/test_ep_kernel_model.py, tests/ops/test_ep_block_roles.py). Not an API.
+// (tests/python/test_ep_kernel_model.py, tests/ops/test_ep_block_roles.py), and the two reference
+// kernels of the one-rank benchmark (tools/bench/ep_bench.py --kernel-baselines). Not an API.
 // Compiled by the GPU compiler: the helpers live in the kernels' device headers.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -13,6 +14,7 @@
 #include "../ops/dispatch_combine/combine_reduce.hpp"
 #include "../ops/dispatch_combine/fp8_quant.hpp"
 #include "../ops/dispatch_combine/intranode_device.hpp"
+#include "mori/core/gpu_check.hpp"
 #include "pybind_common.hpp"
 
 namespace mori::pybind {
@@ -26,6 +28,27 @@ using Role = std::tuple<int, int, int>;  // (dest, g, G)
 // here instead of faulting.
 void Require(bool ok, const char* what) {
   if (!ok) throw py::value_error(what);
+}
+
+// The benchmark's copy baseline: the grid copy the EP kernels use (16-byte elements, kCopyUnroll
+// loads in flight per thread), over the same blocks and threads as the kernel it is compared with.
+__global__ void BaselineCopyKernel(uint8_t* dst, const uint8_t* src, size_t bytes) {
+  ep::GridCopy16(dst, src, bytes);
+}
+
+// The benchmark's launch-cost baseline.
+__global__ void BaselineEmptyKernel() {}
+
+void LaunchBaseline(bool copy, uintptr_t dst, uintptr_t src, size_t bytes, int blocks, int threads,
+                    uintptr_t stream) {
+  Require(blocks >= 1 && threads >= 1 && threads <= 1024, "need blocks >= 1, 1 <= threads <= 1024");
+  const auto s = reinterpret_cast<gpuStream_t>(stream);
+  gpuError_t err =
+      copy ? core::GpuLaunchKernel(BaselineCopyKernel, dim3(blocks), dim3(threads), 0, s, false,
+                                   reinterpret_cast<uint8_t*>(dst),
+                                   reinterpret_cast<const uint8_t*>(src), bytes)
+           : core::GpuLaunchKernel(BaselineEmptyKernel, dim3(blocks), dim3(threads), 0, s, false);
+  MORI_CHECK_GPU(err);
 }
 
 Role BlockRole(int b, int nb, int world, int me) {
@@ -133,6 +156,25 @@ void RegisterEpTestBindings(py::module_& m) {
         return core::Fp8Encode(x, fnuz ? core::Fp8Format::kE4M3Fnuz : core::Fp8Format::kE4M3Fn);
       },
       py::arg("x"), py::arg("fnuz") = false, "core::Fp8Encode (the kernels' fp32 -> e4m3 cast)");
+  t.def(
+      "grid_copy",
+      [](uintptr_t dst, uintptr_t src, size_t bytes, int blocks, int threads, uintptr_t stream) {
+        Require(
+            bytes % 16 == 0 && dst % 16 == 0 && src % 16 == 0,
+            "grid_copy copies 16-byte elements: bytes and both addresses must be multiples of 16");
+        LaunchBaseline(true, dst, src, bytes, blocks, threads, stream);
+      },
+      py::arg("dst"), py::arg("src"), py::arg("bytes"), py::arg("blocks"), py::arg("threads"),
+      py::arg("stream") = 0,
+      "Launches the EP kernels' grid copy (GridCopy16) of `bytes` bytes on blocks x threads "
+      "(device addresses; asynchronous on `stream`)");
+  t.def(
+      "empty_kernel",
+      [](int blocks, int threads, uintptr_t stream) {
+        LaunchBaseline(false, 0, 0, 0, blocks, threads, stream);
+      },
+      py::arg("blocks") = 1, py::arg("threads") = 32, py::arg("stream") = 0,
+      "Launches an empty kernel (asynchronous on `stream`)");
 }
 
 }  // namespace mori::pybind

@@ -1173,19 +1173,31 @@ def case_destroy_while_peers_combine(env):
         env.barrier()
         return free
 
+    trace_iters = os.environ.get("MORI_TEST_TRACE_ITERS", "") not in ("", "0")
+    t_start = time.monotonic()
+
+    def step(it, what):  # MORI_TEST_TRACE_ITERS=1: each rank's host steps, for a stalled run
+        if trace_iters:
+            print(f"[rank {r}] {time.monotonic() - t_start:8.3f} s it {it}: {what}", flush=True)
+
     for it in range(20):
+        step(it, "create")
         op = mori.ops.EpDispatchCombineOp(small_cfg(env, hidden_dim=H, max_num_inp_token_per_rank=M), check_inputs=False)
+        step(it, "created")
         local_bytes, symm_bytes = op.local_bytes, op.symmetric_bytes
         outs = op.dispatch(x, w, None, idx)
         cin = op.get_registered_combine_input_buffer(cdt, H)
         cin.copy_(expert_fn(outs[0], r, cdt))
         cw = outs[1] * float(r + 1)
+        step(it, "dispatch launched")
         out, ow = op.combine(cin, cw, idx, block_num=c_launch[0], warp_per_block=c_launch[1])
+        step(it, "combine launched")
         out, ow = out.clone(), ow.clone()
         del outs, cin, cw
         if it % 2 == 0:
             op.close()
         del op  # odd iterations: the destructor releases
+        step(it, "released")
         block = mori.shmem.shmem_malloc(symm_bytes)
         pattern = mori.shmem.tensor_from_ptr(block, (symm_bytes,), torch.uint8, env.dev)
         pattern.fill_(0x5A)

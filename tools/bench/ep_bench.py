@@ -164,6 +164,7 @@ class Bench:
 
             secs, lw, _ = self.sweep(f"dispatch {kind}", T, launches, fac, n_inner, n_rep)
             self.record(f"{name} dispatch {kind}", secs, recv * rb, recv_remote * rb, lw)
+            self.kernel_baselines(f"{name} dispatch {kind}", recv * rb, lw, n_inner, n_rep)
         # combine (BF16, zero-copy): expert output = the dispatched BF16 rows
         outs = op.dispatch(x, w, None, idx)
         buf = op.get_registered_combine_input_buffer(torch.bfloat16, HIDDEN)
@@ -178,6 +179,7 @@ class Bench:
 
         secs, lw, _ = self.sweep("combine BF16", T, launches, cfac, n_inner, n_rep)
         self.record(f"{name} combine BF16", secs, recv * row_bf16, recv_remote * row_bf16, lw)
+        self.kernel_baselines(f"{name} combine BF16", recv * row_bf16, lw, n_inner, n_rep)
         # correctness spot check: combine of unchanged rows = x * (number of destination ranks)
         out, _ = op.combine(buf, wbuf, idx)
         ndest = mask.sum(1, keepdim=True).float()
@@ -193,6 +195,32 @@ class Bench:
             self.baseline(name, x, x8, scales, idx, w, recv, recv_remote, dispatch_kinds)
         op.close()
         return symm_mib
+
+    def kernel_baselines(self, label, nbytes, launch, n_inner, n_rep):
+        """--kernel-baselines: in the same run, the library's plain grid copy of the phase's logical
+        bytes (read once, written once) on the phase's best blocks x warps, and an empty kernel,
+        both replayed in CUDA graphs like the phase. The copy sets what one rank's kernel could
+        reach on those SMs; the empty kernel its fixed launch cost."""
+        if not self.args.kernel_baselines:
+            return
+        torch = self.torch
+        t = self.mori._C._testing
+        nbytes = max(16, (nbytes + 15) // 16 * 16)
+        src = torch.empty(nbytes, dtype=torch.uint8, device=self.dev).random_(0, 255)
+        dst = torch.empty_like(src)
+        blocks, threads = launch[0], launch[1] * 32
+
+        def copy():
+            t.grid_copy(dst.data_ptr(), src.data_ptr(), nbytes, blocks, threads,
+                        torch.cuda.current_stream().cuda_stream)
+
+        secs = self.time_calls(copy, 10, n_rep)
+        if not torch.equal(dst, src):
+            raise RuntimeError("kernel baseline: the grid copy did not copy")
+        secs = max(self.allgather(secs))
+        self.record(f"{label} [copy kernel]", secs, nbytes, 0, launch)
+        secs = self.time_calls(lambda: t.empty_kernel(1, 32, torch.cuda.current_stream().cuda_stream), 50, n_rep)
+        self.record(f"{label} [empty kernel]", max(self.allgather(secs)), 0, 0, (1, 1))
 
     def record(self, label, secs, logical, physical, launch):
         gl = [b / secs / 1e9 for b in self.allgather(logical)]
@@ -282,6 +310,7 @@ def print_results(rows, symm, setup, linked, four_gpus):
     if linked:
         cols.append(("physical GB/s", 13))
     cols += [("blocks x warps (SMs)", 20), ("vs torch", 8)]
+    # On a [copy kernel] row the last column is the phase's efficiency: copy time / phase time.
     print("| " + " | ".join(f"{n:<{w}}" if n == "phase" else f"{n:>{w}}" for n, w in cols) + " |")
     print("|" + "|".join("-" * (w + 2) for _, w in cols) + "|")
     torch_us = {r["label"].replace(" [torch]", ""): r["us"] for r in rows if r["label"].endswith("[torch]")}
@@ -289,6 +318,9 @@ def print_results(rows, symm, setup, linked, four_gpus):
         lw = f"{r['launch'][0]} x {r['launch'][1]} ({r['launch'][0]})" if r["launch"] else "-"
         base = torch_us.get(r["label"].replace(" (external input)", ""))
         sp = f"{base / r['us']:.1f}x" if base and not r["label"].endswith("[torch]") else ""
+        if r["label"].endswith("[copy kernel]"):  # the phase's time / the copy's: efficiency vs copy
+            op_us = next((o["us"] for o in rows if o["label"] == r["label"].replace(" [copy kernel]", "")), None)
+            sp = f"{r['us'] / op_us:.2f}" if op_us else ""
         cells = [f"{r['label']:<34}", f"{r['us']:>9.1f}", f"{r['gl_mean']:>7.1f} / {r['gl_min']:>5.1f}"]
         if linked:
             cells.append(f"{r['gp_mean']:>13.1f}")
@@ -378,6 +410,10 @@ def main():
     p.add_argument("--ht-grid", default="", help='HT sweep "blocks,...:warps,..." (e.g. "20,24:16")')
     p.add_argument("--ll-grid", default="", help='LL sweep "blocks,...:warps,..." (e.g. "64,132:4,8")')
     p.add_argument("--no-baseline", action="store_true")
+    p.add_argument("--kernel-baselines", action="store_true",
+                   help="also time the library's grid copy of each phase's bytes on its best launch, and "
+                        "an empty kernel (one-rank kernel efficiency; the last column of a [copy kernel] "
+                        "row is copy time / phase time)")
     args = p.parse_args()
     nproc = args.nproc
     if nproc <= 0 and "LOCAL_RANK" not in os.environ:
