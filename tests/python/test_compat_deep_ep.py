@@ -340,6 +340,30 @@ if UNDER_PYTEST:
         with ev as inner:
             assert inner is ev and ev.event is None
 
+    # --- tools/bench/compat_overhead.py: what runs without a GPU ---------------------------------
+    def test_overhead_bench_arguments_plan_and_table(subprocess_env):
+        import importlib.util
+        import subprocess
+
+        path = os.path.join(REPO, "tools", "bench", "compat_overhead.py")
+        spec = importlib.util.spec_from_file_location("compat_overhead", path)
+        bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench)
+        a = bench.parse_args(["--rows", "ll combine", "--iters", "3", "--nproc", "2"])
+        assert (a.iters, a.nproc, a.reps) == (3, 2, 5)
+        assert [r[0] for r in bench.selected_rows(a)] == ["ll combine, weights sent", "ll combine, weights round"]
+        assert len(bench.selected_rows(bench.parse_args([]))) == len(bench.ROWS)
+        for bad in (["--hidden", "100"], ["--iters", "0"], ["--topk", "64", "--experts-per-rank", "8"]):
+            with pytest.raises(SystemExit):
+                bench.parse_args(bad)
+        table = bench.format_table([("ht combine", 12.0, 4.5, 30.0, 21.0)], "header").splitlines()
+        assert table[0] == "header" and "overhead" in table[1]
+        assert table[2].split()[2:] == ["12.0", "4.5", "7.5", "|", "30.0", "21.0", "9.0"]
+        out = subprocess.run([sys.executable, path, "--dry-run"], env=subprocess_env, capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert all(name in out.stdout for name, _, _ in bench.ROWS)
+
     # --- the GPU part -----------------------------------------------------------------------------
     @needs_gpu
     @pytest.mark.parametrize("nranks", [2, 4])
