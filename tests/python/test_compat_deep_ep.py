@@ -17,7 +17,9 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
-UNDER_PYTEST = __name__ not in ("__main__", "__mp_main__")
+# Under pytest the tests are defined too; run as a script, in the ranks it spawns, and when another
+# GPU worker imports this one for its helpers (test_compat_engine_sequences.py), only the worker.
+UNDER_PYTEST = __name__ not in ("__main__", "__mp_main__") and "pytest" in sys.modules
 
 
 def layout_reference(ids, num_experts, num_ranks, gpu_per_node):
@@ -130,10 +132,13 @@ if UNDER_PYTEST:
                 num_experts_per_token=8, gpu_per_node=8))
 
         assert deep_ep.Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256) == 2 * sym(7168, 56) + sym(8, 0)
+        # DeepEP's hint takes any hidden (its layout reserves hidden // 128 scales): so does this one.
+        # FP8 dispatch of such rows is what needs hidden % 128 == 0, refused at the call.
+        assert deep_ep.Buffer.get_low_latency_rdma_size_hint(128, 7000, 8, 256) == 2 * sym(7000, 54) + sym(8, 0)
+        assert deep_ep.Buffer.get_low_latency_rdma_size_hint(
+            num_max_dispatch_tokens_per_rank=128, hidden=100, num_ranks=8, num_experts=256) == 2 * sym(100, 0) + sym(8, 0)
         with pytest.raises(mori.InvalidUsageError, match="multiple of num_ranks"):
             deep_ep.Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 100)
-        with pytest.raises(mori.InvalidUsageError, match="multiple of 128"):
-            deep_ep.Buffer.get_low_latency_rdma_size_hint(128, 7000, 8, 256)
         with pytest.raises(mori.InvalidUsageError, match="num_ranks must be in"):
             deep_ep.Buffer.get_low_latency_rdma_size_hint(128, 7168, 64, 256)
 
@@ -178,6 +183,7 @@ if UNDER_PYTEST:
         b = deep_ep.Buffer.__new__(deep_ep.Buffer)
         b._destroyed, b.low_latency_mode, b.group_size, b.rank = False, low_latency_mode, world, 0
         b._ops_by_key, b._slots, b.explicitly_destroy = {}, [], False
+        b._ll_idx_bad = None
         return b
 
     def test_calls_refuse_before_touching_tensors():
@@ -217,11 +223,146 @@ if UNDER_PYTEST:
         with pytest.raises(mori.InvalidUsageError, match="the buffer was destroyed"):
             b.dispatch("x")
 
+    class _FakeCuda:
+        """Just enough of torch.cuda for _OnComm, logging what each stream is asked to do."""
+
+        def __init__(self):
+            self.log = []
+            self.compute, self.comm = self.Stream(self, "compute"), self.Stream(self, "comm")
+            self.current = self.compute
+
+        class Stream:
+            def __init__(self, cuda, name):
+                self.cuda, self.name = cuda, name
+
+            def wait_event(self, event):
+                self.cuda.log.append((self.name, "wait_event", event))
+
+            def wait_stream(self, other):
+                self.cuda.log.append((self.name, "wait_stream", other.name))
+
+        def current_stream(self, device=None):
+            return self.current
+
+        def stream(self, s):
+            cuda = self
+
+            class Guard:
+                def __enter__(self):
+                    self.prev, cuda.current = cuda.current, s
+
+                def __exit__(self, *exc):
+                    cuda.current = self.prev
+
+            return Guard()
+
+        def Event(self):
+            cuda = self
+
+            class Event:
+                def record(self, s):
+                    cuda.log.append((s.name, "record", self))
+
+            return Event()
+
+        def is_current_stream_capturing(self):
+            return False
+
+    class _FakeTensor:
+        def __init__(self, cuda, name):
+            self.cuda, self.name = cuda, name
+
+        def contiguous(self):
+            self.cuda.log.append((self.cuda.current.name, "contiguous", self.name))
+            return _FakeTensor(self.cuda, self.name + " (copy)")
+
+        def record_stream(self, s):
+            self.cuda.log.append((s.name, "record_stream", self.name))
+
+    @pytest.mark.parametrize("handle_event", [False, True])
+    def test_previous_event_orders_the_adapters_own_input_copies(monkeypatch, handle_event):
+        """With previous_event the comm stream waits for that event only (DeepEP's rule), so the
+        copies the adapter makes of its inputs must run on the comm stream after that wait: on the
+        caller's stream, after the event, nothing would order them before the op reads them."""
+        import types
+
+        cuda = _FakeCuda()
+        monkeypatch.setattr(deep_ep, "_torch", lambda: types.SimpleNamespace(cuda=cuda))
+        buf = types.SimpleNamespace(_device="dev", _comm_stream=cuda.comm)
+        prev = deep_ep.EventOverlap(deep_ep.EventHandle() if handle_event else "event")
+        raw = prev.event.event if handle_event else "event"
+        cuda.log.clear()
+        with deep_ep._OnComm(buf, prev, True, False) as ctx:
+            staged = ctx.stage(_FakeTensor(cuda, "x"))
+            assert ctx.stage(None) is None
+        assert staged.name == "x (copy)"
+        assert cuda.log[0] == ("comm", "wait_event", raw)  # first the wait, with EventHandle unwrapped
+        assert cuda.log[1] == ("comm", "contiguous", "x")  # then the copy, on the comm stream
+        assert not any(entry[1] == "wait_stream" for entry in cuda.log)  # the event alone orders it
+        assert ("comm", "record_stream", "x") in cuda.log  # the caller's tensor outlives the comm stream's read
+        assert cuda.log[-1][:2] == ("comm", "record") and ctx.event.event is cuda.log[-1][2]
+        cuda.log.clear()
+        with deep_ep._OnComm(buf, None, False, False) as ctx:  # no event: the caller's stream orders it
+            ctx.stage(_FakeTensor(cuda, "x"))
+        assert cuda.log[:2] == [("comm", "wait_stream", "compute"), ("comm", "contiguous", "x")]
+        assert cuda.log[-1] == ("compute", "wait_stream", "comm") and ctx.event.event is None
+
+    @needs_torch
+    def test_low_latency_combine_argument_rules_on_cpu():
+        """(CPU tensors, no op): the combine's topk_idx must be an integer tensor; a dispatch that
+        sent topk_weights fixes the combine's weights to that tensor on every rank."""
+        import types
+
+        import torch
+
+        b = _detached()
+        b._device = torch.device("cpu")
+        op = types.SimpleNamespace(config=types.SimpleNamespace(num_experts_per_token=2, num_experts_per_rank=2),
+                                   max_num_tokens_to_recv=lambda: 8)
+        slot = deep_ep._OpSlot(op, ("ll", 1))
+        b._ops_by_key[slot.key] = slot
+        ids = torch.zeros((3, 2), dtype=torch.int64)
+        w = torch.ones((3, 2))
+        routing = deep_ep._Routing(ids.clone(), 3, weights=(w, w._version), caller_idx=(ids, ids._version))
+        h = deep_ep.LowLatencyHandle(b, slot, routing, 4, 16, 8, None)
+        x = torch.zeros((2, 8, 16), dtype=torch.bfloat16)
+        with pytest.raises(mori.InvalidUsageError, match="topk_idx must be torch.int64 or torch.int32"):
+            b.low_latency_combine(x, ids.float(), w, h)
+        with pytest.raises(mori.InvalidUsageError, match="pass that same tensor, unmodified"):
+            b.low_latency_combine(x, ids, w.clone(), h)
+        w.mul_(2)  # the same tensor, modified after the dispatch sent it
+        with pytest.raises(mori.InvalidUsageError, match="pass that same tensor, unmodified"):
+            b.low_latency_combine(x, ids, w, h)
+
     def test_event_overlap_without_event():
         ev = deep_ep.EventOverlap()
         ev.current_stream_wait()  # nothing to wait for: the call already ordered the caller's stream
         with ev as inner:
             assert inner is ev and ev.event is None
+
+    # --- tools/bench/compat_overhead.py: what runs without a GPU ---------------------------------
+    def test_overhead_bench_arguments_plan_and_table(subprocess_env):
+        import importlib.util
+        import subprocess
+
+        path = os.path.join(REPO, "tools", "bench", "compat_overhead.py")
+        spec = importlib.util.spec_from_file_location("compat_overhead", path)
+        bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench)
+        a = bench.parse_args(["--rows", "ll combine", "--iters", "3", "--nproc", "2"])
+        assert (a.iters, a.nproc, a.reps) == (3, 2, 5)
+        assert [r[0] for r in bench.selected_rows(a)] == ["ll combine, weights sent", "ll combine, weights round"]
+        assert len(bench.selected_rows(bench.parse_args([]))) == len(bench.ROWS)
+        for bad in (["--hidden", "100"], ["--iters", "0"], ["--topk", "64", "--experts-per-rank", "8"]):
+            with pytest.raises(SystemExit):
+                bench.parse_args(bad)
+        table = bench.format_table([("ht combine", 12.0, 4.5, 30.0, 21.0)], "header").splitlines()
+        assert table[0] == "header" and "overhead" in table[1]
+        assert table[2].split()[2:] == ["12.0", "4.5", "7.5", "|", "30.0", "21.0", "9.0"]
+        out = subprocess.run([sys.executable, path, "--dry-run"], env=subprocess_env, capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert all(name in out.stdout for name, _, _ in bench.ROWS)
 
     # --- the GPU part -----------------------------------------------------------------------------
     @needs_gpu
@@ -234,11 +375,11 @@ if UNDER_PYTEST:
 H, EPR, K = 512, 4, 4  # hidden, experts per rank, top-k
 
 
-def _inputs(torch, rank, world, seed, n, device, neg=False):
-    """Every rank can generate every rank's inputs: x [n, H] bf16, ids [n, K] int64 (distinct),
-    weights [n, K] float32."""
+def _inputs(torch, rank, world, seed, n, device, neg=False, hidden=H):
+    """Every rank can generate every rank's inputs: x [n, hidden] bf16, ids [n, K] int64
+    (distinct), weights [n, K] float32."""
     g = torch.Generator(device="cpu").manual_seed(7919 * seed + rank)
-    x = torch.randn((n, H), generator=g).to(torch.bfloat16)
+    x = torch.randn((n, hidden), generator=g).to(torch.bfloat16)
     ids = torch.rand((n, world * EPR), generator=g).topk(K, dim=1).indices
     if neg and n > 0:
         ids[torch.rand((n, K), generator=g) < 0.25] = -1
@@ -246,20 +387,26 @@ def _inputs(torch, rank, world, seed, n, device, neg=False):
     return x.to(device), ids.to(device), w.to(device)
 
 
-def _received(torch, rank, world, seed, counts, neg=False):
+def _received(torch, rank, world, seed, counts, neg=False, hidden=H):
     """Rows this rank receives, in (source rank, source token) order: (x, ids, w, src) on the CPU."""
     xs, ids_, ws, src = [], [], [], []
     for s in range(world):
-        x, ids, w = _inputs(torch, s, world, seed, counts[s], "cpu", neg)
+        x, ids, w = _inputs(torch, s, world, seed, counts[s], "cpu", neg, hidden)
         mask = ((ids >= rank * EPR) & (ids < (rank + 1) * EPR)).any(1)
         xs.append(x[mask]), ids_.append(ids[mask]), ws.append(w[mask])
         src += [(s, int(t)) for t in torch.nonzero(mask).flatten()]
     return torch.cat(xs), torch.cat(ids_), torch.cat(ws), src
 
 
+# A failed check is recorded, not raised: every rank then goes on making the same collective calls
+# to the end of its case (a raise on one rank would leave the others waiting for it). run_case
+# raises the recorded failures when the case is over.
+_FAILED = []
+
+
 def _check(cond, what):
     if not cond:
-        raise AssertionError(what)
+        _FAILED.append(what)
 
 
 def _local(torch, ids, rank):
@@ -477,6 +624,100 @@ def case_low_latency_cuda_graph(env):
         _check(torch.equal(y.cpu(), ref), f"graph replay {it}")
 
 
+def case_previous_event_orders_input_copies(env):
+    """previous_event: the comm stream waits for that event only, so the adapter's own copies of
+    non-contiguous inputs must be made on the comm stream after it. The caller's stream is kept
+    busy past the event: a copy enqueued there would not have landed when the dispatch reads it."""
+    torch, buf, rank, world = env["torch"], env["buf"], env["rank"], env["world"]
+    x, ids, w = _inputs(torch, rank, world, 11, 37, env["dev"], neg=True)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(ids, world * EPR)
+    x_strided = x.t().contiguous().t()  # same values, column-major: the adapter has to copy it
+    w_strided = w.t().contiguous().t()
+    torch.cuda.synchronize()
+    prev = buf.capture()
+    torch.cuda._sleep(200_000_000)  # the caller's stream is busy long after the event
+    rx, ridx, rw, _, h, ev = buf.dispatch(x_strided, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                          num_tokens_per_expert=per_expert, topk_idx=ids, topk_weights=w_strided,
+                                          previous_event=prev, async_finish=True)
+    ev.current_stream_wait()
+    ex, eids, ew, _ = _received(torch, rank, world, 11, [37] * world, neg=True)
+    _check(torch.equal(rx.cpu(), ex), "previous_event: received rows of a non-contiguous x")
+    _check(torch.equal(rw.cpu(), torch.where(_local(torch, eids, rank) >= 0, ew, 0.0)), "previous_event: weights")
+    y_in = rx.t().contiguous().t()
+    prev = buf.capture()
+    torch.cuda._sleep(200_000_000)
+    y, _, ev = buf.combine(y_in, h, previous_event=prev, async_finish=True)
+    ev.current_stream_wait()
+    _check(torch.equal(y.cpu(), _times_dest(torch, x.cpu(), ids.cpu())), "previous_event: combine of strided rows")
+
+
+def case_low_latency_weights_rule(env):
+    """A dispatch that sent topk_weights fixes the combine's weights on every rank: another tensor
+    (or the same one modified) is refused before anything is launched, and the handle stays
+    usable; a dispatch without weights takes any combine weights (the extra round)."""
+    import ep_test_utils as U
+
+    torch, buf, rank, world = env["torch"], env["buf_ll"], env["rank"], env["world"]
+    M = 16
+    x, ids, w = _inputs(torch, rank, world, 12, M - rank % 3, env["dev"], neg=True)
+    rx, count, h, _, _ = buf.low_latency_dispatch(x, ids, M, world * EPR, use_fp8=False, topk_weights=w)
+    y_in = _ll_expert_out(torch, rx, rank, count)
+    refused = False
+    try:
+        buf.low_latency_combine(y_in, ids, w.clone(), h)
+    except Exception as e:  # noqa: BLE001
+        refused = "pass that same tensor, unmodified" in str(e)
+    _check(refused, "combine with other weights than the dispatch sent is refused")
+    y, _, _ = buf.low_latency_combine(y_in, ids, w, h)
+    ref = U.standard_moe_combine_torch(torch, x.cpu(), ids.cpu(), w.cpu(), world, EPR, _expert_fn(torch),
+                                       torch.bfloat16)
+    _check(torch.equal(y.cpu(), ref), "combine with the weights the dispatch sent")
+    rx, count, h, _, _ = buf.low_latency_dispatch(x, ids, M, world * EPR, use_fp8=False)
+    w2 = w * 0.5
+    y, _, _ = buf.low_latency_combine(_ll_expert_out(torch, rx, rank, count), ids, w2, h)
+    ref = U.standard_moe_combine_torch(torch, x.cpu(), ids.cpu(), w2.cpu(), world, EPR, _expert_fn(torch),
+                                       torch.bfloat16)
+    _check(torch.equal(y.cpu(), ref), "combine's own weights when the dispatch sent none")
+
+
+def case_low_latency_topk_idx_check(env):
+    """The combine's topk_idx is compared with the dispatch's on the GPU (no host sync): equal
+    values in another tensor pass; a difference is raised by the rank's next low-latency call
+    (that combine used the dispatch's routing); a float topk_idx is refused at once."""
+    import ep_test_utils as U
+
+    torch, buf, rank, world = env["torch"], env["buf_ll"], env["rank"], env["world"]
+    M = 16
+    x, ids, w = _inputs(torch, rank, world, 13, M - rank % 3, env["dev"], neg=True)
+    ref = U.standard_moe_combine_torch(torch, x.cpu(), ids.cpu(), w.cpu(), world, EPR, _expert_fn(torch),
+                                       torch.bfloat16)
+
+    def round_trip(combine_ids):
+        rx, count, h, _, _ = buf.low_latency_dispatch(x, ids, M, world * EPR, use_fp8=False)
+        return buf.low_latency_combine(_ll_expert_out(torch, rx, rank, count), combine_ids, w, h)[0]
+
+    _check(torch.equal(round_trip(ids.clone()).cpu(), ref), "an equal copy of topk_idx")
+    wrong = ids.clone()
+    wrong[0, 0] = 0 if int(ids[0, 0]) != 0 else 1
+    _check(torch.equal(round_trip(wrong).cpu(), ref), "a differing topk_idx: the dispatch's routing was used")
+    torch.cuda.synchronize()
+    raised = False
+    try:
+        buf.low_latency_dispatch(x, ids, M, world * EPR, use_fp8=False)
+    except Exception as e:  # noqa: BLE001
+        raised = "differs from its dispatch's" in str(e)
+    _check(raised, "the next low-latency call reports the differing topk_idx")
+    _check(torch.equal(round_trip(ids).cpu(), ref), "after the report the Buffer works on")
+    rx, count, h, _, _ = buf.low_latency_dispatch(x, ids, M, world * EPR, use_fp8=False)
+    refused = False
+    try:
+        buf.low_latency_combine(_ll_expert_out(torch, rx, rank, count), ids.float(), w, h)
+    except Exception as e:  # noqa: BLE001
+        refused = "torch.int64 or torch.int32" in str(e)
+    _check(refused, "a float topk_idx is refused")
+    buf.low_latency_combine(_ll_expert_out(torch, rx, rank, count), ids, w, h)
+
+
 GPU_CASES = [
     ("layout", case_layout),
     ("normal_dispatch_combine", case_normal_dispatch_combine),
@@ -486,31 +727,83 @@ GPU_CASES = [
     ("low_latency_combine", case_low_latency_combine),
     ("low_latency_two_in_flight", case_low_latency_two_in_flight),
     ("low_latency_cuda_graph", case_low_latency_cuda_graph),
+    ("previous_event_orders_input_copies", case_previous_event_orders_input_copies),
+    ("low_latency_weights_rule", case_low_latency_weights_rule),
+    ("low_latency_topk_idx_check", case_low_latency_topk_idx_check),
 ]
 
 
-def _worker(rank, world, local_rank, args):
+def run_case(case, make_buffers, env):
+    """One case on fresh Buffers, independent of the cases before it: the Buffers (their ops, op
+    turns and last-dispatch state) are made for it, by make_buffers(new_buffer) or by the case
+    through env["new_buffer"](...) (deep_ep.Buffer's arguments), and destroyed after it; failed
+    checks are collected (_check) instead of cutting the case short on one rank; a device-side
+    error the case left pending is taken (and so cleared) here. Raises the case's first error,
+    else an AssertionError listing every failed check."""
+    import mori
+    from mori.compat import deep_ep
+
+    torch = env["torch"]
+    del _FAILED[:]
+    errors, made = [], []
+
+    def new_buffer(*args, **kwargs):
+        made.append(deep_ep.Buffer(*args, **kwargs))
+        return made[-1]
+
+    try:
+        case(dict(env, new_buffer=new_buffer, **make_buffers(new_buffer)))
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - reported with the case, after the clean-up below
+        errors.append(e)
+    for b in reversed(made):  # every rank destroys in the same order
+        if b._destroyed:  # the case did (an engine's own destroy)
+            continue
+        try:
+            b.explicitly_destroy = True  # also those an engine made without it (Megatron's)
+            b.destroy()
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+    try:
+        mori.shmem.shmem_check_device_error()
+    except Exception as e:  # noqa: BLE001
+        errors.append(e)
+    if errors:
+        raise errors[0]
+    if _FAILED:
+        raise AssertionError("; ".join(_FAILED))
+
+
+def run_worker(rank, world, local_rank, cases, make_buffers):
+    """A spawned rank of a case table whose cases run in isolation (run_case): shmem is
+    initialised over WORLD once, shared by every case's Buffers, and finalised at the end.
+    make_buffers(new_buffer, env) makes the Buffers each case starts with. Returns the exit code."""
     sys.path.insert(0, os.path.join(REPO, "tests", "ops"))
     import ep_test_utils as U
 
     torch, dist, mori = U.setup_case_rank(rank, world, local_rank)
+    group = dist.group.WORLD
+    mori.shmem.shmem_torch_process_group_init(group)
+    env = dict(torch=torch, rank=rank, world=world, dev=torch.device("cuda", torch.cuda.current_device()),
+               group=group, barrier=lambda: dist.barrier(group))
+    failed = U.run_case_table(dist, rank, world, cases,
+                              lambda case: run_case(case, lambda new: make_buffers(new, env), env))
+    mori.shmem.shmem_finalize()
+    return U.finish_case_rank(dist, failed)
+
+
+def _case_buffers(new_buffer, env):
     from mori.compat import deep_ep
 
-    group = dist.group.WORLD
-    buf = deep_ep.Buffer(group, 0, 0, explicitly_destroy=True)
-    buf_ll = deep_ep.Buffer(group, 0, deep_ep.Buffer.get_low_latency_rdma_size_hint(24, H, world, world * EPR),
-                            low_latency_mode=True, num_qps_per_rank=EPR, explicitly_destroy=True)
-    env = dict(torch=torch, rank=rank, world=world, dev=torch.device("cuda", torch.cuda.current_device()), buf=buf,
-               buf_ll=buf_ll, barrier=lambda: dist.barrier(group))
-    def run_one(case):
-        case(env)
-        torch.cuda.synchronize()
-        mori.shmem.shmem_check_device_error()
+    group, world = env["group"], env["world"]
+    buf = new_buffer(group, 0, 0, explicitly_destroy=True)
+    buf_ll = new_buffer(group, 0, deep_ep.Buffer.get_low_latency_rdma_size_hint(24, H, world, world * EPR),
+                        low_latency_mode=True, num_qps_per_rank=EPR, explicitly_destroy=True)
+    return dict(buf=buf, buf_ll=buf_ll)
 
-    failed = U.run_case_table(dist, rank, world, GPU_CASES, run_one)
-    buf_ll.destroy()
-    buf.destroy()  # the last Buffer that initialised shmem finalises it
-    return U.finish_case_rank(dist, failed)
+
+def _worker(rank, world, local_rank, args):
+    return run_worker(rank, world, local_rank, GPU_CASES, _case_buffers)
 
 
 def main(argv=None):

@@ -104,10 +104,30 @@ def _hidden_of_bytes(hidden_bytes):
     return max(8, -(-int(hidden_bytes) // 16) * 8)
 
 
+class EventHandle:
+    """DeepEP's deep_ep.utils.EventHandle: a CUDA event recorded on the current stream when it is
+    created (Megatron's fused_a2a passes EventOverlap(EventHandle()) as previous_event). `event` is
+    the torch.cuda.Event."""
+
+    def __init__(self):
+        torch = _torch()
+        self.event = torch.cuda.Event()
+        self.event.record(torch.cuda.current_stream())
+
+    def current_stream_wait(self):
+        _torch().cuda.current_stream().wait_event(self.event)
+
+
+def _cuda_event(event):
+    """The torch.cuda.Event of an EventOverlap's `event` (a torch.cuda.Event or an EventHandle)."""
+    return event.event if isinstance(event, EventHandle) else event
+
+
 class EventOverlap:
-    """DeepEP's event wrapper: `event` (a torch.cuda.Event, or None when the call already made the
-    caller's stream wait), `current_stream_wait()`, and use as a context manager (`with ev:` runs
-    the block, then makes the current stream wait). extra_tensors are kept alive with it."""
+    """DeepEP's event wrapper: `event` (a torch.cuda.Event or an EventHandle, or None when the call
+    already made the caller's stream wait), `current_stream_wait()`, and use as a context manager
+    (`with ev:` runs the block, then makes the current stream wait). extra_tensors are kept alive
+    with it."""
 
     def __init__(self, event=None, extra_tensors=None):
         self.event = event
@@ -117,7 +137,7 @@ class EventOverlap:
         """The current stream waits for the event. A None event (the call was not async) needs no
         wait: the caller's stream was already ordered after the work."""
         if self.event is not None:
-            _torch().cuda.current_stream().wait_event(self.event)
+            _torch().cuda.current_stream().wait_event(_cuda_event(self.event))
 
     def __enter__(self):
         return self
@@ -180,11 +200,12 @@ class Config:
 class _Routing:
     """What a later call needs to re-establish a dispatch's layout: the sender's routing."""
 
-    def __init__(self, topk_idx, num_tokens, num_recv=None, weights=None):
+    def __init__(self, topk_idx, num_tokens, num_recv=None, weights=None, caller_idx=None):
         self.topk_idx = topk_idx  # private copy
         self.num_tokens = num_tokens
         self.num_recv = num_recv  # host count (normal mode without num_worst_tokens), else None
         self.weights = weights  # (tensor, its _version) when the weights travelled with the dispatch
+        self.caller_idx = caller_idx  # (the caller's topk_idx, its _version): low-latency dispatches
 
 
 class _OpSlot:
@@ -230,8 +251,13 @@ class LowLatencyHandle:
 
 class _OnComm:
     """The Buffer's communication stream for one call: it waits for previous_event (or the caller's
-    stream); outputs are allocated on the caller's stream unless allocate_on_comm_stream; at the
-    end the caller's stream waits (async_finish=False) or an event is returned."""
+    stream) first, so everything the call enqueues, its own input copies (stage()) included, is
+    ordered after that; outputs are allocated on the caller's stream unless
+    allocate_on_comm_stream; at the end the caller's stream waits (async_finish=False) or an event
+    is returned. With previous_event the comm stream does not wait for the caller's stream (as in
+    DeepEP): the inputs must be ready when the event is; the adapter's own work on them (making
+    them contiguous) therefore runs on the comm stream after the wait, never on the caller's stream
+    where the event would not cover it."""
 
     def __init__(self, buf, previous_event, async_finish, allocate_on_comm_stream, inputs=()):
         self.torch = _torch()
@@ -248,12 +274,20 @@ class _OnComm:
         self.compute = torch.cuda.current_stream(self.buf._device)
         self.comm = self.buf._comm_stream
         if self.previous_event is not None and self.previous_event.event is not None:
-            self.comm.wait_event(self.previous_event.event)
+            self.comm.wait_event(_cuda_event(self.previous_event.event))
         else:
             self.comm.wait_stream(self.compute)
         self._guard = torch.cuda.stream(self.comm)
         self._guard.__enter__()
         return self
+
+    def stage(self, t):
+        """`t` as the op reads it (contiguous), enqueued on the comm stream after the wait; the
+        caller's tensor is kept for record_stream. None stays None."""
+        if t is None:
+            return None
+        self.inputs.append(t)
+        return t.contiguous()
 
     def empty(self, shape, dtype):
         torch = self.torch
@@ -400,6 +434,7 @@ class Buffer:
             dist.get_backend(group)).lower()
         self._ll_turn = {}
         self._ll_combine_inputs = {}
+        self._ll_idx_bad = None  # (device flag, pinned copy) of the low-latency topk_idx check
         self._destroyed = False
 
     # --- static / class-level API ---------------------------------------------------------------
@@ -425,13 +460,14 @@ class Buffer:
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts):
         """Symmetric-heap bytes of the low-latency ops of this shape: the two ops used in turn
         (FP8 scales reserved) plus the small op that carries combine weights, for top-8 and a
-        one-node layout up to 8 ranks (nodes of 8 beyond)."""
+        one-node layout up to 8 ranks (nodes of 8 beyond). Any hidden is accepted, as by DeepEP's
+        hint (whose layout reserves hidden // 128 scales, as this does); only an FP8 dispatch
+        needs hidden % 128 == 0, and low_latency_dispatch(use_fp8=True) refuses it there."""
         m = _check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1, _MAX_TOKENS_PER_RANK)
         h = _check_int("hidden", hidden, 1)
         w = _check_int("num_ranks", num_ranks, 1, _MAX_WORLD)
         e = _check_int("num_experts", num_experts, 1)
         _refuse_if(e % w != 0, f"num_experts ({e}) must be a multiple of num_ranks ({w})")
-        _refuse_if(h % _QUANT_GROUP != 0, f"hidden ({h}) must be a multiple of {_QUANT_GROUP}")
         k = min(_NOMINAL_TOPK, e)
         gpn = None if w <= 8 else 8
         main = _symmetric_bytes(world=w, hidden=h, token_bytes=2, max_tokens=m, experts_per_rank=e // w, topk=k,
@@ -625,8 +661,7 @@ class Buffer:
         if x_scales is not None:
             self._tensor("dispatch: x scales", x_scales, 2, (torch.float32, torch.int32))
             _refuse_if(int(x_scales.shape[0]) != T, f"dispatch: x scales must have {T} rows, got {tuple(x_scales.shape)}")
-            x_scales = x_scales.contiguous()  # DeepEP accepts column-major scales; the op moves rows
-        x = x.contiguous()
+            # DeepEP accepts column-major scales; the op moves rows (made contiguous in _OnComm.stage)
         if handle is not None:
             return self._cached_dispatch(x, x_scales, handle, topk_idx, topk_weights, num_worst_tokens, blocks,
                                          previous_event, async_finish, allocate_on_comm_stream)
@@ -652,14 +687,12 @@ class Buffer:
         if topk_weights is not None:
             self._tensor("dispatch: topk_weights", topk_weights, 2, (torch.float32,))
             _refuse_if(tuple(topk_weights.shape) != (T, K), f"dispatch: topk_weights must have shape [{T}, {K}]")
-            topk_weights = topk_weights.contiguous()
-        topk_idx = topk_idx.contiguous()
         _refuse_if(torch.cuda.is_current_stream_capturing() and num_worst_tokens == 0,
                    "dispatch: without num_worst_tokens the received count is read on the host, which cannot be "
                    "captured in a CUDA graph (pass num_worst_tokens)")
         esize = x.element_size()
-        with _OnComm(self, previous_event, async_finish, allocate_on_comm_stream,
-                     (x, x_scales, topk_idx, topk_weights)) as ctx:
+        with _OnComm(self, previous_event, async_finish, allocate_on_comm_stream) as ctx:
+            x, x_scales, topk_idx, topk_weights = (ctx.stage(t) for t in (x, x_scales, topk_idx, topk_weights))
             M = self._capacity(T)
             cap = num_worst_tokens if 0 < num_worst_tokens < W * M else 0
             sd = 0 if x_scales is None else int(x_scales.shape[1])
@@ -728,7 +761,8 @@ class Buffer:
             _refuse_if(int(x_scales.shape[1]) != cfg.scale_dim,
                        f"dispatch(handle=...): scales must have {cfg.scale_dim} columns (the handle's op)")
         n = handle.num_recv_tokens
-        with _OnComm(self, previous_event, async_finish, allocate_on_comm_stream, (x, x_scales)) as ctx:
+        with _OnComm(self, previous_event, async_finish, allocate_on_comm_stream) as ctx:
+            x, x_scales = ctx.stage(x), ctx.stage(x_scales)
             out, _, out_s, _, _ = slot.op.dispatch(x, None, x_scales, routing.topk_idx, block_num=blocks)
             slot.current = routing
             recv_x = ctx.empty((n, H), out.dtype)
@@ -739,6 +773,46 @@ class Buffer:
                 recv_s = ctx.empty((n, int(out_s.shape[1])), out_s.dtype)
                 recv_s[:m].copy_(out_s[:m])
         return ((recv_x, recv_s) if recv_s is not None else recv_x), None, None, None, None, ctx.event
+
+    def _ll_idx_flags(self):
+        """(device flag, pinned host copy) of the low-latency topk_idx check, made on first use
+        (outside graph capture: the first combine of a shape cannot be captured anyway)."""
+        if self._ll_idx_bad is None:
+            torch = _torch()
+            self._ll_idx_bad = (torch.zeros(1, dtype=torch.int32, device=self._device),
+                                torch.zeros(1, dtype=torch.int32, pin_memory=True))
+        return self._ll_idx_bad
+
+    def _check_ll_idx(self, topk_idx, routing, ctx):
+        """low_latency_combine routes by the dispatch's topk_idx (the handle's); DeepEP's combine
+        reads its own topk_idx (-1: no expert). Unless it is the dispatch's own tensor, unmodified,
+        compare them on the GPU (on the comm stream, no host sync): a difference sets a sticky
+        device flag that is copied to pinned memory and raised by this rank's next low-latency
+        call (_take_ll_idx_error)."""
+        caller = routing.caller_idx
+        if caller is not None and caller[0] is topk_idx and caller[1] == topk_idx._version:
+            return
+        torch = _torch()
+        dev, host = self._ll_idx_flags()
+        idx = ctx.stage(topk_idx)
+        differs = (idx.to(torch.int64) != routing.topk_idx.to(torch.int64)).any().view(1).to(torch.int32)
+        dev.bitwise_or_(differs)
+        host.copy_(dev, non_blocking=True)
+
+    def _take_ll_idx_error(self, what):
+        """Raise (and clear) a topk_idx difference an earlier low_latency_combine on this rank found.
+        Reads pinned memory, no synchronisation: a combine still running may report later."""
+        if self._ll_idx_bad is None or int(self._ll_idx_bad[1][0]) == 0:
+            return
+        dev, host = self._ll_idx_bad
+        self._comm_stream.synchronize()  # the flag's last update and copy (error path only)
+        dev.zero_()
+        host.zero_()
+        raise _usage(f"{what}: an earlier low_latency_combine on rank {self.rank} got a topk_idx that differs from "
+                     "its dispatch's; mori combines by the dispatch's routing (the handle's), so that combine used "
+                     "the dispatch's ids, not the ones passed (DeepEP reads the combine's, -1 = no expert). Pass the "
+                     "dispatch's topk_idx to low_latency_combine. This call launched nothing: ranks that launched "
+                     "theirs time out waiting for this rank")
 
     def _check_handle(self, handle, cls, what):
         if not isinstance(handle, cls):
@@ -771,15 +845,14 @@ class Buffer:
         if topk_weights is not None:
             self._tensor("combine: topk_weights", topk_weights, 2, (torch.float32,))
             _refuse_if(tuple(topk_weights.shape) != (n, K), f"combine: topk_weights must have shape [{n}, {K}]")
-            topk_weights = topk_weights.contiguous()
         biases = () if bias is None else (bias if isinstance(bias, tuple) else (bias,))
         _refuse_if(len(biases) > 2, "combine: bias takes at most two tensors")
         for i, b in enumerate(biases):
             self._tensor(f"combine: bias[{i}]", b, 2)
             _refuse_if(tuple(b.shape) != (T, H), f"combine: bias[{i}] must have shape [{T}, {H}]")
-        x = x.contiguous()
         blocks = self._blocks(config)
-        with _OnComm(self, previous_event, async_finish, allocate_on_comm_stream, (x, topk_weights) + biases) as ctx:
+        with _OnComm(self, previous_event, async_finish, allocate_on_comm_stream, biases) as ctx:
+            x, topk_weights = ctx.stage(x), ctx.stage(topk_weights)
             self._reestablish(slot, routing, blocks)
             y, y_w = op.combine(x, topk_weights, None, block_num=blocks)
             combined = ctx.empty((T, H), x.dtype)
@@ -849,8 +922,10 @@ class Buffer:
         sd = (((groups + 3) // 4) if use_ue8m0 else groups) if use_fp8 else 0
         base = ("ll", H, K, epr, M, sd)
         turn = self._ll_turn.get(base, 0)
-        x, topk_idx = x.contiguous(), topk_idx.contiguous()
-        with _OnComm(self, None, async_finish, False, (x, topk_idx, topk_weights)) as ctx:
+        caller_idx = (topk_idx, topk_idx._version)
+        self._take_ll_idx_error("low_latency_dispatch")
+        with _OnComm(self, None, async_finish, False, (topk_weights,)) as ctx:
+            x, topk_idx = ctx.stage(x), ctx.stage(topk_idx)
             slot = self._slot(base + (turn % 2,), hidden=H, token_bytes=2, max_tokens=M, experts_per_rank=epr, topk=K,
                               scale_dim=sd, scale_type_size=4)
             self._ll_turn[base] = turn + 1
@@ -858,7 +933,8 @@ class Buffer:
             op.dispatch(x, topk_weights, None, topk_idx, use_fp8=bool(use_fp8), round_scale=bool(round_scale),
                         use_ue8m0=bool(use_ue8m0))
             routing = _Routing(topk_idx.clone(), T,
-                               weights=None if topk_weights is None else (topk_weights, topk_weights._version))
+                               weights=None if topk_weights is None else (topk_weights, topk_weights._version),
+                               caller_idx=caller_idx)
             slot.current = routing
             em = op.convert_dispatch_output()
             recv_x = em.tokens
@@ -895,9 +971,12 @@ class Buffer:
         combine_standard_moe: each destination rank sums its local experts' weighted rows in fp32
         and rounds once, the token's rank sums those in fp32 in ascending rank order and rounds
         once (DeepEP rounds once at the end: results may differ by a rounding). The routing comes
-        from the handle: topk_idx must be the dispatch's (shape-checked). Weights: those sent with
-        the dispatch when topk_weights is that same, unmodified tensor; else one small dispatch
-        carries topk_weights to the experts' ranks first (every rank must take the same path).
+        from the handle: topk_idx (int64/int32, -1: no expert) must be the dispatch's; unless it is
+        the dispatch's own tensor, unmodified, it is compared on the GPU and a difference is raised
+        by this rank's next low-latency call (no host sync here). Weights, fixed by the dispatch
+        so that every rank takes the same path: a dispatch that sent topk_weights needs that same,
+        unmodified tensor here (else InvalidUsageError); after one that sent none, one small
+        dispatch carries topk_weights to the experts' ranks first.
         Refused: use_logfmt=True, combine_wait_recv_cost_stats. zero_copy: accepted, x is read in
         place in both cases. return_recv_hook: a no-op hook (see low_latency_dispatch). out:
         [T, H] bf16 to write the result into (returned)."""
@@ -907,6 +986,7 @@ class Buffer:
         _refuse_if(combine_wait_recv_cost_stats is not None,
                    "low_latency_combine: combine_wait_recv_cost_stats is not supported by mori (no per-rank wait timing)")
         self._check_handle(handle, LowLatencyHandle, "low_latency_combine")
+        self._take_ll_idx_error("low_latency_combine")
         torch = _torch()
         routing, slot = handle._routing, handle._slot
         op = slot.op
@@ -915,7 +995,7 @@ class Buffer:
         self._tensor("low_latency_combine: x", x, 3, (torch.bfloat16,))
         _refuse_if(int(x.shape[0]) != epr or int(x.shape[1]) < R or int(x.shape[2]) != handle.hidden,
                    f"low_latency_combine: x must have shape [{epr}, >= {R}, {handle.hidden}], got {tuple(x.shape)}")
-        self._tensor("low_latency_combine: topk_idx", topk_idx, 2)
+        self._tensor("low_latency_combine: topk_idx", topk_idx, 2, (torch.int64, torch.int32))
         _refuse_if(tuple(topk_idx.shape) != (T, K), f"low_latency_combine: topk_idx must have the dispatch's shape "
                                                     f"[{T}, {K}]")
         self._tensor("low_latency_combine: topk_weights", topk_weights, 2, (torch.float32,))
@@ -923,17 +1003,25 @@ class Buffer:
         if out is not None:
             self._tensor("low_latency_combine: out", out, 2, (torch.bfloat16,))
             _refuse_if(tuple(out.shape) != (T, handle.hidden), f"low_latency_combine: out must be [{T}, {handle.hidden}]")
-        x = x.contiguous()
         sent = routing.weights
-        reuse = sent is not None and sent[0] is topk_weights and sent[1] == topk_weights._version
-        with _OnComm(self, None, async_finish, False, (x, topk_weights)) as ctx:
+        # Which weights: decided by what every rank did at dispatch (a collective fact), never by a
+        # rank-local test, since the other path has one more collective round. Dispatched with
+        # weights: those are the weights, and the combine must pass that same, unmodified tensor.
+        _refuse_if(sent is not None and (sent[0] is not topk_weights or sent[1] != topk_weights._version),
+                   "low_latency_combine: the dispatch sent topk_weights with the tokens, so the combine weights "
+                   "with them on every rank: pass that same tensor, unmodified (to combine with other weights, "
+                   "dispatch without topk_weights; then one small extra dispatch carries the combine's weights)")
+        self._ll_idx_flags()
+        with _OnComm(self, None, async_finish, False, (topk_weights,)) as ctx:
+            x = ctx.stage(x)
+            self._check_ll_idx(topk_idx, routing, ctx)
             if slot.current is not routing:
                 # Older than the shape's two newest dispatches (beyond DeepEP's contract): dispatch
                 # the routing again; this overwrites the recv tensors of that op's newest dispatch.
                 self._reestablish(slot, routing)
                 op.convert_dispatch_output()
             weights = None
-            if not reuse:
+            if sent is None:
                 wslot = self._slot(("ll-weights", K, epr, handle.num_max_dispatch_tokens_per_rank), hidden=_DUMMY_HIDDEN,
                                    token_bytes=2, max_tokens=handle.num_max_dispatch_tokens_per_rank,
                                    experts_per_rank=epr, topk=K)
@@ -947,4 +1035,4 @@ class Buffer:
         return result, ctx.event, hook
 
 
-__all__ = ["Buffer", "Config", "DispatchHandle", "EventOverlap", "LowLatencyHandle", "dispatch_layout"]
+__all__ = ["Buffer", "Config", "DispatchHandle", "EventHandle", "EventOverlap", "LowLatencyHandle", "dispatch_layout"]
