@@ -30,10 +30,14 @@ void Require(bool ok, const char* what) {
   if (!ok) throw py::value_error(what);
 }
 
-// The benchmark's copy baseline: the grid copy the EP kernels use (16-byte elements, kCopyUnroll
-// loads in flight per thread), over the same blocks and threads as the kernel it is compared with.
+// The benchmark's copy baseline: the EP kernels' copy loop (shmem's CopyElements: 16-byte
+// elements, kCopyUnroll loads in flight per thread) over the grid, on the same blocks and threads
+// as the kernel it is compared with.
 __global__ void BaselineCopyKernel(uint8_t* dst, const uint8_t* src, size_t bytes) {
-  ep::GridCopy16(dst, src, bytes);
+  shmem::detail::CopyElements<uint4, shmem::detail::kCopyUnroll>(
+      reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(src), bytes / 16,
+      static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x,
+      static_cast<size_t>(gridDim.x) * blockDim.x);
 }
 
 // The benchmark's launch-cost baseline.
@@ -156,6 +160,9 @@ void RegisterEpTestBindings(py::module_& m) {
         return core::Fp8Encode(x, fnuz ? core::Fp8Format::kE4M3Fnuz : core::Fp8Format::kE4M3Fn);
       },
       py::arg("x"), py::arg("fnuz") = false, "core::Fp8Encode (the kernels' fp32 -> e4m3 cast)");
+  t.def("ep_copy_chunk_size", &ep::EpCopyChunkSize, py::arg("n"), py::arg("align"),
+        py::arg("blocks"),
+        "EpCopyChunkSize: units per claimed chunk of the combine's external-input copy");
   t.def(
       "grid_copy",
       [](uintptr_t dst, uintptr_t src, size_t bytes, int blocks, int threads, uintptr_t stream) {
@@ -166,7 +173,8 @@ void RegisterEpTestBindings(py::module_& m) {
       },
       py::arg("dst"), py::arg("src"), py::arg("bytes"), py::arg("blocks"), py::arg("threads"),
       py::arg("stream") = 0,
-      "Launches the EP kernels' grid copy (GridCopy16) of `bytes` bytes on blocks x threads "
+      "Launches the EP kernels' grid copy (shmem's CopyElements over the grid) of `bytes` bytes on "
+      "blocks x threads "
       "(device addresses; asynchronous on `stream`)");
   t.def(
       "empty_kernel",

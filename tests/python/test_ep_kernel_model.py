@@ -312,3 +312,18 @@ def test_staged_stage_reuse_waits_for_the_previous_use():
                     summed.add(c)
             assert summed == set(range(n_chunks))
             uses = k0 + n_chunks
+
+
+def test_copy_chunks_cover_the_copy_in_aligned_pieces():
+    """The combine's external-input copy is cut into claimed chunks (EpCopyChunkSize): aligned,
+    at least 4096 units, about two per block, and their count covers n exactly once."""
+    size = _testing().ep_copy_chunk_size
+    for n in (0, 1, 15, 16, 4096, 4097, 128 * 7168 * 2, 4096 * 14336, 123457 * 16):
+        for align in (1, 16):
+            for blocks in (1, 3, 24, 80, 132):
+                c = size(n, align, blocks)
+                assert c >= 4096 and c % align == 0, (n, align, blocks, c)
+                chunks = -(-n // c)
+                assert (chunks - 1) * c < n <= chunks * c or n == 0
+                if n >= 2 * blocks * 4096 * align:  # large copies: about two chunks per block
+                    assert 2 * blocks - 1 <= chunks <= 2 * blocks, (n, blocks, chunks)

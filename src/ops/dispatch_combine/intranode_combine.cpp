@@ -176,6 +176,7 @@ __global__ void __launch_bounds__(kThreads) EpCombineKernel(const EpCombineKerne
   __shared__ int sPeer[kCombineMaxWarps][kEpMaxWorldSize];
   __shared__ int sSlot[kCombineMaxWarps][kEpMaxWorldSize];
   __shared__ int sFailed;
+  __shared__ unsigned sClaim;
   __shared__ __align__(8) uint64_t sStageBars[kCombineMaxWarps][kEpCombineStages];
   extern __shared__ __align__(128) uint8_t sStages[];  // staged: [warps][stages][stage bytes]
   constexpr bool kUseStages = kStaged && core::kHasBulkAsyncCopy;
@@ -225,22 +226,49 @@ __global__ void __launch_bounds__(kThreads) EpCombineKernel(const EpCombineKerne
       }
     }
     __syncthreads();
-    if (sFailed == 0 && R > 0) {
-      if (a.copyTokens != 0)
-        GridCopy16(c.symmLocal + c.symm.combineInTokens, a.inTokens,
-                   static_cast<size_t>(R) * a.rowBytes);
-      if (a.copyWeights != 0)
-        GridCopy4(At<uint32_t>(c.symmLocal, c.symm.combineInWeights),
-                  reinterpret_cast<const uint32_t*>(a.inWeights), static_cast<size_t>(R) * K);
+    // The copy is cut into chunks that blocks claim, not share out by block index: the blocks
+    // that are resident copy all of it, so no block waits in step 2 for "ready" from a block of
+    // its own grid that has not started (ranks sharing a GPU, e.g. under MPS, may leave this grid
+    // fewer SMs than blocks). At least one chunk, so that some block signals also when R is 0.
+    const size_t tokBytes = a.copyTokens != 0 ? static_cast<size_t>(R) * a.rowBytes : 0;
+    const size_t wWords = a.copyWeights != 0 ? static_cast<size_t>(R) * K : 0;
+    const size_t tokChunk = EpCopyChunkSize(tokBytes, 16, gridDim.x);
+    const size_t wChunk = EpCopyChunkSize(wWords, 1, gridDim.x);
+    const unsigned tokChunks = static_cast<unsigned>((tokBytes + tokChunk - 1) / tokChunk);
+    const unsigned wChunks = static_cast<unsigned>((wWords + wChunk - 1) / wChunk);
+    const unsigned chunks = tokChunks + wChunks > 0 ? tokChunks + wChunks : 1;
+    unsigned copied = 0;
+    if (sFailed == 0) {
+      for (;;) {
+        __syncthreads();  // everyone read the last claim
+        if (tid == 0) sClaim = atomicAdd(&c.state->combineCopyNextChunk, 1u);
+        __syncthreads();
+        const unsigned ch = sClaim;
+        if (ch >= chunks) break;
+        if (ch < tokChunks) {
+          const size_t off = static_cast<size_t>(ch) * tokChunk;
+          const size_t n = tokBytes - off < tokChunk ? tokBytes - off : tokChunk;
+          shmem::detail::CopyElements<uint4, shmem::detail::kCopyUnroll>(
+              reinterpret_cast<uint4*>(c.symmLocal + c.symm.combineInTokens + off),
+              reinterpret_cast<const uint4*>(a.inTokens + off), n / 16, tid, nThreads);
+        } else if (wWords > 0) {
+          const size_t off = static_cast<size_t>(ch - tokChunks) * wChunk;
+          const size_t n = wWords - off < wChunk ? wWords - off : wChunk;
+          uint32_t* dst = At<uint32_t>(c.symmLocal, c.symm.combineInWeights) + off;
+          const uint32_t* src = reinterpret_cast<const uint32_t*>(a.inWeights) + off;
+          for (size_t i = tid; i < n; i += nThreads) dst[i] = src[i];
+        }
+        copied++;
+      }
     }
     // One fence per block, not per thread (fence.sc.sys in every thread serialises GPU-wide): the
-    // barrier orders the block's copy before thread 0's cumulative release fence and counter add.
+    // barrier orders the block's copies before thread 0's cumulative release fence and counter add.
     __syncthreads();
-    if (tid == 0) {
+    if (tid == 0 && copied > 0) {
       core::FenceAcqRelSystem();
-      const unsigned old = atomicAdd(&c.state->combineCopyBlocksDone, 1u);
-      if (old == gridDim.x - 1) {
-        c.state->combineCopyBlocksDone = 0;
+      const unsigned old = atomicAdd(&c.state->combineCopyChunksDone, copied);
+      if (old + copied == chunks) {
+        c.state->combineCopyChunksDone = 0;
         core::FenceAcqRelSystem();  // acquire: every block's copy (seen through the counter)
         if (!core::DeviceAborted(wait)) {
           // SignalStoreAll's fence also releases the copies acquired above.
@@ -466,6 +494,7 @@ __global__ void __launch_bounds__(kThreads) EpCombineKernel(const EpCombineKerne
     if (old == gridDim.x - 1) {
       c.state->combineBlocksDone = 0;
       c.state->combineNextItem = 0;  // every block stopped drawing items before its counter add
+      c.state->combineCopyNextChunk = 0;  // and claiming copy chunks
       // The abort flag is a PCIe read: issued before the fence, its latency overlaps the fence's.
       const bool aborted = core::DeviceAborted(wait);
       // Acquire every block's peer loads (through the counter) and release them to the done

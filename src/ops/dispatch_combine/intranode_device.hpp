@@ -330,19 +330,12 @@ MORI_DEVICE_INLINE void WarpCopyVectors(uint4* __restrict__ dst, const uint4* __
   }
 }
 
-// Grid-wide copy of `bytes` (a multiple of 16, both pointers 16-byte aligned).
-MORI_DEVICE_INLINE void GridCopy16(uint8_t* dst, const uint8_t* src, size_t bytes) {
-  shmem::detail::CopyElements<uint4, shmem::detail::kCopyUnroll>(
-      reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(src), bytes / 16,
-      static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x,
-      static_cast<size_t>(gridDim.x) * blockDim.x);
-}
-
-// Grid-wide copy of `n` 4-byte words.
-MORI_DEVICE_INLINE void GridCopy4(uint32_t* dst, const uint32_t* src, size_t n) {
-  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
-  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
-    dst[i] = src[i];
+// Size of the chunks a grid of `blocks` blocks claims to copy `n` units: about two per block,
+// whole multiples of `align` units, at least 4096 units (a claim costs an atomic round trip).
+MORI_HD inline size_t EpCopyChunkSize(size_t n, size_t align, unsigned blocks) {
+  size_t chunk = (n + 2 * static_cast<size_t>(blocks) - 1) / (2 * static_cast<size_t>(blocks));
+  chunk = (chunk + align - 1) / align * align;
+  return chunk < 4096 ? 4096 : chunk;
 }
 
 // ---------------------------------------------------------------------------------------------

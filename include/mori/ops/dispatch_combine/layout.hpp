@@ -55,7 +55,10 @@ struct EpDeviceState {
   uint64_t combineEpoch;        // combine calls completed on this PE
   uint32_t dispatchBlocksDone;  // grid counter: last block bumps the epoch and resets it
   uint32_t combineBlocksDone;
-  uint32_t combineCopyBlocksDone;  // grid counter of the external-input copy
+  uint32_t combineCopyChunksDone;  // external-input copy: chunks copied; the block that completes
+                                   // the last one signals "ready" and resets it
+  uint32_t combineCopyNextChunk;   // external-input copy: chunks claimed (+ one failed claim per
+                                   // block); the last block of the grid resets it
   uint32_t combineNextItem;        // combine work queue (items beyond the first round); last block
                                    // resets it
   uint32_t combineFailed;          // push combine: a block failed (the last block then does not
