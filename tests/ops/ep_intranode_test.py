@@ -831,7 +831,7 @@ def case_split_phase_dispatch(env):
     names = ("tokens", "weights", "scales", "indices", "total", "src_pos", "expert_count")
     for label, state, comb in results:
         for n, f, got in zip(names, fused, state):
-            if not torch.equal(f, got):
+            if (f is None) != (got is None) or (f is not None and not torch.equal(f, got)):
                 errors.append(f"{label}: {n} differs from the fused dispatch")
         if not all(torch.equal(f.view(torch.uint8), g_.view(torch.uint8)) for f, g_ in zip(fused_c, comb)):
             errors.append(f"{label}: the combine after it differs from the one after the fused dispatch")

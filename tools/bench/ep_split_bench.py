@@ -13,6 +13,8 @@ iteration, measured in the same run as its baseline:
   dispatch            fused dispatch                vs  dispatch_send + dispatch_recv
   combine             fused combine                 vs  combine_send + combine_recv
   dispatch + gemm     dispatch; gemm                vs  dispatch_send; gemm; dispatch_recv
+    gemm on a side      dispatch; gemm                vs  dispatch_send || gemm (forked side stream);
+      stream                                              dispatch_recv
   combine + gemm      combine; gemm                 vs  combine_send; gemm; combine_recv
   gemm alone          the compute kernel (an N x N x N bf16 matmul per --gemm size)
 
@@ -80,6 +82,17 @@ def worker(rank, world, local_rank, args):
             between()
         op.combine_recv()
 
+    side = torch.cuda.Stream(device=dev)
+
+    def beside(work):
+        """work() on a side stream that forks from and joins the current one (it may run beside the
+        send kernel; the receive comes after both)."""
+        cur = torch.cuda.current_stream(dev)
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            work()
+        cur.wait_stream(side)
+
     def timed(fn):
         """us per fn() call: CUDA graph of args.inner calls, median of args.reps replays."""
         fn()
@@ -127,6 +140,8 @@ def worker(rank, world, local_rank, args):
         gemm = lambda ga=ga: ga @ ga  # noqa: E731
         rows.append((f"gemm {n} alone", timed(gemm), None))
         row(f"dispatch + gemm {n}", timed(lambda: (dispatch(), gemm())), timed(lambda: dispatch_split(gemm)))
+        rows.append(("  gemm on a side stream", timed(lambda: (dispatch(), gemm())),
+                     timed(lambda: dispatch_split(lambda: beside(gemm)))))
         if push:
             row(f"combine + gemm {n}", timed(lambda: (combine(), gemm())), timed(lambda: combine_split(gemm)))
     if rank == 0:

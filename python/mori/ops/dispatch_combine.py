@@ -477,9 +477,9 @@ class EpDispatchCombineOp(ExpertMajorMixin):
         rank's counts and rows are posted to their destination ranks' staging and the call returns
         with no SM waiting for a peer; any GPU work may run before dispatch_recv(), which
         completes it. The op keeps input, weights, scales and indices alive until dispatch_recv;
-        they must stay unchanged until then (the send kernel reads them). Needs kernel_type IntraNode and
-        max_num_inp_token_per_rank <= 256 (other ops raise mori.InvalidUsageError naming what
-        works). Until dispatch_recv, dispatch, dispatch_send, combine, combine_send, the
+        they must stay unchanged until then (the send kernel reads them). Needs kernel_type
+        IntraNode and max_num_inp_token_per_rank <= 256 (other ops raise mori.InvalidUsageError
+        naming what works). Until dispatch_recv, dispatch, dispatch_send, combine, combine_send, the
         expert-major conversions and debug_fill_buffers raise. Every rank of a call uses the same
         form (split or fused). Returns None."""
         prep = self._prepare_dispatch("dispatch_send", input, weights, scales, indices, rdma_block_num, use_fp8,
