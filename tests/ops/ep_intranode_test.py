@@ -725,22 +725,20 @@ def case_split_phase_dispatch(env):
     halves), mixed with fused calls in random round trips (routings, dtypes, fp8 quantisation,
     int64 ids, scales, no weights, poisoned outputs); a temporary input whose memory is reused
     between the halves; the receive on another stream; a CUDA graph of send, matmul and receive,
-    replayed; misuse raises InvalidUsageError on every rank and the op stays usable. InterNode ops
-    refuse dispatch_send."""
+    replayed; misuse raises InvalidUsageError on every rank and the op stays usable. Both kernel
+    types (InterNode: other nodes' rows by RDMA into the staging); an op of more than 256 tokens
+    per rank refuses dispatch_send."""
     torch = env.torch
     mori = env.mori
     errors = []
     r = env.rank
-    if env.args.kernel_type != "IntraNode":
-        op = spec_op(env, Spec(H=2048, M=128, iters=1, seed=51))
-        data = make_data(env, Spec(H=2048, M=128, iters=1, seed=51), 0, 51)
-        X, IDX, WT, SC, Ts = data
-        expect_usage_error(mori, errors, "dispatch_send on an InterNode op",
-                           lambda: op.dispatch_send(X[r, : Ts[r]].contiguous(), None, None, IDX[r, : Ts[r]].contiguous()),
-                           "IntraNode")
-        if errors:
-            raise CaseFailure("; ".join(errors))
-        return
+    big = Spec(H=1024, M=512, iters=1, seed=51, t_mode="small")
+    bop = spec_op(env, big)
+    X, IDX, WT, SC, Ts = make_data(env, big, 0, 51)
+    expect_usage_error(mori, errors, "dispatch_send with 512 tokens per rank",
+                       lambda: bop.dispatch_send(X[r, : Ts[r]].contiguous(), None, None, IDX[r, : Ts[r]].contiguous()),
+                       "<= 256")
+    env.close_ops()
     # Round trips with split and fused calls mixed (verify_dispatch / verify_combine check both).
     roundtrip(env, Spec(H=2048, M=256, iters=6, seed=52, split=lambda it: it % 3 != 2,
                         routing=lambda it: ("random_neg", "one_rank", "two_ranks")[it % 3]), label="split mixed")

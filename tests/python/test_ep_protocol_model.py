@@ -132,6 +132,7 @@ class Rank:
         self.push_slot = [[0] * W for _ in range(P)]  # epoch of the rows held per src
         self.split_arrived = [[0] * W for _ in range(P)]  # split dispatch: rows staged per src
         self.split_slot = [[0] * W for _ in range(P)]     # epoch of the rows staged per src
+        self.split_tail = [[0] * W for _ in range(P)]     # inter: split tail word per src (epoch)
         self.readers = 0                              # combines reading our buffers now
         self.tail = [0] * W                           # interTail [src]: dispatch epoch
         self.tail_seen = [0] * W                      # last tail epoch this rank consumed
@@ -150,6 +151,7 @@ def run(W, ops, seed, mode="push", bugs=(), vecs=3, G=None):
     P = 1 if "one_parity" in bugs else 2
     ranks = [Rank(W, P) for _ in range(W)]
     sends = {}  # dispatch epoch -> rows[src][dst]
+    split_calls = set()  # dispatch epochs made by dispatch_send / dispatch_recv (their own tail slots)
 
     def rows(k):
         if k not in sends:
@@ -208,7 +210,7 @@ def run(W, ops, seed, mode="push", bugs=(), vecs=3, G=None):
             write_buffers(d, me, f"dispatch {k} rows")
             if remote(me, d):
                 D = ranks[d]
-                last = max((j for j in sends if j < k and sends[j][me][d] > 0), default=0)
+                last = max((j for j in sends if j < k and j not in split_calls and sends[j][me][d] > 0), default=0)
                 if D.tail_seen[me] != last:
                     raise Violation(f"rank {me} dispatch {k}: tail on {d} rewritten before it read call {last}'s")
                 D.tail[me] = k
@@ -229,6 +231,7 @@ def run(W, ops, seed, mode="push", bugs=(), vecs=3, G=None):
         k = R.dispatch_epoch + 1
         par = k % P
         cnt = rows(k)
+        split_calls.add(k)
 
         def announce():
             for q in range(W):
@@ -239,9 +242,15 @@ def run(W, ops, seed, mode="push", bugs=(), vecs=3, G=None):
         def stage(d):
             D = ranks[d]
             need_free(d, D.dispatch_epoch, k, "staged rows", me)
+            D.split_slot[par][me] = k
+            if remote(me, d):  # RDMA WRITEs, then the tail word of this parity
+                if D.split_tail[par][me] >= k:
+                    raise Violation(f"rank {me} dispatch_send {k}: tail on {d} of call {D.split_tail[par][me]}")
+                D.split_tail[par][me] = k
+                yield None
+                return
             if D.split_arrived[par][me] != 0:
                 raise Violation(f"rank {me} dispatch_send {k}: staging counter on {d} not reset")
-            D.split_slot[par][me] = k
             D.split_arrived[par][me] += cnt[me][d]
             yield None
 
@@ -266,7 +275,11 @@ def run(W, ops, seed, mode="push", bugs=(), vecs=3, G=None):
                 if "split_skip_zero_count" in bugs and cnt[s][me] == 0:
                     continue
                 yield counted(s)
-                yield lambda s=s: R.split_arrived[par][s] >= cnt[s][me]
+                if remote(s, me):
+                    if cnt[s][me] > 0:
+                        yield lambda s=s: R.split_tail[par][s] == k
+                else:
+                    yield lambda s=s: R.split_arrived[par][s] >= cnt[s][me]
             if "no_done_wait" not in bugs:
                 yield lambda: all(R.done[p] >= R.combine_epoch for p in range(W))
             write_buffers(me, me, f"dispatch_recv {k} compaction")
@@ -276,6 +289,8 @@ def run(W, ops, seed, mode="push", bugs=(), vecs=3, G=None):
 
         def epilogue():
             for s in range(W):
+                if remote(s, me):
+                    continue
                 if R.split_arrived[par][s] != cnt[s][me]:
                     raise Violation(f"rank {me} dispatch_recv {k}: {R.split_arrived[par][s]} rows staged by {s}")
                 R.split_arrived[par][s] = 0
@@ -456,6 +471,13 @@ def test_split_dispatch_holds_in_random_interleavings():
             for ops in SPLIT_SEQUENCES:
                 for seed in range(60):
                     run(W, ops * 2, seed=seed * 37 + W, mode=mode)
+
+
+def test_internode_split_dispatch_holds_in_random_interleavings():
+    for W, G in ((4, 2), (4, 1), (6, 3)):
+        for ops in SPLIT_SEQUENCES:
+            for seed in range(40):
+                run(W, ops * 2, seed=seed * 41 + W, mode="inter", G=G)
 
 
 def test_model_finds_split_dispatch_races():

@@ -113,10 +113,21 @@ def test_split_staging_for_small_intranode_configs(m):
         assert rows[name][1] == ("control" if name == "split_arrived" else "staging"), name
 
 
-@pytest.mark.parametrize("kw", [dict(max_num_inp_token_per_rank=257), dict(kernel_type="InterNode", gpu_per_node=2)])
-def test_no_split_staging_elsewhere(kw):
-    sym = ops.ep_layout(make(**kw))["symmetric"]
+@pytest.mark.parametrize("kt", ["IntraNode", "InterNode"])
+def test_no_split_staging_above_256_tokens(kt):
+    sym = ops.ep_layout(make(max_num_inp_token_per_rank=257, kernel_type=kt, gpu_per_node=2))["symmetric"]
     assert not any(name.startswith("split_") for name in sym)
+
+
+def test_internode_split_tail_words():
+    # InterNode: another node's rows arrive by RDMA followed by a tagged tail word per (parity, source)
+    inter = ops.ep_layout(make(kernel_type="InterNode", gpu_per_node=2))["symmetric"]
+    intra = ops.ep_layout(make())["symmetric"]
+    assert "split_tokens" in inter and "split_tail" in inter
+    assert "split_tokens" in intra and "split_tail" not in intra
+    rows = {name: nbytes for blk, name, _, nbytes, _ in ops.ep_layout(make(kernel_type="InterNode", gpu_per_node=2))
+            ["regions"] if blk == "symmetric"}
+    assert rows["split_tail"] == 2 * 4 * 8
 
 
 # --- mori.compat.deep_ep receive hooks ------------------------------------------------------------

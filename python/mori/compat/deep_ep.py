@@ -28,12 +28,12 @@ silently). How the calls map onto mori:
   which costs one extra dispatch round.
 * Low-latency mode: two ops per shape used in turn (DeepEP's two low-latency buffers: results of
   at most the two newest dispatches of a shape stay valid), expert-major layout and fused FP8 from
-  the op. return_recv_hook=True splits the call where the op can (IntraNode, at most 256 tokens
-  per rank, and for the combine the push combine): the call launches the send half and returns,
+  the op. return_recv_hook=True splits the call where the op can (dispatch: at most 256 tokens
+  per rank; combine: the push combine, IntraNode): the call launches the send half and returns,
   and the hook launches the receive half on the caller's current stream; the returned tensors
-  hold the results once the hook's work has run. Elsewhere (InterNode, larger shapes, the first
-  dispatch of each of a shape's two ops, which allocates the expert-major buffers) the whole call
-  runs up front and the hook does nothing.
+  hold the results once the hook's work has run. Elsewhere (larger shapes, the InterNode combine,
+  the first dispatch of each of a shape's two ops, which allocates the expert-major buffers) the
+  whole call runs up front and the hook does nothing.
 """
 
 import warnings

@@ -478,8 +478,8 @@ class EpDispatchCombineOp(ExpertMajorMixin):
         with no SM waiting for a peer; any GPU work may run before dispatch_recv(), which
         completes it. The op keeps input, weights, scales and indices alive until dispatch_recv;
         they must stay unchanged until then (the send kernel reads them). Needs kernel_type
-        IntraNode and max_num_inp_token_per_rank <= 256 (other ops raise mori.InvalidUsageError
-        naming what works). Until dispatch_recv, dispatch, dispatch_send, combine, combine_send, the
+        IntraNode or InterNode and max_num_inp_token_per_rank <= 256 (other ops raise
+        mori.InvalidUsageError naming what works). Until dispatch_recv, dispatch, dispatch_send, combine, combine_send, the
         expert-major conversions and debug_fill_buffers raise. Every rank of a call uses the same
         form (split or fused). Returns None."""
         prep = self._prepare_dispatch("dispatch_send", input, weights, scales, indices, rdma_block_num, use_fp8,
@@ -508,7 +508,7 @@ class EpDispatchCombineOp(ExpertMajorMixin):
 
     @property
     def split_dispatch_available(self):
-        """Whether dispatch_send/dispatch_recv work on this op (IntraNode, <= 256 tokens per rank)."""
+        """Whether dispatch_send/dispatch_recv work on this op (<= 256 tokens per rank)."""
         return bool(self._h().split_dispatch_available)
 
     @property

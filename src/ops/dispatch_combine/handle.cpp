@@ -381,8 +381,7 @@ void EpDispatchCombineHandle::TakeExpertIdError(const char* what) {
 }
 
 bool EpDispatchCombineHandle::SplitDispatchAvailable() const {
-  return backend != nullptr && backend->Family() == EpFamily::kIntraNode &&
-         EpSplitDispatchFits(config);
+  return backend != nullptr && EpSplitDispatchFits(config);
 }
 
 bool EpDispatchCombineHandle::SplitCombineAvailable() const {
@@ -409,10 +408,10 @@ void EpDispatchCombineHandle::Dispatch(const EpDispatchArgs& args, gpuStream_t s
 void EpDispatchCombineHandle::DispatchSend(const EpDispatchArgs& args, gpuStream_t stream) {
   CheckUsable("dispatch_send");
   MORI_ENSURE(SplitDispatchAvailable(), InvalidUsageError,
-              "EP dispatch_send: split-phase dispatch is built for kernel_type IntraNode with "
-              "max_num_inp_token_per_rank <= %d; this op is %s with %d tokens per rank (use "
-              "dispatch)",
-              kEpPushCombineMaxTokens, EpKernelTypeName(config.kernelType),
+              "EP dispatch_send: split-phase dispatch is built for kernel_type IntraNode and "
+              "InterNode with max_num_inp_token_per_rank <= %d; this op is %s with %d tokens per "
+              "rank (use dispatch)",
+              kEpSplitDispatchMaxTokens, EpKernelTypeName(config.kernelType),
               config.maxNumInpTokenPerRank);
   if (dispatchSentEvent == nullptr)
     MORI_CHECK_GPU(gpuEventCreateWithFlags(&dispatchSentEvent, gpuEventDisableTiming));

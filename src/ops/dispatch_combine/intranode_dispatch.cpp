@@ -148,9 +148,10 @@ MORI_DEVICE_INLINE bool EpDispatchBlockDone(const EpKernelCommon& c, uint64_t* t
 // rows. Block b < W also moves our tokens' slots on PE b (tokenSlot, list positions after the
 // send) by the rows of the PEs below us for b. Block 0 writes the totals; the last block checks
 // and resets the arrival counters and advances the epoch.
-template <typename IndexT>
+template <typename IndexT, EpFamily kFamily>
 MORI_DEVICE_INLINE void EpDispatchReceiveHalf(const EpDispatchKernelArgs& a,
                                               const EpKernelStart& start) {
+  constexpr bool kInter = kFamily == EpFamily::kInterNode;
   __shared__ int sCount[kEpMaxWorldSize];
   __shared__ int sBase[kEpMaxWorldSize + 1];
   __shared__ int sShift;
@@ -179,21 +180,34 @@ MORI_DEVICE_INLINE void EpDispatchReceiveHalf(const EpDispatchKernelArgs& a,
   // ---- R1. counts and staged rows of every source; the counts of lower PEs for PE b --------
   for (int s = tid; s < W; s += nThreads) {
     uint32_t n = 0;
-    if (!EpCountWait<EpFamily::kIntraNode>(c, wait, parity, s, me, epoch, a.format,
-                                           "EP dispatch_recv: token count for this PE", &n)) {
+    if (!EpCountWait<kFamily>(c, wait, parity, s, me, epoch, a.format,
+                              "EP dispatch_recv: token count for this PE", &n)) {
       sFailedR = 1;
       n = 0;
+    } else if (n > 0 && kInter && IsRemote(c, s)) {
+      // Another node's rows: its tail word of this parity follows them on its QP.
+      uint64_t* tailWord = At<uint64_t>(L, c.symm.splitTail) + EpPushArrivedIndex(parity, s, W);
+      uint32_t rows = 0;
+      if (!TagWait(wait, tailWord, epoch, s, "EP dispatch_recv: RDMA rows (tail) from PE", &rows)) {
+        sFailedR = 1;
+      } else if (rows != n) {
+        ReportError(wait, s, "EP dispatch_recv: RDMA tail != announced count",
+                    static_cast<const uint64_t*>(tailWord), CmpOp::kEq, static_cast<uint64_t>(n),
+                    static_cast<uint64_t>(rows));
+        sFailedR = 1;
+      }
     } else if (n > 0 && !core::WaitUntil(wait, arrived + s, CmpOp::kGe, static_cast<uint64_t>(n), s,
                                          "EP dispatch_recv: staged rows from PE")) {
       sFailedR = 1;
     }
     sCount[s] = static_cast<int>(n);
   }
-  if (b < W) {
+  // (InterNode: our rows for another node's PE keep their list position as slot: the landing row.)
+  if (b < W && !(kInter && IsRemote(c, b))) {
     for (int p = tid; p < me; p += nThreads) {
       uint32_t n = 0;
-      if (!EpCountWait<EpFamily::kIntraNode>(c, wait, parity, p, b, epoch, a.format,
-                                             "EP dispatch_recv: token count of a lower PE", &n)) {
+      if (!EpCountWait<kFamily>(c, wait, parity, p, b, epoch, a.format,
+                                "EP dispatch_recv: token count of a lower PE", &n)) {
         sFailedR = 1;
       } else {
         atomicAdd(&sShift, static_cast<int>(n));
@@ -297,6 +311,7 @@ MORI_DEVICE_INLINE void EpDispatchReceiveHalf(const EpDispatchKernelArgs& a,
       __threadfence();
       const bool failed = atomicExch(&c.state->dispatchFailed, 0u) != 0;
       for (int s = 0; s < W; s++) {
+        if (kInter && IsRemote(c, s)) continue;  // tail words are tagged: nothing to reset
         const uint64_t got = core::AtomicLoadRelaxedSystem(arrived + s);
         if (!failed && got != static_cast<uint64_t>(sCount[s]))
           ReportError(wait, s, "EP dispatch_recv: more rows staged than announced",
@@ -324,16 +339,13 @@ __global__ void __launch_bounds__(kThreads, 1) EpDispatchKernel(const EpDispatch
 
   const EpKernelCommon& c = a.c;
   const EpKernelStart start = EpBeginKernel(c, EpTraceKind::kDispatch, 0);
-  // Split phase (IntraNode): the receive half is its own path; the send half is this kernel
-  // without the waits and with the staging as destination.
-  bool split = false;
-  if constexpr (!kInter) {
-    if (a.phase == EpDispatchPhase::kReceive) {
-      EpDispatchReceiveHalf<IndexT>(a, start);
-      return;
-    }
-    split = a.phase == EpDispatchPhase::kSend;
+  // Split phase: the receive half is its own path; the send half is this kernel without the
+  // waits and with the staging as destination.
+  if (a.phase == EpDispatchPhase::kReceive) {
+    EpDispatchReceiveHalf<IndexT, kFamily>(a, start);
+    return;
   }
+  const bool split = a.phase == EpDispatchPhase::kSend;
   // A private copy: the (rare) error path takes its address, which must not pull the whole
   // kernel parameter block into local memory.
   const core::WaitContext wait = c.shmem.wait;
@@ -768,27 +780,38 @@ __global__ void __launch_bounds__(kThreads, 1) EpDispatchKernel(const EpDispatch
         if (countD > 0 && sFailed == 0 && !core::DeviceAborted(wait)) {
           const size_t rows = static_cast<size_t>(dest) * c.maxTokensPerRank;
           const size_t n = static_cast<size_t>(countD);
-          const size_t at = static_cast<size_t>(sSendBase);
           uint8_t* L = c.symmLocal;
           const size_t idxBytes = sizeof(IndexT) * K;
-          bool ok = RdmaWrite(c, dest, L + c.symm.dispatchOutTokens + at * a.rowBytes,
-                              L + c.symm.stageTokens + rows * a.rowBytes, n * a.rowBytes);
+          // Where the rows go on dest: their final rows, or (split send) our staging slots there
+          // [parity][rank], followed by the tail word of that parity.
+          const size_t at = split ? EpSplitRow(parity, me, c.maxTokensPerRank, W)
+                                  : static_cast<size_t>(sSendBase);
+          const EpSymmetricLayout& y = c.symm;
+          bool ok = RdmaWrite(c, dest,
+                              L + (split ? y.splitTokens : y.dispatchOutTokens) + at * a.rowBytes,
+                              L + y.stageTokens + rows * a.rowBytes, n * a.rowBytes);
           if (ok && a.inWeights != nullptr)
-            ok = RdmaWrite(c, dest, L + c.symm.dispatchOutWeights + at * K * sizeof(float),
-                           L + c.symm.stageWeights + rows * K * sizeof(float),
-                           n * K * sizeof(float));
+            ok = RdmaWrite(
+                c, dest,
+                L + (split ? y.splitWeights : y.dispatchOutWeights) + at * K * sizeof(float),
+                L + y.stageWeights + rows * K * sizeof(float), n * K * sizeof(float));
           if (ok && (a.scaleCopy != EpScaleCopy::kNone || a.quant != EpDispatchQuant::kNone))
-            ok = RdmaWrite(c, dest, L + c.symm.dispatchOutScales + at * a.scaleBytes,
-                           L + c.symm.stageScales + rows * a.scaleBytes, n * a.scaleBytes);
+            ok = RdmaWrite(c, dest,
+                           L + (split ? y.splitScales : y.dispatchOutScales) + at * a.scaleBytes,
+                           L + y.stageScales + rows * a.scaleBytes, n * a.scaleBytes);
           if (ok)
-            ok = RdmaWrite(c, dest, L + c.symm.dispatchOutIndices + at * idxBytes,
-                           L + c.symm.stageIndices + rows * idxBytes, n * idxBytes);
+            ok = RdmaWrite(c, dest,
+                           L + (split ? y.splitIndices : y.dispatchOutIndices) + at * idxBytes,
+                           L + y.stageIndices + rows * idxBytes, n * idxBytes);
           if (ok)
-            ok = RdmaWrite(c, dest, L + c.symm.dispatchOutSrcPos + at * sizeof(int32_t),
-                           L + c.symm.stageSrcPos + rows * sizeof(int32_t), n * sizeof(int32_t));
+            ok = RdmaWrite(c, dest,
+                           L + (split ? y.splitSrcPos : y.dispatchOutSrcPos) + at * sizeof(int32_t),
+                           L + y.stageSrcPos + rows * sizeof(int32_t), n * sizeof(int32_t));
           const uint64_t tail = EpTagWord(epoch, static_cast<uint32_t>(countD));
-          if (ok)
-            ok = RdmaWrite(c, dest, At<uint64_t>(L, c.symm.interTail) + me, &tail, sizeof(tail));
+          uint64_t* tailWord =
+              split ? At<uint64_t>(L, y.splitTail) + EpPushArrivedIndex(parity, me, W)
+                    : At<uint64_t>(L, y.interTail) + me;
+          if (ok) ok = RdmaWrite(c, dest, tailWord, &tail, sizeof(tail));
           if (ok) shmem::ShmemQuietThread(c.shmem, dest);
         }
       }

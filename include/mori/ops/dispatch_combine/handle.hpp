@@ -135,19 +135,19 @@ class EpDispatchCombineHandle {
   void CombineSend(const EpCombineArgs& args, gpuStream_t stream);
   void CombineReceive(gpuStream_t stream);
   bool CombinePending() const { return pendingCombine; }
-  // Split-phase dispatch (IntraNode, EpSplitDispatchFits: max_num_inp_token_per_rank <= 256;
-  // docs/ep_split_phase.md). DispatchSend checks `args` as Dispatch does, announces this PE's
-  // counts and writes its rows into staging slots of their destinations, and returns without any
-  // block waiting on a peer; any work may run before DispatchReceive, which waits for every PE's
-  // rows, compacts them and leaves exactly the outputs Dispatch would have (same rows, order,
-  // metadata, counts, and the slots combine uses). The input, weights, scales and indices are
-  // read by the send kernel only; keep them unchanged until it has run (work between the halves
-  // may run beside it on other streams). Between the two only DispatchReceive is accepted:
-  // Dispatch, a second DispatchSend,
-  // Combine, CombineSend and the expert-major conversions raise InvalidUsageError. Every PE of a
-  // call uses the same form (a PE whose call is the fused dispatch records a format mismatch).
-  // Streams, graphs and pending device errors: as CombineSend/CombineReceive; the next call after
-  // a receive on another stream waits for it.
+  // Split-phase dispatch (IntraNode and InterNode, EpSplitDispatchFits:
+  // max_num_inp_token_per_rank <= 256; docs/ep_split_phase.md). DispatchSend checks `args` as
+  // Dispatch does, announces this PE's counts and writes its rows into staging slots of their
+  // destinations, and returns without any block waiting on a peer; any work may run before
+  // DispatchReceive, which waits for every PE's rows, compacts them and leaves exactly the outputs
+  // Dispatch would have (same rows, order, metadata, counts, and the slots combine uses). The
+  // input, weights, scales and indices are read by the send kernel only; keep them unchanged until
+  // it has run (work between the halves may run beside it on other streams). Between the two only
+  // DispatchReceive is accepted: Dispatch, a second DispatchSend, Combine, CombineSend and the
+  // expert-major conversions raise InvalidUsageError. Every PE of a call uses the same form (a PE
+  // whose call is the fused dispatch records a format mismatch). Streams, graphs and pending device
+  // errors: as CombineSend/CombineReceive; the next call after a receive on another stream waits
+  // for it.
   void DispatchSend(const EpDispatchArgs& args, gpuStream_t stream);
   // blockNum / warpPerBlock < 1: DispatchSend's.
   void DispatchReceive(gpuStream_t stream, int blockNum = -1, int warpPerBlock = -1);

@@ -126,6 +126,9 @@ const char* EpRegionRoleName(EpRegionRole role);
   X(splitScales, "split_scales", d.split * 2 * d.w * d.m * d.scaleRow, kStaging)                 \
   X(splitIndices, "split_indices", d.split * 2 * d.w * d.m * d.k * sizeof(int64_t), kStaging)    \
   X(splitSrcPos, "split_src_pos", d.split * 2 * d.w * d.m * sizeof(int32_t), kStaging)           \
+  /* split-phase dispatch, InterNode: [parity][src] tagged word {epoch, rows}: src (another    */ \
+  /* node) has RDMA-written its staged rows for us                                             */ \
+  X(splitTail, "split_tail", d.split * d.inter * 2 * d.w * sizeof(uint64_t), kControl)           \
   /* InterNode: [parity][src][dst][2] tagged words {count, format} of src's tokens for dst */     \
   X(interCount, "inter_count", d.inter * 2 * d.w * d.w * 2 * sizeof(uint64_t), kControl)         \
   /* InterNode: [src] tagged word: src's RDMA rows to us are complete (value: rows) */             \
@@ -213,10 +216,13 @@ inline bool EpPushCombineFits(const EpDispatchCombineConfig& config) {
 
 // Split-phase dispatch (dispatch_send / dispatch_recv) needs, per PE, staging for every source's
 // rows of two calls (2 x W x M rows with their metadata: the send writes no final positions, so
-// it waits on no peer's counts; docs/ep_split_phase.md). It exists for the configs that have the
-// push combine (IntraNode, at most kEpPushCombineMaxTokens tokens per rank).
+// it waits on no peer's counts; docs/ep_split_phase.md). It exists for IntraNode and InterNode
+// configs of at most kEpSplitDispatchMaxTokens tokens per rank.
+constexpr int kEpSplitDispatchMaxTokens = kEpPushCombineMaxTokens;
 inline bool EpSplitDispatchFits(const EpDispatchCombineConfig& config) {
-  return EpPushCombineFits(config);
+  return (config.kernelType == EpDispatchCombineKernelType::kIntraNode ||
+          config.kernelType == EpDispatchCombineKernelType::kInterNode) &&
+         config.maxNumInpTokenPerRank <= kEpSplitDispatchMaxTokens;
 }
 
 EpLayoutDims MakeEpLayoutDims(const EpDispatchCombineConfig& config);
@@ -261,7 +267,8 @@ MORI_HD inline size_t EpPushArrivedIndex(int parity, int pe, int worldSize) {
 }
 // Split-phase dispatch: first staging row of source `src` for a call of `parity` in split*
 // (rows, or rows of K weights / indices, scale rows, source positions); its j-th row is this + j.
-// The arrival counter of `src` in splitArrived is EpPushArrivedIndex(parity, src, worldSize).
+// The arrival counter of `src` in splitArrived, and its tail word in splitTail, are at
+// EpPushArrivedIndex(parity, src, worldSize).
 MORI_HD inline size_t EpSplitRow(int parity, int src, int maxTokens, int worldSize) {
   return (static_cast<size_t>(parity) * worldSize + src) * maxTokens;
 }
