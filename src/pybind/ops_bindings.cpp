@@ -156,6 +156,38 @@ void DefCombineCall(py::class_<EpDispatchCombineHandle>& cls, const char* name) 
       py::arg("stream"));
 }
 
+// dispatch and dispatch_send take the same arguments.
+template <void (EpDispatchCombineHandle::*kCall)(const ops::EpDispatchArgs&, gpuStream_t)>
+void DefDispatchCall(py::class_<EpDispatchCombineHandle>& cls, const char* name) {
+  cls.def(
+      name,
+      [name](EpDispatchCombineHandle& h, uintptr_t input, int dataType, int numTokens,
+             int hiddenDim, uintptr_t weights, uintptr_t scales, uintptr_t indices, int indexType,
+             int blockNum, int warpPerBlock, uintptr_t stream, int quant, int quantOutType,
+             bool checkExpertIds) {
+        ops::EpDispatchArgs a;
+        a.input = Ptr<const void>(input);
+        a.dataType = DataTypeFromInt(dataType, name);
+        a.numTokens = numTokens;
+        a.hiddenDim = hiddenDim;
+        a.weights = Ptr<const float>(weights);
+        a.scales = Ptr<const void>(scales);
+        a.indices = Ptr<const void>(indices);
+        a.indexType = IndexTypeFromInt(indexType);
+        a.blockNum = blockNum;
+        a.warpPerBlock = warpPerBlock;
+        a.checkExpertIds = checkExpertIds;
+        a.quant = static_cast<ops::EpDispatchQuant>(quant);  // range-checked by the handle
+        a.quantOutType = DataTypeFromInt(quantOutType, "dispatch (quantised rows)");
+        (h.*kCall)(a, reinterpret_cast<gpuStream_t>(stream));
+      },
+      py::arg("input"), py::arg("data_type"), py::arg("num_tokens"), py::arg("hidden_dim"),
+      py::arg("weights"), py::arg("scales"), py::arg("indices"), py::arg("index_type"),
+      py::arg("block_num"), py::arg("warp_per_block"), py::arg("stream"), py::arg("quant") = 0,
+      py::arg("quant_out_type") = static_cast<int>(ops::EpDataType::kFp8E4M3Fn),
+      py::arg("check_expert_ids") = true);
+}
+
 }  // namespace
 
 void RegisterOpsBindings(py::module_& m) {
@@ -287,37 +319,12 @@ void RegisterOpsBindings(py::module_& m) {
   py::class_<EpDispatchCombineHandle> handleCls(o, "EpDispatchCombineHandle");
   DefCombineCall<&EpDispatchCombineHandle::Combine>(handleCls, "combine");
   DefCombineCall<&EpDispatchCombineHandle::CombineSend>(handleCls, "combine_send");
+  DefDispatchCall<&EpDispatchCombineHandle::Dispatch>(handleCls, "dispatch");
+  DefDispatchCall<&EpDispatchCombineHandle::DispatchSend>(handleCls, "dispatch_send");
   handleCls
       .def(py::init<const EpDispatchCombineConfig&>(), py::arg("config"),
            py::call_guard<py::gil_scoped_release>(),
            "Collective: allocate and zero the buffers on every PE (needs shmem initialised)")
-      .def(
-          "dispatch",
-          [](EpDispatchCombineHandle& h, uintptr_t input, int dataType, int numTokens,
-             int hiddenDim, uintptr_t weights, uintptr_t scales, uintptr_t indices, int indexType,
-             int blockNum, int warpPerBlock, uintptr_t stream, int quant, int quantOutType,
-             bool checkExpertIds) {
-            ops::EpDispatchArgs a;
-            a.input = Ptr<const void>(input);
-            a.dataType = DataTypeFromInt(dataType, "dispatch");
-            a.numTokens = numTokens;
-            a.hiddenDim = hiddenDim;
-            a.weights = Ptr<const float>(weights);
-            a.scales = Ptr<const void>(scales);
-            a.indices = Ptr<const void>(indices);
-            a.indexType = IndexTypeFromInt(indexType);
-            a.blockNum = blockNum;
-            a.warpPerBlock = warpPerBlock;
-            a.checkExpertIds = checkExpertIds;
-            a.quant = static_cast<ops::EpDispatchQuant>(quant);  // range-checked by Dispatch
-            a.quantOutType = DataTypeFromInt(quantOutType, "dispatch (quantised rows)");
-            h.Dispatch(a, reinterpret_cast<gpuStream_t>(stream));
-          },
-          py::arg("input"), py::arg("data_type"), py::arg("num_tokens"), py::arg("hidden_dim"),
-          py::arg("weights"), py::arg("scales"), py::arg("indices"), py::arg("index_type"),
-          py::arg("block_num"), py::arg("warp_per_block"), py::arg("stream"), py::arg("quant") = 0,
-          py::arg("quant_out_type") = static_cast<int>(ops::EpDataType::kFp8E4M3Fn),
-          py::arg("check_expert_ids") = true)
       .def(
           "convert_dispatch_output",
           [](EpDispatchCombineHandle& h, int blockNum, int warpPerBlock, uintptr_t stream) {
@@ -346,6 +353,17 @@ void RegisterOpsBindings(py::module_& m) {
           py::arg("expert_out"), py::arg("data_type"), py::arg("hidden_dim"),
           py::arg("expert_rows"), py::arg("weights"), py::arg("weight_rows"), py::arg("block_num"),
           py::arg("warp_per_block"), py::arg("stream"))
+      .def(
+          "dispatch_recv",
+          [](EpDispatchCombineHandle& h, int blockNum, int warpPerBlock, uintptr_t stream) {
+            h.DispatchReceive(reinterpret_cast<gpuStream_t>(stream), blockNum, warpPerBlock);
+          },
+          py::arg("block_num"), py::arg("warp_per_block"), py::arg("stream"))
+      .def_property_readonly("dispatch_pending", &EpDispatchCombineHandle::DispatchPending)
+      .def_property_readonly("split_dispatch_available",
+                             &EpDispatchCombineHandle::SplitDispatchAvailable)
+      .def_property_readonly("split_combine_available",
+                             &EpDispatchCombineHandle::SplitCombineAvailable)
       .def(
           "combine_recv",
           [](EpDispatchCombineHandle& h, uintptr_t stream) {

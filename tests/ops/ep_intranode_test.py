@@ -108,7 +108,7 @@ class Spec:
     def __init__(self, H=2048, K=8, Epr=8, M=256, dtype="bf16", cdtype=None, idx="int32", scale=None,
                  weights=True, routing="random_neg", t_mode="random", mode="zero_copy", wmode="external",
                  iters=1, seed=0, d_launch=(-1, -1), c_launch=(-1, -1), poison=True, cfg_H=None,
-                 cfg_tts=None, cfg_launch=None, check_every=0, quant=None):
+                 cfg_tts=None, cfg_launch=None, check_every=0, quant=None, split=False):
         self.H = H if callable(H) else (lambda it, v=H: v)
         self.dtype = dtype if callable(dtype) else (lambda it, v=dtype: v)
         self.mode = mode if callable(mode) else (lambda it, v=mode: v)
@@ -124,6 +124,8 @@ class Spec:
         # Fused dispatch quantisation per iteration: None, "fp8", "fp8_round" or "fp8_ue8m0" (bf16
         # input; the config reserves hidden / 128 fp32 scales when any iteration quantises).
         self.quant = quant if callable(quant) else (lambda it, v=quant: v)
+        # Per iteration: dispatch as dispatch_send, a matmul, dispatch_recv (split phase).
+        self.split = split if callable(split) else (lambda it, v=split: v)
 
     def quant_kw(self, it):
         """dispatch's quantisation keywords for iteration `it`."""
@@ -363,7 +365,17 @@ def roundtrip(env, spec, op=None, label=""):
         sc = SC[r, :T].contiguous() if SC is not None else None
         db, dw = spec.d_launch(it)
         qkw = spec.quant_kw(it)
-        outs = op.dispatch(x, w, None if qkw else sc, idx, block_num=db, warp_per_block=dw, **qkw)
+        if spec.split(it):
+            # Work between the halves, on memory allocated before (under the RDMA emulator a
+            # cudaMalloc there could hold up the copies the send kernel completes with).
+            mm = torch.ones((512, 512), device=env.dev)
+            mm_out = torch.matmul(mm, mm)
+            op.dispatch_send(x, w, None if qkw else sc, idx, block_num=db, warp_per_block=dw, **qkw)
+            torch.matmul(mm, mm, out=mm_out)
+            outs = op.dispatch_recv()
+            del mm, mm_out
+        else:
+            outs = op.dispatch(x, w, None if qkw else sc, idx, block_num=db, warp_per_block=dw, **qkw)
         if env.emulated_rdma:
             # verify_dispatch's first allocations (cudaMalloc with peer access on) can hold up the
             # emulator's copies this dispatch waits for (docs/rdma.md, "Host run-ahead").
@@ -613,6 +625,19 @@ def case_combine_back_to_back(env):
     _raise_on_counters(env, spec, op, cnt, None, "back-to-back combines", 40)
 
 
+def capture_on_side_stream(env, body):
+    """(graph, body's result): body() captured on a side stream once every rank's work is done."""
+    torch = env.torch
+    s = torch.cuda.Stream(device=env.dev)
+    s.wait_stream(torch.cuda.current_stream())
+    torch.cuda.synchronize()
+    env.barrier()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        result = body()
+    return g, result
+
+
 def case_split_phase_combine(env):
     """combine_send / combine_recv (push combine): the halves with a matmul between them give the
     fused combine's outputs bit-exactly, back to back (alternating x and 2x) and replayed from a
@@ -662,15 +687,12 @@ def case_split_phase_combine(env):
                        lambda: op.dispatch(X[r, : Ts[r]].contiguous(), None, None, sel), "pending")
     split.append(tuple(t.clone() for t in op.combine_recv()))
     # a CUDA graph of send, matmul, receive (the receive half's outputs are the op's buffers)
-    s = torch.cuda.Stream(device=env.dev)
-    s.wait_stream(torch.cuda.current_stream())
-    torch.cuda.synchronize()
-    env.barrier()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=s):
+    def body():
         op.combine_send(*inputs[1], sel)
         b = a @ a
-        gout, gow = op.combine_recv()
+        return op.combine_recv(), b
+
+    g, ((gout, gow), b) = capture_on_side_stream(env, body)
     for _ in range(3):
         env.barrier()
         g.replay()
@@ -688,6 +710,140 @@ def case_split_phase_combine(env):
     cnt = torch.zeros(len(C_NAMES), dtype=torch.int64, device=env.dev)
     verify_combine(env, spec, op, fused[0][0], fused[0][1], data, cnt, False, 0, cdt)
     _raise_on_counters(env, spec, op, cnt, None, "fused combine (reference of the split ones)", 1)
+    if errors:
+        raise CaseFailure("; ".join(errors[:6]))
+
+
+def _dispatch_state(env, op, outs):
+    """Clones of the valid rows of every dispatch output, the source positions and the
+    per-expert counts (what a split dispatch must reproduce bit for bit)."""
+    n = int(outs[4].item())
+    got = [None if t is None else t[:n].clone().view(env.torch.uint8) for t in outs[:4]]
+    return got + [outs[4].clone(), op.get_dispatch_src_token_pos().clone(), op.get_local_expert_count().clone()]
+
+
+def case_split_phase_dispatch(env):
+    """dispatch_send / dispatch_recv: rows, metadata, counts and the combine that follows equal the
+    fused dispatch's bit for bit (the same inputs dispatched both ways, with a matmul between the
+    halves), mixed with fused calls in random round trips (routings, dtypes, fp8 quantisation,
+    int64 ids, scales, no weights, poisoned outputs); a temporary input whose memory is reused
+    between the halves; the receive on another stream; a CUDA graph of send, matmul and receive,
+    replayed; misuse raises InvalidUsageError on every rank and the op stays usable. Both kernel
+    types (InterNode: other nodes' rows by RDMA into the staging); an op of more than 256 tokens
+    per rank refuses dispatch_send."""
+    torch = env.torch
+    mori = env.mori
+    errors = []
+    r = env.rank
+    big = Spec(H=1024, M=512, iters=1, seed=51, t_mode="small")
+    bop = spec_op(env, big)
+    X, IDX, WT, SC, Ts = make_data(env, big, 0, 51)
+    expect_usage_error(mori, errors, "dispatch_send with 512 tokens per rank",
+                       lambda: bop.dispatch_send(X[r, : Ts[r]].contiguous(), None, None, IDX[r, : Ts[r]].contiguous()),
+                       "<= 256")
+    env.close_ops()
+    # Round trips with split and fused calls mixed (verify_dispatch / verify_combine check both).
+    roundtrip(env, Spec(H=2048, M=256, iters=6, seed=52, split=lambda it: it % 3 != 2,
+                        routing=lambda it: ("random_neg", "one_rank", "two_ranks")[it % 3]), label="split mixed")
+    roundtrip(env, Spec(H=4096, M=64, iters=2, seed=53, dtype="fp16", idx="int64", scale=(32, "f32"), weights=False,
+                        wmode=None, routing="duplicates", split=True), label="split fp16/int64/scales/no weights")
+    roundtrip(env, Spec(H=2048, M=64, iters=2, seed=57, dtype="fp8", cdtype="bf16", scale=(7, "u8"), split=True),
+                        label="split fp8 rows, byte scales")
+    roundtrip(env, Spec(H=2048, M=128, iters=3, seed=54, dtype="bf16", quant=lambda it: (None, "fp8", "fp8_ue8m0")[it],
+                        split=True), label="split fp8")
+    zop = roundtrip(env, Spec(H=1024, M=32, iters=2, seed=55, t_mode="zero_rank", split=True), label="split, rank 1 idle")
+    roundtrip(env, Spec(H=1024, M=32, iters=2, seed=58, t_mode="all_zero", split=True), op=zop, label="split, no tokens")
+    roundtrip(env, Spec(H=2048, M=256, iters=4, seed=59, t_mode="vary", split=lambda it: it % 2 == 0,
+                        d_launch=lambda it: ((-1, -1), (env.W, 1), (3 * env.W, 4), (-1, 16))[it]),
+              label="split, launch shapes and token counts")
+    env.close_ops()
+
+    # Bit-exact against the fused dispatch of the same inputs, then the combine of each.
+    spec = Spec(H=2048, M=128, iters=1, seed=56, poison=False, scale=(16, "f32"))
+    op = spec_op(env, spec)
+    data = make_data(env, spec, 0, 56)
+    X, IDX, WT, SC, Ts = data
+    x, idx, w, sc = (X[r, : Ts[r]].contiguous(), IDX[r, : Ts[r]].contiguous(), WT[r, : Ts[r]].contiguous(),
+                     SC[r, : Ts[r]].contiguous())
+    cdt = torch.bfloat16
+    # The work between the halves allocates nothing (see roundtrip: the RDMA emulator).
+    a = torch.randn((1024, 1024), device=env.dev)
+    bm = a @ a
+    warm = [torch.empty((1 << 20,), device=env.dev) for _ in range(10)]  # cached for `junk` below
+    del warm
+
+    def combined(outs):
+        y = expert_fn(outs[0], r, cdt)
+        return [t.clone() for t in op.combine(y, outs[1] * float(r + 1), idx)]
+
+    env.barrier()
+    outs = op.dispatch(x, w, sc, idx)
+    fused = _dispatch_state(env, op, outs)
+    fused_c = combined(outs)
+    results = []
+    for i in range(4):
+        op.dispatch_send(x, w, sc, idx)
+        torch.matmul(a, a, out=bm)
+        outs = op.dispatch_recv()
+        results.append((f"split {i}", _dispatch_state(env, op, outs), combined(outs)))
+    # A temporary input (only the op references it until dispatch_recv) and the receive on another
+    # stream (it waits for the send half).
+    other = torch.cuda.Stream(device=env.dev)
+    op.dispatch_send(x.clone(), w.clone(), sc.clone(), idx.clone())
+    junk = [torch.full((1 << 20,), 3.0, device=env.dev) for _ in range(8)]  # reuses freed memory
+    other.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(other):
+        outs = op.dispatch_recv()
+        state = _dispatch_state(env, op, outs)
+    torch.cuda.current_stream().wait_stream(other)
+    del junk
+    results.append(("temporary input, receive on another stream", state, combined(outs)))
+    # misuse: every rank makes the same calls, so every rank raises (nothing is launched)
+    expect_usage_error(mori, errors, "dispatch_recv without dispatch_send", lambda: op.dispatch_recv(),
+                       "no dispatch_send")
+    op.dispatch_send(x, w, sc, idx)
+    expect_usage_error(mori, errors, "dispatch_send twice", lambda: op.dispatch_send(x, w, sc, idx), "pending")
+    expect_usage_error(mori, errors, "dispatch between the halves", lambda: op.dispatch(x, w, sc, idx), "pending")
+    expect_usage_error(mori, errors, "combine between the halves",
+                       lambda: op.combine(torch.zeros_like(fused_c[0]), None, idx), "pending")
+    expect_usage_error(mori, errors, "combine_send between the halves",
+                       lambda: op.combine_send(torch.zeros_like(fused_c[0]), None, idx), "pending")
+    expect_usage_error(mori, errors, "convert_dispatch_output between the halves",
+                       lambda: op.convert_dispatch_output(), "pending")
+    expect_usage_error(mori, errors, "debug_fill_buffers between the halves", lambda: op.debug_fill_buffers(),
+                       "pending")
+    expect_usage_error(mori, errors, "native dispatch between the halves",
+                       lambda: op._h().dispatch(x.data_ptr(), 0, int(x.shape[0]), 2048, 0, 0, idx.data_ptr(), 0,
+                                                -1, -1, torch.cuda.current_stream().cuda_stream), "pending")
+    outs = op.dispatch_recv()
+    results.append(("after the misuse checks", _dispatch_state(env, op, outs), combined(outs)))
+    # A CUDA graph of send, matmul, receive (the receive's outputs are the op's buffers).
+    def body():
+        op.dispatch_send(x, w, sc, idx)
+        torch.matmul(a, a, out=bm)
+        return op.dispatch_recv()
+
+    g, gouts = capture_on_side_stream(env, body)
+    for i in range(3):
+        env.barrier()
+        g.replay()
+        torch.cuda.synchronize()
+        results.append((f"graph replay {i}", _dispatch_state(env, op, gouts), combined(gouts)))
+    del g
+    torch.cuda.synchronize()
+    mori.shmem.shmem_check_device_error()
+    names = ("tokens", "weights", "scales", "indices", "total", "src_pos", "expert_count")
+    for label, state, comb in results:
+        for n, f, got in zip(names, fused, state):
+            if (f is None) != (got is None) or (f is not None and not torch.equal(f, got)):
+                errors.append(f"{label}: {n} differs from the fused dispatch")
+        if not all(torch.equal(f.view(torch.uint8), g_.view(torch.uint8)) for f, g_ in zip(fused_c, comb)):
+            errors.append(f"{label}: the combine after it differs from the one after the fused dispatch")
+    cnt = torch.zeros(len(C_NAMES), dtype=torch.int64, device=env.dev)
+    env.barrier()
+    outs = op.dispatch(x, w, sc, idx)
+    verify_dispatch(env, spec, op, outs, data, cnt, False, 0)
+    _raise_on_counters(env, spec, op, cnt, None, "fused dispatch (reference of the split ones)", 1)
     if errors:
         raise CaseFailure("; ".join(errors[:6]))
 
@@ -1659,6 +1815,7 @@ CASES = [
     ("dispatch_only_and_combine_only_loops", case_dispatch_only_loop),
     ("combine_back_to_back", case_combine_back_to_back),
     ("split_phase_combine", case_split_phase_combine),
+    ("split_phase_dispatch", case_split_phase_dispatch),
     ("cuda_graph_replay", case_cuda_graph),
     ("bad_inputs", case_bad_inputs),
     ("config_mismatch_across_ranks", case_config_mismatch_across_ranks),

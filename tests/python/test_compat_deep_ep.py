@@ -560,7 +560,9 @@ def case_low_latency_combine(env):
     torch, buf, rank, world = env["torch"], env["buf_ll"], env["rank"], env["world"]
     M = 16
     results = []
-    for variant in ("plain", "hook", "weights_sent", "out"):
+    # The first hook call of each of the shape's two ops runs whole (it allocates the expert-major
+    # buffers); the later ones split into send and hook.
+    for variant in ("plain", "hook", "hook", "hook", "weights_sent", "out"):
         kw = dict(use_fp8=False, return_recv_hook=variant == "hook")
         x, ids, w = _inputs(torch, rank, world, 7, M - rank % 3, env["dev"], neg=True)
         if variant == "weights_sent":
@@ -718,6 +720,55 @@ def case_low_latency_topk_idx_check(env):
     buf.low_latency_combine(_ll_expert_out(torch, rx, rank, count), ids, w, h)
 
 
+def case_low_latency_recv_hook(env):
+    """return_recv_hook splits the calls (IntraNode, small shapes): two dispatches in flight with
+    a matmul before their hooks (SGLang TBO / vLLM DBO), fp8 rows, the combines with hooks; every
+    result equals the reference; a hook called twice raises InvalidUsageError."""
+    import ep_test_utils as U
+
+    torch, buf, rank, world, mori = env["torch"], env["buf_ll"], env["rank"], env["world"], env["mori"]
+    M = 16
+    fp8 = U.fp8_dtype(torch)
+    a = torch.randn((512, 512), device=env["dev"])
+    for rnd in range(3):  # the first round allocates both ops' expert-major buffers (no split)
+        ins = [_inputs(torch, rank, world, 20 + j, M - j, env["dev"]) for j in range(2)]
+        outs = [buf.low_latency_dispatch(x, ids, M, world * EPR, use_fp8=False, return_recv_hook=True)
+                for x, ids, _ in ins]
+        b = a @ a  # work between the send halves and the hooks
+        for o in outs:
+            o[4]()
+        del b
+        if rnd == 2:
+            try:
+                outs[0][4]()
+                raise AssertionError("a dispatch hook called twice did not raise")
+            except mori.InvalidUsageError:
+                pass
+        combos = []
+        for (x, ids, w), (rx, count, h, _, _) in zip(ins, outs):
+            combos.append(buf.low_latency_combine(_ll_expert_out(torch, rx, rank, count), ids, w, h,
+                                                  return_recv_hook=True))
+        b = a @ a
+        for (x, ids, w), (y, _, chook) in zip(ins, combos):
+            chook()
+            ref = U.standard_moe_combine_torch(torch, x.cpu(), ids.cpu(), w.cpu(), world, EPR, _expert_fn(torch),
+                                               torch.bfloat16)
+            _check(torch.equal(y.cpu(), ref), f"hooked low-latency round {rnd}")
+        del b
+    if fp8 is not None:
+        for _ in range(3):
+            _, ((rx, rs), count, h, ev, hook) = _ll_dispatch(env, 6, 24, use_fp8=True, return_recv_hook=True)
+            hook()
+        ex, _, counts, src_rows = _em_reference(torch, rank, world, 6, 24)
+        codes, scales = U.fp8_quantize_reference(torch, ex, fp8)
+        _check(count.cpu().long().tolist() == counts.tolist(), "hooked fp8 recv counts")
+        for e in range(EPR):
+            rows = src_rows[e, : int(counts[e])]
+            _check(torch.equal(rx[e, : int(counts[e])].cpu().view(torch.uint8), codes[rows].view(torch.uint8)),
+                   f"hooked fp8 codes, expert {e}")
+            _check(torch.equal(rs[e, : int(counts[e])].cpu(), scales[rows]), f"hooked fp8 scales, expert {e}")
+
+
 GPU_CASES = [
     ("layout", case_layout),
     ("normal_dispatch_combine", case_normal_dispatch_combine),
@@ -730,6 +781,7 @@ GPU_CASES = [
     ("previous_event_orders_input_copies", case_previous_event_orders_input_copies),
     ("low_latency_weights_rule", case_low_latency_weights_rule),
     ("low_latency_topk_idx_check", case_low_latency_topk_idx_check),
+    ("low_latency_recv_hook", case_low_latency_recv_hook),
 ]
 
 
@@ -785,7 +837,7 @@ def run_worker(rank, world, local_rank, cases, make_buffers):
     group = dist.group.WORLD
     mori.shmem.shmem_torch_process_group_init(group)
     env = dict(torch=torch, rank=rank, world=world, dev=torch.device("cuda", torch.cuda.current_device()),
-               group=group, barrier=lambda: dist.barrier(group))
+               group=group, barrier=lambda: dist.barrier(group), mori=mori)
     failed = U.run_case_table(dist, rank, world, cases,
                               lambda case: run_case(case, lambda new: make_buffers(new, env), env))
     mori.shmem.shmem_finalize()

@@ -8,8 +8,10 @@ and the model checks what the kernels rely on:
   * a waiting rank never sees a signal of a later call ("PEs out of step"), and the rows it sums
     are this call's; the arrival counters hold exactly this call's amount when they are reset.
 
-Ops: "D" dispatch, "C" combine from the registered buffer (zero-copy), "X" combine from an
-external tensor (the pull combine first copies it into the registered buffer). Modes: "push" (the
+Ops: "D" dispatch, "S" split-phase dispatch (dispatch_send and dispatch_recv, two kernels: the
+send stages rows in the receivers' staging of its parity and waits for nothing; the receive waits
+for every rank's count and staged rows and compacts them into its own outputs), "C" combine from
+the registered buffer (zero-copy), "X" combine from an external tensor (the pull combine first copies it into the registered buffer). Modes: "push" (the
 small-batch combine, intranode_combine_push.cpp) and "pull" (intranode_combine.cpp); dispatch as
 intranode_dispatch.cpp. Mode "inter" is the InterNode family on nodes of G ranks: same-node peers
 as "pull"; a rank on another node gets its dispatch rows written (RDMA, from staging) followed by a
@@ -128,6 +130,9 @@ class Rank:
         self.arrived = [0] * W                        # dispatch rows per src
         self.push_arrived = [[0] * W for _ in range(P)]
         self.push_slot = [[0] * W for _ in range(P)]  # epoch of the rows held per src
+        self.split_arrived = [[0] * W for _ in range(P)]  # split dispatch: rows staged per src
+        self.split_slot = [[0] * W for _ in range(P)]     # epoch of the rows staged per src
+        self.split_tail = [[0] * W for _ in range(P)]     # inter: split tail word per src (epoch)
         self.readers = 0                              # combines reading our buffers now
         self.tail = [0] * W                           # interTail [src]: dispatch epoch
         self.tail_seen = [0] * W                      # last tail epoch this rank consumed
@@ -146,6 +151,7 @@ def run(W, ops, seed, mode="push", bugs=(), vecs=3, G=None):
     P = 1 if "one_parity" in bugs else 2
     ranks = [Rank(W, P) for _ in range(W)]
     sends = {}  # dispatch epoch -> rows[src][dst]
+    split_calls = set()  # dispatch epochs made by dispatch_send / dispatch_recv (their own tail slots)
 
     def rows(k):
         if k not in sends:
@@ -204,7 +210,7 @@ def run(W, ops, seed, mode="push", bugs=(), vecs=3, G=None):
             write_buffers(d, me, f"dispatch {k} rows")
             if remote(me, d):
                 D = ranks[d]
-                last = max((j for j in sends if j < k and sends[j][me][d] > 0), default=0)
+                last = max((j for j in sends if j < k and j not in split_calls and sends[j][me][d] > 0), default=0)
                 if D.tail_seen[me] != last:
                     raise Violation(f"rank {me} dispatch {k}: tail on {d} rewritten before it read call {last}'s")
                 D.tail[me] = k
@@ -217,6 +223,80 @@ def run(W, ops, seed, mode="push", bugs=(), vecs=3, G=None):
             R.dispatch_epoch = k
 
         return [block0()] + [copy(d) for d in range(W) if cnt[me][d] > 0], epilogue
+
+    def dispatch_send(me):
+        # Split-phase dispatch, send half: count(me -> d) to every rank, rows into d's staging
+        # [parity][me]; nothing waits. The epoch advances with the receive half.
+        R = ranks[me]
+        k = R.dispatch_epoch + 1
+        par = k % P
+        cnt = rows(k)
+        split_calls.add(k)
+
+        def announce():
+            for q in range(W):
+                need_free(q, ranks[q].dispatch_epoch, k, "count signal", me)
+                ranks[q].count[par][me] = k
+            yield None
+
+        def stage(d):
+            D = ranks[d]
+            need_free(d, D.dispatch_epoch, k, "staged rows", me)
+            D.split_slot[par][me] = k
+            if remote(me, d):  # RDMA WRITEs, then the tail word of this parity
+                if D.split_tail[par][me] >= k:
+                    raise Violation(f"rank {me} dispatch_send {k}: tail on {d} of call {D.split_tail[par][me]}")
+                D.split_tail[par][me] = k
+                yield None
+                return
+            if D.split_arrived[par][me] != 0:
+                raise Violation(f"rank {me} dispatch_send {k}: staging counter on {d} not reset")
+            D.split_arrived[par][me] += cnt[me][d]
+            yield None
+
+        return [announce()] + [stage(d) for d in range(W) if cnt[me][d] > 0], lambda: None
+
+    def dispatch_recv(me):
+        # Receive half: every rank's count (also zero counts), its staged rows, done (nobody reads
+        # our outputs), then the compaction into our own outputs.
+        R = ranks[me]
+        k = R.dispatch_epoch + 1
+        par = k % P
+        cnt = rows(k)
+
+        def receive():
+            def counted(s):
+                def ok():
+                    if R.count[par][s] > k:
+                        raise Violation(f"rank {me} dispatch_recv {k}: count from {s} of call {R.count[par][s]}")
+                    return R.count[par][s] == k
+                return ok
+            for s in range(W):
+                if "split_skip_zero_count" in bugs and cnt[s][me] == 0:
+                    continue
+                yield counted(s)
+                if remote(s, me):
+                    if cnt[s][me] > 0:
+                        yield lambda s=s: R.split_tail[par][s] == k
+                else:
+                    yield lambda s=s: R.split_arrived[par][s] >= cnt[s][me]
+            if "no_done_wait" not in bugs:
+                yield lambda: all(R.done[p] >= R.combine_epoch for p in range(W))
+            write_buffers(me, me, f"dispatch_recv {k} compaction")
+            for s in range(W):
+                if cnt[s][me] > 0 and R.split_slot[par][s] != k:
+                    raise Violation(f"rank {me} dispatch_recv {k}: rows from {s} of call {R.split_slot[par][s]}")
+
+        def epilogue():
+            for s in range(W):
+                if remote(s, me):
+                    continue
+                if R.split_arrived[par][s] != cnt[s][me]:
+                    raise Violation(f"rank {me} dispatch_recv {k}: {R.split_arrived[par][s]} rows staged by {s}")
+                R.split_arrived[par][s] = 0
+            R.dispatch_epoch = k
+
+        return [receive()], epilogue
 
     def combine(me, external):
         R = ranks[me]
@@ -324,7 +404,11 @@ def run(W, ops, seed, mode="push", bugs=(), vecs=3, G=None):
 
     def program(me):
         for op in ops:
-            yield dispatch(me) if op == "D" else combine(me, op == "X")
+            if op == "S":  # split dispatch: two kernels, any work between them
+                yield dispatch_send(me)
+                yield dispatch_recv(me)
+            else:
+                yield dispatch(me) if op == "D" else combine(me, op == "X")
 
     progs = [program(r) for r in range(W)]
     running = [None] * W  # per rank: [list of [generator, pending condition]], epilogue
@@ -376,6 +460,38 @@ def test_protocol_holds_in_random_interleavings():
             for ops in SEQUENCES:
                 for seed in range(60):
                     run(W, ops * 2, seed=seed * 31 + W, mode=mode)
+
+
+SPLIT_SEQUENCES = ["SC", "SCC", "SSC", "SDCSC", "DSXCSC", "SXCCDCSS"]
+
+
+def test_split_dispatch_holds_in_random_interleavings():
+    for mode in ("push", "pull"):
+        for W in (2, 3, 4):
+            for ops in SPLIT_SEQUENCES:
+                for seed in range(60):
+                    run(W, ops * 2, seed=seed * 37 + W, mode=mode)
+
+
+def test_internode_split_dispatch_holds_in_random_interleavings():
+    for W, G in ((4, 2), (4, 1), (6, 3)):
+        for ops in SPLIT_SEQUENCES:
+            for seed in range(40):
+                run(W, ops * 2, seed=seed * 41 + W, mode="inter", G=G)
+
+
+def test_model_finds_split_dispatch_races():
+    # one staging set, or the receive skipping the counts of ranks that staged nothing: caught
+    assert caught("push", "one_parity", ops="SSCSCS") > 0
+    assert caught("push", "split_skip_zero_count", ops="SSSCSS", W=3) > 0
+
+
+def test_split_receive_done_wait_is_implied_by_the_counts():
+    # Every rank sends call k+1 after its combine of call k ended, so the receive's wait for every
+    # count already orders its compaction after every peer's reads; the kernel's done wait is a
+    # guard that costs W local polls per block.
+    for mode in ("push", "pull"):
+        assert caught(mode, "no_done_wait", ops="SCSXSCSC", W=3, seeds=100) == 0
 
 
 def caught(mode, bug, ops="DCCXCDCC", W=3, seeds=200):

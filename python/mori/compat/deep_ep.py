@@ -28,9 +28,12 @@ silently). How the calls map onto mori:
   which costs one extra dispatch round.
 * Low-latency mode: two ops per shape used in turn (DeepEP's two low-latency buffers: results of
   at most the two newest dispatches of a shape stay valid), expert-major layout and fused FP8 from
-  the op. No split phase yet (issue 15 §2): return_recv_hook=True returns a hook that does nothing
-  because the call has already completed, so there is no overlap of communication with the
-  caller's compute between send and receive.
+  the op. return_recv_hook=True splits the call where the op can (dispatch: at most 256 tokens
+  per rank; combine: the push combine, IntraNode): the call launches the send half and returns,
+  and the hook launches the receive half on the caller's current stream; the returned tensors
+  hold the results once the hook's work has run. Elsewhere (larger shapes, the InterNode combine,
+  the first dispatch of each of a shape's two ops, which allocates the expert-major buffers) the
+  whole call runs up front and the hook does nothing.
 """
 
 import warnings
@@ -317,6 +320,24 @@ class _OnComm:
             self.compute.wait_stream(self.comm)
             self.event = EventOverlap(None)
         return False
+
+
+def _no_hook():
+    """return_recv_hook where the call could not be split: it already completed."""
+
+
+class _ReceiveHook:
+    """The receive half of a split low-latency call, run on the caller's current stream; callable
+    once (a second call raises InvalidUsageError)."""
+
+    def __init__(self, what, receive):
+        self._what, self._receive = what, receive
+
+    def __call__(self):
+        receive, self._receive = self._receive, None
+        if receive is None:
+            raise _usage(f"{self._what}: its recv hook was already called")
+        receive()
 
 
 def _check_events(previous_event, async_finish, allocate_on_comm_stream, what):
@@ -885,8 +906,10 @@ class Buffer:
         shape (as DeepEP's two buffers). The scales are a fresh tensor.
         cumulative_local_expert_recv_stats ([E_local] int32) gets recv_count added.
         dispatch_wait_recv_cost_stats is refused (no per-rank wait timing in mori).
-        return_recv_hook=True: the hook is a no-op, the data has already arrived when this
-        returns; mori has no split send/receive phases yet (issue 15 §2), so nothing overlaps.
+        return_recv_hook=True: where the op splits (module docstring) only the send half runs
+        here; recv_x, recv_count and the handle's source positions hold the received data once
+        hook() (call it exactly once, before using them or dispatching again on this op) has run
+        on the current stream. Elsewhere the hook does nothing.
         topk_weights (mori keyword, [T, K] float32): send the routing weights with the tokens, so
         that low_latency_combine with the same, unmodified tensor needs no extra round (else it
         first sends the combine's weights with one small dispatch)."""
@@ -930,23 +953,41 @@ class Buffer:
                               scale_dim=sd, scale_type_size=4)
             self._ll_turn[base] = turn + 1
             op = slot.op
-            op.dispatch(x, topk_weights, None, topk_idx, use_fp8=bool(use_fp8), round_scale=bool(round_scale),
-                        use_ue8m0=bool(use_ue8m0))
+            qkw = dict(use_fp8=bool(use_fp8), round_scale=bool(round_scale), use_ue8m0=bool(use_ue8m0))
+            # The split needs the expert-major buffers to exist (their views are returned now).
+            split = return_recv_hook and op.split_dispatch_available and op._h().expert_major_base != 0
+            if split:
+                op.dispatch_send(x, topk_weights, None, topk_idx, **qkw)
+                meta = op._pending_dispatch[0]
+                em = op._expert_major_views(meta[1], meta[2], None if meta[4] is None else meta[4][1])
+            else:
+                op.dispatch(x, topk_weights, None, topk_idx, **qkw)
+                em = op.convert_dispatch_output()
             routing = _Routing(topk_idx.clone(), T,
                                weights=None if topk_weights is None else (topk_weights, topk_weights._version),
                                caller_idx=caller_idx)
             slot.current = routing
-            em = op.convert_dispatch_output()
             recv_x = em.tokens
+            cols = None
             if use_fp8:
                 R = int(em.tokens.shape[1])
-                cols = ctx.empty((epr, sd, R), em.scales.dtype)
-                cols.copy_(em.scales[:, :, :sd].transpose(1, 2))
+                cols = ctx.empty((epr, sd, R), torch.int32 if use_ue8m0 else torch.float32)
                 recv_x = (em.tokens, cols.transpose(1, 2))
-            if cumulative_local_expert_recv_stats is not None:
-                cumulative_local_expert_recv_stats.add_(em.counts)
+
+            def finish(em):
+                if cols is not None:
+                    cols.copy_(em.scales[:, :, :sd].transpose(1, 2))
+                if cumulative_local_expert_recv_stats is not None:
+                    cumulative_local_expert_recv_stats.add_(em.counts)
+
+            if not split:
+                finish(em)
             handle = LowLatencyHandle(self, slot, routing, M, H, num_experts, em.src_pos)
-        hook = (lambda: None) if return_recv_hook else None
+        hook = None
+        if split:
+            hook = _ReceiveHook("low_latency_dispatch", lambda: (op.dispatch_recv(), finish(op.convert_dispatch_output())))
+        elif return_recv_hook:
+            hook = _no_hook
         return recv_x, em.counts, handle, ctx.event, hook
 
     def get_next_low_latency_combine_buffer(self, handle):
@@ -978,7 +1019,9 @@ class Buffer:
         unmodified tensor here (else InvalidUsageError); after one that sent none, one small
         dispatch carries topk_weights to the experts' ranks first.
         Refused: use_logfmt=True, combine_wait_recv_cost_stats. zero_copy: accepted, x is read in
-        place in both cases. return_recv_hook: a no-op hook (see low_latency_dispatch). out:
+        place in both cases. return_recv_hook: where the op has the push combine, only the send
+        half runs here and the result is written when hook() has run on the current stream (see
+        low_latency_dispatch); elsewhere a hook that does nothing. out:
         [T, H] bf16 to write the result into (returned)."""
         self._alive("low_latency_combine")
         _refuse_if(not self.low_latency_mode, "low_latency_combine: the Buffer was created with low_latency_mode=False")
@@ -1028,10 +1071,21 @@ class Buffer:
                 dummy = torch.zeros((T, _DUMMY_HIDDEN), dtype=torch.bfloat16, device=self._device)
                 _, weights, _, _, _ = wslot.op.dispatch(dummy, topk_weights.contiguous(), None, routing.topk_idx)
                 wslot.current = None
-            y, _ = op.combine_standard_moe(x, weights)
             result = out if out is not None else ctx.empty((T, handle.hidden), torch.bfloat16)
-            result.copy_(y)
-        hook = (lambda: None) if return_recv_hook else None
+            split = return_recv_hook and op.split_combine_available
+            if split:
+                # convert_combine_input + combine_send here, combine_recv in the hook (the
+                # registered input is read in place, weights applied in the conversion)
+                buf = op.convert_combine_input(x, weights)
+                op.combine_send(buf, None, None)
+            else:
+                y, _ = op.combine_standard_moe(x, weights)
+                result.copy_(y)
+        hook = None
+        if split:
+            hook = _ReceiveHook("low_latency_combine", lambda: result.copy_(op.combine_recv()[0]))
+        elif return_recv_hook:
+            hook = _no_hook
         return result, ctx.event, hook
 
 

@@ -289,6 +289,9 @@ class EpDispatchCombineOp(ExpertMajorMixin):
     convert_combine_input, combine_standard_moe) comes from ExpertMajorMixin (expert_major.py).
     """
 
+    _pending_combine = None  # per object once set (class defaults for objects built without __init__)
+    _pending_dispatch = None
+
     def __init__(self, config, check_inputs=True):
         """Collective: every rank creates the op with the same config. The native handle checks
         the config (and every rank's config against rank 0's) before allocating, so a bad or
@@ -314,6 +317,7 @@ class EpDispatchCombineOp(ExpertMajorMixin):
         self._views = {}
         self._last = None  # (num_tokens, dtype, hidden, index dtype, scales dtype, has weights)
         self._pending_combine = None  # (dtype, hidden, has weights, input, weights) of a combine_send
+        self._pending_dispatch = None  # (output description, the send's tensors) of a dispatch_send
         self._last_dispatch_stream = None  # (handle, torch stream or None) of the last dispatch
         self._trace = None  # mori.ops.trace.OpTrace once enable_trace was called
 
@@ -460,11 +464,85 @@ class EpDispatchCombineOp(ExpertMajorMixin):
         [R, ceil(hidden / 512)] int32 words of 4 UE8M0 exponent bytes. round_scale rounds scales
         up to powers of two (implied by use_ue8m0). The config must reserve the scales:
         scale_type_size 4 and scale_dim >= the columns of out_scales."""
-        _check_rdma_block_num(rdma_block_num)
-        torch = _torch()
+        prep = self._prepare_dispatch("dispatch", input, weights, scales, indices, rdma_block_num, use_fp8,
+                                      round_scale, use_ue8m0, fp8_dtype)
+        launch = self._stream(stream)
+        self._h().dispatch(*prep[0][:8], int(block_num), int(warp_per_block), launch[0], *prep[0][8:])
+        return self._dispatch_outputs(prep[1], launch, copy)
+
+    def dispatch_send(self, input, weights, scales, indices, block_num=-1, rdma_block_num=-1, warp_per_block=-1,
+                      call_local_expert_count=False, *, use_fp8=False, round_scale=False, use_ue8m0=False,
+                      fp8_dtype=None, stream=None):
+        """First half of a split-phase dispatch (ROCm/mori's name; arguments as dispatch()): this
+        rank's counts and rows are posted to their destination ranks' staging and the call returns
+        with no SM waiting for a peer; any GPU work may run before dispatch_recv(), which
+        completes it. The op keeps input, weights, scales and indices alive until dispatch_recv;
+        they must stay unchanged until then (the send kernel reads them). Needs kernel_type
+        IntraNode or InterNode and max_num_inp_token_per_rank <= 256 (other ops raise
+        mori.InvalidUsageError naming what works). Until dispatch_recv, dispatch, dispatch_send, combine, combine_send, the
+        expert-major conversions and debug_fill_buffers raise. Every rank of a call uses the same
+        form (split or fused). Returns None."""
+        prep = self._prepare_dispatch("dispatch_send", input, weights, scales, indices, rdma_block_num, use_fp8,
+                                      round_scale, use_ue8m0, fp8_dtype)
+        launch = self._stream(stream)
+        self._h().dispatch_send(*prep[0][:8], int(block_num), int(warp_per_block), launch[0], *prep[0][8:])
+        # The send kernel reads them, possibly after work between the halves has started on
+        # another stream: a temporary's memory must not be reused before the pair completes.
+        self._pending_dispatch = (prep[1], (input, weights, scales, indices))
+
+    def dispatch_recv(self, block_num=-1, warp_per_block=-1, call_local_expert_count=False, *, copy=False,
+                      stream=None):
+        """Second half of a split-phase dispatch: waits for every rank's rows and returns exactly
+        what dispatch() would have returned for dispatch_send's arguments. block_num and
+        warp_per_block (< 1: dispatch_send's) shape the receive kernel; call_local_expert_count
+        is accepted (local_expert_count is always refreshed). stream: default torch's current
+        stream; it waits for dispatch_send's stream."""
+        pending = self._pending_dispatch
+        if pending is None:
+            raise _usage("dispatch_recv: no dispatch_send is pending")
         h = self._h()
+        launch = self._stream(stream)
+        self._pending_dispatch = None
+        h.dispatch_recv(int(block_num), int(warp_per_block), launch[0])
+        return self._dispatch_outputs(pending[0], launch, copy)
+
+    @property
+    def split_dispatch_available(self):
+        """Whether dispatch_send/dispatch_recv work on this op (<= 256 tokens per rank)."""
+        return bool(self._h().split_dispatch_available)
+
+    @property
+    def split_combine_available(self):
+        """Whether combine_send/combine_recv work on this op (the push combine)."""
+        return bool(self._h().split_combine_available)
+
+    @property
+    def dispatch_pending(self):
+        """A dispatch_send waits for its dispatch_recv."""
+        return self._pending_dispatch is not None
+
+    @property
+    def combine_pending(self):
+        """A combine_send waits for its combine_recv."""
+        return self._pending_combine is not None
+
+    def _refuse_while_pending(self, what):
+        """The native handle refuses these too; raising here first names the Python call."""
+        if self._pending_dispatch is not None:
+            raise _usage(f"{what}: a dispatch_send is pending; call dispatch_recv first")
+        if self._pending_combine is not None:
+            raise _usage(f"{what}: a combine_send is pending; call combine_recv first")
+
+    def _prepare_dispatch(self, what, input, weights, scales, indices, rdma_block_num, use_fp8, round_scale,
+                          use_ue8m0, fp8_dtype):
+        """The checks only tensors can answer. Returns (native arguments: the 8 before block_num and
+        the 3 after stream, output description for _dispatch_outputs)."""
+        _check_rdma_block_num(rdma_block_num)
+        self._refuse_while_pending(what)
+        torch = _torch()
+        self._h()  # raises once the op is closed
         cfg = self.config
-        self._check_tensor("dispatch: input", input, 2)
+        self._check_tensor(f"{what}: input", input, 2)
         quant = _dispatch_quant(use_fp8, round_scale, use_ue8m0)
         codes = _dtype_codes(torch)
         code = codes.get(input.dtype)
@@ -472,49 +550,48 @@ class EpDispatchCombineOp(ExpertMajorMixin):
         if quant:
             group = _native().QUANT_GROUP
             if input.dtype != torch.bfloat16:
-                raise _usage(f"dispatch(use_fp8=True) quantises bfloat16 input, got {input.dtype}")
+                raise _usage(f"{what}(use_fp8=True) quantises bfloat16 input, got {input.dtype}")
             if scales is not None:
-                raise _usage("dispatch(use_fp8=True) computes the scales: pass scales=None")
+                raise _usage(f"{what}(use_fp8=True) computes the scales: pass scales=None")
             if int(input.shape[1]) % group != 0:
                 raise _usage(
-                    f"dispatch(use_fp8=True) needs a hidden size that is a multiple of {group} (one scale "
+                    f"{what}(use_fp8=True) needs a hidden size that is a multiple of {group} (one scale "
                     f"per {group} elements), got {int(input.shape[1])}"
                 )
             out_dtype = _default_fp8_dtype(torch, self._device_index) if fp8_dtype is None else fp8_dtype
             if out_dtype not in codes or torch.empty((), dtype=out_dtype).element_size() != 1:
                 raise _usage(
-                    f"dispatch(use_fp8=True): fp8_dtype must be torch.float8_e4m3fn or torch.float8_e4m3fnuz, "
+                    f"{what}(use_fp8=True): fp8_dtype must be torch.float8_e4m3fn or torch.float8_e4m3fnuz, "
                     f"got {fp8_dtype!r}"
                 )
         elif fp8_dtype is not None:
-            raise _usage("dispatch: fp8_dtype needs use_fp8=True")
+            raise _usage(f"{what}: fp8_dtype needs use_fp8=True")
         if code is None:
             raise _usage(
-                f"dispatch: input dtype {input.dtype} is not supported (bfloat16, float16, float32, "
+                f"{what}: input dtype {input.dtype} is not supported (bfloat16, float16, float32, "
                 "float8_e4m3fn, float8_e4m3fnuz)"
             )
         # Sizes, counts and alignment are checked by the native handle (one place); here only what
         # a tensor alone carries: device, layout, dtype and the shapes of the tensors together.
         num_tokens, hidden = int(input.shape[0]), int(input.shape[1])
-        self._check_indices(indices, num_tokens, "dispatch")
+        self._check_indices(indices, num_tokens, what)
         if weights is not None:
-            self._check_tensor("dispatch: weights", weights, 2)
+            self._check_tensor(f"{what}: weights", weights, 2)
             if weights.dtype != torch.float32:
-                raise _usage(f"dispatch: weights must be float32, got {weights.dtype}")
+                raise _usage(f"{what}: weights must be float32, got {weights.dtype}")
             if tuple(weights.shape) != (num_tokens, self._K):
-                raise _usage(f"dispatch: weights must have shape [{num_tokens}, {self._K}], got {tuple(weights.shape)}")
+                raise _usage(f"{what}: weights must have shape [{num_tokens}, {self._K}], got {tuple(weights.shape)}")
         if scales is not None and cfg.scale_dim > 0:  # scale_dim 0: the native handle refuses scales
-            self._check_tensor("dispatch: scales", scales, 2)
+            self._check_tensor(f"{what}: scales", scales, 2)
             if tuple(scales.shape) != (num_tokens, cfg.scale_dim):
-                raise _usage(f"dispatch: scales must have shape [{num_tokens}, {cfg.scale_dim}], got {tuple(scales.shape)}")
+                raise _usage(f"{what}: scales must have shape [{num_tokens}, {cfg.scale_dim}], got {tuple(scales.shape)}")
             if scales.element_size() != cfg.scale_type_size:
                 raise _usage(
-                    f"dispatch: scales have {scales.element_size()}-byte elements ({scales.dtype}) but "
+                    f"{what}: scales have {scales.element_size()}-byte elements ({scales.dtype}) but "
                     f"scale_type_size is {cfg.scale_type_size}"
                 )
         index_code = _index_code(torch, indices.dtype)
-        launch = self._stream(stream)
-        h.dispatch(
+        native = (
             input.data_ptr() if num_tokens > 0 else 0,
             code,
             num_tokens,
@@ -523,26 +600,32 @@ class EpDispatchCombineOp(ExpertMajorMixin):
             scales.data_ptr() if (scales is not None and num_tokens > 0) else 0,
             indices.data_ptr() if num_tokens > 0 else 0,
             index_code,
-            int(block_num),
-            int(warp_per_block),
-            launch[0],
             quant,
             codes[out_dtype],
             self.check_inputs,
         )
-        self._last_dispatch_stream = launch
-        out = self._view("dispatch_tokens", "dispatch_out_tokens", (self._rmax, hidden), out_dtype)
-        out_w = self._view("dispatch_weights", "dispatch_out_weights", (self._rmax, self._K), torch.float32) if weights is not None else None
         if quant:
             groups = hidden // _native().QUANT_GROUP
-            shape = (self._rmax, (groups + 3) // 4) if use_ue8m0 else (self._rmax, groups)
-            out_s = self._view("dispatch_scales", "dispatch_out_scales", shape, torch.int32 if use_ue8m0 else torch.float32)
+            scales_out = ((groups + 3) // 4, torch.int32) if use_ue8m0 else (groups, torch.float32)
         elif scales is not None:
-            out_s = self._view("dispatch_scales", "dispatch_out_scales", (self._rmax, cfg.scale_dim), scales.dtype)
+            scales_out = (cfg.scale_dim, scales.dtype)
         else:
-            out_s = None
-        self._last = (num_tokens, out_dtype, hidden, indices.dtype, None if out_s is None else out_s.dtype, weights is not None)
-        out_i = self._view("dispatch_indices", "dispatch_out_indices", (self._rmax, self._K), indices.dtype)
+            scales_out = None
+        return native, (num_tokens, out_dtype, hidden, indices.dtype, scales_out, weights is not None)
+
+    def _dispatch_outputs(self, meta, launch, copy):
+        """The outputs of a dispatch (or dispatch_recv) launched on `launch`, as dispatch() returns
+        them; records the call for combine."""
+        torch = _torch()
+        num_tokens, out_dtype, hidden, index_dtype, scales_out, has_weights = meta
+        self._last_dispatch_stream = launch
+        out = self._view("dispatch_tokens", "dispatch_out_tokens", (self._rmax, hidden), out_dtype)
+        out_w = self._view("dispatch_weights", "dispatch_out_weights", (self._rmax, self._K), torch.float32) if has_weights else None
+        out_s = None
+        if scales_out is not None:
+            out_s = self._view("dispatch_scales", "dispatch_out_scales", (self._rmax, scales_out[0]), scales_out[1])
+        self._last = (num_tokens, out_dtype, hidden, index_dtype, None if out_s is None else out_s.dtype, has_weights)
+        out_i = self._view("dispatch_indices", "dispatch_out_indices", (self._rmax, self._K), index_dtype)
         total = self._total_recv_view()
         if copy:
             # The copies run on the current stream after the kernel (launched on `stream`), and
@@ -599,10 +682,10 @@ class EpDispatchCombineOp(ExpertMajorMixin):
     def combine_recv(self, *, copy=False, stream=None):
         """Second half of a split-phase combine: waits for every rank's rows and returns what
         combine() would have returned for combine_send's arguments."""
-        h = self._h()
         pending = self._pending_combine
         if pending is None:
             raise _usage("combine_recv: no combine_send is pending")
+        h = self._h()
         launch = self._stream(stream)
         self._pending_combine = None
         h.combine_recv(launch[0])
@@ -611,6 +694,7 @@ class EpDispatchCombineOp(ExpertMajorMixin):
     def _combine_args(self, what, input, weights, indices, rdma_block_num, use_external_inp_buf, call_reset):
         """The checks only a tensor can answer, then the native combine's leading arguments."""
         _check_rdma_block_num(rdma_block_num)
+        self._refuse_while_pending(what)
         if isinstance(use_external_inp_buf, bool):
             use_external_inp_buf = int(use_external_inp_buf)
         if not isinstance(use_external_inp_buf, int) or use_external_inp_buf not in (-1, 0, 1):
@@ -724,10 +808,12 @@ class EpDispatchCombineOp(ExpertMajorMixin):
         current stream. Only while no rank is
         inside a call of this op (e.g. after a host barrier): peers write and read these buffers
         during calls."""
-        torch = _torch()
-        h = self._h()
         if self._pending_combine is not None:
             raise _usage("debug_fill_buffers: a combine_send is pending (its receive half reads these buffers)")
+        if self._pending_dispatch is not None:
+            raise _usage("debug_fill_buffers: a dispatch_send is pending (its receive half writes these buffers)")
+        torch = _torch()
+        h = self._h()
         bases = {"symmetric": h.symmetric_base, "local": h.local_base, "expert_major": h.expert_major_base}
         for block, _name, offset, nbytes, role in ep_layout(self.config)["regions"]:
             if role == "output" and nbytes > 0 and bases[block] != 0:  # expert_major: 0 until used

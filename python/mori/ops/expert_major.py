@@ -44,13 +44,21 @@ class ExpertMajorMixin:
         """The last dispatch's received rows grouped by local expert: an ExpertMajorOutput. Runs
         on `stream` (default: torch's current stream) after the dispatch."""
         dc = _dc()
-        torch = dc._torch()
+        dc._torch()
         h = self._h()
         if self._last is None:
             raise dc._usage("convert_dispatch_output: no dispatch yet (it converts the rows of the last dispatch)")
+        if self._pending_dispatch is not None:
+            raise dc._usage("convert_dispatch_output: a dispatch_send is pending; call dispatch_recv first")
         launch = self._stream(stream)
         h.convert_dispatch_output(int(block_num), int(warp_per_block), launch[0])
         _, dtype, hidden, _, scales_dtype, _ = self._last
+        return self._expert_major_views(dtype, hidden, scales_dtype)
+
+    def _expert_major_views(self, dtype, hidden, scales_dtype):
+        """The ExpertMajorOutput views for rows of `dtype` x `hidden` (the block must exist: after
+        one conversion)."""
+        torch = _dc()._torch()
         E, R = self.config.num_experts_per_rank, self._rmax
         tokens = self._view("em_tokens", "expert_major_tokens", (E, R, hidden), dtype)
         scales = None
@@ -84,6 +92,8 @@ class ExpertMajorMixin:
         h = self._h()
         if self._last is None:
             raise dc._usage("convert_combine_input: no dispatch yet (it takes back the rows of the last dispatch)")
+        if self._pending_dispatch is not None:
+            raise dc._usage("convert_combine_input: a dispatch_send is pending; call dispatch_recv first")
         self._check_tensor("convert_combine_input: expert_out", expert_out, 3)
         if expert_out.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise dc._usage(f"convert_combine_input: expert_out dtype {expert_out.dtype} is not supported "

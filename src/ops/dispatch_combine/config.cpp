@@ -189,6 +189,7 @@ EpLayoutDims MakeEpLayoutDims(const EpDispatchCombineConfig& c) {
   d.row = c.MaxTokenRowBytes();
   d.scaleRow = c.ScaleRowBytes();
   d.push = EpPushCombineFits(c) ? 1 : 0;
+  d.split = EpSplitDispatchFits(c) ? 1 : 0;
   d.inter = c.kernelType == EpDispatchCombineKernelType::kInterNode ? 1 : 0;
   d.landing = d.m * std::min(d.k, d.w);
   d.markWords = (d.rmax + 31) / 32;

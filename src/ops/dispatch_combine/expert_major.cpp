@@ -357,6 +357,7 @@ void EpDispatchCombineHandle::AllocateExpertMajor(gpuStream_t stream) {
 void EpDispatchCombineHandle::ConvertDispatchOutput(const EpToExpertMajorArgs& args,
                                                     gpuStream_t stream) {
   CheckUsable("convert_dispatch_output");
+  CheckNoPendingDispatch("convert_dispatch_output", stream);
   MORI_ENSURE(lastNumTokens >= 0, InvalidUsageError,
               "EP convert_dispatch_output: no dispatch yet (it converts the rows of the last "
               "dispatch)");
@@ -391,6 +392,7 @@ void EpDispatchCombineHandle::ConvertDispatchOutput(const EpToExpertMajorArgs& a
 void EpDispatchCombineHandle::ConvertCombineInput(const EpFromExpertMajorArgs& args,
                                                   gpuStream_t stream) {
   CheckUsable("convert_combine_input");
+  CheckNoPendingDispatch("convert_combine_input", stream);
   MORI_ENSURE(!pendingCombine, InvalidUsageError,
               "EP convert_combine_input on PE %d: a combine_send is pending (it reads the "
               "registered combine input); call combine_recv first",

@@ -164,8 +164,10 @@ EpDispatchCombineHandle::~EpDispatchCombineHandle() {
     MORI_WARN(kLogOps, "EP handle: destroying the op on PE %d failed (unknown exception)",
               config.rank);
   }
-  if (combineSentEvent != nullptr && !shmem::ShmemProcessExiting())
-    (void)gpuEventDestroy(combineSentEvent);
+  if (!shmem::ShmemProcessExiting()) {
+    for (gpuEvent_t e : {combineSentEvent, dispatchSentEvent, dispatchRecvEvent})
+      if (e != nullptr) (void)gpuEventDestroy(e);
+  }
 }
 
 void EpDispatchCombineHandle::Release() {
@@ -378,12 +380,81 @@ void EpDispatchCombineHandle::TakeExpertIdError(const char* what) {
                   : "");
 }
 
-void EpDispatchCombineHandle::Dispatch(const EpDispatchArgs& args, gpuStream_t stream) {
-  CheckUsable("dispatch");
-  MORI_ENSURE(!pendingCombine, InvalidUsageError,
-              "EP dispatch on PE %d: a combine_send is pending; call combine_recv first",
+bool EpDispatchCombineHandle::SplitDispatchAvailable() const {
+  return backend != nullptr && EpSplitDispatchFits(config);
+}
+
+bool EpDispatchCombineHandle::SplitCombineAvailable() const {
+  return backend != nullptr && backend->PushCombine();
+}
+
+void EpDispatchCombineHandle::CheckNoPendingDispatch(const char* what, gpuStream_t stream) {
+  MORI_ENSURE(!pendingDispatch, InvalidUsageError,
+              "EP %s on PE %d: a dispatch_send is pending; call dispatch_recv first", what,
               config.rank);
-  TakeExpertIdError("dispatch");
+  if (!dispatchRecvFollow || stream == dispatchRecvStream) return;
+  // A wait must not join a capture with work outside it: only when both sides are alike.
+  gpuStreamCaptureStatus capture = gpuStreamCaptureStatusNone;
+  MORI_CHECK_GPU(gpuStreamIsCapturing(stream, &capture));
+  if ((capture != gpuStreamCaptureStatusNone) == dispatchRecvCaptured)
+    MORI_CHECK_GPU(gpuStreamWaitEvent(stream, dispatchRecvEvent, 0));
+  dispatchRecvFollow = false;
+}
+
+void EpDispatchCombineHandle::Dispatch(const EpDispatchArgs& args, gpuStream_t stream) {
+  LaunchDispatchCall(args, EpDispatchPhase::kBoth, stream);
+}
+
+void EpDispatchCombineHandle::DispatchSend(const EpDispatchArgs& args, gpuStream_t stream) {
+  CheckUsable("dispatch_send");
+  MORI_ENSURE(SplitDispatchAvailable(), InvalidUsageError,
+              "EP dispatch_send: split-phase dispatch is built for kernel_type IntraNode and "
+              "InterNode with max_num_inp_token_per_rank <= %d; this op is %s with %d tokens per "
+              "rank (use dispatch)",
+              kEpSplitDispatchMaxTokens, EpKernelTypeName(config.kernelType),
+              config.maxNumInpTokenPerRank);
+  if (dispatchSentEvent == nullptr)
+    MORI_CHECK_GPU(gpuEventCreateWithFlags(&dispatchSentEvent, gpuEventDisableTiming));
+  if (dispatchRecvEvent == nullptr)
+    MORI_CHECK_GPU(gpuEventCreateWithFlags(&dispatchRecvEvent, gpuEventDisableTiming));
+  LaunchDispatchCall(args, EpDispatchPhase::kSend, stream);
+  pendingDispatch = true;
+  pendingDispatchArgs = args;
+  MORI_CHECK_GPU(gpuEventRecord(dispatchSentEvent, stream));
+}
+
+void EpDispatchCombineHandle::DispatchReceive(gpuStream_t stream, int blockNum, int warpPerBlock) {
+  CheckUsable("dispatch_recv", false);
+  MORI_ENSURE(pendingDispatch, InvalidUsageError,
+              "EP dispatch_recv: no dispatch_send is pending on PE %d", config.rank);
+  pendingDispatch = false;  // the pair ends here even if the launch below fails
+  MORI_CHECK_GPU(gpuStreamWaitEvent(stream, dispatchSentEvent, 0));
+  EpDispatchArgs args = pendingDispatchArgs;
+  if (blockNum >= 1) args.blockNum = blockNum;
+  if (warpPerBlock >= 1) args.warpPerBlock = warpPerBlock;
+  LaunchDispatchCall(args, EpDispatchPhase::kReceive, stream);
+  MORI_CHECK_GPU(gpuEventRecord(dispatchRecvEvent, stream));
+  gpuStreamCaptureStatus capture = gpuStreamCaptureStatusNone;
+  MORI_CHECK_GPU(gpuStreamIsCapturing(stream, &capture));
+  dispatchRecvFollow = true;
+  dispatchRecvStream = stream;
+  dispatchRecvCaptured = capture != gpuStreamCaptureStatusNone;
+}
+
+void EpDispatchCombineHandle::LaunchDispatchCall(const EpDispatchArgs& args, EpDispatchPhase phase,
+                                                 gpuStream_t stream) {
+  const bool receive = phase == EpDispatchPhase::kReceive;
+  const char* what = phase == EpDispatchPhase::kBoth
+                         ? "dispatch"
+                         : (phase == EpDispatchPhase::kSend ? "dispatch_send" : "dispatch_recv");
+  if (!receive) {
+    CheckUsable(what);
+    MORI_ENSURE(!pendingCombine, InvalidUsageError,
+                "EP %s on PE %d: a combine_send is pending; call combine_recv first", what,
+                config.rank);
+    CheckNoPendingDispatch(what, stream);
+    TakeExpertIdError(what);  // never between the halves: the receive half always launches
+  }
   const EpDispatchCombineConfig& c = config;
   MORI_ENSURE(EpDataTypeIsValid(static_cast<int32_t>(args.dataType)), InvalidUsageError,
               "EP dispatch: unknown dtype code %d", static_cast<int>(args.dataType));
@@ -471,10 +542,14 @@ void EpDispatchCombineHandle::Dispatch(const EpDispatchArgs& args, gpuStream_t s
   }
   k.format = EpDispatchFormat(k.rowBytes, static_cast<int>(outType),
                               static_cast<int>(args.indexType), static_cast<int>(quantCode));
-  k.badExpertId = args.checkExpertIds ? badExpertIdDev : nullptr;
+  k.badExpertId = args.checkExpertIds && !receive ? badExpertIdDev : nullptr;
+  k.phase = phase;
+  if (phase != EpDispatchPhase::kBoth) k.format |= kEpDispatchFormatSplit;
+  if (phase == EpDispatchPhase::kSend) k.c.trace = nullptr;  // a trace records the receive half
 
   const size_t smem = EpDispatchSmemBytes(c, core::kWarpSize);
   backend->LaunchDispatch(k, args.indexType, blocks, warps * core::kWarpSize, smem, stream);
+  if (phase == EpDispatchPhase::kSend) return;  // the outputs change with the receive half
   lastNumTokens = args.numTokens;
   lastRowBytes = k.rowBytes;
   lastIndexType = args.indexType;
@@ -510,6 +585,7 @@ void EpDispatchCombineHandle::LaunchCombineCall(const EpCombineArgs& args, EpCom
                          : (phase == EpCombinePhase::kSend ? "combine_send" : "combine_recv");
   CheckUsable(what, phase != EpCombinePhase::kReceive);
   if (phase != EpCombinePhase::kReceive) {
+    CheckNoPendingDispatch(what, stream);
     MORI_ENSURE(!pendingCombine, InvalidUsageError,
                 "EP %s on PE %d: a combine_send is pending; call combine_recv first", what,
                 config.rank);

@@ -48,8 +48,18 @@ struct EpKernelCommon {
 // How a scales row is copied: 4-byte words when its size and both bases allow, else bytes.
 enum class EpScaleCopy : int32_t { kNone = 0, kWords = 1, kBytes = 2 };
 
+// Which part of the dispatch a launch runs (docs/ep_split_phase.md). kBoth: the fused dispatch.
+// kSend: announce the counts to every PE and write our rows into each destination's staging
+// slots (splitTokens etc., [parity][our PE]; InterNode: another node's PE gets them by RDMA
+// WRITEs from our stage*, then a tail word in its splitTail); no wait on any peer. kReceive (same
+// arguments, later on the stream): wait for every PE's counts and staged rows, copy them to their
+// final rows (source PE, then list order: exactly the fused output), place our tokens' slots on
+// the destinations (tokenSlot), and advance the epoch. Both halves use the same epoch.
+enum class EpDispatchPhase : int32_t { kBoth = 0, kSend = 1, kReceive = 2 };
+
 struct EpDispatchKernelArgs {
   EpKernelCommon c;
+  EpDispatchPhase phase;
   const uint8_t* inTokens;  // [T][inRowBytes]
   const float* inWeights;   // [T][K] or nullptr
   const uint8_t* inScales;  // [T][scaleBytes] or nullptr

@@ -183,7 +183,8 @@ MORI_DEVICE_INLINE bool EpCountWait(const EpKernelCommon& c, const core::WaitCon
     uint64_t v = 0;
     if (!SignalWait(wait, slot, epoch, src, label, &v)) return false;
     if (EpFormatOf(v) != format) {
-      ReportError(wait, src, "EP dispatch: PEs passed different dtype/hidden/index type",
+      ReportError(wait, src,
+                  "EP dispatch: PEs passed different dtype/hidden/index type or split phase",
                   &slot->value, core::CmpOp::kEq, format, EpFormatOf(v));
       return false;
     }

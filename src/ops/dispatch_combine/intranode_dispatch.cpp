@@ -26,6 +26,16 @@
 //      arrived[s], and writes the received total and the per-local-expert counts. The kernel ends
 //      only then, so the next kernel on the stream sees every received row.
 //   6. The last block to finish bumps the dispatch epoch and resets the grid counter.
+// Split phase (EpDispatchPhase, docs/ep_split_phase.md): a kSend launch runs 1, 2 and 4 with the
+// rows going to slot [parity][rank][list position] of the destination's staging (split*) and the
+// block's row count to its splitArrived[parity][rank]; it skips block 0's done wait and 3 (no
+// final position is needed, so nothing waits on a peer) and ends there. A later kReceive launch
+// (EpDispatchReceiveHalf) compacts the staged rows into the outputs. Why the staging slots of a
+// parity are free when a PE sends call k+2 into them: its receive of call k+1 came first on its
+// stream and waited for every PE's count of call k+1, which each PE announces in its send of
+// call k+1, after its receive of call k (the last reader of those slots) on its stream. The same
+// holds for splitArrived (reset by the receive's last block), countInbox and expertInbox. So the
+// receive waits for EVERY PE's count, also from PEs that staged nothing for us.
 #include "fp8_quant.hpp"
 #include "intranode.hpp"
 #include "intranode_device.hpp"
@@ -102,6 +112,218 @@ MORI_DEVICE_INLINE void WarpQuantizeVectors(uint8_t* codes, uint8_t* scales, con
   }
 }
 
+// Block 0 of a dispatch (either form), once every source's count signal has been acquired (by
+// any thread of the block, before a barrier): the per-local-expert counts of this call, from the
+// histograms the count signals published.
+MORI_DEVICE_INLINE void EpSumExpertCounts(const EpKernelCommon& c, int parity) {
+  const int W = c.worldSize;
+  const int Epr = c.numExpertsPerRank;
+  int32_t* einbox = At<int32_t>(c.symmLocal, c.symm.expertInbox);
+  for (int e = static_cast<int>(threadIdx.x); e < Epr; e += static_cast<int>(blockDim.x)) {
+    int sum = 0;
+    for (int s = 0; s < W; s++)
+      sum += core::AtomicLoadRelaxedSystem(einbox + EpExpertInboxIndex(parity, s, e, W, Epr));
+    c.localExpertCount[e] = sum;
+  }
+}
+
+// Thread 0 of every block at the end of a dispatch (either form): counts the block in the grid
+// counter (and the trace). True in the last block, which has reset the counter and ends the call.
+MORI_DEVICE_INLINE bool EpDispatchBlockDone(const EpKernelCommon& c, uint64_t* tr) {
+  __threadfence();
+  const unsigned old = atomicAdd(&c.state->dispatchBlocksDone, 1u);
+  if (tr != nullptr) {
+    EpTraceStamp(tr, kEpDispatchCounted);
+    tr[kEpTraceWordArrival] = static_cast<uint64_t>(old) + 1;
+  }
+  if (old != gridDim.x - 1) return false;
+  c.state->dispatchBlocksDone = 0;
+  return true;
+}
+
+// Receive half of a split-phase dispatch (EpDispatchPhase::kReceive, same arguments as the send).
+// Every block waits for every source's count for us and for its staged rows, forms the prefix
+// sums (rows ordered by source PE, then the source's list order: the fused dispatch's order),
+// waits until every PE finished reading our outputs in the last combine, and copies its share of
+// rows. Block b < W also moves our tokens' slots on PE b (tokenSlot, list positions after the
+// send) by the rows of the PEs below us for b. Block 0 writes the totals; the last block checks
+// and resets the arrival counters and advances the epoch.
+template <typename IndexT, EpFamily kFamily>
+MORI_DEVICE_INLINE void EpDispatchReceiveHalf(const EpDispatchKernelArgs& a,
+                                              const EpKernelStart& start) {
+  constexpr bool kInter = kFamily == EpFamily::kInterNode;
+  __shared__ int sCount[kEpMaxWorldSize];
+  __shared__ int sBase[kEpMaxWorldSize + 1];
+  __shared__ int sShift;
+  __shared__ int sFailedR;
+  const EpKernelCommon& c = a.c;
+  const core::WaitContext wait = c.shmem.wait;
+  const int W = c.worldSize;
+  const int me = c.rank;
+  const int M = c.maxTokensPerRank;
+  const int K = c.topK;
+  const int T = a.numTokens;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int nThreads = static_cast<int>(blockDim.x);
+  const int b = static_cast<int>(blockIdx.x);
+  const uint64_t epoch = start.epoch;
+  const int parity = start.parity;
+  uint64_t* const tr = start.trace;
+  uint8_t* const L = c.symmLocal;
+  uint64_t* const arrived = At<uint64_t>(L, c.symm.splitArrived) + EpPushArrivedIndex(parity, 0, W);
+  if (tid == 0) {
+    sFailedR = 0;
+    sShift = 0;
+  }
+  __syncthreads();
+
+  // ---- R1. counts and staged rows of every source; the counts of lower PEs for PE b --------
+  for (int s = tid; s < W; s += nThreads) {
+    uint32_t n = 0;
+    if (!EpCountWait<kFamily>(c, wait, parity, s, me, epoch, a.format,
+                              "EP dispatch_recv: token count for this PE", &n)) {
+      sFailedR = 1;
+      n = 0;
+    } else if (n > 0 && kInter && IsRemote(c, s)) {
+      // Another node's rows: its tail word of this parity follows them on its QP.
+      uint64_t* tailWord = At<uint64_t>(L, c.symm.splitTail) + EpPushArrivedIndex(parity, s, W);
+      uint32_t rows = 0;
+      if (!TagWait(wait, tailWord, epoch, s, "EP dispatch_recv: RDMA rows (tail) from PE", &rows)) {
+        sFailedR = 1;
+      } else if (rows != n) {
+        ReportError(wait, s, "EP dispatch_recv: RDMA tail != announced count",
+                    static_cast<const uint64_t*>(tailWord), CmpOp::kEq, static_cast<uint64_t>(n),
+                    static_cast<uint64_t>(rows));
+        sFailedR = 1;
+      }
+    } else if (n > 0 && !core::WaitUntil(wait, arrived + s, CmpOp::kGe, static_cast<uint64_t>(n), s,
+                                         "EP dispatch_recv: staged rows from PE")) {
+      sFailedR = 1;
+    }
+    sCount[s] = static_cast<int>(n);
+  }
+  // (InterNode: our rows for another node's PE keep their list position as slot: the landing row.)
+  if (b < W && !(kInter && IsRemote(c, b))) {
+    for (int p = tid; p < me; p += nThreads) {
+      uint32_t n = 0;
+      if (!EpCountWait<kFamily>(c, wait, parity, p, b, epoch, a.format,
+                                "EP dispatch_recv: token count of a lower PE", &n)) {
+        sFailedR = 1;
+      } else {
+        atomicAdd(&sShift, static_cast<int>(n));
+      }
+    }
+  }
+  __syncthreads();
+  if (tid == 0) {
+    int sum = 0;
+    for (int s = 0; s < W; s++) {
+      sBase[s] = sum;
+      sum += sCount[s];
+    }
+    sBase[W] = sum;
+    if (sFailedR == 0 && sum > c.maxRecvRows) {
+      if (b == 0)
+        ReportError(wait, -1, "EP dispatch_recv: rows exceed max_total_recv_tokens", CmpOp::kLe,
+                    static_cast<uint64_t>(c.maxRecvRows), static_cast<uint64_t>(sum));
+      sFailedR = 1;
+    }
+  }
+  __syncthreads();
+  // ---- R2. nobody still reads our outputs (the last combine) ----------------------------------
+  if (sFailedR == 0) {
+    const uint64_t prevCombine = *reinterpret_cast<volatile uint64_t*>(&c.state->combineEpoch);
+    EpSignal* done = At<EpSignal>(L, c.symm.doneInbox);
+    for (int p = tid; p < W; p += nThreads) {
+      if (!core::WaitUntil(wait, &done[p].tag, CmpOp::kGe, prevCombine, p,
+                           "EP dispatch_recv: peer done reading (last combine)"))
+        sFailedR = 1;
+    }
+  }
+  __syncthreads();
+  if (tid == 0) EpTraceStamp(tr, kEpDispatchAnnounced);
+  const bool ok = sFailedR == 0;
+  const int R = sBase[W];
+
+  // ---- R3. our tokens' rows on PE b start after the lower PEs' rows there --------------------
+  if (ok && b < W && sShift != 0) {
+    for (int t = tid; t < T; t += nThreads) {
+      int32_t* slot = c.tokenSlot + static_cast<size_t>(t) * W + b;
+      if (*slot >= 0) *slot += sShift;
+    }
+  }
+
+  // ---- R4. staged rows to their final rows ---------------------------------------------------
+  if (ok) {
+    const int lane = core::LaneId();
+    const int nWarps = core::WarpsPerBlock();
+    const int totalWarps = static_cast<int>(gridDim.x) * nWarps;
+    const int gWarp = b * nWarps + core::WarpId();
+    const int vecs = static_cast<int>(a.rowBytes / 16);
+    const int parts = EpPartsPerRow(R, totalWarps, vecs);
+    const int items = R * parts;
+    const size_t sb = a.scaleBytes;
+    for (int item = gWarp; item < items; item += totalWarps) {
+      const int r = item / parts;
+      const int part = item - r * parts;
+      int s = 0;
+      while (sBase[s + 1] <= r) s++;  // sBase[W] = R > r
+      const size_t from = EpSplitRow(parity, s, M, W) + static_cast<size_t>(r - sBase[s]);
+      WarpCopyVectors<kDispatchCopyUnroll>(
+          reinterpret_cast<uint4*>(L + c.symm.dispatchOutTokens +
+                                   static_cast<size_t>(r) * a.rowBytes),
+          reinterpret_cast<const uint4*>(L + c.symm.splitTokens + from * a.rowBytes),
+          EpShareBegin(vecs, part, parts), EpShareBegin(vecs, part + 1, parts));
+      if (part != 0) continue;
+      const float* sw = At<float>(L, c.symm.splitWeights) + from * K;
+      float* dw = At<float>(L, c.symm.dispatchOutWeights) + static_cast<size_t>(r) * K;
+      const IndexT* si = At<IndexT>(L, c.symm.splitIndices) + from * K;
+      IndexT* di = At<IndexT>(L, c.symm.dispatchOutIndices) + static_cast<size_t>(r) * K;
+      for (int k = lane; k < K; k += kWarpSize) {
+        dw[k] = sw[k];
+        di[k] = si[k];
+      }
+      const uint8_t* ss = L + c.symm.splitScales + from * sb;
+      uint8_t* ds = L + c.symm.dispatchOutScales + static_cast<size_t>(r) * sb;
+      if (sb % 4 == 0) {
+        for (size_t i = lane; i < sb / 4; i += kWarpSize)
+          reinterpret_cast<uint32_t*>(ds)[i] = reinterpret_cast<const uint32_t*>(ss)[i];
+      } else {
+        for (size_t i = lane; i < sb; i += kWarpSize) ds[i] = ss[i];
+      }
+      if (lane == 0)
+        At<int32_t>(L, c.symm.dispatchOutSrcPos)[r] =
+            At<const int32_t>(L, c.symm.splitSrcPos)[from];
+    }
+  }
+
+  // ---- R5. totals (block 0); arrival counters and epoch (last block) -------------------------
+  if (b == 0 && ok) {
+    if (tid == 0) *c.totalRecv = R;
+    for (int s = tid; s < W; s += nThreads) c.state->recvCount[s] = sCount[s];
+    EpSumExpertCounts(c, parity);  // the barrier after R1 carried the counts' acquire
+  }
+  if (tid == 0) EpTraceStamp(tr, kEpDispatchReceived);
+  __syncthreads();
+  if (tid == 0) {
+    if (!ok) atomicOr(&c.state->dispatchFailed, 1u);
+    if (EpDispatchBlockDone(c, tr)) {
+      __threadfence();
+      const bool failed = atomicExch(&c.state->dispatchFailed, 0u) != 0;
+      for (int s = 0; s < W; s++) {
+        if (kInter && IsRemote(c, s)) continue;  // tail words are tagged: nothing to reset
+        const uint64_t got = core::AtomicLoadRelaxedSystem(arrived + s);
+        if (!failed && got != static_cast<uint64_t>(sCount[s]))
+          ReportError(wait, s, "EP dispatch_recv: more rows staged than announced",
+                      static_cast<const uint64_t*>(arrived + s), CmpOp::kEq,
+                      static_cast<uint64_t>(sCount[s]), got);
+        core::AtomicStoreRelaxedSystem(arrived + s, static_cast<uint64_t>(0));
+      }
+      c.state->dispatchEpoch = epoch;  // read by the next kernel: the kernel boundary publishes it
+    }
+  }
+}
+
 // kThreads: the block size the kernel is built for (256, or kEpMaxThreadsPerBlock). The 256-thread
 // build has the registers to hold each warp's first item across the count wait (kEarlyLoad; about
 // 155 registers a thread, so one block per SM); in the 512-thread build (128 registers a thread)
@@ -117,6 +339,13 @@ __global__ void __launch_bounds__(kThreads, 1) EpDispatchKernel(const EpDispatch
 
   const EpKernelCommon& c = a.c;
   const EpKernelStart start = EpBeginKernel(c, EpTraceKind::kDispatch, 0);
+  // Split phase: the receive half is its own path; the send half is this kernel without the
+  // waits and with the staging as destination.
+  if (a.phase == EpDispatchPhase::kReceive) {
+    EpDispatchReceiveHalf<IndexT, kFamily>(a, start);
+    return;
+  }
+  const bool split = a.phase == EpDispatchPhase::kSend;
   // A private copy: the (rare) error path takes its address, which must not pull the whole
   // kernel parameter block into local memory.
   const core::WaitContext wait = c.shmem.wait;
@@ -248,7 +477,8 @@ __global__ void __launch_bounds__(kThreads, 1) EpDispatchKernel(const EpDispatch
   if (tid == 0) EpTraceStamp(tr, kEpDispatchScanned);
 
   // ---- 2. announce ------------------------------------------------------------------------
-  if (b == 0) {
+  // (A split send writes no outputs of any PE: the receive half waits for this instead.)
+  if (b == 0 && !split) {
     // Our count(rank -> rank) tells every sender that our buffers are free: wait until every PE
     // finished reading them in the last combine.
     const uint64_t prevCombine = *reinterpret_cast<volatile uint64_t*>(&c.state->combineEpoch);
@@ -394,7 +624,7 @@ __global__ void __launch_bounds__(kThreads, 1) EpDispatchKernel(const EpDispatch
   if (kEarlyLoad && warp < items) loadItem(warp, it);
 
   // ---- 3b. where our rows go on `dest`, and may we write there ----------------------------
-  if (countD > 0 && sFailed == 0) {
+  if (countD > 0 && sFailed == 0 && !split) {
     for (int s = tid; s < W; s += nThreads) {
       if (s >= me && s != dest) continue;
       uint32_t n = 0;
@@ -408,7 +638,7 @@ __global__ void __launch_bounds__(kThreads, 1) EpDispatchKernel(const EpDispatch
   }
   __syncthreads();
 
-  if (sFailed == 0) {
+  if (sFailed == 0 && !split) {
     const int sendBase = sSendBase;
     if (countD > 0 && tid == 0 && static_cast<long long>(sendBase) + countD > c.maxRecvRows) {
       ReportError(wait, dest, "EP dispatch: PE rows > max_total_recv_tokens", CmpOp::kLe,
@@ -422,8 +652,9 @@ __global__ void __launch_bounds__(kThreads, 1) EpDispatchKernel(const EpDispatch
   if (sFailed == 0) {
     const int sendBase = sSendBase;
     // Rows for a remote dest are staged at their list index (the WRITE places them at sendBase);
-    // the slot combine keeps for them is that index too (their landing position).
-    const int slotBase = destRemote ? 0 : sendBase;
+    // the slot combine keeps for them is that index too (their landing position). A split send
+    // stages at the list index too; its receive half adds the base to the slots.
+    const int slotBase = destRemote || split ? 0 : sendBase;
     // ---- 4a. slots of our tokens on `dest` (combine reads them) ---------------------------
     {
       const int t0 = EpShareBegin(T, g, G);
@@ -452,6 +683,14 @@ __global__ void __launch_bounds__(kThreads, 1) EpDispatchKernel(const EpDispatch
       outS = c.symmLocal + c.symm.stageScales + rows * a.scaleBytes;
       outIdx = At<IndexT>(c.symmLocal, c.symm.stageIndices) + rows * K;
       outPos = At<int32_t>(c.symmLocal, c.symm.stageSrcPos) + rows;
+    } else if (split) {
+      uint8_t* db = PeerBlock(c, dest);
+      const size_t rows = EpSplitRow(parity, me, c.maxTokensPerRank, W);
+      outTok = db + c.symm.splitTokens + rows * a.rowBytes;
+      outW = At<float>(db, c.symm.splitWeights) + rows * K;
+      outS = db + c.symm.splitScales + rows * a.scaleBytes;
+      outIdx = At<IndexT>(db, c.symm.splitIndices) + rows * K;
+      outPos = At<int32_t>(db, c.symm.splitSrcPos) + rows;
     } else {
       uint8_t* db = PeerBlock(c, dest);
       outTok = db + c.symm.dispatchOutTokens;
@@ -541,37 +780,53 @@ __global__ void __launch_bounds__(kThreads, 1) EpDispatchKernel(const EpDispatch
         if (countD > 0 && sFailed == 0 && !core::DeviceAborted(wait)) {
           const size_t rows = static_cast<size_t>(dest) * c.maxTokensPerRank;
           const size_t n = static_cast<size_t>(countD);
-          const size_t at = static_cast<size_t>(sSendBase);
           uint8_t* L = c.symmLocal;
           const size_t idxBytes = sizeof(IndexT) * K;
-          bool ok = RdmaWrite(c, dest, L + c.symm.dispatchOutTokens + at * a.rowBytes,
-                              L + c.symm.stageTokens + rows * a.rowBytes, n * a.rowBytes);
+          // Where the rows go on dest: their final rows, or (split send) our staging slots there
+          // [parity][rank], followed by the tail word of that parity.
+          const size_t at = split ? EpSplitRow(parity, me, c.maxTokensPerRank, W)
+                                  : static_cast<size_t>(sSendBase);
+          const EpSymmetricLayout& y = c.symm;
+          bool ok = RdmaWrite(c, dest,
+                              L + (split ? y.splitTokens : y.dispatchOutTokens) + at * a.rowBytes,
+                              L + y.stageTokens + rows * a.rowBytes, n * a.rowBytes);
           if (ok && a.inWeights != nullptr)
-            ok = RdmaWrite(c, dest, L + c.symm.dispatchOutWeights + at * K * sizeof(float),
-                           L + c.symm.stageWeights + rows * K * sizeof(float),
-                           n * K * sizeof(float));
+            ok = RdmaWrite(
+                c, dest,
+                L + (split ? y.splitWeights : y.dispatchOutWeights) + at * K * sizeof(float),
+                L + y.stageWeights + rows * K * sizeof(float), n * K * sizeof(float));
           if (ok && (a.scaleCopy != EpScaleCopy::kNone || a.quant != EpDispatchQuant::kNone))
-            ok = RdmaWrite(c, dest, L + c.symm.dispatchOutScales + at * a.scaleBytes,
-                           L + c.symm.stageScales + rows * a.scaleBytes, n * a.scaleBytes);
+            ok = RdmaWrite(c, dest,
+                           L + (split ? y.splitScales : y.dispatchOutScales) + at * a.scaleBytes,
+                           L + y.stageScales + rows * a.scaleBytes, n * a.scaleBytes);
           if (ok)
-            ok = RdmaWrite(c, dest, L + c.symm.dispatchOutIndices + at * idxBytes,
-                           L + c.symm.stageIndices + rows * idxBytes, n * idxBytes);
+            ok = RdmaWrite(c, dest,
+                           L + (split ? y.splitIndices : y.dispatchOutIndices) + at * idxBytes,
+                           L + y.stageIndices + rows * idxBytes, n * idxBytes);
           if (ok)
-            ok = RdmaWrite(c, dest, L + c.symm.dispatchOutSrcPos + at * sizeof(int32_t),
-                           L + c.symm.stageSrcPos + rows * sizeof(int32_t), n * sizeof(int32_t));
+            ok = RdmaWrite(c, dest,
+                           L + (split ? y.splitSrcPos : y.dispatchOutSrcPos) + at * sizeof(int32_t),
+                           L + y.stageSrcPos + rows * sizeof(int32_t), n * sizeof(int32_t));
           const uint64_t tail = EpTagWord(epoch, static_cast<uint32_t>(countD));
-          if (ok)
-            ok = RdmaWrite(c, dest, At<uint64_t>(L, c.symm.interTail) + me, &tail, sizeof(tail));
+          uint64_t* tailWord =
+              split ? At<uint64_t>(L, y.splitTail) + EpPushArrivedIndex(parity, me, W)
+                    : At<uint64_t>(L, y.interTail) + me;
+          if (ok) ok = RdmaWrite(c, dest, tailWord, &tail, sizeof(tail));
           if (ok) shmem::ShmemQuietThread(c.shmem, dest);
         }
       }
     }
   } else if (tid == 0 && nRows > 0 && sFailed == 0) {
     core::FenceAcqRelSystem();
-    core::AtomicFetchAddSystem(At<uint64_t>(PeerBlock(c, dest), c.symm.arrived) + me,
-                               static_cast<uint64_t>(nRows));
+    uint64_t* counter = split ? At<uint64_t>(PeerBlock(c, dest), c.symm.splitArrived) +
+                                    EpPushArrivedIndex(parity, me, W)
+                              : At<uint64_t>(PeerBlock(c, dest), c.symm.arrived) + me;
+    core::AtomicFetchAddSystem(counter, static_cast<uint64_t>(nRows));
   }
   if (tid == 0) EpTraceStamp(tr, kEpDispatchPublished);
+  // A split send ends here: the receive half checks the counts and advances the epoch (a failure
+  // here leaves rows missing, which the receive half's bounded wait reports).
+  if (split) return;
 
   // ---- 5. receive side (block 0) -------------------------------------------------------------
   // Two passes: every source's count (their sum is checked against the receive capacity before
@@ -630,30 +885,14 @@ __global__ void __launch_bounds__(kThreads, 1) EpDispatchKernel(const EpDispatch
     // block: the barrier carries the acquire to them).
     __syncthreads();
     if (tid == 0) *c.totalRecv = sTotal;
-    int32_t* einbox = At<int32_t>(c.symmLocal, c.symm.expertInbox);
-    for (int e = tid; e < Epr; e += nThreads) {
-      int sum = 0;
-      for (int s = 0; s < W; s++)
-        sum += core::AtomicLoadRelaxedSystem(einbox + EpExpertInboxIndex(parity, s, e, W, Epr));
-      c.localExpertCount[e] = sum;
-    }
+    EpSumExpertCounts(c, parity);
   }
 
   // ---- 6. epoch ------------------------------------------------------------------------------
   if (tid == 0) EpTraceStamp(tr, kEpDispatchReceived);
   __syncthreads();
-  if (tid == 0) {
-    __threadfence();
-    const unsigned old = atomicAdd(&c.state->dispatchBlocksDone, 1u);
-    if (tr != nullptr) {
-      EpTraceStamp(tr, kEpDispatchCounted);
-      tr[kEpTraceWordArrival] = static_cast<uint64_t>(old) + 1;
-    }
-    if (old == gridDim.x - 1) {
-      c.state->dispatchBlocksDone = 0;
-      c.state->dispatchEpoch = epoch;  // read by the next kernel: the kernel boundary publishes it
-    }
-  }
+  // The next kernel reads the epoch: the kernel boundary publishes it.
+  if (tid == 0 && EpDispatchBlockDone(c, tr)) c.state->dispatchEpoch = epoch;
 }
 
 }  // namespace detail

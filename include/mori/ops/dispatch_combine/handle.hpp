@@ -38,7 +38,8 @@
 
 namespace mori::ops {
 
-enum class EpCombinePhase : int32_t;  // src/ops/dispatch_combine/intranode.hpp
+enum class EpCombinePhase : int32_t;   // src/ops/dispatch_combine/intranode.hpp
+enum class EpDispatchPhase : int32_t;  // src/ops/dispatch_combine/intranode.hpp
 
 struct EpDispatchArgs {
   const void* input = nullptr;  // [numTokens][hiddenDim] of dataType, 16-byte aligned
@@ -134,6 +135,27 @@ class EpDispatchCombineHandle {
   void CombineSend(const EpCombineArgs& args, gpuStream_t stream);
   void CombineReceive(gpuStream_t stream);
   bool CombinePending() const { return pendingCombine; }
+  // Split-phase dispatch (IntraNode and InterNode, EpSplitDispatchFits:
+  // max_num_inp_token_per_rank <= 256; docs/ep_split_phase.md). DispatchSend checks `args` as
+  // Dispatch does, announces this PE's counts and writes its rows into staging slots of their
+  // destinations, and returns without any block waiting on a peer; any work may run before
+  // DispatchReceive, which waits for every PE's rows, compacts them and leaves exactly the outputs
+  // Dispatch would have (same rows, order, metadata, counts, and the slots combine uses). The
+  // input, weights, scales and indices are read by the send kernel only; keep them unchanged until
+  // it has run (work between the halves may run beside it on other streams). Between the two only
+  // DispatchReceive is accepted: Dispatch, a second DispatchSend, Combine, CombineSend and the
+  // expert-major conversions raise InvalidUsageError. Every PE of a call uses the same form (a PE
+  // whose call is the fused dispatch records a format mismatch). Streams, graphs and pending device
+  // errors: as CombineSend/CombineReceive; the next call after a receive on another stream waits
+  // for it.
+  void DispatchSend(const EpDispatchArgs& args, gpuStream_t stream);
+  // blockNum / warpPerBlock < 1: DispatchSend's.
+  void DispatchReceive(gpuStream_t stream, int blockNum = -1, int warpPerBlock = -1);
+  bool DispatchPending() const { return pendingDispatch; }
+  // Whether this op can split its dispatch (DispatchSend's requirements) / its combine (the push
+  // combine, CombineSend's requirement).
+  bool SplitDispatchAvailable() const;
+  bool SplitCombineAvailable() const;
   // Expert-major layout of the last dispatch's received rows: for local expert e, slot s <
   // ExpertMajorCounts()[e], row e * Rmax + s of ExpertMajorTokens() (and of ExpertMajorScales()
   // when the config has scales) is received row ExpertMajorSrcRows()[e * Rmax + s], whose
@@ -242,6 +264,20 @@ class EpDispatchCombineHandle {
   gpuEvent_t combineSentEvent = nullptr;
   // Combine's checks and launch, for one phase of the push combine (kBoth: the whole combine).
   void LaunchCombineCall(const EpCombineArgs& args, EpCombinePhase phase, gpuStream_t stream);
+  // The last DispatchSend's arguments until its DispatchReceive; events after the send (the
+  // receive waits for it) and after the receive (a later call on another stream waits for it).
+  bool pendingDispatch = false;
+  EpDispatchArgs pendingDispatchArgs{};
+  gpuEvent_t dispatchSentEvent = nullptr;
+  gpuEvent_t dispatchRecvEvent = nullptr;
+  bool dispatchRecvFollow = false;  // dispatchRecvEvent is to be waited for by a later call
+  gpuStream_t dispatchRecvStream = nullptr;
+  bool dispatchRecvCaptured = false;  // recorded while dispatchRecvStream was capturing
+  // Dispatch's checks and launch, for one phase (kBoth: the fused dispatch).
+  void LaunchDispatchCall(const EpDispatchArgs& args, EpDispatchPhase phase, gpuStream_t stream);
+  // Refuses a call named `what` while a split dispatch is pending; makes `stream` wait for the
+  // last DispatchReceive when it ran on another stream.
+  void CheckNoPendingDispatch(const char* what, gpuStream_t stream);
   int lastNumTokens = -1;
   uint32_t lastRowBytes = 0;
   // Mapped pinned word the dispatch kernel records the first out-of-range expert id in.

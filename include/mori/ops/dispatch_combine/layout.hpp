@@ -63,6 +63,7 @@ struct EpDeviceState {
                                    // resets it
   uint32_t combineFailed;          // push combine: a block failed (the last block then does not
                                    // judge the arrival counts); last block resets it
+  uint32_t dispatchFailed;         // split dispatch receive: a block failed (as combineFailed)
   // Written by dispatch for the push and InterNode combines: sendCount[d] = our tokens routed to
   // PE d, recvCount[s] = rows received from PE s (last dispatch).
   int32_t sendCount[kEpMaxWorldSize];
@@ -79,6 +80,7 @@ struct EpLayoutDims {
   size_t row;        // largest token row, bytes
   size_t scaleRow;   // scales row, bytes
   size_t push;       // 1: the push-combine buffers exist (EpPushCombineFits), else 0
+  size_t split;      // 1: the split-phase dispatch staging exists (EpSplitDispatchFits), else 0
   size_t inter;      // 1: the inter-node regions exist (kernel type InterNode), else 0
   size_t landing;    // rows of the landing region: M * min(K, W)
   size_t markWords;  // 32-bit words of one expert's row bitmap: ceil(rmax / 32)
@@ -119,6 +121,17 @@ const char* EpRegionRoleName(EpRegionRole role);
   X(pushRecvTokens, "push_recv_tokens", d.push * 2 * d.m * d.w * d.row, kStaging)                \
   X(pushRecvWeights, "push_recv_weights", d.push * 2 * d.m * d.w * d.k * sizeof(float),          \
     kStaging)                                                                                     \
+  /* split-phase dispatch: [parity][src] rows src's dispatch_send has finished writing to us */   \
+  X(splitArrived, "split_arrived", d.split * 2 * d.w * sizeof(uint64_t), kControl)               \
+  /* split-phase dispatch: [parity][src][j] src's j-th row for us (EpSplitRow), metadata alike */ \
+  X(splitTokens, "split_tokens", d.split * 2 * d.w * d.m * d.row, kStaging)                      \
+  X(splitWeights, "split_weights", d.split * 2 * d.w * d.m * d.k * sizeof(float), kStaging)      \
+  X(splitScales, "split_scales", d.split * 2 * d.w * d.m * d.scaleRow, kStaging)                 \
+  X(splitIndices, "split_indices", d.split * 2 * d.w * d.m * d.k * sizeof(int64_t), kStaging)    \
+  X(splitSrcPos, "split_src_pos", d.split * 2 * d.w * d.m * sizeof(int32_t), kStaging)           \
+  /* split-phase dispatch, InterNode: [parity][src] tagged word {epoch, rows}: src (another    */ \
+  /* node) has RDMA-written its staged rows for us                                             */ \
+  X(splitTail, "split_tail", d.split * d.inter * 2 * d.w * sizeof(uint64_t), kControl)           \
   /* InterNode: [parity][src][dst][2] tagged words {count, format} of src's tokens for dst */     \
   X(interCount, "inter_count", d.inter * 2 * d.w * d.w * 2 * sizeof(uint64_t), kControl)         \
   /* InterNode: [src] tagged word: src's RDMA rows to us are complete (value: rows) */             \
@@ -204,6 +217,17 @@ inline bool EpPushCombineFits(const EpDispatchCombineConfig& config) {
          config.maxNumInpTokenPerRank <= kEpPushCombineMaxTokens;
 }
 
+// Split-phase dispatch (dispatch_send / dispatch_recv) needs, per PE, staging for every source's
+// rows of two calls (2 x W x M rows with their metadata: the send writes no final positions, so
+// it waits on no peer's counts; docs/ep_split_phase.md). It exists for IntraNode and InterNode
+// configs of at most kEpSplitDispatchMaxTokens tokens per rank.
+constexpr int kEpSplitDispatchMaxTokens = kEpPushCombineMaxTokens;
+inline bool EpSplitDispatchFits(const EpDispatchCombineConfig& config) {
+  return (config.kernelType == EpDispatchCombineKernelType::kIntraNode ||
+          config.kernelType == EpDispatchCombineKernelType::kInterNode) &&
+         config.maxNumInpTokenPerRank <= kEpSplitDispatchMaxTokens;
+}
+
 EpLayoutDims MakeEpLayoutDims(const EpDispatchCombineConfig& config);
 // Layouts for a config (Validate() it first; sizes are computed in size_t).
 EpSymmetricLayout MakeEpSymmetricLayout(const EpDispatchCombineConfig& config);
@@ -244,6 +268,13 @@ MORI_HD inline size_t EpPushSlot(int parity, int t, int pe, int maxTokens, int w
 MORI_HD inline size_t EpPushArrivedIndex(int parity, int pe, int worldSize) {
   return static_cast<size_t>(parity) * worldSize + pe;
 }
+// Split-phase dispatch: first staging row of source `src` for a call of `parity` in split*
+// (rows, or rows of K weights / indices, scale rows, source positions); its j-th row is this + j.
+// The arrival counter of `src` in splitArrived, and its tail word in splitTail, are at
+// EpPushArrivedIndex(parity, src, worldSize).
+MORI_HD inline size_t EpSplitRow(int parity, int src, int maxTokens, int worldSize) {
+  return (static_cast<size_t>(parity) * worldSize + src) * maxTokens;
+}
 
 // --- payload encodings ---------------------------------------------------------------------
 // countInbox value: count in bits 0..31, the dispatch "format" (row size, dtype and index type of
@@ -258,6 +289,9 @@ MORI_HD inline uint64_t EpDispatchFormat(uint32_t rowBytes, int dataType, int in
          (static_cast<uint64_t>(indexType & 0x1) << 24) |
          (static_cast<uint64_t>(quant & 0x3) << 25);
 }
+// Set in the format of a dispatch_send (its counts announce staged rows, not final positions): a
+// PE whose call is the fused dispatch sees another format and records the mismatch.
+constexpr uint64_t kEpDispatchFormatSplit = 1ull << 27;
 MORI_HD inline uint64_t EpPackCount(uint32_t count, uint64_t format) {
   return static_cast<uint64_t>(count) | (format << 32);
 }
