@@ -807,9 +807,10 @@ class Buffer:
         local expert e is a received token, in (source rank, source token) order), with use_fp8
         a tuple (recv_x, scales): scales [E_local, W*M, H/128] float32, or with use_ue8m0
         [E_local, W*M, ceil(H/512)] int32 of packed exponent bytes, column-major per expert
-        (stride 1 along tokens) as DeepEP's; recv_count [E_local] int32. recv_x and recv_count
-        are views of one of the shape's two ops: valid until the second next dispatch of this
-        shape (as DeepEP's two buffers). The scales are a fresh tensor.
+        (stride 1 along tokens, written so by the op's expert-major conversion) as DeepEP's;
+        recv_count [E_local] int32. recv_x, the scales and recv_count are views of one of the
+        shape's two ops: valid until the second next dispatch of this shape (as DeepEP's two
+        buffers).
         cumulative_local_expert_recv_stats ([E_local] int32) gets recv_count added.
         dispatch_wait_recv_cost_stats is refused (no per-rank wait timing in mori).
         return_recv_hook=True: the hook is a no-op, the data has already arrived when this
@@ -860,13 +861,8 @@ class Buffer:
             routing = _Routing(topk_idx.clone(), T,
                                weights=None if topk_weights is None else (topk_weights, topk_weights._version))
             slot.current = routing
-            em = op.convert_dispatch_output()
-            recv_x = em.tokens
-            if use_fp8:
-                R = int(em.tokens.shape[1])
-                cols = ctx.empty((epr, sd, R), em.scales.dtype)
-                cols.copy_(em.scales[:, :, :sd].transpose(1, 2))
-                recv_x = (em.tokens, cols.transpose(1, 2))
+            em = op.convert_dispatch_output(column_major_scales=bool(use_fp8))
+            recv_x = (em.tokens, em.scales) if use_fp8 else em.tokens
             if cumulative_local_expert_recv_stats is not None:
                 cumulative_local_expert_recv_stats.add_(em.counts)
             handle = LowLatencyHandle(self, slot, routing, M, H, num_experts, em.src_pos)
