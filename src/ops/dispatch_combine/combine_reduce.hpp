@@ -47,7 +47,7 @@ MORI_DEVICE_INLINE EpFp8Codes EpLoadFp8(const uint8_t* row, int v) {
 }
 
 template <typename Elem>
-MORI_DEVICE_INLINE void EpStoreFp8(uint8_t* row, int v, const EpFp8Codes& c) {
+MORI_DEVICE_INLINE void EpStoreFp8(uint8_t* row, size_t v, const EpFp8Codes& c) {
   if constexpr (Elem::kPerVec == 8) {
     reinterpret_cast<uint2*>(row)[v] = make_uint2(c.lo, c.hi);
   } else {
@@ -78,11 +78,9 @@ MORI_DEVICE_INLINE void GridCastFp8(uint8_t* dst, const uint8_t* src, size_t vec
 #pragma unroll
     for (int u = 0; u < kU; u++) r[u] = s[i + u * stride];
 #pragma unroll
-    for (int u = 0; u < kU; u++)
-      EpStoreFp8<Elem>(dst, static_cast<int>(i + u * stride), EpEncodeFp8<Elem>(r[u], f));
+    for (int u = 0; u < kU; u++) EpStoreFp8<Elem>(dst, i + u * stride, EpEncodeFp8<Elem>(r[u], f));
   }
-  for (; i < vecs; i += stride)
-    EpStoreFp8<Elem>(dst, static_cast<int>(i), EpEncodeFp8<Elem>(s[i], f));
+  for (; i < vecs; i += stride) EpStoreFp8<Elem>(dst, i, EpEncodeFp8<Elem>(s[i], f));
 }
 
 // How a reduction reads its rows: 16-byte vectors of Elem, or (quant_type fp8_direct_cast) the
