@@ -582,7 +582,9 @@ class EpDispatchCombineOp(ExpertMajorMixin):
         The positional arguments are ROCm/mori's: block_num, rdma_block_num (>= -1, unused),
         warp_per_block, use_external_inp_buf (-1, 0/False or 1/True: informative, the mode is
         chosen by the input's address), call_reset (reset() first: a no-op). Keyword-only: copy,
-        stream as in dispatch.
+        stream as in dispatch. With the config's quant_type "fp8_direct_cast" the rows travel as
+        e4m3 codes (combine_fp8_dtype) and the output is the fp32 sum of the decoded codes,
+        rounded once to the input dtype (docs/ep.md, "FP8 combine").
         Returns (out_tokens [num_tokens, hidden], out_weights [num_tokens, K] or None)."""
         args = self._combine_args("combine", input, weights, indices, rdma_block_num, use_external_inp_buf,
                                   call_reset)
