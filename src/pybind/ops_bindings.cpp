@@ -327,13 +327,16 @@ void RegisterOpsBindings(py::module_& m) {
            "Collective: allocate and zero the buffers on every PE (needs shmem initialised)")
       .def(
           "convert_dispatch_output",
-          [](EpDispatchCombineHandle& h, int blockNum, int warpPerBlock, uintptr_t stream) {
+          [](EpDispatchCombineHandle& h, int blockNum, int warpPerBlock, uintptr_t stream,
+             bool columnMajorScales) {
             ops::EpToExpertMajorArgs a;
             a.blockNum = blockNum;
             a.warpPerBlock = warpPerBlock;
+            a.columnMajorScales = columnMajorScales;
             h.ConvertDispatchOutput(a, reinterpret_cast<gpuStream_t>(stream));
           },
-          py::arg("block_num"), py::arg("warp_per_block"), py::arg("stream"))
+          py::arg("block_num"), py::arg("warp_per_block"), py::arg("stream"),
+          py::arg("column_major_scales") = false)
       .def(
           "convert_combine_input",
           [](EpDispatchCombineHandle& h, uintptr_t expertOut, int dataType, int hiddenDim,
@@ -417,6 +420,8 @@ void RegisterOpsBindings(py::module_& m) {
       .def_property_readonly("local_bytes", &EpDispatchCombineHandle::LocalBytes)
       .def_property_readonly("last_num_tokens", &EpDispatchCombineHandle::LastDispatchNumTokens)
       .def_property_readonly("programmatic_launch", &EpDispatchCombineHandle::ProgrammaticLaunch)
+      .def_property_readonly("combine_fp8_format", &EpDispatchCombineHandle::CombineFp8Format,
+                             "e4m3 encoding of fp8_direct_cast combine rows: 0 e4m3fn, 1 e4m3fnuz")
       .def_property_readonly("last_row_bytes", &EpDispatchCombineHandle::LastDispatchRowBytes)
       .def_property_readonly(
           "symmetric_base", [](const EpDispatchCombineHandle& h) { return Int(h.SymmetricBase()); })

@@ -108,14 +108,16 @@ TEST(Fp8, DecodeMatchesEveryCode) {
   for (Fp8Format f : {Fp8Format::kE4M3Fn, Fp8Format::kE4M3Fnuz}) {
     for (int c = 0; c < 256; c++) {
       const float want = Fp8ToFloat(static_cast<uint8_t>(c), f);
-      const float got = mori::core::Fp8Decode(static_cast<uint8_t>(c), f);
-      if (std::isnan(want)) {
-        EXPECT_TRUE(std::isnan(got)) << c;
-      } else {
-        uint32_t a, b;
-        std::memcpy(&a, &want, 4);
-        std::memcpy(&b, &got, 4);
-        EXPECT_EQ(a, b) << "format " << static_cast<int>(f) << " code " << c;
+      for (const float got : {mori::core::Fp8Decode(static_cast<uint8_t>(c), f),
+                              mori::core::Fp8DecodeMul(static_cast<uint8_t>(c), f)}) {
+        if (std::isnan(want)) {
+          EXPECT_TRUE(std::isnan(got)) << c;
+        } else {
+          uint32_t a, b;
+          std::memcpy(&a, &want, 4);
+          std::memcpy(&b, &got, 4);
+          EXPECT_EQ(a, b) << "format " << static_cast<int>(f) << " code " << c;
+        }
       }
     }
   }

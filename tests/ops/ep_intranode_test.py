@@ -108,7 +108,7 @@ class Spec:
     def __init__(self, H=2048, K=8, Epr=8, M=256, dtype="bf16", cdtype=None, idx="int32", scale=None,
                  weights=True, routing="random_neg", t_mode="random", mode="zero_copy", wmode="external",
                  iters=1, seed=0, d_launch=(-1, -1), c_launch=(-1, -1), poison=True, cfg_H=None,
-                 cfg_tts=None, cfg_launch=None, check_every=0, quant=None, split=False):
+                 cfg_tts=None, cfg_launch=None, check_every=0, quant=None, split=False, cquant=None, egain=1.0):
         self.H = H if callable(H) else (lambda it, v=H: v)
         self.dtype = dtype if callable(dtype) else (lambda it, v=dtype: v)
         self.mode = mode if callable(mode) else (lambda it, v=mode: v)
@@ -126,6 +126,8 @@ class Spec:
         self.quant = quant if callable(quant) else (lambda it, v=quant: v)
         # Per iteration: dispatch as dispatch_send, a matmul, dispatch_recv (split phase).
         self.split = split if callable(split) else (lambda it, v=split: v)
+        # The op's combine quant_type (None: "none"), and the gain of the "experts" (expert_fn).
+        self.cquant, self.egain = cquant, egain
 
     def quant_kw(self, it):
         """dispatch's quantisation keywords for iteration `it`."""
@@ -212,9 +214,9 @@ def make_data(env, spec, it, seed):
     return X, IDX, WT, SC, Ts
 
 
-def expert_fn(x, d, cdt):
-    """What rank d's "experts" return for rows x (any dtype): (x * (1 + d/8)) in cdt."""
-    return (x.float() * (1.0 + 0.125 * d)).to(cdt)
+def expert_fn(x, d, cdt, gain=1.0):
+    """What rank d's "experts" return for rows x (any dtype): (x * (1 + d/8) * gain) in cdt."""
+    return (x.float() * ((1.0 + 0.125 * d) * gain)).to(cdt)
 
 
 # Device-side counters (int64), read once per case.
@@ -292,17 +294,34 @@ def verify_combine(env, spec, op, out, out_w, data, cnt, poisoned, it, cdt):
     acc = torch.zeros((T, H), dtype=torch.float32, device=env.dev)
     acc64 = torch.zeros((T, H), dtype=torch.float64, device=env.dev)
     accw = torch.zeros((T, K), dtype=torch.float32, device=env.dev)
+    fp8 = spec.cquant == "fp8_direct_cast"
+    if fp8:
+        f8 = op.combine_fp8_dtype
+        absum = torch.zeros((T, H), dtype=torch.float64, device=env.dev)  # sum of |row|
+        sat = torch.zeros((T, H), dtype=torch.bool, device=env.dev)  # some row saturated
     for d in range(W):
         m = (dest == d).any(1, keepdim=True)
-        y = expert_fn(x, d, cdt)
-        acc = acc + torch.where(m, y.float(), 0.0)  # +0.0 for non-members leaves acc unchanged
+        y = expert_fn(x, d, cdt, spec.egain)
+        if fp8:
+            # the row travels as e4m3 codes: the sum is over their decoded values
+            yq = U.fp8_direct_cast_reference(torch, y, f8)
+            acc = acc + torch.where(m, yq, 0.0)
+            absum = absum + torch.where(m, y.double().abs(), 0.0)
+            sat = sat | (m & (y.float().abs() > float(torch.finfo(f8).max)))
+        else:
+            acc = acc + torch.where(m, y.float(), 0.0)  # +0.0 for non-members leaves acc unchanged
         acc64 = acc64 + torch.where(m, y.double(), 0.0)
         accw = accw + torch.where(m, WT[r, :T] * float(d + 1), 0.0)
     ref = acc.to(cdt)
     iview = torch.int32 if cdt == torch.float32 else torch.int16
     cnt[C_COMB] += (out.view(iview) != ref.view(iview)).any(1).sum()
     rtol = {torch.float32: 1e-5, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}[cdt]
-    cnt[C_COMB64] += (~torch.isclose(out.double(), acc64, rtol=rtol, atol=1e-3)).any(1).sum()
+    if fp8:
+        # docs/ep.md's bound against the exact sum of the unquantised rows, where none saturated
+        bound = U.fp8_direct_cast_error_bound(torch, absum, f8, cdt, W)
+        cnt[C_COMB64] += ((out.double() - acc64).abs().gt(bound) & ~sat).any(1).sum()
+    else:
+        cnt[C_COMB64] += (~torch.isclose(out.double(), acc64, rtol=rtol, atol=1e-3)).any(1).sum()
     if out_w is not None:
         cnt[C_COMBW] += (out_w.view(torch.int32) != accw.view(torch.int32)).any(1).sum()
     if poisoned:
@@ -338,7 +357,7 @@ def spec_op(env, spec):
         rank=env.rank, world_size=env.W, hidden_dim=spec.cfg_H or spec.H(0), scale_dim=sdim, scale_type_size=stsz,
         max_token_type_size=tts, max_num_inp_token_per_rank=spec.M, num_experts_per_rank=spec.Epr,
         num_experts_per_token=spec.K, block_num=launch[0], warp_num_per_block=launch[1],
-        use_external_inp_buf=(spec.mode(0) != "zero_copy"))
+        use_external_inp_buf=(spec.mode(0) != "zero_copy"), quant_type=spec.cquant or "none")
     return env.new_op(cfg, check_inputs=False)
 
 
@@ -387,7 +406,7 @@ def roundtrip(env, spec, op=None, label=""):
         mode = spec.mode(it)
         if mode == "direct" and out_tok.dtype != cdt:
             mode = "zero_copy"
-        y = expert_fn(out_tok, r, cdt)  # all rows; rows past total are don't-care
+        y = expert_fn(out_tok, r, cdt, spec.egain)  # all rows; rows past total are don't-care
         if mode == "zero_copy":
             cin = op.get_registered_combine_input_buffer(cdt, spec.H(it))
             cin.copy_(y)
@@ -521,6 +540,59 @@ def case_fp8_dispatch(env):
                         quant=lambda it: modes[it % len(modes)], iters=10, seed=46), label="fp8 and bf16 alternating")
 
 
+def case_fp8_direct_cast(env):
+    """quant_type "fp8_direct_cast": every returned row travels as saturating e4m3 codes; the result
+    must equal bitwise the fp32 sum of the decoded codes in ascending rank order, rounded once
+    (U.fp8_direct_cast_reference), and lie within docs/ep.md's bound of the unquantised sum where
+    no row saturated. Pull combine (M > 256), push combine (M <= 256, IntraNode), InterNode (the
+    suite's kernel type), every input mode (zero-copy, external, exact-size external, dispatch
+    output in place), bf16/fp16/fp32, gains that saturate and that reach the subnormal codes, both
+    block builds, and the push combine's split phase."""
+    torch = env.torch
+    mw = max_warps(env)
+    F = "fp8_direct_cast"
+    cases = [
+        ("bf16 zero-copy (M 512: pull)", Spec(H=7168, M=512, cquant=F, wmode="registered", seed=70)),
+        ("bf16 external, gain 200 (saturates), 512-thread blocks",
+         Spec(H=4096, M=320, cquant=F, mode="external", egain=200.0, c_launch=(-1, mw), seed=71)),
+        ("fp32 dispatch output in place, gain 2^-8 (subnormal codes)",
+         Spec(H=2048, M=384, dtype="fp32", cquant=F, mode="direct", wmode="direct", egain=2.0**-8, seed=72)),
+        ("fp16 exact-size external input", Spec(H=2048, M=300, dtype="fp16", cquant=F, mode="external_exact", seed=73)),
+        ("bf16 zero-copy (M 128: push)", Spec(H=7168, M=128, cquant=F, seed=74)),
+        ("bf16 external, gain 200, push", Spec(H=2048, M=128, cquant=F, mode="external", egain=200.0, seed=75)),
+        ("fp32 dispatch output in place, push", Spec(H=1024, M=64, dtype="fp32", cquant=F, mode="direct", wmode="direct",
+                                                    seed=76)),
+        ("small batch (warps share rows), 256-thread blocks",
+         Spec(H=7168, M=128, t_mode="small", cquant=F, iters=3, c_launch=(-1, 8), seed=77)),
+        ("fp8 dispatch (use_fp8), then the bf16 combine as e4m3", Spec(H=7168, M=128, quant="fp8", cquant=F, seed=78)),
+        ("call hidden < config hidden, token counts vary",
+         Spec(H=lambda it: (2048, 1024)[it % 2], cfg_H=2048, M=256, t_mode="vary", cquant=F, iters=4, seed=79)),
+    ]
+    for label, spec in cases:
+        roundtrip(env, spec, label=label)
+        env.close_ops()
+    if env.args.kernel_type != "IntraNode":
+        return
+    # split phase (push combine): the halves give the fused combine's outputs bit-exactly
+    cnt = torch.zeros(len(C_NAMES), dtype=torch.int64, device=env.dev)
+    op, spec, data, sel, inputs = combine_inputs_of_one_dispatch(env, 80, cquant=F)
+    env.barrier()
+    errors = []
+    for i, (x, w) in enumerate(inputs):
+        fused = tuple(t.clone() for t in op.combine(x, w, sel))
+        op.combine_send(x, w, sel)
+        split = tuple(t.clone() for t in op.combine_recv())
+        if not all(torch.equal(a.view(torch.int16 if a.dtype == torch.bfloat16 else torch.int32),
+                               b.view(torch.int16 if b.dtype == torch.bfloat16 else torch.int32))
+                   for a, b in zip(fused, split)):
+            errors.append(f"input {i}: combine_send/combine_recv differ from combine")
+        if i == 0:
+            verify_combine(env, spec, op, fused[0], fused[1], data, cnt, False, 0, torch.bfloat16)
+    _raise_on_counters(env, spec, op, cnt, None, "fp8 split phase", upto=1)
+    if errors:
+        raise CaseFailure("; ".join(errors))
+
+
 def max_warps(env):
     o = env.mori._C.ops
     return o.MAX_THREADS_PER_BLOCK // o.WARP_SIZE
@@ -581,12 +653,13 @@ def case_dispatch_only_loop(env):
     _raise_on_counters(env, spec2, op, cnt, None, "combine loop", 30)
 
 
-def combine_inputs_of_one_dispatch(env, seed):
-    """A warmed-up op (H 2048, M 128, external input), one dispatch of seed's data, and two combine
-    inputs of its rows: x = the experts' rows with weights * (rank + 1), and 2x (the sums scale
-    exactly). Returns (op, spec, data, sel = this rank's indices, [(x, w), (2x, 2w)])."""
+def combine_inputs_of_one_dispatch(env, seed, cquant=None):
+    """A warmed-up op (H 2048, M 128, external input, combine quant_type cquant), one dispatch of
+    seed's data, and two combine inputs of its rows: x = the experts' rows with weights * (rank +
+    1), and 2x (the sums scale exactly, also through e4m3 codes far from saturation). Returns (op,
+    spec, data, sel = this rank's indices, [(x, w), (2x, 2w)])."""
     torch = env.torch
-    spec = Spec(H=2048, M=128, iters=1, seed=seed, poison=False, mode="external")
+    spec = Spec(H=2048, M=128, iters=1, seed=seed, poison=False, mode="external", cquant=cquant)
     op = roundtrip(env, spec, label="warm-up")
     data = make_data(env, spec, 0, seed)
     X, IDX, WT, SC, Ts = data
@@ -1083,6 +1156,8 @@ def case_config_mismatch_across_ranks(env):
            "PE 1 has num_experts_per_token = 4 but PE 0 has 8")
     expect("max tokens differ on rank 0", small_cfg(env, max_num_inp_token_per_rank=64 if r == 0 else 128),
            "has max_num_inp_token_per_rank = 128 but PE 0 has 64")
+    expect("quant_type differs on rank 1", small_cfg(env, quant_type="fp8_direct_cast" if r == 1 else "none"),
+           "PE 1 has quant_type = 1 but PE 0 has 0")
     # rank 1's own config is invalid: it raises its own error, the others name it
     expect("invalid config on rank 1", small_cfg(env, num_experts_per_token=0 if r == 1 else 8),
            "num_experts_per_token" if r == 1 else "PE 1 cannot create the EP op")
@@ -1537,6 +1612,57 @@ def case_standard_moe(env):
                                      seed=76), op=op, label="back to back, no poison")
 
 
+def case_standard_moe_column_major_scales(env):
+    """convert_dispatch_output(column_major_scales=True): the same scales as the row-major
+    conversion of the same dispatch (reference: the row-major result, transposed in the test), in
+    DeepEP's layout: shape [Epr, Rmax, S], strides (S * Rmax, 1, Rmax); fp32 scales of a fused FP8
+    dispatch (plain and UE8M0-packed int32) and byte scales of a plain dispatch; tokens, counts
+    and sources unchanged; the row-major layout is the default again afterwards."""
+    torch = env.torch
+    r = env.rank
+    errors = []
+    specs = [
+        ("fp8, fp32 scales", Spec(H=7168, M=64, quant="fp8", seed=82), {}),
+        ("fp8 ue8m0, packed int32", Spec(H=7168, M=64, quant="fp8_ue8m0", seed=83), {}),
+        ("bf16, byte scales", Spec(H=1024, M=96, scale=(7, "u8"), routing="duplicates", seed=84), {}),
+    ]
+    for label, spec, _ in specs:
+        op = spec_op(env, spec)
+        X, IDX, WT, SC, Ts = make_data(env, spec, 0, spec.seed)
+        T = Ts[r]
+        qkw = spec.quant_kw(0)
+        sc = None if qkw or SC is None else SC[r, :T].contiguous()
+        op.dispatch(X[r, :T].contiguous(), WT[r, :T].contiguous(), sc, IDX[r, :T].contiguous(), **qkw)
+        row = op.convert_dispatch_output()
+        ref = [t.clone() for t in (row.tokens, row.scales, row.counts, row.src_rows)]
+        col = op.convert_dispatch_output(column_major_scales=True)
+        E, R, S = ref[1].shape
+        if tuple(col.scales.shape) != (E, R, S) or col.scales.stride() != (S * R, 1, R):
+            errors.append(f"{label}: scales shape {tuple(col.scales.shape)} strides {col.scales.stride()}")
+        if col.scales.dtype != ref[1].dtype:
+            errors.append(f"{label}: scales dtype {col.scales.dtype} != {ref[1].dtype}")
+        # the reference: the row-major scales, transposed to [E, S, Rmax] and back (a copy)
+        want = ref[1].transpose(1, 2).contiguous().transpose(1, 2)
+        valid = (torch.arange(R, device=env.dev).view(1, R) < ref[2].view(E, 1).long())  # [E, Rmax]
+        ibits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[ref[1].element_size()]
+        bad = ((col.scales.view(ibits) != want.view(ibits)).any(2) & valid).sum().item() if E * R * S else 0
+        if bad:
+            errors.append(f"{label}: {bad} slots' column-major scales differ from the row-major ones")
+        for name, a, b in (("counts", col.counts, ref[2]), ("src_rows", col.src_rows, ref[3])):
+            if not torch.equal(a, b):
+                errors.append(f"{label}: {name} changed")
+        tok_bad = ((col.tokens.view(torch.uint8) != ref[0].view(torch.uint8)).any(2) & valid).sum().item()
+        if tok_bad:
+            errors.append(f"{label}: {tok_bad} token slots changed")
+        again = op.convert_dispatch_output()
+        if not again.scales.is_contiguous() or not torch.equal(
+                (again.scales.view(ibits) != ref[1].view(ibits)).any(2) & valid, torch.zeros_like(valid)):
+            errors.append(f"{label}: the row-major default after a column-major conversion differs")
+        env.close_ops()
+    if errors:
+        raise CaseFailure("; ".join(errors))
+
+
 def case_standard_moe_graph(env):
     """dispatch_standard_moe + experts + combine_standard_moe captured in one CUDA graph (after one
     eager round: the first conversion allocates), replayed with new inputs."""
@@ -1819,12 +1945,14 @@ CASES = [
     ("cuda_graph_replay", case_cuda_graph),
     ("bad_inputs", case_bad_inputs),
     ("config_mismatch_across_ranks", case_config_mismatch_across_ranks),
+    ("fp8_direct_cast_combine", case_fp8_direct_cast),
     ("copy_on_side_stream", case_copy_on_side_stream),
     ("receive_cap_overflow", case_receive_cap),
     ("combine_input_too_short", case_combine_input_too_short),
     ("refused_after_device_abort", case_refused_after_device_abort),
     ("destroy_while_peers_combine", case_destroy_while_peers_combine),
     ("standard_moe_layout_and_way_back", case_standard_moe),
+    ("standard_moe_column_major_scales", case_standard_moe_column_major_scales),
     ("standard_moe_cuda_graph", case_standard_moe_graph),
     ("standard_moe_bad_inputs", case_standard_moe_bad_inputs),
     ("phase_trace", case_phase_trace),

@@ -430,6 +430,43 @@ def fp8_quantize_reference(torch, x, fp8_dtype, round_scale=False, use_ue8m0=Fal
     return codes, exps.view(torch.int32)
 
 
+# --- quant_type "fp8_direct_cast" combine (docs/ep.md) -------------------------------------------
+def fp8_direct_cast_reference(torch, y, fp8_dtype):
+    """The fp32 values combine sums for rows y (bf16/fp16/fp32) under quant_type
+    "fp8_direct_cast": each element cast to e4m3 (nearest, ties to even, saturating at +-fp8max:
+    torch's cast alone turns out-of-range values into NaN, so clamp first) and decoded exactly."""
+    fmax = float(torch.finfo(fp8_dtype).max)
+    return y.float().clamp(-fmax, fmax).to(fp8_dtype).float()
+
+
+def fp8_direct_cast_combine_reference(torch, rows, fp8_dtype, out_dtype):
+    """rows: the [N, H] rows of one token set, one tensor per returning rank in ascending rank
+    order (None: that rank returns none). The combine's result: the decoded codes summed in fp32
+    from +0.0 in that order, rounded once to out_dtype."""
+    acc = None
+    for y in rows:
+        if y is None:
+            continue
+        q = fp8_direct_cast_reference(torch, y, fp8_dtype)
+        acc = torch.zeros_like(q) + q if acc is None else acc + q
+    if acc is None:
+        raise ValueError("no rows")
+    return acc.to(out_dtype)
+
+
+def fp8_direct_cast_error_bound(torch, absum, fp8_dtype, out_dtype, n_rows):
+    """Bound on |combine result - exact sum of the unquantised rows| per element (docs/ep.md) for
+    rows within +-fp8max: absum = sum of |row| over the n_rows summed rows (float64 tensor)."""
+    fnuz = fp8_dtype == getattr(torch, "float8_e4m3fnuz", None)
+    bias = FP8_FORMATS["e4m3fnuz" if fnuz else "e4m3fn"][0]
+    u_out = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}[out_dtype]
+    tiny = 2.0**-25 if out_dtype == torch.float16 else 0.0  # half of fp16's subnormal step
+    # cast: half an e4m3 step (2^-4 relative; 2^(-3-bias) absolute below the smallest normal);
+    # the fp32 sum (n_rows roundings of at most 2^-24 relative); one rounding to out_dtype
+    rel = (2.0**-4 + n_rows * 2.0**-23) * (1 + 2.0**-4) + u_out * (1 + 2.0**-3)
+    return absum * rel + n_rows * 2.0 ** (-3 - bias) + tiny
+
+
 # --- case tables run by spawned ranks (tests/python/test_engine_call_sequences.py, test_compat_deep_ep.py)
 def run_case_table(dist, rank, world, cases, run_one):
     """Run run_one(fn) for each (name, fn) of `cases` on every rank; a case passes when no rank

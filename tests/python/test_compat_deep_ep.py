@@ -532,7 +532,9 @@ def case_low_latency_fp8(env):
         G = H // 128
         cols = (G + 3) // 4 if ue8m0 else G
         _check(rx.shape == (EPR, world * M, H) and rx.dtype == fp8, f"recv_x {tuple(rx.shape)} {rx.dtype}")
-        _check(rs.shape == (EPR, world * M, cols) and rs.stride(1) == 1, f"scales {tuple(rs.shape)} {rs.stride()}")
+        # DeepEP's strides: the transpose of a contiguous [E_local, cols, W*M] tensor
+        _check(rs.shape == (EPR, world * M, cols) and rs.stride() == (cols * world * M, 1, world * M),
+               f"scales {tuple(rs.shape)} {rs.stride()}")
         _check(rs.dtype == (torch.int32 if ue8m0 else torch.float32), "scales dtype")
         _check(count.dtype == torch.int32 and count.cpu().long().tolist() == counts.tolist(), "recv counts")
         for e in range(EPR):

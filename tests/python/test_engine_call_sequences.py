@@ -162,8 +162,13 @@ if UNDER_PYTEST:
         kwargs, _ = sglang_config_kwargs(ops, 3, 8, dispatch_fp8=True)
         ops.EpDispatchCombineConfig(**kwargs).validate()
 
+    def test_sglang_fp8_direct_cast_combine_config():
+        kwargs, _ = sglang_config_kwargs(ops, 0, 8, combine_quant_type="fp8_direct_cast")
+        c = ops.EpDispatchCombineConfig(**kwargs)
+        c.validate()
+        assert c.to_native().quant_type == 1
+
     @pytest.mark.parametrize("quant,needle", [
-        ("fp8_direct_cast", r"quant_type = fp8_direct_cast: not built yet"),
         ("fp8_blockwise", r"'fp8_blockwise' is not a quant type of this build"),
         ("fp4_blockwise", r"'fp4_blockwise' is not a quant type of this build"),
     ])
@@ -392,7 +397,7 @@ def seq_not_built_refused(env):
     types are refused on every rank at op creation, naming what works; the next op is fine."""
     torch, mori, rank, world = env["torch"], env["mori"], env["rank"], env["world"]
     for mode, quant, needle in (("low_latency", "none", "AsyncLL: not built yet"),
-                                ("intra_node", "fp8_direct_cast", "fp8_direct_cast: not built yet")):
+                                ("intra_node", "fp8_blockwise", "'fp8_blockwise' is not a quant type of this build")):
         kwargs, _ = sglang_config_kwargs(mori.ops, rank, world, mode=mode, params_dtype=torch.bfloat16, hidden=H,
                                          max_tokens=M, num_local_experts=EPR, topk=K, combine_quant_type=quant)
         try:

@@ -116,4 +116,20 @@ MORI_HD inline float Fp8Decode(uint8_t v, Fp8Format f) {
   return sign ? -mag : mag;
 }
 
+// Fp8ToFloat in four operations (the combine's decode of fp8_direct_cast rows): the code's 7 low
+// bits placed as an fp32 exponent and mantissa are the value times 2^(bias - 127), an fp32 normal
+// or (exponent 0) subnormal, so one multiplication by the exact 2^(127 - bias) gives the value;
+// the NaN code is selected. Exact for every code as long as the code is not compiled to flush
+// fp32 subnormal inputs to zero (nvcc without -ftz=true / --use_fast_math, HIP's default).
+MORI_HD inline float Fp8DecodeMul(uint8_t v, Fp8Format f) {
+  const bool fn = f == Fp8Format::kE4M3Fn;
+  const uint32_t bits =
+      (static_cast<uint32_t>(v & 0x80u) << 24) | (static_cast<uint32_t>(v & 0x7Fu) << 20);
+  float x;
+  memcpy(&x, &bits, sizeof(x));
+  x *= fn ? 0x1p120f : 0x1p119f;
+  const bool nan = fn ? (v & 0x7Fu) == 0x7Fu : v == 0x80u;
+  return nan ? __builtin_nanf("") : x;
+}
+
 }  // namespace mori::core

@@ -901,9 +901,10 @@ class Buffer:
         local expert e is a received token, in (source rank, source token) order), with use_fp8
         a tuple (recv_x, scales): scales [E_local, W*M, H/128] float32, or with use_ue8m0
         [E_local, W*M, ceil(H/512)] int32 of packed exponent bytes, column-major per expert
-        (stride 1 along tokens) as DeepEP's; recv_count [E_local] int32. recv_x and recv_count
-        are views of one of the shape's two ops: valid until the second next dispatch of this
-        shape (as DeepEP's two buffers). The scales are a fresh tensor.
+        (stride 1 along tokens, written so by the op's expert-major conversion) as DeepEP's;
+        recv_count [E_local] int32. recv_x, the scales and recv_count are views of one of the
+        shape's two ops: valid until the second next dispatch of this shape (as DeepEP's two
+        buffers).
         cumulative_local_expert_recv_stats ([E_local] int32) gets recv_count added.
         dispatch_wait_recv_cost_stats is refused (no per-rank wait timing in mori).
         return_recv_hook=True: where the op splits (module docstring) only the send half runs
@@ -959,24 +960,18 @@ class Buffer:
             if split:
                 op.dispatch_send(x, topk_weights, None, topk_idx, **qkw)
                 meta = op._pending_dispatch[0]
-                em = op._expert_major_views(meta[1], meta[2], None if meta[4] is None else meta[4][1])
+                em = op._expert_major_views(meta[1], meta[2], None if meta[4] is None else meta[4][1],
+                                            column_major_scales=bool(use_fp8))
             else:
                 op.dispatch(x, topk_weights, None, topk_idx, **qkw)
-                em = op.convert_dispatch_output()
+                em = op.convert_dispatch_output(column_major_scales=bool(use_fp8))
             routing = _Routing(topk_idx.clone(), T,
                                weights=None if topk_weights is None else (topk_weights, topk_weights._version),
                                caller_idx=caller_idx)
             slot.current = routing
-            recv_x = em.tokens
-            cols = None
-            if use_fp8:
-                R = int(em.tokens.shape[1])
-                cols = ctx.empty((epr, sd, R), torch.int32 if use_ue8m0 else torch.float32)
-                recv_x = (em.tokens, cols.transpose(1, 2))
+            recv_x = (em.tokens, em.scales) if use_fp8 else em.tokens
 
             def finish(em):
-                if cols is not None:
-                    cols.copy_(em.scales[:, :, :sd].transpose(1, 2))
                 if cumulative_local_expert_recv_stats is not None:
                     cumulative_local_expert_recv_stats.add_(em.counts)
 
@@ -985,7 +980,9 @@ class Buffer:
             handle = LowLatencyHandle(self, slot, routing, M, H, num_experts, em.src_pos)
         hook = None
         if split:
-            hook = _ReceiveHook("low_latency_dispatch", lambda: (op.dispatch_recv(), finish(op.convert_dispatch_output())))
+            hook = _ReceiveHook("low_latency_dispatch", lambda: (op.dispatch_recv(),
+                                                                    finish(op.convert_dispatch_output(
+                                                                        column_major_scales=bool(use_fp8)))))
         elif return_recv_hook:
             hook = _no_hook
         return recv_x, em.counts, handle, ctx.event, hook

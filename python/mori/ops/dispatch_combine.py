@@ -99,9 +99,10 @@ class EpDispatchCombineConfig:
     or element type); `max_num_inp_token_per_rank` bounds the tokens of one call;
     `max_total_recv_tokens` (0: no cap) caps the rows one rank receives per dispatch. `data_type`
     is accepted for MORI compatibility and ignored (the dtype comes from the tensors).
-    `kernel_type`: an EpDispatchCombineKernelType, its name or value. `quant_type`: "none";
-    "fp8_direct_cast" is recognised and refused (not built yet). `rdma_block_num` and
-    `num_qp_per_pe` is range-checked; InterNode posts on one QP per peer in this build and warns
+    `kernel_type`: an EpDispatchCombineKernelType, its name or value. `quant_type`: "none" (combine
+    rows travel in the input dtype) or "fp8_direct_cast" (each row travels as saturating e4m3
+    codes, the token's rank sums the decoded values in fp32 and rounds once to the input dtype;
+    hidden_dim a multiple of 16; every rank must agree; docs/ep.md). `num_qp_per_pe` is range-checked; InterNode posts on one QP per peer in this build and warns
     when it is above 1 (docs/ep.md).
     `rdma_block_num` is range-checked; InterNode has no separate RDMA blocks (each block posts
     its own destination's writes), so it has no effect in this build. `data_type` (optional) is
@@ -346,6 +347,15 @@ class EpDispatchCombineOp(ExpertMajorMixin):
     @property
     def local_bytes(self):
         return self._h().local_bytes
+
+    @property
+    def combine_fp8_dtype(self):
+        """The torch dtype whose codes quant_type "fp8_direct_cast" combine rows travel as
+        (float8_e4m3fnuz on AMD gfx94x, float8_e4m3fn elsewhere); None with quant_type "none"."""
+        if _quant_type_code(self.config.quant_type) == 0:
+            return None
+        torch = _torch()
+        return torch.float8_e4m3fnuz if self._h().combine_fp8_format == 1 else torch.float8_e4m3fn
 
     def resolve_launch(self, num_tokens, block_num=-1, warp_per_block=-1, for_dispatch=True):
         """(blocks, warps per block) a call would use."""
@@ -655,7 +665,9 @@ class EpDispatchCombineOp(ExpertMajorMixin):
         The positional arguments are ROCm/mori's: block_num, rdma_block_num (>= -1, unused),
         warp_per_block, use_external_inp_buf (-1, 0/False or 1/True: informative, the mode is
         chosen by the input's address), call_reset (reset() first: a no-op). Keyword-only: copy,
-        stream as in dispatch.
+        stream as in dispatch. With the config's quant_type "fp8_direct_cast" the rows travel as
+        e4m3 codes (combine_fp8_dtype) and the output is the fp32 sum of the decoded codes,
+        rounded once to the input dtype (docs/ep.md, "FP8 combine").
         Returns (out_tokens [num_tokens, hidden], out_weights [num_tokens, K] or None)."""
         args = self._combine_args("combine", input, weights, indices, rdma_block_num, use_external_inp_buf,
                                   call_reset)

@@ -21,7 +21,10 @@ dispatch passed none): slot s < counts[e] of local expert e holds received row s
 counts [Epr] int32; src_rows [Epr, Rmax] int32 (index into the dispatch outputs); src_pos
 [Epr, Rmax] int32 (src_rank * max_num_inp_token_per_rank + src_token). Slots follow received-row
 order (source rank, then source token); a row with several local experts is under each of them,
-once per distinct expert. Slots >= counts[e] are not written."""
+once per distinct expert. Slots >= counts[e] are not written. With column_major_scales=True the
+scales have the same shape but are stored column-major per expert (strides (scale_dim * Rmax, 1,
+Rmax): the transpose of a contiguous [Epr, scale_dim, Rmax] tensor), DeepEP's low-latency
+layout."""
 
 
 def _dc():
@@ -40,9 +43,11 @@ class ExpertMajorMixin:
     """The expert-major calls of EpDispatchCombineOp (which provides _h, _last, _stream, _view,
     _check_tensor, _check_indices, dispatch and combine)."""
 
-    def convert_dispatch_output(self, block_num=-1, warp_per_block=-1, *, stream=None):
+    def convert_dispatch_output(self, block_num=-1, warp_per_block=-1, *, stream=None, column_major_scales=False):
         """The last dispatch's received rows grouped by local expert: an ExpertMajorOutput. Runs
-        on `stream` (default: torch's current stream) after the dispatch."""
+        on `stream` (default: torch's current stream) after the dispatch. column_major_scales:
+        scales [Epr, Rmax, scale_dim] with the slot dimension contiguous (DeepEP's low-latency
+        layout: fp32, or int32 words of packed UE8M0 exponents) instead of row-major."""
         dc = _dc()
         dc._torch()
         h = self._h()
@@ -50,32 +55,40 @@ class ExpertMajorMixin:
             raise dc._usage("convert_dispatch_output: no dispatch yet (it converts the rows of the last dispatch)")
         if self._pending_dispatch is not None:
             raise dc._usage("convert_dispatch_output: a dispatch_send is pending; call dispatch_recv first")
+        if not isinstance(column_major_scales, bool):
+            raise dc._usage(f"convert_dispatch_output: column_major_scales must be a bool, got {column_major_scales!r}")
         launch = self._stream(stream)
-        h.convert_dispatch_output(int(block_num), int(warp_per_block), launch[0])
+        h.convert_dispatch_output(int(block_num), int(warp_per_block), launch[0], column_major_scales)
         _, dtype, hidden, _, scales_dtype, _ = self._last
-        return self._expert_major_views(dtype, hidden, scales_dtype)
+        return self._expert_major_views(dtype, hidden, scales_dtype, column_major_scales)
 
-    def _expert_major_views(self, dtype, hidden, scales_dtype):
+    def _expert_major_views(self, dtype, hidden, scales_dtype, column_major_scales=False):
         """The ExpertMajorOutput views for rows of `dtype` x `hidden` (the block must exist: after
         one conversion)."""
         torch = _dc()._torch()
-        E, R = self.config.num_experts_per_rank, self._rmax
+        E, R, S = self.config.num_experts_per_rank, self._rmax, self.config.scale_dim
         tokens = self._view("em_tokens", "expert_major_tokens", (E, R, hidden), dtype)
         scales = None
-        if scales_dtype is not None and self.config.scale_dim > 0:
-            scales = self._view("em_scales", "expert_major_scales", (E, R, self.config.scale_dim), scales_dtype)
+        if scales_dtype is not None and S > 0:
+            if column_major_scales:
+                scales = self._view("em_scales_cols", "expert_major_scales", (E, S, R), scales_dtype).transpose(1, 2)
+            else:
+                scales = self._view("em_scales", "expert_major_scales", (E, R, S), scales_dtype)
         counts = self._view("em_counts", "expert_major_counts", (E,), torch.int32)
         src_rows = self._view("em_src_rows", "expert_major_src_rows", (E, R), torch.int32)
         src_pos = self._view("em_src_pos", "expert_major_src_pos", (E, R), torch.int32)
         return ExpertMajorOutput(tokens, scales, counts, src_rows, src_pos)
 
     def dispatch_standard_moe(self, input, weights, scales, indices, block_num=-1, rdma_block_num=-1,
-                              warp_per_block=-1, call_local_expert_count=False, *, stream=None):
-        """dispatch(...) then convert_dispatch_output() on the same stream: an ExpertMajorOutput.
-        The token-major outputs stay in the op's buffers as after dispatch."""
+                              warp_per_block=-1, call_local_expert_count=False, *, stream=None,
+                              column_major_scales=False, **dispatch_kw):
+        """dispatch(...) then convert_dispatch_output(column_major_scales=...) on the same stream:
+        an ExpertMajorOutput. dispatch_kw: dispatch's keywords (use_fp8, round_scale, use_ue8m0,
+        fp8_dtype). The token-major outputs stay in the op's buffers as after dispatch."""
         self.dispatch(input, weights, scales, indices, block_num, rdma_block_num, warp_per_block,
-                      call_local_expert_count, stream=stream)
-        return self.convert_dispatch_output(block_num, warp_per_block, stream=stream)
+                      call_local_expert_count, stream=stream, **dispatch_kw)
+        return self.convert_dispatch_output(block_num, warp_per_block, stream=stream,
+                                            column_major_scales=column_major_scales)
 
     def convert_combine_input(self, expert_out, weights=None, block_num=-1, warp_per_block=-1, *, stream=None):
         """expert_out [num_experts_per_rank, >= max_num_tokens_to_recv(), hidden] (bf16, fp16 or

@@ -26,12 +26,13 @@ constexpr const char* kConfigFieldNames[] = {
     "kernel_type",
     "gpu_per_node",
     "max_total_recv_tokens",
+    "quant_type",
     "symmetric_bytes",
     MORI_EP_SYMMETRIC_REGIONS(MORI_EP_AGREE_NAME, _) "push combine (MORI_EP_COMBINE_PUSH)",
 };
 #undef MORI_EP_AGREE_NAME
 constexpr int kNumConfigFields = static_cast<int>(sizeof(kConfigFieldNames) / sizeof(char*));
-constexpr int kSymmetricBytesField = 11;
+constexpr int kSymmetricBytesField = 12;
 static_assert(kNumConfigFields <= kEpAgreementMaxFields, "raise kEpAgreementMaxFields");
 
 EpAgreementRow EmptyRow(EpAgreementStage stage) {
@@ -91,6 +92,7 @@ EpAgreementRow MakeEpConfigAgreementRow(const EpDispatchCombineConfig& c, uint64
       static_cast<int64_t>(c.kernelType),
       c.gpuPerNode,
       c.MaxNumRecvTokens(),
+      static_cast<int64_t>(c.quantType),
       static_cast<int64_t>(s.totalBytes),
       MORI_EP_SYMMETRIC_REGIONS(MORI_EP_AGREE_VALUE, _) pushCombine ? 1 : 0,
   };
@@ -165,7 +167,8 @@ std::string FindEpDisagreement(EpAgreementStage stage, const EpAgreementRow* row
           "the EP op config differs across PEs: PE %d has %s = %lld but PE 0 has %lld (every PE "
           "must use the same world_size, hidden_dim, max_token_type_size, "
           "max_num_inp_token_per_rank, num_experts_per_rank, num_experts_per_token, scale_dim, "
-          "scale_type_size, kernel_type, gpu_per_node and max_total_recv_tokens; block_num and "
+          "scale_type_size, kernel_type, gpu_per_node, max_total_recv_tokens and quant_type; "
+          "block_num and "
           "warp_num_per_block may differ)",
           p, EpAgreementFieldName(stage, f), mine, first);
     }

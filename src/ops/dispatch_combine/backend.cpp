@@ -6,6 +6,7 @@
 
 #include "mori/core/env.hpp"
 #include "mori/core/errors.hpp"
+#include "mori/core/fp8.hpp"
 #include "mori/core/gpu_check.hpp"
 #include "mori/core/logging.hpp"
 #include "mori/shmem/shmem_api.hpp"
@@ -124,7 +125,10 @@ class IntraNodeBackend final : public EpBackend {
     // latency-bound either way), and so does a combine that first copies an external input
     // (docs/performance.md, session 3).
     const long long items = static_cast<long long>(k.numTokens) * k.partsPerToken;
-    k.staged = staged && k.copyTokens == 0 && items > blocks * (threads / core::kWarpSize) ? 1 : 0;
+    k.staged = staged && k.copyTokens == 0 && k.wireFp8 == 0 &&
+                       items > blocks * (threads / core::kWarpSize)
+                   ? 1
+                   : 0;
     LaunchEpCombine(k, EpFamily::kIntraNode, args.dataType, blocks, threads, stream);
   }
 
@@ -203,12 +207,25 @@ class InterNodeBackend final : public EpBackend {
   std::unique_ptr<RunAheadBound> runAhead;  // emulated only
 };
 
+// The e4m3 encoding of the device's FP8 hardware and frameworks: e4m3fnuz on AMD gfx94x (MI300),
+// e4m3fn elsewhere (as dispatch's default fp8_dtype).
+int DeviceFp8Format(int device) {
+  const bool fnuz = core::kPlatformHip &&
+                    core::GpuArchName(DeviceProperties(device)).find("gfx94") != std::string::npos;
+  return static_cast<int>(fnuz ? core::Fp8Format::kE4M3Fnuz : core::Fp8Format::kE4M3Fn);
+}
+
 }  // namespace
 
 std::unique_ptr<EpBackend> MakeEpBackend(const EpDispatchCombineConfig& config, int device) {
-  if (config.kernelType == EpDispatchCombineKernelType::kInterNode)
-    return std::make_unique<InterNodeBackend>(config, device);
-  return std::make_unique<IntraNodeBackend>(config, device);
+  std::unique_ptr<EpBackend> b;
+  if (config.kernelType == EpDispatchCombineKernelType::kInterNode) {
+    b = std::make_unique<InterNodeBackend>(config, device);
+  } else {
+    b = std::make_unique<IntraNodeBackend>(config, device);
+  }
+  b->SetCombineFp8Format(DeviceFp8Format(device));
+  return b;
 }
 
 }  // namespace mori::ops

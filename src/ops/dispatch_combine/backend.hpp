@@ -20,6 +20,9 @@ class EpBackend {
   virtual EpFamily Family() const = 0;
   // Kernels are programmatic dependent launches (EpKernelCommon::programmatic).
   bool Programmatic() const { return programmatic; }
+  // core::Fp8Format of fp8_direct_cast combine rows on this device
+  // (EpCombineKernelArgs::fp8Format).
+  int CombineFp8Format() const { return combineFp8Format; }
   // The combine pushes rows (a protocol every PE must share: part of the agreement row).
   virtual bool PushCombine() const { return false; }
   // Most blocks one launch may use on a GPU of `numSms` SMs (every block must be resident: they
@@ -33,8 +36,14 @@ class EpBackend {
   virtual void LaunchCombine(EpCombineKernelArgs& k, const EpCombineArgs& args, int64_t bufferRows,
                              int blocks, int threads, gpuStream_t stream) = 0;
 
+  // Called once by MakeEpBackend.
+  void SetCombineFp8Format(int format) { combineFp8Format = format; }
+
  protected:
   bool programmatic = false;
+
+ private:
+  int combineFp8Format = 0;
 };
 
 // The backend of config.kernelType on the current device (decides from MORI_EP_* and the device).

@@ -7,17 +7,110 @@
 
 #include "intranode_device.hpp"
 #include "mori/core/errors.hpp"
+#include "mori/core/fp8.hpp"
 
 namespace mori::ops::detail {
 
 constexpr int kCombineMaxWarps = kEpMaxThreadsPerBlock / kWarpSize;
 constexpr int kCombinePeerBatch = 4;  // rows loaded together (weights; token rows when n >= 3)
 
+// ---- quant_type fp8_direct_cast -------------------------------------------------------------
+// One 16-byte vector of the input dtype (Elem::kPerVec elements) is kPerVec e4m3 codes on the
+// wire: 8 bytes (bf16, fp16) or 4 (fp32). A wire row is the input row's elements, one byte each,
+// so output vector v of a row is wire bytes [v * kPerVec, (v + 1) * kPerVec).
+struct EpFp8Codes {
+  uint32_t lo, hi;  // code i in byte i % 4 of lo (i < 4) or of hi
+};
+
+// The saturating direct cast (core::Fp8Encode: round to nearest even, |x| beyond the format's
+// max and infinities to +-max, NaN to NaN) of one input vector.
+template <typename Elem>
+MORI_DEVICE_INLINE EpFp8Codes EpEncodeFp8(const uint4& v, core::Fp8Format f) {
+  float x[Elem::kPerVec];
+  Elem::Unpack(v, x);
+  uint32_t w[2] = {0u, 0u};
+#pragma unroll
+  for (int i = 0; i < Elem::kPerVec; i++)
+    w[i / 4] |= static_cast<uint32_t>(core::Fp8Encode(x[i], f)) << (8 * (i % 4));
+  return EpFp8Codes{w[0], w[1]};
+}
+
+template <typename Elem>
+MORI_DEVICE_INLINE EpFp8Codes EpLoadFp8(const uint8_t* row, int v) {
+  if constexpr (Elem::kPerVec == 8) {
+    const uint2 u = reinterpret_cast<const uint2*>(row)[v];
+    return EpFp8Codes{u.x, u.y};
+  } else {
+    static_assert(Elem::kPerVec == 4, "a wire vector is 8 or 4 codes");
+    return EpFp8Codes{reinterpret_cast<const uint32_t*>(row)[v], 0u};
+  }
+}
+
+template <typename Elem>
+MORI_DEVICE_INLINE void EpStoreFp8(uint8_t* row, size_t v, const EpFp8Codes& c) {
+  if constexpr (Elem::kPerVec == 8) {
+    reinterpret_cast<uint2*>(row)[v] = make_uint2(c.lo, c.hi);
+  } else {
+    reinterpret_cast<uint32_t*>(row)[v] = c.lo;
+  }
+}
+
+// acc[i] += the exact fp32 value of code i (core::Fp8DecodeMul), i ascending.
+template <typename Elem>
+MORI_DEVICE_INLINE void EpAccumulateFp8(float (&acc)[Elem::kPerVec], const EpFp8Codes& c,
+                                        core::Fp8Format f) {
+#pragma unroll
+  for (int i = 0; i < Elem::kPerVec; i++)
+    acc[i] += core::Fp8DecodeMul(static_cast<uint8_t>((i < 4 ? c.lo : c.hi) >> (8 * (i % 4))), f);
+}
+
+// Grid-wide cast of `vecs` 16-byte vectors of Elem at src into their codes at dst (vector i to
+// wire bytes [i * kPerVec, (i + 1) * kPerVec)); src 16-byte, dst kPerVec-byte aligned.
+template <typename Elem>
+MORI_DEVICE_INLINE void GridCastFp8(uint8_t* dst, const uint8_t* src, size_t vecs,
+                                    core::Fp8Format f) {
+  constexpr int kU = 4;  // loads in flight per thread
+  const uint4* s = reinterpret_cast<const uint4*>(src);
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (; i + (kU - 1) * stride < vecs; i += kU * stride) {
+    uint4 r[kU];
+#pragma unroll
+    for (int u = 0; u < kU; u++) r[u] = s[i + u * stride];
+#pragma unroll
+    for (int u = 0; u < kU; u++) EpStoreFp8<Elem>(dst, i + u * stride, EpEncodeFp8<Elem>(r[u], f));
+  }
+  for (; i < vecs; i += stride) EpStoreFp8<Elem>(dst, i, EpEncodeFp8<Elem>(s[i], f));
+}
+
+// How a reduction reads its rows: 16-byte vectors of Elem, or (quant_type fp8_direct_cast) the
+// e4m3 codes of such vectors, decoded while accumulated.
+template <typename Elem>
+struct EpPlainRows {
+  using Vec = uint4;
+  MORI_DEVICE_INLINE Vec Load(const uint8_t* row, int v) const {
+    return reinterpret_cast<const uint4*>(row)[v];
+  }
+  MORI_DEVICE_INLINE void Accumulate(float (&acc)[Elem::kPerVec], const Vec& x) const {
+    Elem::Accumulate(acc, x);
+  }
+};
+template <typename Elem>
+struct EpFp8Rows {
+  using Vec = EpFp8Codes;
+  core::Fp8Format format;
+  MORI_DEVICE_INLINE Vec Load(const uint8_t* row, int v) const { return EpLoadFp8<Elem>(row, v); }
+  MORI_DEVICE_INLINE void Accumulate(float (&acc)[Elem::kPerVec], const Vec& x) const {
+    EpAccumulateFp8<Elem>(acc, x, format);
+  }
+};
+
 // out[v] = sum over members j (in order) of rows[j][v], for v in [vb, ve) of this warp's lanes.
-// Each lane keeps kB rows x kU vectors of 16-byte loads in flight before it accumulates them.
-template <typename Elem, int kB, int kU>
+// Each lane keeps kB rows x kU vectors of loads in flight before it accumulates them. Rows says
+// how a row's vector v is read (EpPlainRows: 16-byte vectors; EpFp8Rows: wire codes).
+template <typename Elem, int kB, int kU, typename Rows = EpPlainRows<Elem>>
 MORI_DEVICE_INLINE void WarpReduceRowsBatched(uint4* __restrict__ out, const uint8_t* const* rows,
-                                              int n, int vb, int ve) {
+                                              int n, int vb, int ve, const Rows& rd = Rows{}) {
   const int lane = core::LaneId();
   for (int v0 = vb + lane; v0 < ve; v0 += kU * kWarpSize) {
     float acc[kU][Elem::kPerVec];
@@ -27,14 +120,13 @@ MORI_DEVICE_INLINE void WarpReduceRowsBatched(uint4* __restrict__ out, const uin
       for (int i = 0; i < Elem::kPerVec; i++) acc[u][i] = 0.0f;
     }
     for (int jb = 0; jb < n; jb += kB) {
-      uint4 r[kB][kU];
+      typename Rows::Vec r[kB][kU];
 #pragma unroll
       for (int j = 0; j < kB; j++) {
         if (jb + j < n) {
-          const uint4* src = reinterpret_cast<const uint4*>(rows[jb + j]);
 #pragma unroll
           for (int u = 0; u < kU; u++) {
-            if (v0 + u * kWarpSize < ve) r[j][u] = src[v0 + u * kWarpSize];
+            if (v0 + u * kWarpSize < ve) r[j][u] = rd.Load(rows[jb + j], v0 + u * kWarpSize);
           }
         }
       }
@@ -43,7 +135,7 @@ MORI_DEVICE_INLINE void WarpReduceRowsBatched(uint4* __restrict__ out, const uin
         if (jb + j < n) {
 #pragma unroll
           for (int u = 0; u < kU; u++) {
-            if (v0 + u * kWarpSize < ve) Elem::Accumulate(acc[u], r[j][u]);
+            if (v0 + u * kWarpSize < ve) rd.Accumulate(acc[u], r[j][u]);
           }
         }
       }
@@ -121,6 +213,20 @@ MORI_DEVICE_INLINE void WarpReduceRows(uint4* __restrict__ out, const uint8_t* c
   } else {
     WarpReduceRowsBatched<Elem, kCombinePeerBatch, S::kVecsFourRows>(out, rows, n, vb, ve);
   }
+}
+
+// quant_type fp8_direct_cast: out[v] = round(sum over rows j < n, ascending, of the decoded codes
+// of rows[j] (wire rows) for v), summed in fp32 from +0.0. The 256-thread build keeps
+// kCombinePeerBatch rows x EpCombineShape's 4-row vectors of loads in flight per lane; the
+// 512-thread build one (its 128 registers are taken by the kernels' other reductions: any more
+// here and the pull and InterNode kernels spill on every path, ptxas -v).
+template <typename Elem, int kThreads>
+MORI_DEVICE_INLINE void WarpReduceFp8(uint4* __restrict__ out, const uint8_t* const* rows, int n,
+                                      int vb, int ve, core::Fp8Format f) {
+  constexpr bool kWide = kThreads <= 256;
+  constexpr int kB = kWide ? kCombinePeerBatch : 1;
+  constexpr int kU = kWide ? EpCombineShape<kThreads>::kVecsFourRows : 1;
+  WarpReduceRowsBatched<Elem, kB, kU>(out, rows, n, vb, ve, EpFp8Rows<Elem>{f});
 }
 
 // Staged combine (WarpReduceRowsStaged, sm_90+): each of n rows (1 <= n <= kEpCombineStageRows)

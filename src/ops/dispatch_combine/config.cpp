@@ -147,11 +147,16 @@ void EpDispatchCombineConfig::Validate() const {
                 "world_size = %d is not a multiple of gpu_per_node = %d",
                 worldSize, gpuPerNode);
   }
-  if (quantType != EpQuantType::kNone) {
-    ThrowNotBuilt("quant_type", "quant type", static_cast<int>(quantType), kEpNumQuantTypes,
-                  EpQuantTypeName(quantType),
-                  "this build combines with quant_type none: rows travel in the combine input's "
-                  "dtype");
+  MORI_ENSURE(static_cast<int>(quantType) >= 0 && static_cast<int>(quantType) < kEpNumQuantTypes,
+              InvalidUsageError,
+              "EpDispatchCombineConfig.quant_type = %d is not a quant type (none 0, "
+              "fp8_direct_cast 1)",
+              static_cast<int>(quantType));
+  if (quantType == EpQuantType::kFp8DirectCast) {
+    MORI_ENSURE(hiddenDim % kEpFp8CombineAlign == 0, InvalidUsageError,
+                "EpDispatchCombineConfig: quant_type fp8_direct_cast needs hidden_dim to be a "
+                "multiple of %d (combine rows move as %d-byte vectors of e4m3 codes), got %d",
+                kEpFp8CombineAlign, kEpFp8CombineAlign, hiddenDim);
   }
   for (int ws : {32, 64}) {
     size_t smem = EpDispatchSmemBytes(*this, ws);
@@ -193,6 +198,8 @@ EpLayoutDims MakeEpLayoutDims(const EpDispatchCombineConfig& c) {
   d.inter = c.kernelType == EpDispatchCombineKernelType::kInterNode ? 1 : 0;
   d.landing = d.m * std::min(d.k, d.w);
   d.markWords = (d.rmax + 31) / 32;
+  d.hidden = static_cast<size_t>(c.hiddenDim);
+  d.fp8 = c.quantType == EpQuantType::kFp8DirectCast ? 1 : 0;
   return d;
 }
 

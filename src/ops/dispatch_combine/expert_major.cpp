@@ -14,7 +14,9 @@
 //      between conversions: mark sets bits only in words below ceil(R / 32) and assign clears
 //      exactly those words (both read the same R).
 //   3. Copy: item g < sum(counts) is slot g - prefix[e] of the expert e whose count prefix holds g
-//      (EpWordOfPosition); one warp copies that row (16-byte vectors) and its scales row.
+//      (EpWordOfPosition); one warp copies that row (16-byte vectors) and its scales row, or, with
+//      column-major scales, scatters the row's scale elements into column j of expert e's
+//      [scaleDim][Rmax] block (element (j, slot) at j * Rmax + slot).
 // ConvertCombineInput, one launch: a warp (several for few rows, EpPartsPerRow) per received row
 // r sums weight[r][k] * expertOut[e_k][rowSlot[r][k]] over the k with rowSlot >= 0, in ascending
 // k, in fp32 (each product rounded to fp32 and never fused with the addition), and writes the
@@ -54,6 +56,9 @@ struct ToExpertMajorKernelArgs {
   uint32_t rowBytes;
   const uint8_t* scales;  // dispatch output [Rmax][scaleBytes], or nullptr (config without scales)
   uint32_t scaleBytes;
+  // 0: outScales is [Epr][Rmax][scaleBytes]. Else the scale element size (1, 2, 4 or 8 bytes)
+  // and outScales is [Epr][scaleBytes / scaleColumnMajor][Rmax] elements.
+  uint32_t scaleColumnMajor;
   uint32_t* marks;     // [Epr][markWords]
   uint8_t* outTokens;  // [Epr][Rmax][rowBytes]
   uint8_t* outScales;  // [Epr][Rmax][scaleBytes]
@@ -151,6 +156,17 @@ __global__ void __launch_bounds__(kAssignThreads)
   }
 }
 
+// Column-major scales: this warp's slot of one expert, element j of its scales row (T-sized) to
+// element (j, slot) of the expert's [scaleBytes / sizeof(T)][rmax] block at dstE.
+template <typename T>
+MORI_DEVICE_INLINE void ScatterScaleColumn(uint8_t* dstE, const uint8_t* src, uint32_t scaleBytes,
+                                           int rmax, int slot) {
+  const int n = static_cast<int>(scaleBytes / sizeof(T));
+  for (int j = core::LaneId(); j < n; j += kWarpSize)
+    reinterpret_cast<T*>(dstE)[static_cast<size_t>(j) * rmax + slot] =
+        reinterpret_cast<const T*>(src)[j];
+}
+
 __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
     ToExpertMajorCopyKernel(ToExpertMajorKernelArgs a) {
   __shared__ int prefix[kEpMaxExpertsPerRank + 1];
@@ -176,7 +192,17 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
     WarpCopyVectors<kCopyUnroll>(reinterpret_cast<uint4*>(a.outTokens + at * a.rowBytes),
                                  reinterpret_cast<const uint4*>(a.tokens + r * a.rowBytes), 0,
                                  vecs);
-    if (a.scales != nullptr) {
+    if (a.scales != nullptr && a.scaleColumnMajor != 0) {
+      const uint8_t* src = a.scales + r * a.scaleBytes;
+      uint8_t* dstE = a.outScales + static_cast<size_t>(e) * a.c.rmax * a.scaleBytes;
+      const int slot = g - prefix[e];
+      switch (a.scaleColumnMajor) {
+        case 8: ScatterScaleColumn<uint64_t>(dstE, src, a.scaleBytes, a.c.rmax, slot); break;
+        case 4: ScatterScaleColumn<uint32_t>(dstE, src, a.scaleBytes, a.c.rmax, slot); break;
+        case 2: ScatterScaleColumn<uint16_t>(dstE, src, a.scaleBytes, a.c.rmax, slot); break;
+        default: ScatterScaleColumn<uint8_t>(dstE, src, a.scaleBytes, a.c.rmax, slot); break;
+      }
+    } else if (a.scales != nullptr) {
       const uint8_t* src = a.scales + r * a.scaleBytes;
       uint8_t* dst = a.outScales + at * a.scaleBytes;
       if (a.scaleBytes % 4 == 0) {  // rows of a multiple of 4 bytes in 256-aligned regions
@@ -374,6 +400,7 @@ void EpDispatchCombineHandle::ConvertDispatchOutput(const EpToExpertMajorArgs& a
   a.rowBytes = lastRowBytes;
   a.scales = static_cast<const uint8_t*>(DispatchOutScales());  // nullptr: no scales
   a.scaleBytes = static_cast<uint32_t>(c.ScaleRowBytes());
+  a.scaleColumnMajor = args.columnMajorScales ? static_cast<uint32_t>(c.scaleTypeSize) : 0u;
   a.marks = reinterpret_cast<uint32_t*>(expertMajorBase + expertMajorLayout.marks);
   a.outTokens = static_cast<uint8_t*>(ExpertMajorTokens());
   a.outScales = static_cast<uint8_t*>(ExpertMajorScales());

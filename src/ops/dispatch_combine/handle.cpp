@@ -328,6 +328,10 @@ bool EpDispatchCombineHandle::ProgrammaticLaunch() const {
   return backend != nullptr && backend->Programmatic();
 }
 
+int EpDispatchCombineHandle::CombineFp8Format() const {
+  return backend != nullptr ? backend->CombineFp8Format() : 0;
+}
+
 void EpDispatchCombineHandle::FillCommonArgs(EpKernelCommon* common) const {
   const EpDispatchCombineConfig& c = config;
   common->rank = c.rank;
@@ -613,6 +617,11 @@ void EpDispatchCombineHandle::LaunchCombineCall(const EpCombineArgs& args, EpCom
               "EP combine: negative row counts");
   MORI_ENSURE(args.weights == nullptr || Aligned(args.weights, 4), InvalidUsageError,
               "EP combine: weights are not 4-byte aligned");
+  const bool fp8 = c.quantType == EpQuantType::kFp8DirectCast;
+  MORI_ENSURE(!fp8 || args.hiddenDim % kEpFp8CombineAlign == 0, InvalidUsageError,
+              "EP combine: quant_type fp8_direct_cast needs a hidden size that is a multiple of "
+              "%d (rows move as %d-byte vectors of e4m3 codes), got %d",
+              kEpFp8CombineAlign, kEpFp8CombineAlign, args.hiddenDim);
 
   EpCombineKernelArgs k{};
   FillCommonArgs(&k.c);
@@ -648,6 +657,8 @@ void EpDispatchCombineHandle::LaunchCombineCall(const EpCombineArgs& args, EpCom
   k.numTokens = lastNumTokens;
   k.rowBytes = static_cast<uint32_t>(rowBytes);
   k.dataType = static_cast<int32_t>(args.dataType);
+  k.wireFp8 = fp8 ? 1 : 0;
+  k.fp8Format = backend->CombineFp8Format();
 
   int blocks = 0, warps = 0;
   ResolveLaunch(lastNumTokens, args.blockNum, args.warpPerBlock, false, &blocks, &warps);

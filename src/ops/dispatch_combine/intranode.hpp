@@ -117,6 +117,12 @@ struct EpCombineKernelArgs {
   int32_t partsPerToken;  // warps sharing one token's row (small batches)
   int32_t staged;         // 1: peer rows arrive by bulk copies into shared memory
   EpCombinePhase phase;   // push combine only: both halves, or one of a split-phase call
+  // 1: quant_type fp8_direct_cast. Rows travel as e4m3 codes (fp8Format, a core::Fp8Format) of
+  // rowBytes / element size bytes. Pull and InterNode: every block first casts the input (the
+  // copy source, or the buffer tokenSource names) into combineInFp8, which peers read (never
+  // staged). Push: rows are cast while pushed, this PE's own rows into its own slots too.
+  int32_t wireFp8;
+  int32_t fp8Format;
 };
 // The push combine (intranode_combine_push.cpp) reads its input in place: inTokens/inWeights are
 // this PE's rows (registered buffer, dispatch output or the caller's tensor; inWeights nullptr:

@@ -117,10 +117,11 @@ MORI_DEVICE_INLINE bool WarpReduceRowsStaged(uint4* __restrict__ out, const uint
 // landingBase(s) = the rows s sent to PEs of other nodes below us (its count words, which every
 // PE received in dispatch). Waits until s finished reading its landing region in its last combine
 // (done), then WRITEs and the landing-ready word, on one QP. One thread; completed by the quiet at
-// the end of the combine. Returns false on failure (recorded).
+// the end of the combine. Rows are `wireRow` bytes, read from where `ready` says (EpReadyTokens).
+// Returns false on failure (recorded).
 template <typename Elem>
 MORI_DEVICE_INLINE bool InterReturnRows(const EpCombineKernelArgs& a, const core::WaitContext& wait,
-                                        uint64_t epoch, uint64_t ready) {
+                                        uint64_t epoch, uint64_t ready, uint32_t wireRow) {
   const EpKernelCommon& c = a.c;
   const int W = c.worldSize;
   const int me = c.rank;
@@ -128,9 +129,10 @@ MORI_DEVICE_INLINE bool InterReturnRows(const EpCombineKernelArgs& a, const core
   const uint64_t dEpoch = *reinterpret_cast<volatile uint64_t*>(&c.state->dispatchEpoch);
   const int dParity = static_cast<int>(dEpoch & 1);
   uint8_t* L = c.symmLocal;
-  const uint8_t* tok =
-      L + (a.tokenSource == EpCombineSource::kDispatchOut ? c.symm.dispatchOutTokens
-                                                          : c.symm.combineInTokens);
+  const EpCombineSource ts = EpReadyTokens(ready);
+  const uint8_t* tok = L + (ts == EpCombineSource::kFp8Wire       ? c.symm.combineInFp8
+                            : ts == EpCombineSource::kDispatchOut ? c.symm.dispatchOutTokens
+                                                                  : c.symm.combineInTokens);
   const uint8_t* wts =
       a.weightSource == EpCombineSource::kNone
           ? nullptr
@@ -154,8 +156,8 @@ MORI_DEVICE_INLINE bool InterReturnRows(const EpCombineKernelArgs& a, const core
       if (!core::WaitUntil(wait, &done[s].tag, CmpOp::kGe, epoch - 1, s,
                            "EP combine: peer done reading landing (last)"))
         return false;
-      bool ok = RdmaWrite(c, s, L + c.symm.landingTokens + landingBase * a.rowBytes,
-                          tok + recvBase * a.rowBytes, n * a.rowBytes);
+      bool ok = RdmaWrite(c, s, L + c.symm.landingTokens + landingBase * wireRow,
+                          tok + recvBase * wireRow, n * wireRow);
       if (ok && wts != nullptr)
         ok = RdmaWrite(c, s, L + c.symm.landingWeights + landingBase * K * sizeof(float),
                        wts + recvBase * K * sizeof(float), n * K * sizeof(float));
@@ -197,14 +199,20 @@ __global__ void __launch_bounds__(kThreads) EpCombineKernel(const EpCombineKerne
   const int nWarps = core::WarpsPerBlock();
   const uint64_t epoch = start.epoch;
   const int parity = start.parity;
-  const uint64_t ready = EpPackReady(a.tokenSource, a.weightSource, a.dataType, a.rowBytes);
+  // fp8_direct_cast: our rows are in combineInFp8 (EpCombineCastKernel ran first; tokenSource is
+  // kFp8Wire); peers read (or we RDMA-write) them from there, wireRow bytes each.
+  const bool fp8 = a.wireFp8 != 0;
+  const uint32_t wireRow = fp8 ? a.rowBytes / (16 / Elem::kPerVec) : a.rowBytes;
+  const uint64_t ready =
+      EpPackReady(a.tokenSource, a.weightSource, a.dataType, a.rowBytes,
+                  fp8 ? static_cast<EpCombineWire>(a.fp8Format + 1) : EpCombineWire::kInput);
 
   // Phase trace (trace_device.hpp): nullptr unless SetTrace was called; thread 0 stamps phase ends.
   uint64_t* const tr = start.trace;
   if (tid == 0) sFailed = 0;
   __syncthreads();
 
-  // ---- 1. input in place, or copied into the registered buffer ---------------------------------
+  // ---- 1. input in place, or copied into the registered buffer -------------------------------
   if (a.copyTokens != 0 || a.copyWeights != 0) {
     const int R = *reinterpret_cast<volatile int32_t*>(c.totalRecv);
     EpSignal* done = At<EpSignal>(c.symmLocal, c.symm.doneInbox);
@@ -282,7 +290,7 @@ __global__ void __launch_bounds__(kThreads) EpCombineKernel(const EpCombineKerne
               ready, epoch);
           if constexpr (kInter) {
             // SignalStoreAll's fence also orders the copies before the NIC reads them.
-            if (!InterReturnRows<Elem>(a, wait, epoch, ready)) sFailed = 1;
+            if (!InterReturnRows<Elem>(a, wait, epoch, ready, wireRow)) sFailed = 1;
           }
         }
       }
@@ -296,7 +304,7 @@ __global__ void __launch_bounds__(kThreads) EpCombineKernel(const EpCombineKerne
     }
     if constexpr (kInter) {
       // The input (written by earlier kernels) is in place: return other nodes' rows.
-      if (tid == 0 && !InterReturnRows<Elem>(a, wait, epoch, ready)) sFailed = 1;
+      if (tid == 0 && !InterReturnRows<Elem>(a, wait, epoch, ready, wireRow)) sFailed = 1;
     }
   }
   if (tid == 0) EpTraceStamp(tr, kEpCombineSent);
@@ -329,7 +337,7 @@ __global__ void __launch_bounds__(kThreads) EpCombineKernel(const EpCombineKerne
           sFailed = 1;
           continue;
         }
-        sTok[p] = c.symmLocal + c.symm.landingTokens + off * a.rowBytes;
+        sTok[p] = c.symmLocal + c.symm.landingTokens + off * wireRow;
         if ((v & 0x10u) != 0) sW[p] = At<const float>(c.symmLocal, c.symm.landingWeights) + off * K;
         continue;
       }
@@ -350,8 +358,9 @@ __global__ void __launch_bounds__(kThreads) EpCombineKernel(const EpCombineKerne
       const EpCombineSource ts = EpReadyTokens(v);
       const EpCombineSource ws = EpReadyWeights(v);
       uint8_t* pb = PeerBlock(c, p);
-      sTok[p] = pb + (ts == EpCombineSource::kDispatchOut ? c.symm.dispatchOutTokens
-                                                          : c.symm.combineInTokens);
+      sTok[p] = pb + (ts == EpCombineSource::kFp8Wire       ? c.symm.combineInFp8
+                      : ts == EpCombineSource::kDispatchOut ? c.symm.dispatchOutTokens
+                                                            : c.symm.combineInTokens);
       sW[p] = ws == EpCombineSource::kNone ? nullptr
                                            : At<const float>(pb, ws == EpCombineSource::kDispatchOut
                                                                      ? c.symm.dispatchOutWeights
@@ -405,7 +414,7 @@ __global__ void __launch_bounds__(kThreads) EpCombineKernel(const EpCombineKerne
       const int n = core::PopCount(members);
       if (slot >= 0) {
         const int j = core::PopCount(members & LowerLanesMask(lane));  // ascending PE order
-        sRows[warp][j] = sTok[lane] + static_cast<size_t>(slot) * a.rowBytes;
+        sRows[warp][j] = sTok[lane] + static_cast<size_t>(slot) * wireRow;
         sPeer[warp][j] = lane;
         sSlot[warp][j] = slot;
       }
@@ -427,7 +436,10 @@ __global__ void __launch_bounds__(kThreads) EpCombineKernel(const EpCombineKerne
       }
       uint4* const outRow =
           reinterpret_cast<uint4*>(a.outTokens + static_cast<size_t>(t) * a.rowBytes);
-      if (kUseStages && n >= 1 && n <= kEpCombineStageRows) {
+      if (!kUseStages && fp8) {  // the staged kernel is never launched with fp8 (the launcher)
+        WarpReduceFp8<Elem, kThreads>(outRow, sRows[warp], n, vb, ve,
+                                      static_cast<core::Fp8Format>(a.fp8Format));
+      } else if (kUseStages && n >= 1 && n <= kEpCombineStageRows) {
         if (!WarpReduceRowsStaged<Elem>(outRow, sRows[warp], n, vb, ve, stages, sStageBars[warp],
                                         &stageUses, wait))
           break;  // recorded; the rest of this warp's items are left undone
@@ -523,11 +535,63 @@ __global__ void __launch_bounds__(kThreads) EpCombineKernel(const EpCombineKerne
   }
 }
 
+// quant_type fp8_direct_cast, pull and InterNode combines: casts this PE's received rows
+// (a.inTokens, a.inRows readable) into combineInFp8, whose codes peers read in the combine kernel
+// launched right after this one on the same stream (the kernel boundary orders the codes before its
+// ready signal, as for a zero-copy input). First waits until every PE finished reading combineInFp8
+// in the last combine (done tag >= that combine's epoch). A separate kernel: the combine kernel's
+// registers are all taken by its reduction.
 template <typename Elem>
-void LaunchCombineKernel(const EpCombineKernelArgs& args, EpFamily family, int blocks, int threads,
+__global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
+    EpCombineCastKernel(const EpCombineKernelArgs a) {
+  __shared__ int sFailed;
+  const EpKernelCommon& c = a.c;
+  const core::WaitContext wait = c.shmem.wait;
+  const int tid = static_cast<int>(threadIdx.x);
+  const uint64_t last = *reinterpret_cast<volatile uint64_t*>(&c.state->combineEpoch);
+  const int R = *reinterpret_cast<volatile int32_t*>(c.totalRecv);
+  if (tid == 0) sFailed = 0;
+  __syncthreads();
+  EpSignal* done = At<EpSignal>(c.symmLocal, c.symm.doneInbox);
+  for (int p = tid; p < c.worldSize; p += static_cast<int>(blockDim.x)) {
+    if (!core::WaitUntil(wait, &done[p].tag, CmpOp::kGe, last, p,
+                         "EP combine: peer done reading (last combine)"))
+      sFailed = 1;
+  }
+  if (tid == 0 && R > a.inRows) {
+    if (blockIdx.x == 0)
+      ReportError(wait, -1, "EP combine: input has fewer rows than dispatch received", CmpOp::kGe,
+                  static_cast<uint64_t>(R), static_cast<uint64_t>(a.inRows));
+    sFailed = 1;
+  }
+  __syncthreads();
+  if (sFailed == 0 && R > 0)
+    GridCastFp8<Elem>(c.symmLocal + c.symm.combineInFp8, a.inTokens,
+                      static_cast<size_t>(R) * (a.rowBytes / 16),
+                      static_cast<core::Fp8Format>(a.fp8Format));
+}
+
+template <typename Elem>
+void LaunchCombineKernel(const EpCombineKernelArgs& in, EpFamily family, int blocks, int threads,
                          gpuStream_t stream) {
   constexpr int kMaxT = kEpMaxThreadsPerBlock;
   constexpr EpFamily kIntra = EpFamily::kIntraNode;
+  EpCombineKernelArgs args = in;
+  if (args.wireFp8 != 0) {
+    // Cast first; the combine kernel then reads the codes in place (never staged).
+    EpCombineKernelArgs cast = args;
+    if (args.copyTokens == 0) {
+      cast.inTokens = args.c.symmLocal + (args.tokenSource == EpCombineSource::kDispatchOut
+                                              ? args.c.symm.dispatchOutTokens
+                                              : args.c.symm.combineInTokens);
+      cast.inRows = args.c.maxRecvRows;
+    }
+    MORI_CHECK_GPU(
+        core::GpuLaunchKernel(EpCombineCastKernel<Elem>, blocks, threads, 0, stream, false, cast));
+    args.copyTokens = 0;
+    args.tokenSource = EpCombineSource::kFp8Wire;
+    args.staged = 0;
+  }
   auto kernel = family == EpFamily::kInterNode
                     ? EpCombineKernel<Elem, kMaxT, false, EpFamily::kInterNode>
                 : args.staged != 0 ? EpCombineKernel<Elem, kMaxT, true, kIntra>

@@ -19,6 +19,9 @@
 //   4. Each token's rows are summed in fp32 in ascending PE order, exactly as the pull combine:
 //      the row from PE d is in pushRecvTokens[t][d], ours is in our input at the token's slot.
 //   5. The last block checks and resets pushArrived and bumps the combine epoch.
+// quant_type fp8_direct_cast (a.wireFp8): rows are cast to e4m3 while pushed (slots of wireRow
+// bytes), and our own tokens' rows are pushed into our own slots as well (counted in our own
+// pushArrived[me]), so every summed row is decoded from codes, whichever PE holds it.
 // Split phase (EpCombinePhase): a kSend launch runs steps 1-2 and returns (no wait on any peer), a
 // later kReceive launch with the same arguments steps 3-5. The argument below holds unchanged: a
 // PE's next kSend comes after its kReceive on its stream.
@@ -67,8 +70,13 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
   const int gWarp = static_cast<int>(blockIdx.x) * nWarps + warp;
   const uint64_t epoch = start.epoch;
   const int parity = start.parity;
-  const uint64_t format = EpPackReady(a.tokenSource, a.weightSource, a.dataType, a.rowBytes);
-  const int vecs = static_cast<int>(a.rowBytes / 16);
+  const bool fp8 = a.wireFp8 != 0;
+  const core::Fp8Format fp8Format = static_cast<core::Fp8Format>(a.fp8Format);
+  const uint64_t format =
+      EpPackReady(a.tokenSource, a.weightSource, a.dataType, a.rowBytes,
+                  fp8 ? static_cast<EpCombineWire>(a.fp8Format + 1) : EpCombineWire::kInput);
+  const int vecs = static_cast<int>(a.rowBytes / 16);  // input vectors (the arrival unit)
+  const uint32_t wireRow = fp8 ? a.rowBytes / (16 / Elem::kPerVec) : a.rowBytes;
   const int R = *reinterpret_cast<volatile int32_t*>(c.totalRecv);
   uint8_t* const recvTok = c.symmLocal + c.symm.pushRecvTokens;
   float* const recvW = At<float>(c.symmLocal, c.symm.pushRecvWeights);
@@ -110,7 +118,8 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
   if (doSend && sFailed == 0) {
     int selfBegin = 0;
     for (int s = 0; s < me; s++) selfBegin += c.state->recvCount[s];
-    const int selfCount = c.state->recvCount[me];
+    // fp8: our own rows are pushed too (into our own slots).
+    const int selfCount = fp8 ? 0 : c.state->recvCount[me];
     const int nPush = R - selfCount;
     // As the reduce: several warps per row when rows are fewer than warps, one item per warp.
     const int parts = EpPartsPerRow(nPush, totalWarps, vecs);
@@ -138,7 +147,7 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
       const int pos = At<const int32_t>(c.symmLocal, c.symm.dispatchOutSrcPos)[r];
       const int s = pos / M;
       const int t = pos - s * M;
-      if (s < 0 || s >= W || s == me) {  // dispatch wrote these; never expected
+      if (s < 0 || s >= W || (s == me && !fp8)) {  // dispatch wrote these; never expected
         // The record names the source PE the row's position word decodes to, and what it must be.
         if (lane == 0)
           ReportError(wait, s, "EP combine: source PE of a received row (out of step)",
@@ -149,14 +158,25 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
       }
       const size_t slot = EpPushSlot(parity, t, me, M, W);
       uint8_t* const pb = PeerBlock(c, s);
-      uint4* dst = reinterpret_cast<uint4*>(pb + c.symm.pushRecvTokens + slot * a.rowBytes);
+      uint8_t* const dstRow = pb + c.symm.pushRecvTokens + slot * wireRow;
+      if (fp8) {
 #pragma unroll
-      for (int u = 0; u < kPushUnroll; u++) {
-        const int v = vb + lane + u * kWarpSize;
-        if (v < ve) dst[v] = head[u];
+        for (int u = 0; u < kPushUnroll; u++) {
+          const int v = vb + lane + u * kWarpSize;
+          if (v < ve) EpStoreFp8<Elem>(dstRow, v, EpEncodeFp8<Elem>(head[u], fp8Format));
+        }
+        for (int v = vb + lane + kPushUnroll * kWarpSize; v < ve; v += kWarpSize)
+          EpStoreFp8<Elem>(dstRow, v, EpEncodeFp8<Elem>(src[v], fp8Format));
+      } else {
+        uint4* dst = reinterpret_cast<uint4*>(dstRow);
+#pragma unroll
+        for (int u = 0; u < kPushUnroll; u++) {
+          const int v = vb + lane + u * kWarpSize;
+          if (v < ve) dst[v] = head[u];
+        }
+        if (vb + kPushUnroll * kWarpSize < ve)
+          WarpCopyVectors<kPushUnroll>(dst, src, vb + kPushUnroll * kWarpSize, ve);
       }
-      if (vb + kPushUnroll * kWarpSize < ve)
-        WarpCopyVectors<kPushUnroll>(dst, src, vb + kPushUnroll * kWarpSize, ve);
       if (doW) {
         float* dw = At<float>(pb, c.symm.pushRecvWeights) + slot * K;
         if (lane < K) dw[lane] = w;
@@ -194,7 +214,7 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
   if (sFailed == 0) {
     EpSignal* inbox = At<EpSignal>(c.symmLocal, c.symm.readyInbox);
     for (int p = tid; p < W; p += nThreads) {
-      if (p == me) continue;
+      if (p == me && !fp8) continue;  // fp8: our own rows arrive in our slots too
       EpSignal* sig = inbox + EpReadyInboxIndex(parity, p, W);
       uint64_t v = 0;
       if (!SignalWait(wait, sig, epoch, p, "EP combine: peer's push started (format signal)", &v)) {
@@ -242,8 +262,8 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
       if (slot >= 0) {
         const int j = core::PopCount(members & LowerLanesMask(lane));  // ascending PE order
         const size_t ps = EpPushSlot(parity, t, lane, M, W);
-        sRows[warp][j] = lane == me ? a.inTokens + static_cast<size_t>(slot) * a.rowBytes
-                                    : recvTok + ps * a.rowBytes;
+        sRows[warp][j] = lane == me && !fp8 ? a.inTokens + static_cast<size_t>(slot) * a.rowBytes
+                                            : recvTok + ps * wireRow;
         sWRows[warp][j] =
             lane == me
                 ? (a.inWeights != nullptr ? a.inWeights + static_cast<size_t>(slot) * K : nullptr)
@@ -252,9 +272,13 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
       core::WarpSync();
       const int vb = EpShareBegin(vecs, part, P);
       const int ve = EpShareBegin(vecs, part + 1, P);
-      WarpReduceRows<Elem, kThreads>(
-          reinterpret_cast<uint4*>(a.outTokens + static_cast<size_t>(t) * a.rowBytes), sRows[warp],
-          n, vb, ve);
+      uint4* const outRow =
+          reinterpret_cast<uint4*>(a.outTokens + static_cast<size_t>(t) * a.rowBytes);
+      if (fp8) {
+        WarpReduceFp8<Elem, kThreads>(outRow, sRows[warp], n, vb, ve, fp8Format);
+      } else {
+        WarpReduceRows<Elem, kThreads>(outRow, sRows[warp], n, vb, ve);
+      }
       // outWeights is set only when this PE passed weights, so its own row has them.
       if (part == 0 && a.outWeights != nullptr) {
         for (int k = lane; k < K; k += kWarpSize) {
@@ -284,7 +308,7 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
       const bool failed = atomicExch(&c.state->combineFailed, 0u) != 0;
       c.state->combineBlocksDone = 0;
       for (int p = 0; p < W; p++) {
-        if (p == me) continue;
+        if (p == me && !fp8) continue;
         const uint64_t expected =
             static_cast<uint64_t>(c.state->sendCount[p]) * static_cast<uint64_t>(vecs);
         const uint64_t got = core::AtomicLoadRelaxedSystem(arrived + p);

@@ -342,9 +342,18 @@ MORI_HD inline size_t EpCopyChunkSize(size_t n, size_t align, unsigned blocks) {
 // ---------------------------------------------------------------------------------------------
 // Token element types for combine: a 16-byte vector of kPerVec elements, accumulated in fp32
 // (one add per element, in the caller's order) and packed back with round-to-nearest-even.
+// Unpack gives the elements' exact fp32 values (-0 stays -0).
 // ---------------------------------------------------------------------------------------------
 struct EpBf16Elem {
   static constexpr int kPerVec = 8;
+  MORI_DEVICE_INLINE static void Unpack(const uint4& v, float (&x)[kPerVec]) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      x[2 * i] = __uint_as_float(w[i] << 16);
+      x[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+    }
+  }
   MORI_DEVICE_INLINE static void Accumulate(float (&acc)[kPerVec], const uint4& v) {
     const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
@@ -375,6 +384,14 @@ struct EpFp16Elem {
   MORI_DEVICE_INLINE static uint32_t ToBits(float f) {
     return static_cast<uint32_t>(__half_as_ushort(__float2half_rn(f)));
   }
+  MORI_DEVICE_INLINE static void Unpack(const uint4& v, float (&x)[kPerVec]) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      x[2 * i] = ToFloat(w[i] & 0xFFFFu);
+      x[2 * i + 1] = ToFloat(w[i] >> 16);
+    }
+  }
   MORI_DEVICE_INLINE static void Accumulate(float (&acc)[kPerVec], const uint4& v) {
     const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
@@ -393,6 +410,12 @@ struct EpFp16Elem {
 
 struct EpFp32Elem {
   static constexpr int kPerVec = 4;
+  MORI_DEVICE_INLINE static void Unpack(const uint4& v, float (&x)[kPerVec]) {
+    x[0] = __uint_as_float(v.x);
+    x[1] = __uint_as_float(v.y);
+    x[2] = __uint_as_float(v.z);
+    x[3] = __uint_as_float(v.w);
+  }
   MORI_DEVICE_INLINE static void Accumulate(float (&acc)[kPerVec], const uint4& v) {
     acc[0] += __uint_as_float(v.x);
     acc[1] += __uint_as_float(v.y);

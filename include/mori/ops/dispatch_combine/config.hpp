@@ -26,7 +26,11 @@ const char* EpKernelTypeName(EpDispatchCombineKernelType type);
 bool EpKernelTypeIsBuilt(EpDispatchCombineKernelType type);
 
 // How combine moves rows on the wire (MORI's numbering). kNone: in the input dtype.
-// kFp8DirectCast (rows cast to e4m3, summed in fp32) is not built yet: Validate rejects it.
+// kFp8DirectCast: every row a PE returns (its own tokens' rows too) is cast to e4m3 (saturating,
+// round to nearest even, no scale) before it moves; the token's PE decodes each row to fp32, sums
+// in ascending PE order from +0.0 and rounds once to the input dtype. The e4m3 encoding is the
+// device's (EpDispatchCombineHandle::CombineFp8Format). Needs a hidden size that is a multiple of
+// kEpFp8CombineAlign.
 enum class EpQuantType : int32_t {
   kNone = 0,
   kFp8DirectCast = 1,
@@ -34,6 +38,8 @@ enum class EpQuantType : int32_t {
 constexpr int32_t kEpNumQuantTypes = 2;
 // MORI's config string of a quant type ("none", "fp8_direct_cast").
 const char* EpQuantTypeName(EpQuantType type);
+// kFp8DirectCast rows are hidden bytes and move as 16-byte vectors.
+constexpr int kEpFp8CombineAlign = 16;
 
 // Fused quantisation of one dispatch call (DeepEP's use_fp8 / round_scale / use_ue8m0): the
 // sender reads bf16 rows and writes e4m3 codes plus one scale per kEpQuantGroup elements to the

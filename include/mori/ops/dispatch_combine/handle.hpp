@@ -87,6 +87,10 @@ struct EpCombineArgs {
 struct EpToExpertMajorArgs {
   int blockNum = -1;  // -1: config (or the small-batch default)
   int warpPerBlock = -1;
+  // Layout of ExpertMajorScales(): false, [Epr][Rmax][scaleDim] (row-major); true, [Epr][scaleDim]
+  // [Rmax] (column-major per expert, the slot index contiguous: DeepEP's low-latency scales),
+  // elements of scaleTypeSize bytes. The region's size is the same.
+  bool columnMajorScales = false;
 };
 
 struct EpFromExpertMajorArgs {
@@ -213,6 +217,9 @@ class EpDispatchCombineHandle {
   // Whether the kernels are programmatic dependent launches (decided at creation from MORI_EP_PDL,
   // the device and the kernels' code).
   bool ProgrammaticLaunch() const;
+  // The e4m3 encoding of quant_type fp8_direct_cast combine rows (core::Fp8Format: 0 e4m3fn,
+  // 1 e4m3fnuz): the device's, e4m3fnuz on AMD gfx94x, e4m3fn elsewhere (decided at creation).
+  int CombineFp8Format() const;
   // Host view of the last dispatch call (-1 before the first).
   int LastDispatchNumTokens() const { return lastNumTokens; }
   int LastDispatchRowBytes() const { return static_cast<int>(lastRowBytes); }

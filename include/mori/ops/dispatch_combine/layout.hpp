@@ -84,6 +84,8 @@ struct EpLayoutDims {
   size_t inter;      // 1: the inter-node regions exist (kernel type InterNode), else 0
   size_t landing;    // rows of the landing region: M * min(K, W)
   size_t markWords;  // 32-bit words of one expert's row bitmap: ceil(rmax / 32)
+  size_t hidden;     // hiddenDim
+  size_t fp8;        // 1: combine rows travel as e4m3 (quant_type fp8_direct_cast), else 0
 };
 
 // What a region holds: kControl (signals, counters: zeroed at creation, kernels keep them
@@ -147,7 +149,9 @@ const char* EpRegionRoleName(EpRegionRole role);
   X(stageHist, "stage_hist", d.inter * d.w * d.epr * sizeof(int32_t), kStaging)                  \
   /* InterNode: rows of our tokens returned by other nodes' PEs, by destination then list index */ \
   X(landingTokens, "landing_tokens", d.inter * d.landing * d.row, kStaging)                      \
-  X(landingWeights, "landing_weights", d.inter * d.landing * d.k * sizeof(float), kStaging)
+  X(landingWeights, "landing_weights", d.inter * d.landing * d.k * sizeof(float), kStaging)   \
+  /* quant_type fp8_direct_cast: [Rmax][hidden] e4m3 codes of our combine input (what peers read) */ \
+  X(combineInFp8, "combine_in_fp8", d.fp8 * d.rmax * d.hidden, kStaging)
 // clang-format on
 
 // An X-macro table, one row per entry, laid out by hand:
@@ -304,13 +308,19 @@ enum class EpCombineSource : uint32_t {
   kNone = 0,         // weights only: the PE passed no weights
   kRegistered = 1,   // combineInTokens / combineInWeights (zero-copy, or copied there)
   kDispatchOut = 2,  // dispatchOutTokens / dispatchOutWeights (input was the dispatch output)
+  kFp8Wire = 3,      // tokens only: combineInFp8 (quant_type fp8_direct_cast; cast there first)
 };
-// readyInbox value: token source bits 0..3, weight source bits 4..7, dtype bits 8..11, row
-// bytes bits 16..47.
+// What a combine row is on the wire (part of the format PEs compare): the input dtype, or e4m3
+// codes in one of the two encodings (core::Fp8Format + 1).
+enum class EpCombineWire : uint32_t { kInput = 0, kFp8E4M3Fn = 1, kFp8E4M3Fnuz = 2 };
+// readyInbox value: token source bits 0..3, weight source bits 4..7, dtype bits 8..11, wire
+// bits 13..14, row bytes (of the input dtype) bits 16..47.
 MORI_HD inline uint64_t EpPackReady(EpCombineSource tokens, EpCombineSource weights, int dataType,
-                                    uint32_t rowBytes) {
+                                    uint32_t rowBytes, EpCombineWire wire = EpCombineWire::kInput) {
   return static_cast<uint64_t>(tokens) | (static_cast<uint64_t>(weights) << 4) |
-         (static_cast<uint64_t>(dataType & 0xF) << 8) | (static_cast<uint64_t>(rowBytes) << 16);
+         (static_cast<uint64_t>(dataType & 0xF) << 8) |
+         (static_cast<uint64_t>(static_cast<uint32_t>(wire) & 0x3) << 13) |
+         (static_cast<uint64_t>(rowBytes) << 16);
 }
 MORI_HD inline EpCombineSource EpReadyTokens(uint64_t v) {
   return static_cast<EpCombineSource>(v & 0xF);
@@ -333,8 +343,9 @@ MORI_HD inline uint32_t EpTagValue(uint64_t word) { return static_cast<uint32_t>
 MORI_HD inline size_t EpInterCountIndex(int parity, int src, int dst, int worldSize) {
   return ((static_cast<size_t>(parity) * worldSize + src) * worldSize + dst) * 2;
 }
-// landingReady value: the combine format (EpReadyFormat: dtype bits 0..3, row bytes from bit 8;
-// Validate keeps rows within 16 MiB, so it fits 32 bits) and bit 4 = weights were sent.
+// landingReady value: the combine format (EpReadyFormat: dtype bits 0..3, wire bits 5..6, row
+// bytes from bit 8; Validate keeps rows within 16 MiB, so it fits 32 bits) and bit 4 = weights
+// were sent.
 MORI_HD inline uint32_t EpLandingValue(uint64_t ready, bool weights) {
   return static_cast<uint32_t>(EpReadyFormat(ready)) | (weights ? 0x10u : 0u);
 }
