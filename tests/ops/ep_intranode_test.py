@@ -33,6 +33,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ep_test_utils as U  # noqa: E402
 
 DTYPE_NAMES = ("bf16", "fp16", "fp32", "fp8")
+KERNEL_TYPES = ("IntraNode", "InterNode", "InterNodeV1", "InterNodeV1LL")
+V1_TYPES = ("InterNodeV1", "InterNodeV1LL")  # node-deduplicated: two-level combine
+V1LL_MAX_TOKENS = 256  # InterNodeV1LL's max_num_inp_token_per_rank limit (kEpV1LLMaxTokens)
 
 
 class CaseFailure(Exception):
@@ -64,7 +67,19 @@ class Env:
         kw.setdefault("kernel_type", self.args.kernel_type)
         kw.setdefault("gpu_per_node", self.args.gpu_per_node or self.W)
         kw.setdefault("num_qp_per_pe", self.args.num_qp_per_pe)
+        if kw["kernel_type"] == "InterNodeV1LL" and "max_num_inp_token_per_rank" in kw:
+            kw["max_num_inp_token_per_rank"] = min(kw["max_num_inp_token_per_rank"], V1LL_MAX_TOKENS)
         return self.mori.ops.EpDispatchCombineConfig(**kw)
+
+    @property
+    def v1(self):
+        """The run's kernel type is node-deduplicated (two-level combine)."""
+        return self.args.kernel_type in V1_TYPES
+
+    @property
+    def v1_nodes(self):
+        """G for the two-level combine references (InterNodeV1/V1LL), else None (flat sum)."""
+        return (self.args.gpu_per_node or self.W) if self.v1 else None
 
     def dt(self, name):
         t = self.torch
@@ -103,7 +118,10 @@ class Env:
 # Specs and data
 # ---------------------------------------------------------------------------------------------
 class Spec:
-    """One round-trip scenario. Fields that may vary per iteration are functions of `it`."""
+    """One round-trip scenario. Fields that may vary per iteration are functions of `it`.
+    max_tokens_cap (set by the driver: InterNodeV1LL's limit) lowers every spec's M."""
+
+    max_tokens_cap = None
 
     def __init__(self, H=2048, K=8, Epr=8, M=256, dtype="bf16", cdtype=None, idx="int32", scale=None,
                  weights=True, routing="random_neg", t_mode="random", mode="zero_copy", wmode="external",
@@ -116,7 +134,7 @@ class Spec:
         self.d_launch = d_launch if callable(d_launch) else (lambda it, v=d_launch: v)
         self.c_launch = c_launch if callable(c_launch) else (lambda it, v=c_launch: v)
         self.cdtype = cdtype
-        self.K, self.Epr, self.M = K, Epr, M
+        self.K, self.Epr, self.M = K, Epr, (M if Spec.max_tokens_cap is None else min(M, Spec.max_tokens_cap))
         self.idx, self.scale, self.weights, self.t_mode = idx, scale, weights, t_mode
         self.wmode, self.iters, self.seed, self.poison = wmode, iters, seed, poison
         self.cfg_H, self.cfg_tts, self.cfg_launch = cfg_H, cfg_tts, cfg_launch
@@ -157,7 +175,7 @@ def token_counts(spec, W, rnd):
         elif m == "vary":
             t = rnd.choice([0, 1, rnd.randint(0, M), M]) if rnd.random() < 0.3 else rnd.randint(0, M)
         elif isinstance(m, int):
-            t = m
+            t = min(m, M)
         else:
             raise ValueError(m)
         out.append(t)
@@ -290,13 +308,22 @@ def verify_combine(env, spec, op, out, out_w, data, cnt, poisoned, it, cdt):
     acc = torch.zeros((T, H), dtype=torch.float32, device=env.dev)
     acc64 = torch.zeros((T, H), dtype=torch.float64, device=env.dev)
     accw = torch.zeros((T, K), dtype=torch.float32, device=env.dev)
+    rows, wrows, masks = [], [], []
     for d in range(W):
         m = (dest == d).any(1, keepdim=True)
         y = expert_fn(x, d, cdt)
         acc = acc + torch.where(m, y.float(), 0.0)  # +0.0 for non-members leaves acc unchanged
         acc64 = acc64 + torch.where(m, y.double(), 0.0)
         accw = accw + torch.where(m, WT[r, :T] * float(d + 1), 0.0)
+        rows.append(y)
+        wrows.append(WT[r, :T] * float(d + 1))
+        masks.append(m.view(T))
     ref = acc.to(cdt)
+    if env.v1 and T > 0:
+        # InterNodeV1/V1LL: per node the ascending fp32 sum rounded to the dtype, then the nodes
+        # in ascending order (docs/ep.md); weights the same in fp32.
+        ref = U.v1_combine_reference(torch, rows, masks, env.v1_nodes, cdt)
+        accw = U.v1_combine_reference(torch, wrows, masks, env.v1_nodes, torch.float32)
     iview = torch.int32 if cdt == torch.float32 else torch.int16
     cnt[C_COMB] += (out.view(iview) != ref.view(iview)).any(1).sum()
     rtol = {torch.float32: 1e-5, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}[cdt]
@@ -781,7 +808,7 @@ def case_bad_inputs(env):
     G = env.args.gpu_per_node or W
     if env.args.kernel_type == "IntraNode" and W > 1:
         expect("InterNode with gpu_per_node 1 on one node", lambda: env.new_op(mk(kernel_type="InterNode", gpu_per_node=1)))
-    if env.args.kernel_type == "InterNode" and G < W:
+    if env.args.kernel_type != "IntraNode" and G < W:
         expect("IntraNode across nodes", lambda: env.new_op(mk(kernel_type="IntraNode")))
         expect("gpu_per_node other than shmem's", lambda: env.new_op(mk(gpu_per_node=W)))
     expect("world_size mismatch", lambda: env.new_op(mk(world_size=W + 1)))
@@ -867,10 +894,16 @@ def case_bad_inputs(env):
     # compare with the reference
     dest = torch.where((idx >= 0) & (idx < E), idx.long() // Epr, -1)
     acc = torch.zeros((T, H), device=dev)
+    rows, masks = [], []
     for d in range(W):
         m = (dest == d).any(1, keepdim=True)
         acc = acc + torch.where(m, expert_fn(x, d, torch.bfloat16).float(), 0.0)
-    if not torch.equal(out.view(torch.int16), acc.to(torch.bfloat16).view(torch.int16)):
+        rows.append(expert_fn(x, d, torch.bfloat16))
+        masks.append(m.view(T))
+    ref = acc.to(torch.bfloat16)
+    if env.v1:
+        ref = U.v1_combine_reference(torch, rows, masks, env.v1_nodes, torch.bfloat16)
+    if not torch.equal(out.view(torch.int16), ref.view(torch.int16)):
         errors.append("round trip after bad calls: combine mismatch")
     # The record is also raised by the next call, which launches nothing (every rank has an
     # offender here, so every rank refuses and the ranks stay in step); the call after works.
@@ -1335,7 +1368,7 @@ def standard_moe_roundtrip(env, spec, op=None, label="", external_weights=False)
         ref_in = U.expert_major_combine_input_torch(torch, y, ids, outs[1] * wscale, row_slot, r, Epr)
         valid_row = torch.arange(ids.shape[0], device=env.dev) < outs[4][0]
         cnt_em[7] += ((buf.view(iview) != ref_in.view(iview)).any(1) & valid_row).sum()
-        ref = U.standard_moe_combine_torch(torch, x, idx, w * wscale, W, Epr, fn, cdt)
+        ref = U.standard_moe_combine_torch(torch, x, idx, w * wscale, W, Epr, fn, cdt, G=env.v1_nodes)
         cnt_em[8] += (out.view(iview) != ref.view(iview)).any(1).sum()
         if out_w is not None:
             cnt_em[8] += 1  # combine_standard_moe passes no weights to combine
@@ -1412,7 +1445,7 @@ def case_standard_moe_graph(env):
         g.replay()
         outs = dispatch_views(env, op, sx, sw, None, sidx)
         verify_expert_major(env, op, em, outs, cnt, False)
-        ref = U.standard_moe_combine_torch(torch, sx, sidx, sw, W, Epr, fn, cdt)
+        ref = U.standard_moe_combine_torch(torch, sx, sidx, sw, W, Epr, fn, cdt, G=env.v1_nodes)
         cnt[8] += (out.view(torch.int16) != ref.view(torch.int16)).any(1).sum()
     torch.cuda.synchronize()
     env.mori.shmem.shmem_check_device_error()
@@ -1680,6 +1713,8 @@ def worker(rank, world, local_rank, args):
     torch.cuda.set_device(local_rank)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     env = Env(rank, world, local_rank, args)
+    if args.kernel_type == "InterNodeV1LL":
+        Spec.max_tokens_cap = V1LL_MAX_TOKENS
     mori = U.import_mori()
     env.mori = mori
     results = []  # (name, status, message, seconds)
@@ -1800,7 +1835,7 @@ def main(argv=None, default_kernel_type="IntraNode"):
     p.add_argument("--nproc", type=int, default=0, help="spawn this many ranks (default: all GPUs) when not under torchrun")
     p.add_argument("-k", action="append", default=[], help="run cases whose name contains this (repeatable)")
     p.add_argument("--b2b-iters", type=int, default=1000, help="iterations of back_to_back_iterations")
-    p.add_argument("--kernel-type", default=default_kernel_type, choices=("IntraNode", "InterNode"),
+    p.add_argument("--kernel-type", default=default_kernel_type, choices=KERNEL_TYPES,
                    help="kernel family under test (default %(default)s)")
     p.add_argument("--gpu-per-node", type=int, default=0,
                    help="PEs per (virtual) node; InterNode with fewer than the ranks emulates RDMA between "

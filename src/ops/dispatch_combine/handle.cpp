@@ -336,6 +336,8 @@ void EpDispatchCombineHandle::FillCommonArgs(EpKernelCommon* common) const {
   common->topK = c.numExpertsPerToken;
   common->localSize =
       c.kernelType == EpDispatchCombineKernelType::kIntraNode ? c.worldSize : c.LocalSize();
+  common->channels = c.numQpPerPe;
+  common->lowLatency = c.kernelType == EpDispatchCombineKernelType::kInterNodeV1LL ? 1 : 0;
   common->maxRecvRows = c.MaxNumRecvTokens();
   common->shmem = shmemCtx;
   common->symmHeapOffset = symmHeapOffset;
@@ -343,6 +345,8 @@ void EpDispatchCombineHandle::FillCommonArgs(EpKernelCommon* common) const {
   common->symmLocal = symmBase;
   common->state = reinterpret_cast<EpDeviceState*>(localBase + localLayout.state);
   common->tokenSlot = reinterpret_cast<int32_t*>(localBase + localLayout.tokenSlot);
+  common->v1Route = reinterpret_cast<int32_t*>(localBase + localLayout.v1Route);
+  common->v1ListPos = reinterpret_cast<int32_t*>(localBase + localLayout.v1ListPos);
   common->totalRecv = TotalRecvTokenNum();
   common->localExpertCount = LocalExpertCount();
   common->programmatic = backend->Programmatic() ? 1 : 0;
@@ -473,7 +477,8 @@ void EpDispatchCombineHandle::Dispatch(const EpDispatchArgs& args, gpuStream_t s
                               static_cast<int>(args.indexType), static_cast<int>(quantCode));
   k.badExpertId = args.checkExpertIds ? badExpertIdDev : nullptr;
 
-  const size_t smem = EpDispatchSmemBytes(c, core::kWarpSize);
+  const size_t smem = c.IsV1() ? EpV1DispatchSmemBytes(c, core::kWarpSize)
+                               : EpDispatchSmemBytes(c, core::kWarpSize);
   backend->LaunchDispatch(k, args.indexType, blocks, warps * core::kWarpSize, smem, stream);
   lastNumTokens = args.numTokens;
   lastRowBytes = k.rowBytes;

@@ -205,60 +205,21 @@ __global__ void __launch_bounds__(kThreads) EpCombineKernel(const EpCombineKerne
 
   // ---- 1. input in place, or copied into the registered buffer ---------------------------------
   if (a.copyTokens != 0 || a.copyWeights != 0) {
-    const int R = *reinterpret_cast<volatile int32_t*>(c.totalRecv);
-    EpSignal* done = At<EpSignal>(c.symmLocal, c.symm.doneInbox);
-    for (int p = tid; p < W; p += nThreads) {
-      if (!core::WaitUntil(wait, &done[p].tag, CmpOp::kGe, epoch - 1, p,
-                           "EP combine: peer done reading (last combine)"))
-        sFailed = 1;
-    }
-    if (tid == 0) {
-      if (a.copyTokens != 0 && R > a.inRows) {
-        ReportError(wait, -1, "EP combine: input has fewer rows than dispatch received", CmpOp::kGe,
-                    static_cast<uint64_t>(R), static_cast<uint64_t>(a.inRows));
-        sFailed = 1;
+    EpCombineCopyInput(a, wait, epoch, 0, W, sFailed, [&] {
+      // SignalStoreAll's fence also releases the copies acquired above.
+      SignalStoreAll(
+          W,
+          [&](int p) {
+            return kInter && IsRemote(c, p) ? nullptr
+                                            : At<EpSignal>(PeerBlock(c, p), c.symm.readyInbox) +
+                                                  EpReadyInboxIndex(parity, me, W);
+          },
+          ready, epoch);
+      if constexpr (kInter) {
+        // SignalStoreAll's fence also orders the copies before the NIC reads them.
+        if (!InterReturnRows<Elem>(a, wait, epoch, ready)) sFailed = 1;
       }
-      if (a.copyWeights != 0 && R > a.inWeightRows) {
-        ReportError(wait, -1, "EP combine: weights have fewer rows than dispatch received",
-                    CmpOp::kGe, static_cast<uint64_t>(R), static_cast<uint64_t>(a.inWeightRows));
-        sFailed = 1;
-      }
-    }
-    __syncthreads();
-    if (sFailed == 0 && R > 0) {
-      if (a.copyTokens != 0)
-        GridCopy16(c.symmLocal + c.symm.combineInTokens, a.inTokens,
-                   static_cast<size_t>(R) * a.rowBytes);
-      if (a.copyWeights != 0)
-        GridCopy4(At<uint32_t>(c.symmLocal, c.symm.combineInWeights),
-                  reinterpret_cast<const uint32_t*>(a.inWeights), static_cast<size_t>(R) * K);
-    }
-    // One fence per block, not per thread (fence.sc.sys in every thread serialises GPU-wide): the
-    // barrier orders the block's copy before thread 0's cumulative release fence and counter add.
-    __syncthreads();
-    if (tid == 0) {
-      core::FenceAcqRelSystem();
-      const unsigned old = atomicAdd(&c.state->combineCopyBlocksDone, 1u);
-      if (old == gridDim.x - 1) {
-        c.state->combineCopyBlocksDone = 0;
-        core::FenceAcqRelSystem();  // acquire: every block's copy (seen through the counter)
-        if (!core::DeviceAborted(wait)) {
-          // SignalStoreAll's fence also releases the copies acquired above.
-          SignalStoreAll(
-              W,
-              [&](int p) {
-                return kInter && IsRemote(c, p) ? nullptr
-                                                : At<EpSignal>(PeerBlock(c, p), c.symm.readyInbox) +
-                                                      EpReadyInboxIndex(parity, me, W);
-              },
-              ready, epoch);
-          if constexpr (kInter) {
-            // SignalStoreAll's fence also orders the copies before the NIC reads them.
-            if (!InterReturnRows<Elem>(a, wait, epoch, ready)) sFailed = 1;
-          }
-        }
-      }
-    }
+    });
   } else if (blockIdx.x == 0) {
     for (int p = tid; p < W; p += nThreads) {
       if (kInter && IsRemote(c, p)) continue;
@@ -275,8 +236,6 @@ __global__ void __launch_bounds__(kThreads) EpCombineKernel(const EpCombineKerne
 
   // ---- 2. every PE's rows are ready ------------------------------------------------------------
   if (sFailed == 0) {
-    EpSignal* inbox = At<EpSignal>(c.symmLocal, c.symm.readyInbox);
-    const uint64_t myFormat = EpReadyFormat(ready);
     for (int p = tid; p < W; p += nThreads) {
       if (kInter && IsRemote(c, p)) {
         // Rows from another node's PE arrive in our landing region, after its rows for lower
@@ -306,28 +265,12 @@ __global__ void __launch_bounds__(kThreads) EpCombineKernel(const EpCombineKerne
         continue;
       }
       uint64_t v = 0;
-      EpSignal* const sig = inbox + EpReadyInboxIndex(parity, p, W);
-      if (!SignalWait(wait, sig, epoch, p, "EP combine: peer input ready", &v)) {
-        sFailed = 1;
-        continue;
-      }
-      if (EpReadyFormat(v) != myFormat) {
-        ReportError(wait, p, "EP combine: PEs called combine with different dtype/hidden",
-                    static_cast<const uint64_t*>(&sig->value), CmpOp::kEq, myFormat,
-                    EpReadyFormat(v));
+      if (!EpReadyWait(c, wait, parity, epoch, p, ready, &v)) {
         sFailed = 1;
         continue;
       }
       if (tr != nullptr && p < kEpTracePeers) tr[kEpTraceWordPeerReady + p] = core::WallClockNs();
-      const EpCombineSource ts = EpReadyTokens(v);
-      const EpCombineSource ws = EpReadyWeights(v);
-      uint8_t* pb = PeerBlock(c, p);
-      sTok[p] = pb + (ts == EpCombineSource::kDispatchOut ? c.symm.dispatchOutTokens
-                                                          : c.symm.combineInTokens);
-      sW[p] = ws == EpCombineSource::kNone ? nullptr
-                                           : At<const float>(pb, ws == EpCombineSource::kDispatchOut
-                                                                     ? c.symm.dispatchOutWeights
-                                                                     : c.symm.combineInWeights);
+      EpReadySources(c, p, v, &sTok[p], &sW[p]);
     }
   }
   __syncthreads();
