@@ -74,12 +74,13 @@ def test_kernel_types_are_mori_s():
     expected = {"IntraNode": 0, "InterNode": 1, "InterNodeV1": 2, "InterNodeV1LL": 3, "AsyncLL": 4, "IntraNodeLL": 5}
     assert {m.name: m.value for m in ops.EpDispatchCombineKernelType} == expected
     assert {n: int(v) for n, v in _C.ops.EpDispatchCombineKernelType.__members__.items()} == expected
-    assert ops.KERNEL_TYPE_BUILT == {n: n in ("IntraNode", "InterNode", "InterNodeV1LL") for n in expected}
+    assert ops.KERNEL_TYPE_BUILT == {n: n in ("IntraNode", "InterNode", "InterNodeV1", "InterNodeV1LL")
+                                     for n in expected}
 
 
-@pytest.mark.parametrize("kt", ["InterNodeV1", "AsyncLL", "IntraNodeLL"])
+@pytest.mark.parametrize("kt", ["AsyncLL", "IntraNodeLL"])
 def test_other_kernel_types_not_built(kt):
-    what_works = r"not built yet \(this build has the IntraNode, InterNode and InterNodeV1LL kernels\)"
+    what_works = r"not built yet \(this build has the IntraNode, InterNode, InterNodeV1 and InterNodeV1LL kernels\)"
     with pytest.raises(mori.InvalidUsageError, match=f"kernel_type = {kt}: {what_works}"):
         make(kernel_type=ops.EpDispatchCombineKernelType[kt]).validate()
     with pytest.raises(mori.InvalidUsageError, match=what_works):
@@ -105,6 +106,14 @@ def test_v1ll_validation():
     assert size["v1_landing"] == 2 * 1 * 128 * (7168 * 2 + 4 * 8)
     assert size["v1_credit"] == 0 and size["v1_land_free"] == 0 and size["stage_tokens"] == 0
     assert size["v1_route"] == 1 * 128 * 8 * 4
+    # InterNodeV1: any M the shared-memory bound allows; one inbox / landing set, credits, landFree.
+    ht = dict(kw, kernel_type="InterNodeV1", max_num_inp_token_per_rank=4096)
+    make(**ht).validate()
+    size = {name: nbytes for _block, name, _off, nbytes, _role in ops.ep_layout(make(**ht))["regions"]}
+    assert size["v1_inbox"] == 1 * 1 * 4096 * rec and size["v1_send_stage"] == 4096 * rec
+    assert size["v1_credit"] == 8 and size["v1_land_free"] == 8 and size["v1_tail"] == 8
+    with pytest.raises(mori.InvalidUsageError, match=r"InterNodeV1 dispatch kernel would need"):
+        make(**dict(ht, max_num_inp_token_per_rank=65536)).validate()
 
 
 def test_unknown_kernel_type_value():
@@ -200,7 +209,7 @@ def _regions(c):
 def test_region_table_is_the_layout():
     # ep_layout's offsets, the region list and the size hint come from one table: every region
     # used by the config appears in both views with the same offset, unused ones have 0 bytes.
-    for kt in ("IntraNode", "InterNode", "InterNodeV1LL"):
+    for kt in ("IntraNode", "InterNode", "InterNodeV1", "InterNodeV1LL"):
         c = make(kernel_type=kt, world_size=4, gpu_per_node=2, max_num_inp_token_per_rank=128)
         lay = ops.ep_layout(c)
         regs = _regions(c)
@@ -218,7 +227,7 @@ def test_region_table_is_the_layout():
         v1 = {n for (b, n), (_, nb, _) in regs.items() if nb > 0 and n.startswith("v1_")}
         if kt == "InterNode":
             assert inter and not push and not v1
-        elif kt == "InterNodeV1LL":
+        elif kt.startswith("InterNodeV1"):
             assert v1 and not push and not inter
         else:
             assert push and not inter and not v1

@@ -23,6 +23,7 @@ const char* EpKernelTypeName(EpDispatchCombineKernelType type) {
 bool EpKernelTypeIsBuilt(EpDispatchCombineKernelType type) {
   return type == EpDispatchCombineKernelType::kIntraNode ||
          type == EpDispatchCombineKernelType::kInterNode ||
+         type == EpDispatchCombineKernelType::kInterNodeV1 ||
          type == EpDispatchCombineKernelType::kInterNodeV1LL;
 }
 
@@ -140,7 +141,7 @@ void EpDispatchCombineConfig::Validate() const {
   if (!EpKernelTypeIsBuilt(kernelType)) {
     ThrowNotBuilt("kernel_type", "kernel type", static_cast<int>(kernelType), kEpNumKernelTypes,
                   EpKernelTypeName(kernelType),
-                  "this build has the IntraNode, InterNode and InterNodeV1LL kernels");
+                  "this build has the IntraNode, InterNode, InterNodeV1 and InterNodeV1LL kernels");
   }
   if (kernelType != EpDispatchCombineKernelType::kIntraNode) {
     MORI_ENSURE(worldSize % LocalSize() == 0, InvalidUsageError,

@@ -26,7 +26,8 @@ namespace detail {
 using core::CmpOp;
 
 template <typename Elem>
-__global__ void __launch_bounds__(kEpMaxThreadsPerBlock) EpV1CombineKernel(const EpCombineKernelArgs a) {
+__global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
+    EpV1CombineKernel(const EpCombineKernelArgs a) {
   __shared__ const uint8_t* sTok[kEpMaxWorldSize];  // local PE g's combine rows
   __shared__ const float* sW[kEpMaxWorldSize];      // its weights (nullptr: none)
   __shared__ const uint8_t* sRows[kCombineMaxWarps][kEpMaxWorldSize];
@@ -175,7 +176,8 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock) EpV1CombineKernel(const
     const int cnt = c.state->v1OutRecords[m];
     const int s0 = EpShareBegin(cnt, q, tp.Q), s1 = EpShareBegin(cnt, q + 1, tp.Q);
     if (s0 == s1 && !tp.ll) continue;
-    uint64_t* w = At<uint64_t>(L0, c.symm.v1LandTail) + (static_cast<size_t>(par) * R + m) * tp.Q + q;
+    uint64_t* w =
+        At<uint64_t>(L0, c.symm.v1LandTail) + (static_cast<size_t>(par) * R + m) * tp.Q + q;
     uint32_t v = 0;
     if (!TailWait(wait, w, epoch, static_cast<uint32_t>(s1 - s0), 0x1FFFFu, tp.RailPeer(m),
                   "EP V1 combine: partials of a channel (landing tail) from rail peer", &v)) {
@@ -184,12 +186,14 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock) EpV1CombineKernel(const
     }
     const uint32_t mine = EpV1LandValue(0, false, EpReadyFormat(ready));
     if ((v & ~0x3FFFFu) != mine) {
-      ReportError(wait, tp.RailPeer(m), "EP combine: PEs called combine with different dtype/hidden",
+      ReportError(wait, tp.RailPeer(m),
+                  "EP combine: PEs called combine with different dtype/hidden",
                   static_cast<const uint64_t*>(w), CmpOp::kEq, static_cast<uint64_t>(mine),
                   static_cast<uint64_t>(v & ~0x3FFFFu));
       sFailed = 1;
     } else if ((v & (1u << 17)) != 0 && a.outWeights != nullptr) {
-      ReportError(wait, tp.RailPeer(m), "EP combine: a PE passed no weights, this PE asked for weights",
+      ReportError(wait, tp.RailPeer(m),
+                  "EP combine: a PE passed no weights, this PE asked for weights",
                   static_cast<const uint64_t*>(w), CmpOp::kNe,
                   static_cast<uint64_t>(EpCombineSource::kNone),
                   static_cast<uint64_t>(EpCombineSource::kNone));
@@ -202,7 +206,8 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock) EpV1CombineKernel(const
       const int t = item / P;
       const int part = item - t * P;
       const int vb = EpShareBegin(vecs, part, P), ve = EpShareBegin(vecs, part + 1, P);
-      uint4* const outRow = reinterpret_cast<uint4*>(a.outTokens + static_cast<size_t>(t) * a.rowBytes);
+      uint4* const outRow =
+          reinterpret_cast<uint4*>(a.outTokens + static_cast<size_t>(t) * a.rowBytes);
       // Own node: P_own = round(sum of the local rows, ascending) into the output row.
       const int slot = lane < G ? c.tokenSlot[static_cast<size_t>(t) * W + tp.LocalPe(lane)] : -1;
       const LaneMask members = core::WarpBallot(slot >= 0);
@@ -227,7 +232,8 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock) EpV1CombineKernel(const
         if (p >= 0) sRows[warp][n++] = landing + (static_cast<size_t>(m) * M + p) * partBytes;
       }
       core::WarpSync();
-      if (remote != 0 || nLocal == 0) WarpReduceRows<Elem, kThreads>(outRow, sRows[warp], n, vb, ve);
+      if (remote != 0 || nLocal == 0)
+        WarpReduceRows<Elem, kThreads>(outRow, sRows[warp], n, vb, ve);
       if (part == 0 && a.outWeights != nullptr) {
         for (int k = lane; k < K; k += kWarpSize) {
           float acc = 0.0f;
@@ -304,8 +310,8 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock) EpV1CombineKernel(const
 void LaunchEpV1Combine(const EpCombineKernelArgs& args, EpDataType dataType, int blocks,
                        int threads, gpuStream_t stream) {
   detail::WithCombineElem(dataType, [&](auto elem) {
-    MORI_CHECK_GPU(core::GpuLaunchKernel(detail::EpV1CombineKernel<decltype(elem)>, blocks,
-                                         threads, 0, stream, args.c.programmatic != 0, args));
+    MORI_CHECK_GPU(core::GpuLaunchKernel(detail::EpV1CombineKernel<decltype(elem)>, blocks, threads,
+                                         0, stream, args.c.programmatic != 0, args));
   });
 }
 

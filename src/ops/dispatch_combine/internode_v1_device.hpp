@@ -240,8 +240,8 @@ MORI_DEVICE_INLINE EpV1RowDst EpV1OutputRow(const EpKernelCommon& c, int pe, siz
 
 // The fields of a record at `rec`.
 MORI_DEVICE_INLINE EpV1RowDst EpV1RecordRow(uint8_t* rec, const EpV1Record& L) {
-  return EpV1RowDst{rec, reinterpret_cast<float*>(rec + L.weights), rec + L.scales,
-                    rec + L.indices, reinterpret_cast<int32_t*>(rec + L.srcPos)};
+  return EpV1RowDst{rec, reinterpret_cast<float*>(rec + L.weights), rec + L.scales, rec + L.indices,
+                    reinterpret_cast<int32_t*>(rec + L.srcPos)};
 }
 
 // A warp copies `n` 4-byte words (lanes strided).

@@ -38,7 +38,8 @@ MORI_DEVICE_INLINE void WarpWriteInputRow(const EpDispatchKernelArgs& a, int t, 
   const EpKernelCommon& c = a.c;
   const int K = c.topK;
   const int lane = core::LaneId();
-  const uint4* src = reinterpret_cast<const uint4*>(a.inTokens + static_cast<size_t>(t) * a.inRowBytes);
+  const uint4* src =
+      reinterpret_cast<const uint4*>(a.inTokens + static_cast<size_t>(t) * a.inRowBytes);
   if (a.quant != EpDispatchQuant::kNone) {
     const int nGroups = static_cast<int>(a.inRowBytes / 16) / kQuantGroupVecs;
     WarpQuantizeVectors<kV1CopyUnroll>(d.row, d.scales, src, vb, ve, nGroups, a.quant,
@@ -53,9 +54,10 @@ MORI_DEVICE_INLINE void WarpWriteInputRow(const EpDispatchKernelArgs& a, int t, 
     reinterpret_cast<IndexT*>(d.indices)[k] = ids[k];
   }
   if (a.scaleCopy == EpScaleCopy::kWords) {
-    WarpCopyWords(reinterpret_cast<uint32_t*>(d.scales),
-                  reinterpret_cast<const uint32_t*>(a.inScales + static_cast<size_t>(t) * a.scaleBytes),
-                  static_cast<int>(a.scaleBytes / 4));
+    WarpCopyWords(
+        reinterpret_cast<uint32_t*>(d.scales),
+        reinterpret_cast<const uint32_t*>(a.inScales + static_cast<size_t>(t) * a.scaleBytes),
+        static_cast<int>(a.scaleBytes / 4));
   } else if (a.scaleCopy == EpScaleCopy::kBytes) {
     WarpCopyBytes(d.scales, a.inScales + static_cast<size_t>(t) * a.scaleBytes,
                   static_cast<int>(a.scaleBytes));
@@ -76,7 +78,8 @@ MORI_DEVICE_INLINE void WarpForwardRecord(const uint8_t* rec, const EpV1Record& 
                 reinterpret_cast<const uint32_t*>(rec + L.indices), K * idxBytes / 4);
   if (scaleBytes % 4 == 0) {
     WarpCopyWords(reinterpret_cast<uint32_t*>(d.scales),
-                  reinterpret_cast<const uint32_t*>(rec + L.scales), static_cast<int>(scaleBytes / 4));
+                  reinterpret_cast<const uint32_t*>(rec + L.scales),
+                  static_cast<int>(scaleBytes / 4));
   } else {
     WarpCopyBytes(d.scales, rec + L.scales, static_cast<int>(scaleBytes));
   }
@@ -258,10 +261,10 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock, 1)
           ok = TagWaitAtLeast(wait, At<uint64_t>(L0, c.symm.v1Credit) + m, epoch - 1, peer,
                               "EP V1 dispatch: credit (rail peer forwarded our last call)");
         const int chunk = tp.ll ? (cList > 0 ? cList : 1) : EpV1ChunkRecords(L.bytes);
-        uint8_t* inbox = L0 + c.symm.v1Inbox +
-                         (static_cast<size_t>(par) * R + slotOnPeer) * M * L.bytes;
-        uint64_t* tails = At<uint64_t>(L0, c.symm.v1Tail) +
-                          (static_cast<size_t>(par) * R + slotOnPeer) * tp.Q;
+        uint8_t* inbox =
+            L0 + c.symm.v1Inbox + (static_cast<size_t>(par) * R + slotOnPeer) * M * L.bytes;
+        uint64_t* tails =
+            At<uint64_t>(L0, c.symm.v1Tail) + (static_cast<size_t>(par) * R + slotOnPeer) * tp.Q;
         for (int q = 0; q < tp.Q && ok; q++)
           ok = PostShare(c, peer, q, inbox, stage, L.bytes, EpShareBegin(cList, q, tp.Q),
                          EpShareBegin(cList, q + 1, tp.Q), chunk, tails + q, epoch, 0, tp.ll);
@@ -292,14 +295,15 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock, 1)
         const int q = i / G, gg = i - q * G;
         EpSignal* slot = At<EpSignal>(PeerBlock(c, tp.LocalPe(q)), c.symm.countInbox) +
                          EpCountInboxIndex(parity, s, tp.LocalPe(gg), W);
-        core::AtomicStoreRelaxedSystem(
-            &slot->value, EpPackCount(EpTagValue(rec[kEpV1CountPerPe + gg]), fmt));
+        core::AtomicStoreRelaxedSystem(&slot->value,
+                                       EpPackCount(EpTagValue(rec[kEpV1CountPerPe + gg]), fmt));
       }
       for (int i = tid; i < G * Epr; i += nThreads) {
         const int gg = i / Epr, e = i - gg * Epr;
         int32_t* ex = At<int32_t>(PeerBlock(c, tp.LocalPe(gg)), c.symm.expertInbox);
-        core::AtomicStoreRelaxedSystem(ex + EpExpertInboxIndex(parity, s, e, W, Epr),
-                                       static_cast<int32_t>(EpTagValue(rec[kEpV1CountPerPe + G + i])));
+        core::AtomicStoreRelaxedSystem(
+            ex + EpExpertInboxIndex(parity, s, e, W, Epr),
+            static_cast<int32_t>(EpTagValue(rec[kEpV1CountPerPe + G + i])));
       }
       __syncthreads();
       if (tid == 0) {
@@ -318,8 +322,7 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock, 1)
   if (tid == 0) EpTraceStamp(tr, kEpDispatchAnnounced);
 
   // ---- 3. own node: announce (block 0), copy our rows to the local PEs -----------------------
-  EpV1ScanNode<IndexT>(c, idx, T, tp.node, scan, b == 0,
-                       b == 0 ? a.badExpertId : nullptr);
+  EpV1ScanNode<IndexT>(c, idx, T, tp.node, scan, b == 0, b == 0 ? a.badExpertId : nullptr);
   if (b == 0) {
     const uint64_t prevCombine = *reinterpret_cast<volatile uint64_t*>(&c.state->combineEpoch);
     EpSignal* done = At<EpSignal>(L0, c.symm.doneInbox);
@@ -334,13 +337,14 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock, 1)
         const int q = i / G, gg = i - q * G;
         EpSignal* slot = At<EpSignal>(PeerBlock(c, tp.LocalPe(q)), c.symm.countInbox) +
                          EpCountInboxIndex(parity, me, tp.LocalPe(gg), W);
-        core::AtomicStoreRelaxedSystem(
-            &slot->value, EpPackCount(static_cast<uint32_t>(scan.Size(gg)), a.format));
+        core::AtomicStoreRelaxedSystem(&slot->value,
+                                       EpPackCount(static_cast<uint32_t>(scan.Size(gg)), a.format));
       }
       for (int i = tid; i < G * Epr; i += nThreads) {
         const int gg = i / Epr, e = i - gg * Epr;
         int32_t* ex = At<int32_t>(PeerBlock(c, tp.LocalPe(gg)), c.symm.expertInbox);
-        core::AtomicStoreRelaxedSystem(ex + EpExpertInboxIndex(parity, me, e, W, Epr), scan.hist[i]);
+        core::AtomicStoreRelaxedSystem(ex + EpExpertInboxIndex(parity, me, e, W, Epr),
+                                       scan.hist[i]);
       }
       __syncthreads();
       if (tid == 0) {
@@ -411,7 +415,8 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock, 1)
         // Its records are laid out by its format: forwarding them under ours would misplace them.
         ReportError(wait, s, "EP dispatch: PEs passed different dtype/hidden/index type",
                     static_cast<const uint64_t*>(rec + w), CmpOp::kEq,
-                    static_cast<uint64_t>(static_cast<uint32_t>(a.format)), static_cast<uint64_t>(v));
+                    static_cast<uint64_t>(static_cast<uint32_t>(a.format)),
+                    static_cast<uint64_t>(v));
         sFailed = 1;
       } else if (w == kEpV1CountRecords) {
         sList = static_cast<int>(v);
@@ -441,8 +446,7 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock, 1)
     __syncthreads();
     if (sFailed == 0 && i0 < i1 &&
         EpV1Bases(c, wait, tp, parity, epoch, a.format, s, sCnt, sBase, sFailed)) {
-      const uint8_t* inbox =
-          L0 + c.symm.v1Inbox + (static_cast<size_t>(par) * R + m) * M * L.bytes;
+      const uint8_t* inbox = L0 + c.symm.v1Inbox + (static_cast<size_t>(par) * R + m) * M * L.bytes;
       int32_t* route = c.v1Route + static_cast<size_t>(m) * M * G;
       const int parts = EpPartsPerRow(i1 - i0, nWarps, outVecs);
       for (int item = warp; item < (i1 - i0) * parts; item += nWarps) {
@@ -461,7 +465,8 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock, 1)
         }
         if (part == 0 && lane < G) {
           const int p = head[lane];
-          route[static_cast<size_t>(i) * G + lane] = p < 0 || p >= sCnt[lane] ? -1 : sBase[lane] + p;
+          route[static_cast<size_t>(i) * G + lane] =
+              p < 0 || p >= sCnt[lane] ? -1 : sBase[lane] + p;
         }
       }
     }
@@ -490,7 +495,8 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock, 1)
   if (tid == 0) EpTraceStamp(tr, kEpDispatchPublished);
 
   // ---- 5. receive (block 0); epoch ----------------------------------------------------------
-  if (b == 0) EpDispatchReceive<EpFamily::kIntraNode>(c, wait, parity, epoch, a.format, sTotal, sFailed);
+  if (b == 0)
+    EpDispatchReceive<EpFamily::kIntraNode>(c, wait, parity, epoch, a.format, sTotal, sFailed);
   if (tid == 0) EpTraceStamp(tr, kEpDispatchReceived);
   __syncthreads();
   if (tid == 0) {

@@ -11,10 +11,11 @@ namespace mori::ops {
 // Which kernel family moves the tokens (MORI's names and numbering, so a value means the same in
 // both libraries). kIntraNode: every PE reachable by load/store over NVLink/xGMI. kInterNode: nodes
 // of gpuPerNode PEs; same-node PEs by load/store, other nodes by GPU-posted RDMA, one copy per
-// destination PE. kInterNodeV1LL: nodes of gpuPerNode PEs, rail-aligned and node-deduplicated (a
-// token crosses the network at most once per remote node, to the PE with the sender's local index,
-// which forwards it over P2P; docs/ep_internode_v1.md). The others (kInterNodeV1, the split-phase
-// kAsyncLL, kIntraNodeLL) are not built: Validate rejects them, naming the built ones.
+// destination PE. kInterNodeV1 (high throughput: chunks, credits) and kInterNodeV1LL (small
+// batches: parity-buffered): nodes of gpuPerNode PEs, rail-aligned and node-deduplicated (a token
+// crosses the network at most once per remote node, to the PE with the sender's local index,
+// which forwards it over P2P; docs/ep_internode_v1.md). The others (the split-phase kAsyncLL,
+// kIntraNodeLL) are not built: Validate rejects them, naming the built ones.
 enum class EpDispatchCombineKernelType : int32_t {
   kIntraNode = 0,
   kInterNode = 1,
