@@ -179,7 +179,8 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
     uint64_t* w =
         At<uint64_t>(L0, c.symm.v1LandTail) + (static_cast<size_t>(par) * R + m) * tp.Q + q;
     uint32_t v = 0;
-    if (!TailWait(wait, w, epoch, static_cast<uint32_t>(s1 - s0), 0x1FFFFu, tp.RailPeer(m),
+    if (!TailWait(wait, w, epoch, static_cast<uint32_t>(s1 - s0), static_cast<uint32_t>(s1 - s0),
+                  0x1FFFFu, tp.RailPeer(m),
                   "EP V1 combine: partials of a channel (landing tail) from rail peer", &v)) {
       sFailed = 1;
       continue;

@@ -57,12 +57,13 @@ MORI_DEVICE_INLINE bool TagWaitAtLeast(const core::WaitContext& wait, uint64_t* 
       core::CmpOp::kGe, EpTagWord(epoch, 0), peer, label);
 }
 
-// Waits until a tail word (records or partials of one channel landed) carries call `epoch` with
-// exactly `want` landed. A later call's tag is "PEs out of step", another count a protocol error
-// (both recorded). *value: the word's value.
+// Waits until a tail word (records or partials of one channel landed, cumulative over the
+// channel's chunks) carries call `epoch` with at least `want` landed; more than `most` (the
+// channel's share) is a protocol error, a later call's tag "PEs out of step" (both recorded).
+// *value: the word's value.
 MORI_DEVICE_INLINE bool TailWait(const core::WaitContext& wait, uint64_t* w, uint64_t epoch,
-                                 uint32_t want, uint32_t countMask, int peer, const char* label,
-                                 uint32_t* value) {
+                                 uint32_t want, uint32_t most, uint32_t countMask, int peer,
+                                 const char* label, uint32_t* value) {
   const uint32_t tag = static_cast<uint32_t>(epoch);
   uint64_t seen = 0;
   const bool ok = core::detail::SpinUntil(
@@ -79,9 +80,9 @@ MORI_DEVICE_INLINE bool TailWait(const core::WaitContext& wait, uint64_t* w, uin
                 static_cast<const uint64_t*>(w), core::CmpOp::kEq, EpTagWord(epoch, want), seen);
     return false;
   }
-  if ((EpTagValue(seen) & countMask) != want) {
-    ReportError(wait, peer, "EP V1: tail count != the channel's announced share",
-                static_cast<const uint64_t*>(w), core::CmpOp::kEq, EpTagWord(epoch, want), seen);
+  if ((EpTagValue(seen) & countMask) > most) {
+    ReportError(wait, peer, "EP V1: tail count > the channel's announced share",
+                static_cast<const uint64_t*>(w), core::CmpOp::kLe, EpTagWord(epoch, most), seen);
     return false;
   }
   *value = EpTagValue(seen);

@@ -104,8 +104,11 @@ MORI_DEVICE_INLINE bool EpV1Bases(const EpKernelCommon& c, const core::WaitConte
     const int j = tp.LocalPe(g);
     if (cnt[g] == 0 || (sp >= s && sp != j)) continue;
     uint32_t n = 0;
-    if (!EpCountWait<EpFamily::kIntraNode>(c, wait, parity, sp, j, epoch, format,
-                                           "EP V1 dispatch: count for a local PE (base)", &n)) {
+    if (!EpCountWait<EpFamily::kIntraNode>(
+            c, wait, parity, sp, j, epoch, format,
+            "EP V1 dispatch: count of a lower PE for a local PE (base; another node's PE: relayed "
+            "by its rail peer on this node)",
+            &n)) {
       sFailed = 1;
     } else if (sp < s) {
       atomicAdd(&base[g], static_cast<int>(n));
@@ -429,18 +432,21 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock, 1)
     if (sFailed != 0) break;
     const int cList = sList;
     const int i0 = EpShareBegin(cList, b, nb), i1 = EpShareBegin(cList, b + 1, nb);
-    // Tails: of every channel whose share meets our range; V1LL: an empty share's tail too (one
-    // block waits it), so that no tail of this call is left for the next call of this parity.
+    // Tails: of every channel whose share meets our range, until the chunks up to the end of our
+    // range landed (V1: tails count the share's records cumulatively, chunk by chunk; V1LL: one
+    // chunk); V1LL: an empty share's tail too (one block waits it), so that no tail of this call
+    // is left for the next call of this parity.
     for (int q = tid; q < tp.Q; q += nThreads) {
       const int s0 = EpShareBegin(cList, q, tp.Q), s1 = EpShareBegin(cList, q + 1, tp.Q);
       const bool meets = s0 < s1 && s0 < i1 && i0 < s1;
       const bool empty = s0 == s1 && tp.ll && b == (m * tp.Q + q) % nb;
+      const int upTo = tp.ll ? s1 : (i1 < s1 ? i1 : s1);
       uint32_t v = 0;
       if ((meets || empty) &&
-          !TailWait(wait,
-                    At<uint64_t>(L0, c.symm.v1Tail) + (static_cast<size_t>(par) * R + m) * tp.Q + q,
-                    epoch, static_cast<uint32_t>(s1 - s0), 0xFFFFFFFFu, s,
-                    "EP V1 dispatch: records of a channel (tail) from rail peer", &v))
+          !TailWait(
+              wait, At<uint64_t>(L0, c.symm.v1Tail) + (static_cast<size_t>(par) * R + m) * tp.Q + q,
+              epoch, static_cast<uint32_t>(upTo - s0), static_cast<uint32_t>(s1 - s0), 0xFFFFFFFFu,
+              s, "EP V1 dispatch: records of a channel (tail) from rail peer", &v))
         sFailed = 1;
     }
     __syncthreads();
