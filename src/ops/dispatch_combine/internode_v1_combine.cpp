@@ -25,6 +25,19 @@ namespace detail {
 
 using core::CmpOp;
 
+// Lane g < G holds `slot`, the row of an item on local PE g, or -1. The members' rows (in
+// tok[g], rows of rowBytes) go to rows[0..n) in ascending g; returns n (every lane). Ends with a
+// warp barrier (rows is read by the whole warp next).
+MORI_DEVICE_INLINE int WarpMemberRows(int slot, const uint8_t* const* tok, uint32_t rowBytes,
+                                      const uint8_t** rows) {
+  const LaneMask members = core::WarpBallot(slot >= 0);
+  if (slot >= 0)
+    rows[core::PopCount(members & LowerLanesMask(core::LaneId()))] =
+        tok[core::LaneId()] + static_cast<size_t>(slot) * rowBytes;
+  core::WarpSync();
+  return core::PopCount(members);
+}
+
 template <typename Elem>
 __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
     EpV1CombineKernel(const EpCombineKernelArgs a) {
@@ -108,13 +121,8 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
     for (int item = gwarp; item < cnt * P; item += stride) {
       const int i = item / P;
       const int part = item - i * P;
-      const int slot = lane < G ? route[static_cast<size_t>(i) * G + lane] : -1;
-      const LaneMask members = core::WarpBallot(slot >= 0);
-      const int n = core::PopCount(members);
-      if (slot >= 0)
-        sRows[warp][core::PopCount(members & LowerLanesMask(lane))] =
-            sTok[lane] + static_cast<size_t>(slot) * a.rowBytes;
-      core::WarpSync();
+      const int n = WarpMemberRows(lane < G ? route[static_cast<size_t>(i) * G + lane] : -1, sTok,
+                                   a.rowBytes, sRows[warp]);
       uint8_t* prow = out + static_cast<size_t>(i) * partBytes;
       WarpReduceRows<Elem, kThreads>(reinterpret_cast<uint4*>(prow), sRows[warp], n,
                                      EpShareBegin(vecs, part, P), EpShareBegin(vecs, part + 1, P));
@@ -170,7 +178,25 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
     __syncthreads();
   }
 
-  // ---- 4. owner: wait for the partials, sum the nodes ----------------------------------------
+  // ---- 4. owner: own node's partials, then the other nodes' -----------------------------------
+  // Pass 1 needs no other node: P_own = round(sum of the local rows, ascending) into the output
+  // row, while the partials travel. The same warp takes the same items in pass 2 (same lanes, same
+  // vectors), which adds the nodes' partials in ascending node order.
+  if (sFailed == 0) {
+    for (int item = gwarp; item < T * P; item += stride) {
+      const int t = item / P;
+      const int part = item - t * P;
+      const int nLocal =
+          WarpMemberRows(lane < G ? c.tokenSlot[static_cast<size_t>(t) * W + tp.LocalPe(lane)] : -1,
+                         sTok, a.rowBytes, sRows[warp]);
+      if (nLocal > 0)
+        WarpReduceRows<Elem, kThreads>(
+            reinterpret_cast<uint4*>(a.outTokens + static_cast<size_t>(t) * a.rowBytes),
+            sRows[warp], nLocal, EpShareBegin(vecs, part, P), EpShareBegin(vecs, part + 1, P));
+      core::WarpSync();  // the next item rewrites this warp's row list
+    }
+  }
+  // The partials' tails (every channel of every rail peer: V1LL; the channels with partials: V1).
   for (int i = tid; i < R * tp.Q && sFailed == 0; i += nThreads) {
     const int m = i / tp.Q, q = i - m * tp.Q;
     const int cnt = c.state->v1OutRecords[m];
@@ -209,16 +235,9 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
       const int vb = EpShareBegin(vecs, part, P), ve = EpShareBegin(vecs, part + 1, P);
       uint4* const outRow =
           reinterpret_cast<uint4*>(a.outTokens + static_cast<size_t>(t) * a.rowBytes);
-      // Own node: P_own = round(sum of the local rows, ascending) into the output row.
-      const int slot = lane < G ? c.tokenSlot[static_cast<size_t>(t) * W + tp.LocalPe(lane)] : -1;
-      const LaneMask members = core::WarpBallot(slot >= 0);
-      const int nLocal = core::PopCount(members);
-      if (slot >= 0)
-        sRows[warp][core::PopCount(members & LowerLanesMask(lane))] =
-            sTok[lane] + static_cast<size_t>(slot) * a.rowBytes;
-      core::WarpSync();
-      if (nLocal > 0) WarpReduceRows<Elem, kThreads>(outRow, sRows[warp], nLocal, vb, ve);
-      // Then every node holding a destination, ascending: its partial (ours: the row above).
+      const int nLocal = core::PopCount(core::WarpBallot(
+          lane < G && c.tokenSlot[static_cast<size_t>(t) * W + tp.LocalPe(lane)] >= 0));
+      // Every node holding a destination, ascending: its partial (ours: the row of pass 1).
       const int pos = lane < R ? c.v1ListPos[static_cast<size_t>(t) * R + lane] : -1;
       const LaneMask remote = core::WarpBallot(pos >= 0);
       core::WarpSync();
