@@ -172,6 +172,12 @@ if [[ -f tests/ops/ep_internode_test.py ]]; then
   else
     run ep_internode env MORI_RDMA_EMULATE=1 CUDA_MODULE_LOADING=EAGER \
       "$py" tests/ops/ep_internode_test.py --nproc "$ranks" --gpu-per-node "$perNode"
+    # The node-deduplicated kernel types, same suite (combine checked by the two-level formula).
+    for kt in InterNodeV1 InterNodeV1LL; do
+      run "ep_internode_$kt" env MORI_RDMA_EMULATE=1 CUDA_MODULE_LOADING=EAGER \
+        "$py" tests/ops/ep_internode_test.py --nproc "$ranks" --gpu-per-node "$perNode" \
+        --kernel-type "$kt"
+    done
   fi
 fi
 

@@ -1,7 +1,8 @@
 // mori._C._testing: the host-callable work splits of the EP kernels (src/ops/dispatch_combine),
 // bound so that tests check the functions the kernels call rather than copies of them
-// (tests/python/test_ep_kernel_model.py, tests/ops/test_ep_block_roles.py), and the two reference
-// kernels of the one-rank benchmark (tools/bench/ep_bench.py --kernel-baselines). Not an API.
+// (tests/python/test_ep_kernel_model.py, tests/python/test_ep_v1_layout.py,
+// tests/ops/test_ep_block_roles.py), and the two reference kernels of the one-rank benchmark
+// (tools/bench/ep_bench.py --kernel-baselines). Not an API.
 // Compiled by the GPU compiler: the helpers live in the kernels' device headers.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -13,6 +14,7 @@
 
 #include "../ops/dispatch_combine/combine_reduce.hpp"
 #include "../ops/dispatch_combine/fp8_quant.hpp"
+#include "../ops/dispatch_combine/internode_v1_device.hpp"
 #include "../ops/dispatch_combine/intranode_device.hpp"
 #include "mori/core/gpu_check.hpp"
 #include "pybind_common.hpp"
@@ -154,6 +156,39 @@ void RegisterEpTestBindings(py::module_& m) {
       py::arg("rows"), py::arg("hidden"), py::arg("quant"), py::arg("fnuz") = false,
       "The dispatch quantisation's steps on the host (EpFp8QuantizeRow): bf16 rows (bytes) -> "
       "(codes, scales) bytes");
+  t.def(
+      "ep_v1_serves",
+      [](int b, int nb, int items, int i) {
+        Require(nb >= 1 && b >= 0 && b < nb && items >= 1 && i >= 0 && i < items,
+                "need 0 <= b < nb and 0 <= i < items");
+        int g = 0, gs = 0;
+        const bool serves = ep::EpV1Serves(b, nb, items, i, &g, &gs);
+        return std::make_tuple(serves, g, gs);
+      },
+      py::arg("b"), py::arg("nb"), py::arg("items"), py::arg("i"),
+      "EpV1Serves: (whether block b serves item i, its index g in the group, the group's size)");
+  t.def(
+      "ep_v1_record_layout",
+      [](uint32_t rowBytes, int k, uint32_t scaleBytes, int idxBytes, int g) {
+        const ops::EpV1Record r = ops::EpV1RecordLayout(rowBytes, k, scaleBytes, idxBytes, g);
+        py::dict d;
+        d["weights"] = r.weights;
+        d["scales"] = r.scales;
+        d["indices"] = r.indices;
+        d["src_pos"] = r.srcPos;
+        d["header"] = r.header;
+        d["bytes"] = r.bytes;
+        return d;
+      },
+      py::arg("row_bytes"), py::arg("k"), py::arg("scale_bytes"), py::arg("idx_bytes"),
+      py::arg("g"), "EpV1RecordLayout: field offsets and size of an InterNodeV1 dispatch record");
+  t.def("ep_v1_partial_bytes", &ops::EpV1PartialBytes, py::arg("row_bytes"), py::arg("k"));
+  t.def("ep_v1_chunk_records", &ops::EpV1ChunkRecords, py::arg("record_bytes"));
+  t.def("ep_v1_count_words", &ops::EpV1CountWords, py::arg("g"), py::arg("epr"));
+  t.def("ep_v1_node_slot", &ops::EpV1NodeSlot, py::arg("n"), py::arg("me"), py::arg("num_nodes"));
+  t.def("ep_v1_slot_node", &ops::EpV1SlotNode, py::arg("m"), py::arg("me"), py::arg("num_nodes"));
+  t.def("ep_v1_land_value", &ops::EpV1LandValue, py::arg("count"), py::arg("no_weights"),
+        py::arg("ready_format"));
   t.def(
       "fp8_encode",
       [](float x, bool fnuz) {

@@ -33,6 +33,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ep_test_utils as U  # noqa: E402
 
 DTYPE_NAMES = ("bf16", "fp16", "fp32", "fp8")
+KERNEL_TYPES = ("IntraNode", "InterNode", "InterNodeV1", "InterNodeV1LL")
+V1_TYPES = ("InterNodeV1", "InterNodeV1LL")  # node-deduplicated: two-level combine
+V1LL_MAX_TOKENS = 256  # InterNodeV1LL's max_num_inp_token_per_rank limit (kEpV1LLMaxTokens)
 
 
 class CaseFailure(Exception):
@@ -64,7 +67,19 @@ class Env:
         kw.setdefault("kernel_type", self.args.kernel_type)
         kw.setdefault("gpu_per_node", self.args.gpu_per_node or self.W)
         kw.setdefault("num_qp_per_pe", self.args.num_qp_per_pe)
+        if kw["kernel_type"] == "InterNodeV1LL" and "max_num_inp_token_per_rank" in kw:
+            kw["max_num_inp_token_per_rank"] = min(kw["max_num_inp_token_per_rank"], V1LL_MAX_TOKENS)
         return self.mori.ops.EpDispatchCombineConfig(**kw)
+
+    @property
+    def v1(self):
+        """The run's kernel type is node-deduplicated (two-level combine)."""
+        return self.args.kernel_type in V1_TYPES
+
+    @property
+    def v1_nodes(self):
+        """G for the two-level combine references (InterNodeV1/V1LL), else None (flat sum)."""
+        return (self.args.gpu_per_node or self.W) if self.v1 else None
 
     def dt(self, name):
         t = self.torch
@@ -103,7 +118,10 @@ class Env:
 # Specs and data
 # ---------------------------------------------------------------------------------------------
 class Spec:
-    """One round-trip scenario. Fields that may vary per iteration are functions of `it`."""
+    """One round-trip scenario. Fields that may vary per iteration are functions of `it`.
+    max_tokens_cap (set by the driver: InterNodeV1LL's limit) lowers every spec's M."""
+
+    max_tokens_cap = None
 
     def __init__(self, H=2048, K=8, Epr=8, M=256, dtype="bf16", cdtype=None, idx="int32", scale=None,
                  weights=True, routing="random_neg", t_mode="random", mode="zero_copy", wmode="external",
@@ -116,7 +134,7 @@ class Spec:
         self.d_launch = d_launch if callable(d_launch) else (lambda it, v=d_launch: v)
         self.c_launch = c_launch if callable(c_launch) else (lambda it, v=c_launch: v)
         self.cdtype = cdtype
-        self.K, self.Epr, self.M = K, Epr, M
+        self.K, self.Epr, self.M = K, Epr, (M if Spec.max_tokens_cap is None else min(M, Spec.max_tokens_cap))
         self.idx, self.scale, self.weights, self.t_mode = idx, scale, weights, t_mode
         self.wmode, self.iters, self.seed, self.poison = wmode, iters, seed, poison
         self.cfg_H, self.cfg_tts, self.cfg_launch = cfg_H, cfg_tts, cfg_launch
@@ -161,7 +179,7 @@ def token_counts(spec, W, rnd):
         elif m == "vary":
             t = rnd.choice([0, 1, rnd.randint(0, M), M]) if rnd.random() < 0.3 else rnd.randint(0, M)
         elif isinstance(m, int):
-            t = m
+            t = min(m, M)
         else:
             raise ValueError(m)
         out.append(t)
@@ -299,6 +317,7 @@ def verify_combine(env, spec, op, out, out_w, data, cnt, poisoned, it, cdt):
         f8 = op.combine_fp8_dtype
         absum = torch.zeros((T, H), dtype=torch.float64, device=env.dev)  # sum of |row|
         sat = torch.zeros((T, H), dtype=torch.bool, device=env.dev)  # some row saturated
+    rows, wrows, masks = [], [], []
     for d in range(W):
         m = (dest == d).any(1, keepdim=True)
         y = expert_fn(x, d, cdt, spec.egain)
@@ -312,7 +331,15 @@ def verify_combine(env, spec, op, out, out_w, data, cnt, poisoned, it, cdt):
             acc = acc + torch.where(m, y.float(), 0.0)  # +0.0 for non-members leaves acc unchanged
         acc64 = acc64 + torch.where(m, y.double(), 0.0)
         accw = accw + torch.where(m, WT[r, :T] * float(d + 1), 0.0)
+        rows.append(y)
+        wrows.append(WT[r, :T] * float(d + 1))
+        masks.append(m.view(T))
     ref = acc.to(cdt)
+    if env.v1 and T > 0:
+        # InterNodeV1/V1LL: per node the ascending fp32 sum rounded to the dtype, then the nodes
+        # in ascending order (docs/ep.md); weights the same in fp32.
+        ref = U.v1_combine_reference(torch, rows, masks, env.v1_nodes, cdt)
+        accw = U.v1_combine_reference(torch, wrows, masks, env.v1_nodes, torch.float32)
     iview = torch.int32 if cdt == torch.float32 else torch.int16
     cnt[C_COMB] += (out.view(iview) != ref.view(iview)).any(1).sum()
     rtol = {torch.float32: 1e-5, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}[cdt]
@@ -551,6 +578,14 @@ def case_fp8_direct_cast(env):
     torch = env.torch
     mw = max_warps(env)
     F = "fp8_direct_cast"
+    if env.v1:
+        # InterNodeV1/V1LL combine in the input dtype: the config refuses the quant type on every rank.
+        errors = []
+        expect_usage_error(env.mori, errors, "quant_type fp8_direct_cast on InterNodeV1/V1LL",
+                           lambda: env.new_op(small_cfg(env, quant_type=F)), "fp8_direct_cast is built for")
+        if errors:
+            raise CaseFailure("; ".join(errors))
+        return
     cases = [
         ("bf16 zero-copy (M 512: pull)", Spec(H=7168, M=512, cquant=F, wmode="registered", seed=70)),
         ("bf16 external, gain 200 (saturates), 512-thread blocks",
@@ -808,6 +843,20 @@ def case_split_phase_dispatch(env):
     mori = env.mori
     errors = []
     r = env.rank
+    if env.v1:
+        # InterNodeV1/V1LL have no split-phase dispatch: dispatch_send refuses (every rank).
+        sp = Spec(H=1024, M=128, iters=1, seed=51, t_mode="small")
+        sop = spec_op(env, sp)
+        X, IDX, WT, SC, Ts = make_data(env, sp, 0, 51)
+        if sop.split_dispatch_available:
+            errors.append("split_dispatch_available on an InterNodeV1/V1LL op")
+        expect_usage_error(mori, errors, f"dispatch_send on {env.args.kernel_type}",
+                           lambda: sop.dispatch_send(X[r, : Ts[r]].contiguous(), None, None, IDX[r, : Ts[r]].contiguous()),
+                           "(use dispatch)")
+        env.close_ops()
+        if errors:
+            raise CaseFailure("; ".join(errors))
+        return
     big = Spec(H=1024, M=512, iters=1, seed=51, t_mode="small")
     bop = spec_op(env, big)
     X, IDX, WT, SC, Ts = make_data(env, big, 0, 51)
@@ -1005,12 +1054,12 @@ def case_bad_inputs(env):
         expect_usage_error(mori, errors, what, fn)
 
     # config errors (every rank raises; nothing is allocated)
-    expect("kernel_type InterNodeV1 (not built)",
-           lambda: env.new_op(mk(kernel_type=mori.ops.EpDispatchCombineKernelType.InterNodeV1)))
+    expect("kernel_type AsyncLL (not built)",
+           lambda: env.new_op(mk(kernel_type=mori.ops.EpDispatchCombineKernelType.AsyncLL)))
     G = env.args.gpu_per_node or W
     if env.args.kernel_type == "IntraNode" and W > 1:
         expect("InterNode with gpu_per_node 1 on one node", lambda: env.new_op(mk(kernel_type="InterNode", gpu_per_node=1)))
-    if env.args.kernel_type == "InterNode" and G < W:
+    if env.args.kernel_type != "IntraNode" and G < W:
         expect("IntraNode across nodes", lambda: env.new_op(mk(kernel_type="IntraNode")))
         expect("gpu_per_node other than shmem's", lambda: env.new_op(mk(gpu_per_node=W)))
     expect("world_size mismatch", lambda: env.new_op(mk(world_size=W + 1)))
@@ -1096,10 +1145,16 @@ def case_bad_inputs(env):
     # compare with the reference
     dest = torch.where((idx >= 0) & (idx < E), idx.long() // Epr, -1)
     acc = torch.zeros((T, H), device=dev)
+    rows, masks = [], []
     for d in range(W):
         m = (dest == d).any(1, keepdim=True)
         acc = acc + torch.where(m, expert_fn(x, d, torch.bfloat16).float(), 0.0)
-    if not torch.equal(out.view(torch.int16), acc.to(torch.bfloat16).view(torch.int16)):
+        rows.append(expert_fn(x, d, torch.bfloat16))
+        masks.append(m.view(T))
+    ref = acc.to(torch.bfloat16)
+    if env.v1:
+        ref = U.v1_combine_reference(torch, rows, masks, env.v1_nodes, torch.bfloat16)
+    if not torch.equal(out.view(torch.int16), ref.view(torch.int16)):
         errors.append("round trip after bad calls: combine mismatch")
     # The record is also raised by the next call, which launches nothing (every rank has an
     # offender here, so every rank refuses and the ranks stay in step); the call after works.
@@ -1156,8 +1211,13 @@ def case_config_mismatch_across_ranks(env):
            "PE 1 has num_experts_per_token = 4 but PE 0 has 8")
     expect("max tokens differ on rank 0", small_cfg(env, max_num_inp_token_per_rank=64 if r == 0 else 128),
            "has max_num_inp_token_per_rank = 128 but PE 0 has 64")
-    expect("quant_type differs on rank 1", small_cfg(env, quant_type="fp8_direct_cast" if r == 1 else "none"),
-           "PE 1 has quant_type = 1 but PE 0 has 0")
+    if env.v1:
+        # InterNodeV1/V1LL refuse fp8_direct_cast: rank 1's own config is invalid
+        expect("quant_type fp8_direct_cast on rank 1 only", small_cfg(env, quant_type="fp8_direct_cast" if r == 1 else "none"),
+               "fp8_direct_cast" if r == 1 else "PE 1 cannot create the EP op")
+    else:
+        expect("quant_type differs on rank 1", small_cfg(env, quant_type="fp8_direct_cast" if r == 1 else "none"),
+               "PE 1 has quant_type = 1 but PE 0 has 0")
     # rank 1's own config is invalid: it raises its own error, the others name it
     expect("invalid config on rank 1", small_cfg(env, num_experts_per_token=0 if r == 1 else 8),
            "num_experts_per_token" if r == 1 else "PE 1 cannot create the EP op")
@@ -1258,8 +1318,12 @@ def case_receive_cap(env):
         msg = str(e)
         kind = type(e)
     errors = []
-    # rank 0 receives W * M rows > cap; senders s >= 2 start beyond the cap (s * M + M > cap)
+    # rank 0 receives W * M rows > cap; senders s >= 2 start beyond the cap (s * M + M > cap).
+    # InterNodeV1/V1LL: the rows of another node's sender are placed (and refused) by its rail peer
+    # on rank 0's node, so exactly the ranks of that node report it.
     must_fail = r == 0 or r * M + M > M + M // 2
+    if env.v1:
+        must_fail = r // env.v1_nodes == 0
     if must_fail and (msg is None or "max_total_recv_tokens" not in msg):
         errors.append(f"expected an error naming max_total_recv_tokens, got {msg!r}")
     if must_fail and kind is not mori.InvalidUsageError:
@@ -1578,7 +1642,7 @@ def standard_moe_roundtrip(env, spec, op=None, label="", external_weights=False)
         ref_in = U.expert_major_combine_input_torch(torch, y, ids, outs[1] * wscale, row_slot, r, Epr)
         valid_row = torch.arange(ids.shape[0], device=env.dev) < outs[4][0]
         cnt_em[7] += ((buf.view(iview) != ref_in.view(iview)).any(1) & valid_row).sum()
-        ref = U.standard_moe_combine_torch(torch, x, idx, w * wscale, W, Epr, fn, cdt)
+        ref = U.standard_moe_combine_torch(torch, x, idx, w * wscale, W, Epr, fn, cdt, G=env.v1_nodes)
         cnt_em[8] += (out.view(iview) != ref.view(iview)).any(1).sum()
         if out_w is not None:
             cnt_em[8] += 1  # combine_standard_moe passes no weights to combine
@@ -1706,7 +1770,7 @@ def case_standard_moe_graph(env):
         g.replay()
         outs = dispatch_views(env, op, sx, sw, None, sidx)
         verify_expert_major(env, op, em, outs, cnt, False)
-        ref = U.standard_moe_combine_torch(torch, sx, sidx, sw, W, Epr, fn, cdt)
+        ref = U.standard_moe_combine_torch(torch, sx, sidx, sw, W, Epr, fn, cdt, G=env.v1_nodes)
         cnt[8] += (out.view(torch.int16) != ref.view(torch.int16)).any(1).sum()
     torch.cuda.synchronize()
     env.mori.shmem.shmem_check_device_error()
@@ -1855,6 +1919,16 @@ def _check_phase_trace(env, tr, kind, grid):
     return meta["launches"][0]["epoch"], origin + first_ts, origin + last_end, meta["clock"]["uncertainty_ns"]
 
 
+def _v1_combine_waits_for(env, s):
+    """Whether an InterNodeV1/V1LL combine on this rank waits for a signal of rank s's same combine:
+    the ranks of its node (ready) and, V1LL, its rail peers (every channel's landing tail; V1 waits
+    only for the channels that carry partials)."""
+    G = env.v1_nodes
+    same_node = s // G == env.rank // G
+    rail = s % G == env.rank % G and env.args.kernel_type == "InterNodeV1LL"
+    return same_node or rail
+
+
 def case_phase_trace(env):
     """enable_trace, checked round trips (pull combine: 512 tokens; push combine: small batches),
     dump_dispatch_trace / dump_combine_trace: one track per block with the layout's phases in
@@ -1891,6 +1965,8 @@ def case_phase_trace(env):
                 if len({every[s][k][0] for s in range(W)}) != 1:
                     raise CaseFailure(f"{kind}: ranks dumped different launches: {[every[s][k][0] for s in range(W)]}")
                 for s in range(W):
+                    if env.v1 and kind == "combine" and not _v1_combine_waits_for(env, s):
+                        continue
                     _, start_s, _, unc_s = every[s][k]
                     _, _, end_me, unc_me = every[r][k]
                     slack = unc_s + unc_me + 5000
@@ -1977,6 +2053,8 @@ def worker(rank, world, local_rank, args):
     torch.cuda.set_device(local_rank)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     env = Env(rank, world, local_rank, args)
+    if args.kernel_type == "InterNodeV1LL":
+        Spec.max_tokens_cap = V1LL_MAX_TOKENS
     mori = U.import_mori()
     env.mori = mori
     results = []  # (name, status, message, seconds)
@@ -2097,7 +2175,7 @@ def main(argv=None, default_kernel_type="IntraNode"):
     p.add_argument("--nproc", type=int, default=0, help="spawn this many ranks (default: all GPUs) when not under torchrun")
     p.add_argument("-k", action="append", default=[], help="run cases whose name contains this (repeatable)")
     p.add_argument("--b2b-iters", type=int, default=1000, help="iterations of back_to_back_iterations")
-    p.add_argument("--kernel-type", default=default_kernel_type, choices=("IntraNode", "InterNode"),
+    p.add_argument("--kernel-type", default=default_kernel_type, choices=KERNEL_TYPES,
                    help="kernel family under test (default %(default)s)")
     p.add_argument("--gpu-per-node", type=int, default=0,
                    help="PEs per (virtual) node; InterNode with fewer than the ranks emulates RDMA between "

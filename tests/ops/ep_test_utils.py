@@ -288,13 +288,15 @@ def expert_major_combine_input_torch(torch, y, ids, weights, row_slot, rank, Epr
     return acc.to(y.dtype)
 
 
-def standard_moe_combine_torch(torch, x, ids, weights, W, Epr, expert_fn, cdt):
+def standard_moe_combine_torch(torch, x, ids, weights, W, Epr, expert_fn, cdt, G=None):
     """Torch form of combine_standard_moe on the tokens' own rank: x [T, H] its tokens, ids/weights
     [T, K] their routing; expert_fn(x, d, e) = what local expert e of rank d returns for rows x
-    (e: a tensor of local expert ids broadcastable against x's rows), in cdt. Returns [T, H] cdt."""
+    (e: a tensor of local expert ids broadcastable against x's rows), in cdt. Returns [T, H] cdt.
+    G (InterNodeV1/V1LL, nodes of G ranks): the ranks' rows are combined by v1_combine_reference."""
     T, K = ids.shape
     ids = ids.long()
     out = torch.zeros((T, x.shape[1]), dtype=torch.float32, device=x.device)
+    rows, masks = [], []
     for d in range(W):
         part = torch.zeros_like(out)
         dest = torch.zeros((T, 1), dtype=torch.bool, device=x.device)
@@ -304,6 +306,10 @@ def standard_moe_combine_torch(torch, x, ids, weights, W, Epr, expert_fn, cdt):
             part = part + torch.where(m, weights[:, k:k + 1] * y.float(), 0.0)
             dest = dest | m
         out = out + torch.where(dest, part.to(cdt).float(), 0.0)
+        rows.append(part.to(cdt))
+        masks.append(dest.view(T))
+    if G is not None:
+        return v1_combine_reference(torch, rows, masks, G, cdt)
     return out.to(cdt)
 
 

@@ -144,11 +144,10 @@ if UNDER_PYTEST:
 
     @pytest.mark.parametrize("backend,kt", [("mori_high_throughput", "InterNodeV1"),
                                             ("mori_low_latency", "InterNodeV1LL")])
-    def test_vllm_internode_config_is_refused_naming_what_works(backend, kt):
+    def test_vllm_internode_config(backend, kt):
         c = ops.EpDispatchCombineConfig(**vllm_all2all_kwargs(ops, 0, 16, internode=True, backend=backend))
-        with pytest.raises(mori.InvalidUsageError,
-                           match=rf"kernel_type = {kt}: not built yet \(this build has the IntraNode and InterNode"):
-            c.validate()
+        assert c.kernel_type is getattr(ops.EpDispatchCombineKernelType, kt)
+        c.validate()
 
     def test_sglang_kwargs_survive_its_compatibility_filter():
         kwargs, removed = sglang_config_kwargs(ops, 0, 8, max_total_recv_tokens=1024)
@@ -178,15 +177,19 @@ if UNDER_PYTEST:
         with pytest.raises(mori.InvalidUsageError, match=needle):
             c.validate()
 
-    @pytest.mark.parametrize("mode,kt", [("low_latency", "AsyncLL"), ("inter_node", "InterNodeV1")])
-    def test_sglang_other_modes_are_refused_naming_what_works(mode, kt):
-        world = 16 if mode == "inter_node" else 8
-        kwargs, _ = sglang_config_kwargs(ops, 0, world, mode=mode)
+    def test_sglang_low_latency_mode_is_refused_naming_what_works():
+        kwargs, _ = sglang_config_kwargs(ops, 0, 8, mode="low_latency")
         c = ops.EpDispatchCombineConfig(**kwargs)
         # SGLang's LL dispatcher asserts on identity.
-        assert c.kernel_type is getattr(ops.EpDispatchCombineKernelType, kt)
-        with pytest.raises(mori.InvalidUsageError, match=rf"kernel_type = {kt}: not built yet .*IntraNode and InterNode"):
+        assert c.kernel_type is ops.EpDispatchCombineKernelType.AsyncLL
+        with pytest.raises(mori.InvalidUsageError, match=r"kernel_type = AsyncLL: not built yet .*IntraNode, InterNode"):
             c.validate()
+
+    def test_sglang_inter_node_mode():
+        kwargs, _ = sglang_config_kwargs(ops, 0, 16, mode="inter_node")
+        c = ops.EpDispatchCombineConfig(**kwargs)
+        assert c.kernel_type is ops.EpDispatchCombineKernelType.InterNodeV1
+        c.validate()
 
     def test_rocm_positional_config():
         # ROCm/mori's field order, data_type first.
@@ -393,7 +396,7 @@ def seq_rocm_positional(env):
 
 
 def seq_not_built_refused(env):
-    """What the engines pick on other topologies (AsyncLL, InterNodeV1) and their combine quant
+    """What the engines pick on other topologies (AsyncLL) and their combine quant
     types are refused on every rank at op creation, naming what works; the next op is fine."""
     torch, mori, rank, world = env["torch"], env["mori"], env["rank"], env["world"]
     for mode, quant, needle in (("low_latency", "none", "AsyncLL: not built yet"),

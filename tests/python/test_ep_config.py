@@ -74,18 +74,46 @@ def test_kernel_types_are_mori_s():
     expected = {"IntraNode": 0, "InterNode": 1, "InterNodeV1": 2, "InterNodeV1LL": 3, "AsyncLL": 4, "IntraNodeLL": 5}
     assert {m.name: m.value for m in ops.EpDispatchCombineKernelType} == expected
     assert {n: int(v) for n, v in _C.ops.EpDispatchCombineKernelType.__members__.items()} == expected
-    assert ops.KERNEL_TYPE_BUILT == {n: n in ("IntraNode", "InterNode") for n in expected}
+    assert ops.KERNEL_TYPE_BUILT == {n: n in ("IntraNode", "InterNode", "InterNodeV1", "InterNodeV1LL")
+                                     for n in expected}
 
 
-@pytest.mark.parametrize("kt", ["InterNodeV1", "InterNodeV1LL", "AsyncLL", "IntraNodeLL"])
+@pytest.mark.parametrize("kt", ["AsyncLL", "IntraNodeLL"])
 def test_other_kernel_types_not_built(kt):
-    what_works = r"not built yet \(this build has the IntraNode and InterNode kernels\)"
+    what_works = r"not built yet \(this build has the IntraNode, InterNode, InterNodeV1 and InterNodeV1LL kernels\)"
     with pytest.raises(mori.InvalidUsageError, match=f"kernel_type = {kt}: {what_works}"):
         make(kernel_type=ops.EpDispatchCombineKernelType[kt]).validate()
     with pytest.raises(mori.InvalidUsageError, match=what_works):
         make(kernel_type=kt).validate()  # names work too
     with pytest.raises(mori.InvalidUsageError, match=what_works):
         make(kernel_type=int(ops.EpDispatchCombineKernelType[kt])).validate()  # and values
+
+
+def test_v1ll_validation():
+    """InterNodeV1LL: nodes of equal size, at most 256 tokens per rank, at most 16 channels (QPs per
+    rail peer); its regions are in the layout table (InterNode's are not)."""
+    kw = dict(world_size=16, gpu_per_node=8, max_num_inp_token_per_rank=128, kernel_type="InterNodeV1LL")
+    make(**kw).validate()
+    with pytest.raises(mori.InvalidUsageError, match=r"max_num_inp_token_per_rank = 257 .*InterNodeV1LL"):
+        make(**dict(kw, max_num_inp_token_per_rank=257)).validate()
+    with pytest.raises(mori.InvalidUsageError, match=r"num_qp_per_pe = 17 .*channels"):
+        make(**dict(kw, num_qp_per_pe=17)).validate()
+    with pytest.raises(mori.InvalidUsageError, match=r"InterNodeV1LL needs nodes of equal size"):
+        make(**dict(kw, gpu_per_node=6)).validate()
+    size = {name: nbytes for _block, name, _off, nbytes, _role in ops.ep_layout(make(**kw))["regions"]}
+    rec = -(-(7168 * 2 + 4 * 8 + 56 * 4 + 8 * 8 + 4 + 4 * 8) // 16) * 16  # largest record (int64 ids)
+    assert size["v1_inbox"] == 2 * 1 * 128 * rec  # [parity][remote node][M]
+    assert size["v1_landing"] == 2 * 1 * 128 * (7168 * 2 + 4 * 8)
+    assert size["v1_credit"] == 0 and size["v1_land_free"] == 0 and size["stage_tokens"] == 0
+    assert size["v1_route"] == 1 * 128 * 8 * 4
+    # InterNodeV1: any M the shared-memory bound allows; one inbox / landing set, credits, landFree.
+    ht = dict(kw, kernel_type="InterNodeV1", max_num_inp_token_per_rank=4096)
+    make(**ht).validate()
+    size = {name: nbytes for _block, name, _off, nbytes, _role in ops.ep_layout(make(**ht))["regions"]}
+    assert size["v1_inbox"] == 1 * 1 * 4096 * rec and size["v1_send_stage"] == 4096 * rec
+    assert size["v1_credit"] == 8 and size["v1_land_free"] == 8 and size["v1_tail"] == 8
+    with pytest.raises(mori.InvalidUsageError, match=r"InterNodeV1 dispatch kernel would need"):
+        make(**dict(ht, max_num_inp_token_per_rank=65536)).validate()
 
 
 def test_unknown_kernel_type_value():
@@ -181,7 +209,7 @@ def _regions(c):
 def test_region_table_is_the_layout():
     # ep_layout's offsets, the region list and the size hint come from one table: every region
     # used by the config appears in both views with the same offset, unused ones have 0 bytes.
-    for kt in ("IntraNode", "InterNode"):
+    for kt in ("IntraNode", "InterNode", "InterNodeV1", "InterNodeV1LL"):
         c = make(kernel_type=kt, world_size=4, gpu_per_node=2, max_num_inp_token_per_rank=128)
         lay = ops.ep_layout(c)
         regs = _regions(c)
@@ -196,10 +224,13 @@ def test_region_table_is_the_layout():
         assert ends[-1][1] <= lay["symmetric"]["total_bytes"] == ops.ep_symmetric_bytes(c)
         inter = {n for (b, n), (_, nb, _) in regs.items() if nb > 0 and n.startswith(("stage_", "landing_", "inter_"))}
         push = {n for (b, n), (_, nb, _) in regs.items() if nb > 0 and n.startswith("push_")}
+        v1 = {n for (b, n), (_, nb, _) in regs.items() if nb > 0 and n.startswith("v1_")}
         if kt == "InterNode":
-            assert inter and not push
+            assert inter and not push and not v1
+        elif kt.startswith("InterNodeV1"):
+            assert v1 and not push and not inter
         else:
-            assert push and not inter
+            assert push and not inter and not v1
 
 
 def test_max_total_recv_tokens_sizes_receive_regions():

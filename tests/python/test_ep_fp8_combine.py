@@ -33,6 +33,14 @@ def test_fp8_direct_cast_validates_for_every_kernel_type_built():
             make(quant_type=F, kernel_type=kt, gpu_per_node=2, max_num_inp_token_per_rank=m).validate()
 
 
+@pytest.mark.parametrize("kt", ["InterNodeV1", "InterNodeV1LL"])
+def test_fp8_direct_cast_refused_by_v1_kernel_types(kt):
+    # their two-level combine sums partials in the input dtype: no e4m3 wire
+    make(kernel_type=kt, gpu_per_node=2, max_num_inp_token_per_rank=128).validate()
+    with pytest.raises(mori.InvalidUsageError, match=rf"fp8_direct_cast is built for kernel_type IntraNode and InterNode; {kt}"):
+        make(quant_type=F, kernel_type=kt, gpu_per_node=2, max_num_inp_token_per_rank=128).validate()
+
+
 def test_fp8_direct_cast_needs_hidden_multiple_of_16():
     make(hidden_dim=7176).validate()  # bf16 rows of 7176 elements are whole 16-byte vectors
     with pytest.raises(mori.InvalidUsageError, match=r"fp8_direct_cast needs hidden_dim to be a multiple of 16.*7176"):

@@ -1,6 +1,7 @@
 """The EP GPU correctness suites in a short form, on any machine with a GPU (ranks share GPUs when
 there are fewer than ranks): tests/ops/ep_intranode_test.py with 2 and 4 ranks, and
-tests/ops/ep_internode_test.py with 4 ranks as 2 emulated nodes of 2 GPUs where that file exists.
+tests/ops/ep_internode_test.py with 4 ranks as 2 emulated nodes of 2 GPUs where that file exists, for
+InterNode, InterNodeV1 and InterNodeV1LL.
 
 Short form: every case, the randomized stress with SHORT_ITERS iterations and SHORT_ITERS
 back-to-back iterations. A case the suite skips fails the test, as does a skip of the test itself
@@ -21,22 +22,23 @@ INTRANODE = os.path.join(REPO, "tests", "ops", "ep_intranode_test.py")
 INTERNODE = os.path.join(REPO, "tests", "ops", "ep_internode_test.py")
 SHORT_ITERS = 200
 
-# (suite, ranks, GPUs per emulated node or None for one node)
-RUNS = [(INTRANODE, 2, None), (INTRANODE, 4, None)]
+# (suite, ranks, GPUs per emulated node or None for one node, kernel type or None for the suite's)
+RUNS = [(INTRANODE, 2, None, None), (INTRANODE, 4, None, None)]
 if os.path.exists(INTERNODE):
-    RUNS.append((INTERNODE, 4, 2))
+    RUNS += [(INTERNODE, 4, 2, kt) for kt in (None, "InterNodeV1", "InterNodeV1LL")]
 
 
 def _run_id(run):
-    suite, nranks, per_node = run
+    suite, nranks, per_node, kernel_type = run
     name = os.path.basename(suite)[: -len("_test.py")]
-    return f"{name}-{nranks}ranks" + (f"-{per_node}pernode" if per_node else "")
+    return (f"{name}-{nranks}ranks" + (f"-{per_node}pernode" if per_node else "") +
+            (f"-{kernel_type}" if kernel_type else ""))
 
 
 @needs_gpu
 @pytest.mark.parametrize("run", RUNS, ids=[_run_id(r) for r in RUNS])
 def test_ep_suite_short(run, subprocess_env):
-    suite, nranks, per_node = run
+    suite, nranks, per_node, kernel_type = run
     if importlib.util.find_spec("torch") is None:
         pytest.skip("NEEDS TORCH: torch is not installed for " + sys.executable)
     env = dict(subprocess_env)
@@ -47,6 +49,8 @@ def test_ep_suite_short(run, subprocess_env):
         # The inter-node path runs between emulated nodes through the RDMA queue emulator.
         cmd += ["--gpu-per-node", str(per_node)]
         env.update(MORI_RDMA_EMULATE="1", CUDA_MODULE_LOADING="EAGER")
+    if kernel_type is not None:
+        cmd += ["--kernel-type", kernel_type]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     out = proc.stdout + proc.stderr
     tail = f"$ {' '.join(cmd)}\n" + out[-4000:]

@@ -27,7 +27,10 @@ the signal of ranks that pushed nothing, no done wait before the dispatch announ
 before the external-input copy.
 
 Modes "v1" and "v1ll" (run_v1) model InterNodeV1 and InterNodeV1LL, rail-aligned and
-node-deduplicated: a design, not built (docs/ep_internode_v1.md says the same with sizes). W ranks, nodes of G consecutive ranks, N = W / G; rank r is on node r // G with local index r % G.
+node-deduplicated (internode_v1_dispatch.cpp, internode_v1_combine.cpp; docs/ep_internode_v1.md
+says the same with sizes and the build's choices:
+the kernels' V1 sender waits for the credit once per remote node, also with nothing to send, which
+the model's per-channel wait implies). W ranks, nodes of G consecutive ranks, N = W / G; rank r is on node r // G with local index r % G.
 The rail peer of r on node n is n*G + r % G: r sends everything for node n to it (the "proxy"), and
 r is in turn the proxy, on its own node, of every rail peer. Q channels (QPs) per rail peer; a
 list of c records is split into Q contiguous shares [c*i//Q, c*(i+1)//Q); V1 cuts each share into

@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
-"""Wire counts of mori.ops InterNode dispatch/combine against the ideal computed from the routing.
+"""Wire counts of mori.ops InterNode / InterNodeV1 / InterNodeV1LL dispatch/combine against the
+ideal computed from the routing.
 
     python3 tools/bench/ep_internode_bench.py --nproc 4 --gpu-per-node 2            # 2 x 2 on one GPU
     python3 tools/bench/ep_internode_bench.py --nproc 8 --gpu-per-node 4 --tokens 4096
+    python3 tools/bench/ep_internode_bench.py --nproc 8 --gpu-per-node 4 --tokens 128 --dtypes fp8 \
+        --kernel-type InterNodeV1LL --num-qp-per-pe 2                                 # node-deduplicated LL
 
 Ranks may share a GPU; nodes are virtual (MORI_GPU_PER_NODE, MORI_RDMA_EMULATE=1): the RDMA work
 requests each rank posts are executed by the software NIC emulator, whose statistics
@@ -19,7 +22,22 @@ times: only work requests and bytes per rank and phase, next to the ideal from t
                      (rank, other-node rank)
 
 InterNode is the direct scheme (one copy per destination rank): the payload is also the "naive"
-bytes the node-deduplicated kernels are measured against. Shapes (DeepSeek-V3-like): hidden 7168,
+bytes the node-deduplicated kernels are measured against.
+
+InterNodeV1 / InterNodeV1LL (docs/ep_internode_v1.md §8; R_d / R_c the record / partial sizes of
+layout.hpp's EpV1RecordLayout / EpV1PartialBytes, c(s, n) the tokens of s that node n needs, Q
+channels, shares c*q//Q..c*(q+1)//Q, V1 chunks of ceil(512 KiB / R_d) records):
+  dispatch payload = sum over (token, remote node it needs) of row + 4K + scales + K idx bytes + 4
+  dispatch headers = per record R_d minus that (the G per-PE indices, padding); per (rank, remote
+                     node) the count record 8 (2 + G + G Epr), an 8-byte tail per chunk (V1LL: per
+                     channel, also empty), V1: an 8-byte credit
+  combine payload  = per record row + 4K (weights always travel)
+  combine headers  = per record R_c minus that; per (rank, remote node) an 8-byte landing tail per
+                     chunk (V1LL: per channel), V1: an 8-byte landFree
+  work requests    = per (rank, remote node): V1LL dispatch 1 + per channel 2 (1 if empty), combine
+                     per channel 2 (1 if empty): at most (N - 1) Q 3 per rank and phase
+The table also gives the deduplication ratio (InterNode's payload for the same routing over the
+measured bytes) and whether every WRITE went to the sender's rail peer. Shapes (DeepSeek-V3-like): hidden 7168,
 top-8 of 256 experts, BF16 or FP8 (+56 fp32 scales) dispatch, BF16 combine; --tokens sets tokens per
 rank (HT 4096, LL 128). The table is printed last.
 """
@@ -45,8 +63,11 @@ def phase_stats(mori, dist, W):
             raise RuntimeError("the RDMA emulator left requests unexecuted for 10 s after the phase")
         time.sleep(0.001)
     st = mori.shmem.rdma_stats(reset=True)
-    mine = {"wqes": 0, "bytes": 0, "inline": 0, "atomics": 0, "other": 0}
+    mine = {"wqes": 0, "bytes": 0, "inline": 0, "atomics": 0, "other": 0, "off_rail": 0}
+    G = int(os.environ.get("MORI_GPU_PER_NODE", "1") or 1)
     for row in st["per_peer"]:
+        if row["dst"] % G != row["src"] % G:
+            mine["off_rail"] += row["bytes"]
         if row["opcode"] in ("write", "write_inline"):
             mine["wqes"] += row["wqes"]
             mine["bytes"] += row["bytes"]
@@ -87,6 +108,61 @@ def ideal(torch, IDX, Ts, W, G, Epr, K, row, combine_row, scale_bytes, idx_bytes
     return d_payload, d_headers, c_payload, c_headers, pairs, lists
 
 
+def align(v, a):
+    return (v + a - 1) // a * a
+
+
+def v1_ideal(torch, IDX, Ts, W, G, Epr, K, row, combine_row, scale_bytes, idx_bytes, Q, ll):
+    """InterNodeV1/V1LL wire ideal (module docstring): (dispatch payload, dispatch headers, combine
+    payload, combine headers, dispatch WQEs, combine WQEs, max WQEs of one rank in one phase)."""
+    N = W // G
+    rec_payload = row + 4 * K + scale_bytes + K * idx_bytes + 4
+    rec = align(align(row + 4 * K + scale_bytes, 8) + K * idx_bytes + 4 + 4 * G, 16)
+    part_payload = combine_row + 4 * K
+    part = align(part_payload, 16)
+    chunk_d = -(-(512 << 10) // rec)
+    chunk_c = -(-(512 << 10) // part)
+    dp = dh = cp = ch = dw = cw = 0
+    worst = 0
+    for s in range(W):
+        T = Ts[s]
+        ids = IDX[s, :T].long()
+        valid = (ids >= 0) & (ids < W * Epr)
+        node_of = torch.where(valid, ids // (Epr * G), torch.full_like(ids, -1))
+        d_wqes = c_wqes = 0
+        for n in range(N):
+            if n == s // G:
+                continue
+            c = int((node_of == n).any(1).sum().item()) if T > 0 else 0
+            dp += c * rec_payload
+            dh += c * (rec - rec_payload) + 8 * (2 + G + G * Epr)
+            cp += c * part_payload
+            ch += c * (part - part_payload)
+            d_wqes += 1
+            for q in range(Q):
+                share = c * (q + 1) // Q - c * q // Q
+                if ll:
+                    dh += 8
+                    ch += 8
+                    d_wqes += 2 if share else 1
+                    c_wqes += 2 if share else 1
+                else:
+                    kd, kc = -(-share // chunk_d), -(-share // chunk_c)
+                    dh += 8 * kd
+                    ch += 8 * kc
+                    d_wqes += 2 * kd
+                    c_wqes += 2 * kc
+            if not ll:
+                dh += 8  # credit
+                ch += 8  # landFree
+                d_wqes += 1
+                c_wqes += 1
+        dw += d_wqes
+        cw += c_wqes
+        worst = max(worst, d_wqes, c_wqes)
+    return dp, dh, cp, ch, dw, cw, worst
+
+
 def worker(rank, world, local_rank, args):
     os.environ.setdefault("MORI_SHMEM_HEAP_SIZE", args.heap)
     import torch
@@ -108,7 +184,8 @@ def worker(rank, world, local_rank, args):
         cfg = mori.ops.EpDispatchCombineConfig(
             rank=rank, world_size=W, hidden_dim=HIDDEN, scale_dim=sdim, scale_type_size=4 if fp8 else 0,
             max_token_type_size=2, max_num_inp_token_per_rank=M, num_experts_per_rank=Epr,
-            num_experts_per_token=TOPK, kernel_type="InterNode", gpu_per_node=G)
+            num_experts_per_token=TOPK, kernel_type=args.kernel_type, gpu_per_node=G,
+            num_qp_per_pe=args.num_qp_per_pe)
         op = mori.ops.EpDispatchCombineOp(cfg, check_inputs=False)
         # every rank builds every rank's routing from the same seeds (no communication needed)
         IDX = torch.full((W, M, TOPK), -1, dtype=torch.int32, device=dev)
@@ -141,23 +218,44 @@ def worker(rank, world, local_rank, args):
         mori.shmem.shmem_check_device_error()
         row_b = HIDDEN * (1 if fp8 else 2)
         dp, dh, cp, ch, pairs, lists = ideal(torch, IDX, Ts, W, G, Epr, TOPK, row_b, HIDDEN * 2, sdim * 4, 4)
-        for phase, st, payload, headers in (("dispatch " + name, dstats, dp, dh), ("combine bf16", cstats, cp, ch)):
+        naive = {"dispatch": dp, "combine": cp}  # InterNode's payload: one copy per remote rank
+        max_wqes = {}
+        if args.kernel_type != "InterNode":
+            ll = args.kernel_type == "InterNodeV1LL"
+            dp, dh, cp, ch, dw, cw, worst = v1_ideal(torch, IDX, Ts, W, G, Epr, TOPK, row_b, HIDDEN * 2, sdim * 4, 4,
+                                                     args.num_qp_per_pe, ll)
+            max_wqes = {"dispatch": dw, "combine": cw, "bound": (W // G - 1) * args.num_qp_per_pe * 3}
+        for kind, phase, st, payload, headers in (("dispatch", "dispatch " + name, dstats, dp, dh),
+                                                  ("combine", "combine bf16", cstats, cp, ch)):
             wqes = sum(r["wqes"] for r in st)
             nbytes = sum(r["bytes"] for r in st)
             atom = sum(r["atomics"] for r in st)
-            rows.append((phase, wqes, nbytes, payload, headers, atom, pairs))
+            off_rail = sum(r["off_rail"] for r in st)
+            rank_wqes = max(r["wqes"] + r["other"] for r in st)
+            rows.append((phase, wqes, nbytes, payload, headers, atom, pairs, naive[kind], off_rail, rank_wqes,
+                         max_wqes.get(kind)))
         op.close()
     if rank == 0:
-        print(f"\nInterNode wire counts: {W} ranks, {W // G} nodes x {G}, {M} tokens/rank, hidden {HIDDEN}, "
-              f"top-{TOPK} of {EXPERTS}; sums over ranks, one call each (emulated NIC, exact)")
+        print(f"\n{args.kernel_type} wire counts: {W} ranks, {W // G} nodes x {G}, {M} tokens/rank, hidden {HIDDEN}, "
+              f"top-{TOPK} of {EXPERTS}, {args.num_qp_per_pe} QP(s) per peer; sums over ranks, one call each "
+              f"(emulated NIC, exact)")
         print(f"{'phase':<16} {'WQEs':>7} {'bytes':>14} {'ideal payload':>14} {'ideal hdr':>10} "
-              f"{'bytes/ideal':>11} {'mean WRITE':>11} {'atomics':>7} {'pairs':>7}")
-        for phase, wqes, nbytes, payload, headers, atom, pairs in rows:
+              f"{'bytes/ideal':>11} {'bytes/payload':>13} {'dedup':>6} {'mean WRITE':>11} {'atomics':>7} "
+              f"{'off-rail B':>10} {'WQEs/rank':>9} {'pairs':>7}")
+        for phase, wqes, nbytes, payload, headers, atom, pairs, naive, off_rail, rank_wqes, ideal_w in rows:
             ratio = nbytes / (payload + headers) if payload + headers else float("nan")
+            over = nbytes / payload if payload else float("nan")
+            dedup = naive / nbytes if nbytes else float("nan")
             mean = nbytes / wqes if wqes else 0
-            print(f"{phase:<16} {wqes:>7} {nbytes:>14} {payload:>14} {headers:>10} {ratio:>11.4f} "
-                  f"{mean / 1024:>9.1f}KB {atom:>7} {pairs:>7}")
-    bad = [r for r in rows if r[2] != r[3] + r[4]]
+            print(f"{phase:<16} {wqes:>7} {nbytes:>14} {payload:>14} {headers:>10} {ratio:>11.4f} {over:>13.4f} "
+                  f"{dedup:>6.2f} {mean / 1024:>9.1f}KB {atom:>7} {off_rail:>10} {rank_wqes:>9} {pairs:>7}")
+            if ideal_w is not None:
+                print(f"{'':<16} ideal WQEs {ideal_w} (summed over ranks)")
+    # Exact: measured bytes = ideal payload + headers; V1: no off-rail byte, no atomic, and (V1LL)
+    # at most (N - 1) Q 3 work requests per rank and phase.
+    bound = (W // G - 1) * args.num_qp_per_pe * 3
+    bad = [r for r in rows if r[2] != r[3] + r[4] or (args.kernel_type != "InterNode" and (
+        r[8] != 0 or r[5] != 0 or (args.kernel_type == "InterNodeV1LL" and r[9] > bound)))]
     mori.shmem.shmem_finalize()
     dist.barrier()
     dist.destroy_process_group()
@@ -173,6 +271,8 @@ def main():
     p.add_argument("--tokens", type=int, default=512, help="tokens per rank (HT 4096, LL 128)")
     p.add_argument("--dtypes", default="bf16,fp8", help="dispatch dtypes (bf16, fp8)")
     p.add_argument("--heap", default="4G", help="MORI_SHMEM_HEAP_SIZE per rank")
+    p.add_argument("--kernel-type", default="InterNode", choices=("InterNode", "InterNodeV1", "InterNodeV1LL"))
+    p.add_argument("--num-qp-per-pe", type=int, default=1, help="config num_qp_per_pe (and MORI_NUM_QP_PER_PE)")
     args = p.parse_args()
     try:
         import torch
@@ -184,6 +284,8 @@ def main():
         print("SKIPPED: needs torch")
         return 77
     os.environ["MORI_GPU_PER_NODE"] = str(args.gpu_per_node)
+    if args.num_qp_per_pe != 1:
+        os.environ.setdefault("MORI_NUM_QP_PER_PE", str(args.num_qp_per_pe))
     os.environ.setdefault("MORI_RDMA_EMULATE", "1")
     os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
     return U.launch(worker, args.nproc, args)

@@ -139,7 +139,8 @@ class IntraNodeBackend final : public EpBackend {
 
 class InterNodeBackend final : public EpBackend {
  public:
-  InterNodeBackend(const EpDispatchCombineConfig& c, int device) : worldSize(c.worldSize) {
+  InterNodeBackend(const EpDispatchCombineConfig& c, int device)
+      : worldSize(c.worldSize), v1(c.IsV1()) {
     const int pe = c.rank;
     const int G = c.LocalSize();
     MORI_ENSURE(shmem::ShmemLocalSize() == G, InvalidUsageError,
@@ -174,7 +175,7 @@ class InterNodeBackend final : public EpBackend {
     if (emulated) runAhead = std::make_unique<RunAheadBound>(static_cast<int>(depth), pe);
     // One channel (QP 0 of shmem's QPs to each peer) whatever num_qp_per_pe says: spreading the
     // posts over several QPs (RdmaWrite) has not been run on a GPU yet.
-    if (c.numQpPerPe > 1)
+    if (c.numQpPerPe > 1 && !v1)
       MORI_WARN(
           kLogOps,
           "EP InterNode on PE %d: num_qp_per_pe = %d is not used yet: this build posts on one "
@@ -189,7 +190,11 @@ class InterNodeBackend final : public EpBackend {
   void LaunchDispatch(const EpDispatchKernelArgs& k, EpIndexType indexType, int blocks, int threads,
                       size_t smemBytes, gpuStream_t stream) override {
     const bool record = runAhead && runAhead->BeforeLaunch(stream, "dispatch");
-    LaunchEpDispatch(k, EpFamily::kInterNode, indexType, blocks, threads, smemBytes, stream);
+    if (v1) {
+      LaunchEpV1Dispatch(k, indexType, blocks, threads, smemBytes, stream);
+    } else {
+      LaunchEpDispatch(k, EpFamily::kInterNode, indexType, blocks, threads, smemBytes, stream);
+    }
     if (record) runAhead->AfterLaunch(stream);
   }
 
@@ -197,13 +202,18 @@ class InterNodeBackend final : public EpBackend {
                      int threads, gpuStream_t stream) override {
     k.staged = 0;
     const bool record = runAhead && runAhead->BeforeLaunch(stream, "combine");
-    LaunchEpCombine(k, EpFamily::kInterNode, args.dataType, blocks, threads, stream);
+    if (v1) {
+      LaunchEpV1Combine(k, args.dataType, blocks, threads, stream);
+    } else {
+      LaunchEpCombine(k, EpFamily::kInterNode, args.dataType, blocks, threads, stream);
+    }
     if (record) runAhead->AfterLaunch(stream);
   }
 
  private:
   int worldSize;
-  bool emulated = false;                    // some PE is reached through the RDMA emulator
+  bool v1;                // InterNodeV1/V1LL kernels (node-deduplicated), else InterNode's
+  bool emulated = false;  // some PE is reached through the RDMA emulator
   std::unique_ptr<RunAheadBound> runAhead;  // emulated only
 };
 
@@ -219,8 +229,8 @@ int DeviceFp8Format(int device) {
 
 std::unique_ptr<EpBackend> MakeEpBackend(const EpDispatchCombineConfig& config, int device) {
   std::unique_ptr<EpBackend> b;
-  if (config.kernelType == EpDispatchCombineKernelType::kInterNode) {
-    b = std::make_unique<InterNodeBackend>(config, device);
+  if (config.kernelType != EpDispatchCombineKernelType::kIntraNode) {
+    b = std::make_unique<InterNodeBackend>(config, device);  // InterNode, InterNodeV1/V1LL
   } else {
     b = std::make_unique<IntraNodeBackend>(config, device);
   }

@@ -22,7 +22,9 @@ const char* EpKernelTypeName(EpDispatchCombineKernelType type) {
 
 bool EpKernelTypeIsBuilt(EpDispatchCombineKernelType type) {
   return type == EpDispatchCombineKernelType::kIntraNode ||
-         type == EpDispatchCombineKernelType::kInterNode;
+         type == EpDispatchCombineKernelType::kInterNode ||
+         type == EpDispatchCombineKernelType::kInterNodeV1 ||
+         type == EpDispatchCombineKernelType::kInterNodeV1LL;
 }
 
 const char* EpQuantTypeName(EpQuantType type) {
@@ -139,13 +141,29 @@ void EpDispatchCombineConfig::Validate() const {
   if (!EpKernelTypeIsBuilt(kernelType)) {
     ThrowNotBuilt("kernel_type", "kernel type", static_cast<int>(kernelType), kEpNumKernelTypes,
                   EpKernelTypeName(kernelType),
-                  "this build has the IntraNode and InterNode kernels");
+                  "this build has the IntraNode, InterNode, InterNodeV1 and InterNodeV1LL kernels");
   }
-  if (kernelType == EpDispatchCombineKernelType::kInterNode) {
+  if (kernelType != EpDispatchCombineKernelType::kIntraNode) {
     MORI_ENSURE(worldSize % LocalSize() == 0, InvalidUsageError,
-                "EpDispatchCombineConfig: kernel_type InterNode needs nodes of equal size, but "
+                "EpDispatchCombineConfig: kernel_type %s needs nodes of equal size, but "
                 "world_size = %d is not a multiple of gpu_per_node = %d",
-                worldSize, gpuPerNode);
+                EpKernelTypeName(kernelType), worldSize, gpuPerNode);
+  }
+  if (IsV1()) {
+    if (kernelType == EpDispatchCombineKernelType::kInterNodeV1LL)
+      CheckRange("max_num_inp_token_per_rank", maxNumInpTokenPerRank, 1, kEpV1LLMaxTokens,
+                 "InterNodeV1LL is the small-batch kernel type (use InterNodeV1 above it)");
+    CheckRange("num_qp_per_pe", numQpPerPe, 1, kEpV1MaxChannels,
+               "InterNodeV1/V1LL: channels (QPs) per rail peer");
+    for (int ws : {32, 64}) {
+      const size_t smem = EpV1DispatchSmemBytes(*this, ws);
+      MORI_ENSURE(smem <= kEpMaxDispatchSmemBytes, InvalidUsageError,
+                  "EpDispatchCombineConfig: the %s dispatch kernel would need %zu bytes of "
+                  "shared memory (max_num_inp_token_per_rank = %d, gpu_per_node = %d, "
+                  "num_experts_per_rank = %d); the limit is %zu",
+                  EpKernelTypeName(kernelType), smem, maxNumInpTokenPerRank, LocalSize(),
+                  numExpertsPerRank, kEpMaxDispatchSmemBytes);
+    }
   }
   MORI_ENSURE(static_cast<int>(quantType) >= 0 && static_cast<int>(quantType) < kEpNumQuantTypes,
               InvalidUsageError,
@@ -157,6 +175,11 @@ void EpDispatchCombineConfig::Validate() const {
                 "EpDispatchCombineConfig: quant_type fp8_direct_cast needs hidden_dim to be a "
                 "multiple of %d (combine rows move as %d-byte vectors of e4m3 codes), got %d",
                 kEpFp8CombineAlign, kEpFp8CombineAlign, hiddenDim);
+    // The V1/V1LL combine sums partials in the input dtype: no e4m3 wire (not built).
+    MORI_ENSURE(!IsV1(), InvalidUsageError,
+                "EpDispatchCombineConfig: quant_type fp8_direct_cast is built for kernel_type "
+                "IntraNode and InterNode; %s combines in the input dtype (use quant_type none)",
+                EpKernelTypeName(kernelType));
   }
   for (int ws : {32, 64}) {
     size_t smem = EpDispatchSmemBytes(*this, ws);
@@ -172,6 +195,14 @@ size_t EpDispatchSmemBytes(const EpDispatchCombineConfig& c, int warpSize) {
   size_t words = (static_cast<size_t>(c.maxNumInpTokenPerRank) + warpSize - 1) / warpSize;
   return AlignUp(words * (warpSize / 8), 16) + AlignUp((words + 1) * sizeof(int32_t), 16) +
          AlignUp(static_cast<size_t>(c.numExpertsPerRank) * sizeof(int32_t), 16);
+}
+
+size_t EpV1DispatchSmemBytes(const EpDispatchCombineConfig& c, int warpSize) {
+  const size_t words = (static_cast<size_t>(c.maxNumInpTokenPerRank) + warpSize - 1) / warpSize;
+  const size_t lists = static_cast<size_t>(c.LocalSize()) + 1;
+  return lists *
+             (AlignUp(words * (warpSize / 8), 16) + AlignUp((words + 1) * sizeof(int32_t), 16)) +
+         AlignUp(static_cast<size_t>(c.LocalSize()) * c.numExpertsPerRank * sizeof(int32_t), 16);
 }
 
 const char* EpRegionRoleName(EpRegionRole role) {
@@ -200,6 +231,20 @@ EpLayoutDims MakeEpLayoutDims(const EpDispatchCombineConfig& c) {
   d.markWords = (d.rmax + 31) / 32;
   d.hidden = static_cast<size_t>(c.hiddenDim);
   d.fp8 = c.quantType == EpQuantType::kFp8DirectCast ? 1 : 0;
+  if (c.IsV1()) {
+    const int g = c.LocalSize();
+    d.g = static_cast<size_t>(g);
+    d.v1Nodes = static_cast<size_t>(c.worldSize / g - 1);
+    d.v1Par = c.kernelType == EpDispatchCombineKernelType::kInterNodeV1LL ? 2 : 1;
+    d.v1Ht = d.v1Par == 1 ? 1 : 0;
+    d.v1Q = static_cast<size_t>(c.numQpPerPe);
+    // The largest record: the widest row, int64 indices, the config's scales.
+    d.v1Rec = EpV1RecordLayout(static_cast<uint32_t>(d.row), c.numExpertsPerToken,
+                               static_cast<uint32_t>(d.scaleRow), 8, g)
+                  .bytes;
+    d.v1Part = EpV1PartialBytes(static_cast<uint32_t>(d.row), c.numExpertsPerToken);
+    d.v1CountWords = static_cast<size_t>(EpV1CountWords(g, c.numExpertsPerRank));
+  }
   return d;
 }
 

@@ -342,6 +342,8 @@ void EpDispatchCombineHandle::FillCommonArgs(EpKernelCommon* common) const {
   common->topK = c.numExpertsPerToken;
   common->localSize =
       c.kernelType == EpDispatchCombineKernelType::kIntraNode ? c.worldSize : c.LocalSize();
+  common->channels = c.numQpPerPe;
+  common->lowLatency = c.kernelType == EpDispatchCombineKernelType::kInterNodeV1LL ? 1 : 0;
   common->maxRecvRows = c.MaxNumRecvTokens();
   common->shmem = shmemCtx;
   common->symmHeapOffset = symmHeapOffset;
@@ -349,6 +351,8 @@ void EpDispatchCombineHandle::FillCommonArgs(EpKernelCommon* common) const {
   common->symmLocal = symmBase;
   common->state = reinterpret_cast<EpDeviceState*>(localBase + localLayout.state);
   common->tokenSlot = reinterpret_cast<int32_t*>(localBase + localLayout.tokenSlot);
+  common->v1Route = reinterpret_cast<int32_t*>(localBase + localLayout.v1Route);
+  common->v1ListPos = reinterpret_cast<int32_t*>(localBase + localLayout.v1ListPos);
   common->totalRecv = TotalRecvTokenNum();
   common->localExpertCount = LocalExpertCount();
   common->programmatic = backend->Programmatic() ? 1 : 0;
@@ -551,7 +555,8 @@ void EpDispatchCombineHandle::LaunchDispatchCall(const EpDispatchArgs& args, EpD
   if (phase != EpDispatchPhase::kBoth) k.format |= kEpDispatchFormatSplit;
   if (phase == EpDispatchPhase::kSend) k.c.trace = nullptr;  // a trace records the receive half
 
-  const size_t smem = EpDispatchSmemBytes(c, core::kWarpSize);
+  const size_t smem = c.IsV1() ? EpV1DispatchSmemBytes(c, core::kWarpSize)
+                               : EpDispatchSmemBytes(c, core::kWarpSize);
   backend->LaunchDispatch(k, args.indexType, blocks, warps * core::kWarpSize, smem, stream);
   if (phase == EpDispatchPhase::kSend) return;  // the outputs change with the receive half
   lastNumTokens = args.numTokens;

@@ -26,6 +26,8 @@ struct EpKernelCommon {
   int32_t numExperts;
   int32_t topK;                     // K
   int32_t localSize;                // PEs per node (node of PE p: p / localSize)
+  int32_t channels;                 // InterNodeV1/V1LL: QPs (channels) per rail peer
+  int32_t lowLatency;               // 1: InterNodeV1LL (parity-buffered, no credits), 0: V1
   int32_t maxRecvRows;              // receive capacity (config MaxNumRecvTokens)
   shmem::ShmemDeviceContext shmem;  // peers' heaps (P2P), RDMA endpoints, the wait context
   uint64_t symmHeapOffset;          // offset of the handle's symmetric block in every heap
@@ -33,6 +35,8 @@ struct EpKernelCommon {
   uint8_t* symmLocal;               // this PE's symmetric block
   EpDeviceState* state;
   int32_t* tokenSlot;  // [M][W]
+  int32_t* v1Route;    // InterNodeV1/V1LL: [R][M][G] (layout.hpp v1Route), else unused
+  int32_t* v1ListPos;  // InterNodeV1/V1LL: [M][R]
   int32_t* totalRecv;
   int32_t* localExpertCount;  // [Epr]
   // 1: the launchers launch the kernel as a programmatic dependent launch (MORI_EP_PDL, where the
@@ -150,6 +154,13 @@ void LaunchEpCombine(const EpCombineKernelArgs& args, EpFamily family, EpDataTyp
 // Whether the kernels' code for this device waits in EpKernelEnter (then they may be launched
 // programmatically: EpKernelCommon::programmatic).
 bool EpKernelsHaveGridDependency();
+// InterNodeV1 / InterNodeV1LL (internode_v1_dispatch.cpp, internode_v1_combine.cpp;
+// docs/ep_internode_v1.md): one kernel family, args.c.lowLatency picks the mode. smemBytes:
+// EpV1DispatchSmemBytes.
+void LaunchEpV1Dispatch(const EpDispatchKernelArgs& args, EpIndexType indexType, int blocks,
+                        int threads, size_t smemBytes, gpuStream_t stream);
+void LaunchEpV1Combine(const EpCombineKernelArgs& args, EpDataType dataType, int blocks,
+                       int threads, gpuStream_t stream);
 // IntraNode only.
 void LaunchEpCombinePush(const EpCombineKernelArgs& args, EpDataType dataType, int blocks,
                          int threads, gpuStream_t stream);

@@ -214,87 +214,22 @@ __global__ void __launch_bounds__(kThreads) EpCombineKernel(const EpCombineKerne
 
   // ---- 1. input in place, or copied into the registered buffer -------------------------------
   if (a.copyTokens != 0 || a.copyWeights != 0) {
-    const int R = *reinterpret_cast<volatile int32_t*>(c.totalRecv);
-    EpSignal* done = At<EpSignal>(c.symmLocal, c.symm.doneInbox);
-    for (int p = tid; p < W; p += nThreads) {
-      if (!core::WaitUntil(wait, &done[p].tag, CmpOp::kGe, epoch - 1, p,
-                           "EP combine: peer done reading (last combine)"))
-        sFailed = 1;
-    }
-    if (tid == 0) {
-      if (a.copyTokens != 0 && R > a.inRows) {
-        ReportError(wait, -1, "EP combine: input has fewer rows than dispatch received", CmpOp::kGe,
-                    static_cast<uint64_t>(R), static_cast<uint64_t>(a.inRows));
-        sFailed = 1;
+    // Chunks claimed by the resident blocks; the block completing the last one signals ready.
+    EpCombineCopyInput(a, wait, epoch, 0, W, sFailed, sClaim, [&] {
+      // SignalStoreAll's fence also releases the copies acquired above.
+      SignalStoreAll(
+          W,
+          [&](int p) {
+            return kInter && IsRemote(c, p) ? nullptr
+                                            : At<EpSignal>(PeerBlock(c, p), c.symm.readyInbox) +
+                                                  EpReadyInboxIndex(parity, me, W);
+          },
+          ready, epoch);
+      if constexpr (kInter) {
+        // SignalStoreAll's fence also orders the copies before the NIC reads them.
+        if (!InterReturnRows<Elem>(a, wait, epoch, ready, wireRow)) sFailed = 1;
       }
-      if (a.copyWeights != 0 && R > a.inWeightRows) {
-        ReportError(wait, -1, "EP combine: weights have fewer rows than dispatch received",
-                    CmpOp::kGe, static_cast<uint64_t>(R), static_cast<uint64_t>(a.inWeightRows));
-        sFailed = 1;
-      }
-    }
-    __syncthreads();
-    // The copy is cut into chunks that blocks claim, not share out by block index: the blocks
-    // that are resident copy all of it, so no block waits in step 2 for "ready" from a block of
-    // its own grid that has not started (ranks sharing a GPU, e.g. under MPS, may leave this grid
-    // fewer SMs than blocks). At least one chunk, so that some block signals also when R is 0.
-    const size_t tokBytes = a.copyTokens != 0 ? static_cast<size_t>(R) * a.rowBytes : 0;
-    const size_t wWords = a.copyWeights != 0 ? static_cast<size_t>(R) * K : 0;
-    const size_t tokChunk = EpCopyChunkSize(tokBytes, 16, gridDim.x);
-    const size_t wChunk = EpCopyChunkSize(wWords, 1, gridDim.x);
-    const unsigned tokChunks = static_cast<unsigned>((tokBytes + tokChunk - 1) / tokChunk);
-    const unsigned wChunks = static_cast<unsigned>((wWords + wChunk - 1) / wChunk);
-    const unsigned chunks = tokChunks + wChunks > 0 ? tokChunks + wChunks : 1;
-    unsigned copied = 0;
-    if (sFailed == 0) {
-      for (;;) {
-        __syncthreads();  // everyone read the last claim
-        if (tid == 0) sClaim = atomicAdd(&c.state->combineCopyNextChunk, 1u);
-        __syncthreads();
-        const unsigned ch = sClaim;
-        if (ch >= chunks) break;
-        if (ch < tokChunks) {
-          const size_t off = static_cast<size_t>(ch) * tokChunk;
-          const size_t n = tokBytes - off < tokChunk ? tokBytes - off : tokChunk;
-          shmem::detail::CopyElements<uint4, shmem::detail::kCopyUnroll>(
-              reinterpret_cast<uint4*>(c.symmLocal + c.symm.combineInTokens + off),
-              reinterpret_cast<const uint4*>(a.inTokens + off), n / 16, tid, nThreads);
-        } else if (wWords > 0) {
-          const size_t off = static_cast<size_t>(ch - tokChunks) * wChunk;
-          const size_t n = wWords - off < wChunk ? wWords - off : wChunk;
-          uint32_t* dst = At<uint32_t>(c.symmLocal, c.symm.combineInWeights) + off;
-          const uint32_t* src = reinterpret_cast<const uint32_t*>(a.inWeights) + off;
-          for (size_t i = tid; i < n; i += nThreads) dst[i] = src[i];
-        }
-        copied++;
-      }
-    }
-    // One fence per block, not per thread (fence.sc.sys in every thread serialises GPU-wide): the
-    // barrier orders the block's copies before thread 0's cumulative release fence and counter add.
-    __syncthreads();
-    if (tid == 0 && copied > 0) {
-      core::FenceAcqRelSystem();
-      const unsigned old = atomicAdd(&c.state->combineCopyChunksDone, copied);
-      if (old + copied == chunks) {
-        c.state->combineCopyChunksDone = 0;
-        core::FenceAcqRelSystem();  // acquire: every block's copy (seen through the counter)
-        if (!core::DeviceAborted(wait)) {
-          // SignalStoreAll's fence also releases the copies acquired above.
-          SignalStoreAll(
-              W,
-              [&](int p) {
-                return kInter && IsRemote(c, p) ? nullptr
-                                                : At<EpSignal>(PeerBlock(c, p), c.symm.readyInbox) +
-                                                      EpReadyInboxIndex(parity, me, W);
-              },
-              ready, epoch);
-          if constexpr (kInter) {
-            // SignalStoreAll's fence also orders the copies before the NIC reads them.
-            if (!InterReturnRows<Elem>(a, wait, epoch, ready, wireRow)) sFailed = 1;
-          }
-        }
-      }
-    }
+    });
   } else if (blockIdx.x == 0) {
     for (int p = tid; p < W; p += nThreads) {
       if (kInter && IsRemote(c, p)) continue;
@@ -311,8 +246,6 @@ __global__ void __launch_bounds__(kThreads) EpCombineKernel(const EpCombineKerne
 
   // ---- 2. every PE's rows are ready ------------------------------------------------------------
   if (sFailed == 0) {
-    EpSignal* inbox = At<EpSignal>(c.symmLocal, c.symm.readyInbox);
-    const uint64_t myFormat = EpReadyFormat(ready);
     for (int p = tid; p < W; p += nThreads) {
       if (kInter && IsRemote(c, p)) {
         // Rows from another node's PE arrive in our landing region, after its rows for lower
@@ -342,29 +275,12 @@ __global__ void __launch_bounds__(kThreads) EpCombineKernel(const EpCombineKerne
         continue;
       }
       uint64_t v = 0;
-      EpSignal* const sig = inbox + EpReadyInboxIndex(parity, p, W);
-      if (!SignalWait(wait, sig, epoch, p, "EP combine: peer input ready", &v)) {
-        sFailed = 1;
-        continue;
-      }
-      if (EpReadyFormat(v) != myFormat) {
-        ReportError(wait, p, "EP combine: PEs called combine with different dtype/hidden",
-                    static_cast<const uint64_t*>(&sig->value), CmpOp::kEq, myFormat,
-                    EpReadyFormat(v));
+      if (!EpReadyWait(c, wait, parity, epoch, p, ready, &v)) {
         sFailed = 1;
         continue;
       }
       if (tr != nullptr && p < kEpTracePeers) tr[kEpTraceWordPeerReady + p] = core::WallClockNs();
-      const EpCombineSource ts = EpReadyTokens(v);
-      const EpCombineSource ws = EpReadyWeights(v);
-      uint8_t* pb = PeerBlock(c, p);
-      sTok[p] = pb + (ts == EpCombineSource::kFp8Wire       ? c.symm.combineInFp8
-                      : ts == EpCombineSource::kDispatchOut ? c.symm.dispatchOutTokens
-                                                            : c.symm.combineInTokens);
-      sW[p] = ws == EpCombineSource::kNone ? nullptr
-                                           : At<const float>(pb, ws == EpCombineSource::kDispatchOut
-                                                                     ? c.symm.dispatchOutWeights
-                                                                     : c.symm.combineInWeights);
+      EpReadySources(c, p, v, &sTok[p], &sW[p]);
     }
   }
   __syncthreads();

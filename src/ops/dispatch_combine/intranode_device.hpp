@@ -10,6 +10,7 @@
 #include "mori/ops/dispatch_combine/layout.hpp"
 #include "mori/shmem/device/copy.hpp"
 #include "mori/shmem/shmem_device_api.hpp"
+#include "fp8_quant.hpp"
 #include "intranode.hpp"
 #include "trace_device.hpp"
 
@@ -199,6 +200,96 @@ MORI_DEVICE_INLINE bool EpCountWait(const EpKernelCommon& c, const core::WaitCon
 MORI_DEVICE_INLINE bool RdmaWrite(const EpKernelCommon& c, int pe, void* dst, const void* src,
                                   size_t bytes) {
   return bytes == 0 || shmem::ShmemPutMemNbiThreadQp(c.shmem, dst, src, bytes, pe, 0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Block 0 of a dispatch (either form), once every source's count signal has been acquired (by
+// any thread of the block, before a barrier): the per-local-expert counts of this call, from the
+// histograms the count signals published.
+MORI_DEVICE_INLINE void EpSumExpertCounts(const EpKernelCommon& c, int parity) {
+  const int W = c.worldSize;
+  const int Epr = c.numExpertsPerRank;
+  int32_t* einbox = At<int32_t>(c.symmLocal, c.symm.expertInbox);
+  for (int e = static_cast<int>(threadIdx.x); e < Epr; e += static_cast<int>(blockDim.x)) {
+    int sum = 0;
+    for (int s = 0; s < W; s++)
+      sum += core::AtomicLoadRelaxedSystem(einbox + EpExpertInboxIndex(parity, s, e, W, Epr));
+    c.localExpertCount[e] = sum;
+  }
+}
+
+// Receive side of a dispatch (every thread of ONE block, after this PE's own sends): every
+// source's count (their sum is checked against the receive capacity before any row is waited
+// for: a sender whose rows would not fit writes none), then the rows: arrived[s] (or, InterNode,
+// the RDMA tail of a source on another node) must reach the count; arrived[s] is reset. Writes
+// the received total, recvCount[s] and the per-local-expert counts. sTotal and sFailed are the
+// block's shared words (sTotal 0 on entry).
+template <EpFamily kFamily>
+MORI_DEVICE_INLINE void EpDispatchReceive(const EpKernelCommon& c, const core::WaitContext& wait,
+                                          int parity, uint64_t epoch, uint64_t format, int& sTotal,
+                                          int& sFailed) {
+  using core::CmpOp;
+  constexpr bool kInter = kFamily == EpFamily::kInterNode;
+  const int W = c.worldSize;
+  const int me = c.rank;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int nThreads = static_cast<int>(blockDim.x);
+  if (sFailed == 0) {
+    for (int s = tid; s < W; s += nThreads) {
+      uint32_t cnt = 0;
+      if (!EpCountWait<kFamily>(c, wait, parity, s, me, epoch, format,
+                                "EP dispatch: token count for this PE", &cnt))
+        sFailed = 1;
+      c.state->recvCount[s] = static_cast<int32_t>(cnt);  // for the push and InterNode combines
+      atomicAdd(&sTotal, static_cast<int>(cnt));
+    }
+    __syncthreads();
+    if (tid == 0 && sFailed == 0 && sTotal > c.maxRecvRows) {
+      ReportError(wait, -1, "EP dispatch: rows exceed max_total_recv_tokens", CmpOp::kLe,
+                  static_cast<uint64_t>(c.maxRecvRows), static_cast<uint64_t>(sTotal));
+      sFailed = 1;
+    }
+    __syncthreads();
+  }
+  if (sFailed == 0) {
+    uint64_t* arrived = At<uint64_t>(c.symmLocal, c.symm.arrived);
+    for (int s = tid; s < W; s += nThreads) {
+      const uint64_t cnt = static_cast<uint64_t>(c.state->recvCount[s]);
+      if (cnt == 0) continue;
+      if (kInter && IsRemote(c, s)) {
+        // Rows from another node: the tail word follows them on the sender's QP.
+        uint64_t* tailWord = At<uint64_t>(c.symmLocal, c.symm.interTail) + s;
+        uint32_t rows = 0;
+        if (!TagWait(wait, tailWord, epoch, s, "EP dispatch: RDMA rows (tail) from PE", &rows)) {
+          sFailed = 1;
+        } else if (rows != cnt) {
+          ReportError(wait, s, "EP dispatch: RDMA tail != announced count",
+                      static_cast<const uint64_t*>(tailWord), CmpOp::kEq, cnt,
+                      static_cast<uint64_t>(rows));
+          sFailed = 1;
+        }
+        continue;
+      }
+      if (!core::WaitUntil(wait, arrived + s, CmpOp::kGe, cnt, s,
+                           "EP dispatch: rows arrived from PE")) {
+        sFailed = 1;
+        continue;
+      }
+      const uint64_t got = core::AtomicLoadAcquireSystem(arrived + s);
+      if (got != cnt) {
+        ReportError(wait, s, "EP dispatch: more rows arrived than announced",
+                    static_cast<const uint64_t*>(arrived + s), CmpOp::kEq, cnt, got);
+        sFailed = 1;
+        continue;
+      }
+      core::AtomicStoreRelaxedSystem(arrived + s, static_cast<uint64_t>(0));
+    }
+    // The histograms came with the count signals acquired above (by other threads of this
+    // block: the barrier carries the acquire to them).
+    __syncthreads();
+    if (tid == 0) *c.totalRecv = sTotal;
+    EpSumExpertCounts(c, parity);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -427,5 +518,186 @@ struct EpFp32Elem {
                       __float_as_uint(acc[3]));
   }
 };
+
+// ---------------------------------------------------------------------------------------------
+// // Fused quantisation (EpDispatchQuant). A lane holds input vector v of a row (8 bf16); a group
+// of kEpQuantGroup elements is 16 vectors, held by lanes 16k..16k+15 of the warp (callers keep
+// their rounds group-aligned: the first vector of a round and the warp size are multiples of 16),
+// so a group's amax is a max over those 16 lanes. Every lane of the warp calls this (shuffles);
+// `valid` is the same for the 16 lanes of a group. Writes the 8 codes of v to codes[8v..8v+8) and
+// (the group's first lane) the group's scale.
+constexpr int kQuantGroupVecs = kEpQuantGroup / 8;
+static_assert(kWarpSize % kQuantGroupVecs == 0, "a warp holds whole quantisation groups");
+
+MORI_DEVICE_INLINE void QuantizeVector(const uint4& x, bool valid, int v, uint8_t* codes,
+                                       uint8_t* scales, int nGroups, EpDispatchQuant quant,
+                                       core::Fp8Format fmt) {
+  const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+  float e[8];
+#pragma unroll
+  for (int i = 0; i < 4; i++) {
+    e[2 * i] = EpBf16ToFloat(static_cast<uint16_t>(w[i] & 0xFFFFu));
+    e[2 * i + 1] = EpBf16ToFloat(static_cast<uint16_t>(w[i] >> 16));
+  }
+  float amax = 0.f;
+  if (valid) {
+#pragma unroll
+    for (int i = 0; i < 8; i++) amax = fmaxf(amax, fabsf(e[i]));
+  }
+#pragma unroll
+  for (int off = kQuantGroupVecs / 2; off > 0; off >>= 1)
+    amax = fmaxf(amax, core::WarpShflXor(amax, off));
+  if (!valid) return;
+  const EpFp8GroupScale s = EpFp8ScaleOf(amax, fmt, EpQuantRoundsScale(quant));
+  uint32_t lo = 0, hi = 0;
+#pragma unroll
+  for (int i = 0; i < 4; i++) {
+    lo |= static_cast<uint32_t>(EpFp8Quantize(e[i], s, fmt)) << (8 * i);
+    hi |= static_cast<uint32_t>(EpFp8Quantize(e[4 + i], s, fmt)) << (8 * i);
+  }
+  *reinterpret_cast<uint2*>(codes + static_cast<size_t>(v) * 8) = make_uint2(lo, hi);
+  if (v % kQuantGroupVecs == 0) EpFp8StoreScale(scales, v / kQuantGroupVecs, nGroups, s, quant);
+}
+
+// WarpCopyVectors with quantisation: input vectors [vBegin, vEnd) of a row (group-aligned).
+template <int kUnroll>
+MORI_DEVICE_INLINE void WarpQuantizeVectors(uint8_t* codes, uint8_t* scales, const uint4* src,
+                                            int vBegin, int vEnd, int nGroups,
+                                            EpDispatchQuant quant, core::Fp8Format fmt) {
+  const int lane = core::LaneId();
+  for (int base = vBegin; base < vEnd; base += kUnroll * kWarpSize) {  // warp-uniform
+    uint4 r[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; u++) {
+      const int v = base + lane + u * kWarpSize;
+      r[u] = v < vEnd ? src[v] : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; u++) {
+      const int v = base + lane + u * kWarpSize;
+      QuantizeVector(r[u], v < vEnd, v, codes, scales, nGroups, quant, fmt);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// External combine input (copyTokens / copyWeights): every block waits until PEs [p0, p1) finished
+// reading our registered buffers in the last combine and checks that the input has the rows
+// dispatch received. The copy into the registered buffers is cut into chunks (EpCopyChunkSize:
+// about two per block) that blocks claim from c.state->combineCopyNextChunk, not shares by block
+// index: the blocks that are resident copy all of it, so no block waits for "ready" from a block of
+// its own grid that has not started (ranks sharing a GPU, e.g. under MPS, may leave the grid fewer
+// SMs than blocks; docs/ep.md "Residency"). At least one chunk, so that some block signals also
+// when no row was received. After its copies a block fences once (not per thread: fence.sc.sys in
+// every thread serialises GPU-wide; the barrier orders the block's copies before thread 0's
+// cumulative release fence) and adds its chunk count to combineCopyChunksDone; the block that
+// completes the last chunk (thread 0, after acquiring every block's copies) resets that counter and
+// runs onLast() unless the device aborted. The CALLER's last block of the grid resets
+// combineCopyNextChunk (once every block stopped claiming). sFailed / sClaim: the block's shared
+// words. Every thread of every block calls.
+template <typename OnLast>
+MORI_DEVICE_INLINE void EpCombineCopyInput(const EpCombineKernelArgs& a,
+                                           const core::WaitContext& wait, uint64_t epoch, int p0,
+                                           int p1, int& sFailed, unsigned& sClaim, OnLast onLast) {
+  using core::CmpOp;
+  const EpKernelCommon& c = a.c;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int nThreads = static_cast<int>(blockDim.x);
+  const int rows = *reinterpret_cast<volatile int32_t*>(c.totalRecv);
+  EpSignal* done = At<EpSignal>(c.symmLocal, c.symm.doneInbox);
+  for (int p = p0 + tid; p < p1; p += nThreads) {
+    if (!core::WaitUntil(wait, &done[p].tag, CmpOp::kGe, epoch - 1, p,
+                         "EP combine: peer done reading (last combine)"))
+      sFailed = 1;
+  }
+  if (tid == 0) {
+    if (a.copyTokens != 0 && rows > a.inRows) {
+      ReportError(wait, -1, "EP combine: input has fewer rows than dispatch received", CmpOp::kGe,
+                  static_cast<uint64_t>(rows), static_cast<uint64_t>(a.inRows));
+      sFailed = 1;
+    }
+    if (a.copyWeights != 0 && rows > a.inWeightRows) {
+      ReportError(wait, -1, "EP combine: weights have fewer rows than dispatch received",
+                  CmpOp::kGe, static_cast<uint64_t>(rows), static_cast<uint64_t>(a.inWeightRows));
+      sFailed = 1;
+    }
+  }
+  __syncthreads();
+  const size_t tokBytes = a.copyTokens != 0 ? static_cast<size_t>(rows) * a.rowBytes : 0;
+  const size_t wWords = a.copyWeights != 0 ? static_cast<size_t>(rows) * c.topK : 0;
+  const size_t tokChunk = EpCopyChunkSize(tokBytes, 16, gridDim.x);
+  const size_t wChunk = EpCopyChunkSize(wWords, 1, gridDim.x);
+  const unsigned tokChunks = static_cast<unsigned>((tokBytes + tokChunk - 1) / tokChunk);
+  const unsigned wChunks = static_cast<unsigned>((wWords + wChunk - 1) / wChunk);
+  const unsigned chunks = tokChunks + wChunks > 0 ? tokChunks + wChunks : 1;
+  unsigned copied = 0;
+  if (sFailed == 0) {
+    for (;;) {
+      __syncthreads();  // everyone read the last claim
+      if (tid == 0) sClaim = atomicAdd(&c.state->combineCopyNextChunk, 1u);
+      __syncthreads();
+      const unsigned ch = sClaim;
+      if (ch >= chunks) break;
+      if (ch < tokChunks) {
+        const size_t off = static_cast<size_t>(ch) * tokChunk;
+        const size_t n = tokBytes - off < tokChunk ? tokBytes - off : tokChunk;
+        shmem::detail::CopyElements<uint4, shmem::detail::kCopyUnroll>(
+            reinterpret_cast<uint4*>(c.symmLocal + c.symm.combineInTokens + off),
+            reinterpret_cast<const uint4*>(a.inTokens + off), n / 16, tid, nThreads);
+      } else if (wWords > 0) {
+        const size_t off = static_cast<size_t>(ch - tokChunks) * wChunk;
+        const size_t n = wWords - off < wChunk ? wWords - off : wChunk;
+        uint32_t* dst = At<uint32_t>(c.symmLocal, c.symm.combineInWeights) + off;
+        const uint32_t* src = reinterpret_cast<const uint32_t*>(a.inWeights) + off;
+        for (size_t i = tid; i < n; i += nThreads) dst[i] = src[i];
+      }
+      copied++;
+    }
+  }
+  __syncthreads();
+  if (tid == 0 && copied > 0) {
+    core::FenceAcqRelSystem();
+    const unsigned old = atomicAdd(&c.state->combineCopyChunksDone, copied);
+    if (old + copied == chunks) {
+      c.state->combineCopyChunksDone = 0;
+      core::FenceAcqRelSystem();  // acquire: every block's copy (seen through the counter)
+      if (!core::DeviceAborted(wait)) onLast();
+    }
+  }
+}
+
+// Waits for PE p's ready signal of this combine (readyInbox[parity][p]) and checks that p combines
+// with our format (dtype, row bytes; EpReadyFormat of our `ready`). False on timeout/abort or a
+// mismatch (recorded); *v: p's ready value.
+MORI_DEVICE_INLINE bool EpReadyWait(const EpKernelCommon& c, const core::WaitContext& wait,
+                                    int parity, uint64_t epoch, int p, uint64_t ready,
+                                    uint64_t* v) {
+  EpSignal* const sig =
+      At<EpSignal>(c.symmLocal, c.symm.readyInbox) + EpReadyInboxIndex(parity, p, c.worldSize);
+  if (!SignalWait(wait, sig, epoch, p, "EP combine: peer input ready", v)) return false;
+  if (EpReadyFormat(*v) != EpReadyFormat(ready)) {
+    ReportError(wait, p, "EP combine: PEs called combine with different dtype/hidden",
+                static_cast<const uint64_t*>(&sig->value), core::CmpOp::kEq, EpReadyFormat(ready),
+                EpReadyFormat(*v));
+    return false;
+  }
+  return true;
+}
+
+// Where PE p's combine rows and weights are, from its ready value `v` (weights nullptr: none;
+// tokens kFp8Wire: its e4m3 codes in combineInFp8, rows of the wire size).
+MORI_DEVICE_INLINE void EpReadySources(const EpKernelCommon& c, int p, uint64_t v,
+                                       const uint8_t** tokens, const float** weights) {
+  const EpCombineSource ts = EpReadyTokens(v);
+  const EpCombineSource ws = EpReadyWeights(v);
+  uint8_t* pb = PeerBlock(c, p);
+  *tokens = pb + (ts == EpCombineSource::kFp8Wire       ? c.symm.combineInFp8
+                  : ts == EpCombineSource::kDispatchOut ? c.symm.dispatchOutTokens
+                                                        : c.symm.combineInTokens);
+  *weights = ws == EpCombineSource::kNone ? nullptr
+                                          : At<const float>(pb, ws == EpCombineSource::kDispatchOut
+                                                                    ? c.symm.dispatchOutWeights
+                                                                    : c.symm.combineInWeights);
+}
 
 }  // namespace mori::ops::detail

@@ -36,7 +36,6 @@
 // call k+1, after its receive of call k (the last reader of those slots) on its stream. The same
 // holds for splitArrived (reset by the receive's last block), countInbox and expertInbox. So the
 // receive waits for EVERY PE's count, also from PEs that staged nothing for us.
-#include "fp8_quant.hpp"
 #include "intranode.hpp"
 #include "intranode_device.hpp"
 #include "trace_device.hpp"
@@ -51,81 +50,6 @@ constexpr int kDispatchCopyUnroll = 8;  // 16-byte loads in flight per lane
 constexpr int kDispatchScanBatch = 8;   // top-k ids loaded together per token in the scan
 
 MORI_DEVICE_INLINE size_t AlignUp16(size_t v) { return (v + 15) & ~static_cast<size_t>(15); }
-
-// Fused quantisation (EpDispatchQuant). A lane holds input vector v of a row (8 bf16); a group of
-// kEpQuantGroup elements is 16 vectors, held by lanes 16k..16k+15 of the warp (callers keep their
-// rounds group-aligned: the first vector of a round and the warp size are multiples of 16), so a
-// group's amax is a max over those 16 lanes. Every lane of the warp calls this (shuffles);
-// `valid` is the same for the 16 lanes of a group. Writes the 8 codes of v to codes[8v..8v+8) and
-// (the group's first lane) the group's scale.
-constexpr int kQuantGroupVecs = kEpQuantGroup / 8;
-static_assert(kWarpSize % kQuantGroupVecs == 0, "a warp holds whole quantisation groups");
-
-MORI_DEVICE_INLINE void QuantizeVector(const uint4& x, bool valid, int v, uint8_t* codes,
-                                       uint8_t* scales, int nGroups, EpDispatchQuant quant,
-                                       core::Fp8Format fmt) {
-  const uint32_t w[4] = {x.x, x.y, x.z, x.w};
-  float e[8];
-#pragma unroll
-  for (int i = 0; i < 4; i++) {
-    e[2 * i] = EpBf16ToFloat(static_cast<uint16_t>(w[i] & 0xFFFFu));
-    e[2 * i + 1] = EpBf16ToFloat(static_cast<uint16_t>(w[i] >> 16));
-  }
-  float amax = 0.f;
-  if (valid) {
-#pragma unroll
-    for (int i = 0; i < 8; i++) amax = fmaxf(amax, fabsf(e[i]));
-  }
-#pragma unroll
-  for (int off = kQuantGroupVecs / 2; off > 0; off >>= 1)
-    amax = fmaxf(amax, core::WarpShflXor(amax, off));
-  if (!valid) return;
-  const EpFp8GroupScale s = EpFp8ScaleOf(amax, fmt, EpQuantRoundsScale(quant));
-  uint32_t lo = 0, hi = 0;
-#pragma unroll
-  for (int i = 0; i < 4; i++) {
-    lo |= static_cast<uint32_t>(EpFp8Quantize(e[i], s, fmt)) << (8 * i);
-    hi |= static_cast<uint32_t>(EpFp8Quantize(e[4 + i], s, fmt)) << (8 * i);
-  }
-  *reinterpret_cast<uint2*>(codes + static_cast<size_t>(v) * 8) = make_uint2(lo, hi);
-  if (v % kQuantGroupVecs == 0) EpFp8StoreScale(scales, v / kQuantGroupVecs, nGroups, s, quant);
-}
-
-// WarpCopyVectors with quantisation: input vectors [vBegin, vEnd) of a row (group-aligned).
-template <int kUnroll>
-MORI_DEVICE_INLINE void WarpQuantizeVectors(uint8_t* codes, uint8_t* scales, const uint4* src,
-                                            int vBegin, int vEnd, int nGroups,
-                                            EpDispatchQuant quant, core::Fp8Format fmt) {
-  const int lane = core::LaneId();
-  for (int base = vBegin; base < vEnd; base += kUnroll * kWarpSize) {  // warp-uniform
-    uint4 r[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; u++) {
-      const int v = base + lane + u * kWarpSize;
-      r[u] = v < vEnd ? src[v] : make_uint4(0, 0, 0, 0);
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; u++) {
-      const int v = base + lane + u * kWarpSize;
-      QuantizeVector(r[u], v < vEnd, v, codes, scales, nGroups, quant, fmt);
-    }
-  }
-}
-
-// Block 0 of a dispatch (either form), once every source's count signal has been acquired (by
-// any thread of the block, before a barrier): the per-local-expert counts of this call, from the
-// histograms the count signals published.
-MORI_DEVICE_INLINE void EpSumExpertCounts(const EpKernelCommon& c, int parity) {
-  const int W = c.worldSize;
-  const int Epr = c.numExpertsPerRank;
-  int32_t* einbox = At<int32_t>(c.symmLocal, c.symm.expertInbox);
-  for (int e = static_cast<int>(threadIdx.x); e < Epr; e += static_cast<int>(blockDim.x)) {
-    int sum = 0;
-    for (int s = 0; s < W; s++)
-      sum += core::AtomicLoadRelaxedSystem(einbox + EpExpertInboxIndex(parity, s, e, W, Epr));
-    c.localExpertCount[e] = sum;
-  }
-}
 
 // Thread 0 of every block at the end of a dispatch (either form): counts the block in the grid
 // counter (and the trace). True in the last block, which has reset the counter and ends the call.
@@ -829,64 +753,7 @@ __global__ void __launch_bounds__(kThreads, 1) EpDispatchKernel(const EpDispatch
   if (split) return;
 
   // ---- 5. receive side (block 0) -------------------------------------------------------------
-  // Two passes: every source's count (their sum is checked against the receive capacity before
-  // any row is waited for: a sender whose rows would not fit writes none), then the rows.
-  if (b == 0 && sFailed == 0) {
-    for (int s = tid; s < W; s += nThreads) {
-      uint32_t cnt = 0;
-      if (!EpCountWait<kFamily>(c, wait, parity, s, me, epoch, a.format,
-                                "EP dispatch: token count for this PE", &cnt))
-        sFailed = 1;
-      c.state->recvCount[s] = static_cast<int32_t>(cnt);  // for the push and InterNode combines
-      atomicAdd(&sTotal, static_cast<int>(cnt));
-    }
-    __syncthreads();
-    if (tid == 0 && sFailed == 0 && sTotal > c.maxRecvRows) {
-      ReportError(wait, -1, "EP dispatch: rows exceed max_total_recv_tokens", CmpOp::kLe,
-                  static_cast<uint64_t>(c.maxRecvRows), static_cast<uint64_t>(sTotal));
-      sFailed = 1;
-    }
-    __syncthreads();
-  }
-  if (b == 0 && sFailed == 0) {
-    uint64_t* arrived = At<uint64_t>(c.symmLocal, c.symm.arrived);
-    for (int s = tid; s < W; s += nThreads) {
-      const uint64_t cnt = static_cast<uint64_t>(c.state->recvCount[s]);
-      if (cnt == 0) continue;
-      if (kInter && IsRemote(c, s)) {
-        // Rows from another node: the tail word follows them on the sender's QP.
-        uint64_t* tailWord = At<uint64_t>(c.symmLocal, c.symm.interTail) + s;
-        uint32_t rows = 0;
-        if (!TagWait(wait, tailWord, epoch, s, "EP dispatch: RDMA rows (tail) from PE", &rows)) {
-          sFailed = 1;
-        } else if (rows != cnt) {
-          ReportError(wait, s, "EP dispatch: RDMA tail != announced count",
-                      static_cast<const uint64_t*>(tailWord), CmpOp::kEq, cnt,
-                      static_cast<uint64_t>(rows));
-          sFailed = 1;
-        }
-        continue;
-      }
-      if (!core::WaitUntil(wait, arrived + s, CmpOp::kGe, cnt, s,
-                           "EP dispatch: rows arrived from PE")) {
-        sFailed = 1;
-        continue;
-      }
-      const uint64_t got = core::AtomicLoadAcquireSystem(arrived + s);
-      if (got != cnt) {
-        ReportError(wait, s, "EP dispatch: more rows arrived than announced",
-                    static_cast<const uint64_t*>(arrived + s), CmpOp::kEq, cnt, got);
-        sFailed = 1;
-        continue;
-      }
-      core::AtomicStoreRelaxedSystem(arrived + s, static_cast<uint64_t>(0));
-    }
-    // The histograms came with the count signals acquired above (by other threads of this
-    // block: the barrier carries the acquire to them).
-    __syncthreads();
-    if (tid == 0) *c.totalRecv = sTotal;
-    EpSumExpertCounts(c, parity);
-  }
+  if (b == 0) EpDispatchReceive<kFamily>(c, wait, parity, epoch, a.format, sTotal, sFailed);
 
   // ---- 6. epoch ------------------------------------------------------------------------------
   if (tid == 0) EpTraceStamp(tr, kEpDispatchReceived);

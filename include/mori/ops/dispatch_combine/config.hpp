@@ -11,8 +11,11 @@ namespace mori::ops {
 // Which kernel family moves the tokens (MORI's names and numbering, so a value means the same in
 // both libraries). kIntraNode: every PE reachable by load/store over NVLink/xGMI. kInterNode: nodes
 // of gpuPerNode PEs; same-node PEs by load/store, other nodes by GPU-posted RDMA, one copy per
-// destination PE. The others (node-deduplicated kInterNodeV1/kInterNodeV1LL, the split-phase
-// kAsyncLL, kIntraNodeLL) are not built: Validate rejects them, naming the built ones.
+// destination PE. kInterNodeV1 (high throughput: chunks, credits) and kInterNodeV1LL (small
+// batches: parity-buffered): nodes of gpuPerNode PEs, rail-aligned and node-deduplicated (a token
+// crosses the network at most once per remote node, to the PE with the sender's local index,
+// which forwards it over P2P; docs/ep_internode_v1.md). The others (the split-phase kAsyncLL,
+// kIntraNodeLL) are not built: Validate rejects them, naming the built ones.
 enum class EpDispatchCombineKernelType : int32_t {
   kIntraNode = 0,
   kInterNode = 1,
@@ -92,6 +95,8 @@ constexpr int kEpMaxThreadsPerBlock = 512;  // kernels are compiled for at most 
 constexpr int kEpRowAlignBytes = 16;        // token rows move as 16-byte vectors
 constexpr int kEpSmallBatchTokens = 128;    // small-batch launch defaults up to this many tokens
 constexpr int kEpSmallBatchBlocks = 64;  // default blocks (at least) for small batches (measured)
+constexpr int kEpV1LLMaxTokens = 256;    // InterNodeV1LL: maxNumInpTokenPerRank at most
+constexpr int kEpV1MaxChannels = 16;     // InterNodeV1/V1LL: numQpPerPe (channels per rail peer)
 
 struct EpDispatchCombineConfig {
   int rank = 0;
@@ -127,6 +132,11 @@ struct EpDispatchCombineConfig {
   }
   // PEs per node as the kernels see it (an op within one node has one node of worldSize PEs).
   int LocalSize() const { return gpuPerNode < worldSize ? gpuPerNode : worldSize; }
+  // The node-deduplicated kernel types (InterNodeV1, InterNodeV1LL).
+  bool IsV1() const {
+    return kernelType == EpDispatchCombineKernelType::kInterNodeV1 ||
+           kernelType == EpDispatchCombineKernelType::kInterNodeV1LL;
+  }
   size_t MaxTokenRowBytes() const {
     return static_cast<size_t>(hiddenDim) * static_cast<size_t>(maxTokenTypeSize);
   }

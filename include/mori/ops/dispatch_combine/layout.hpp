@@ -27,6 +27,12 @@
 // signal they write is one tagged 8-byte word (EpTagWord: the call's epoch in the high half), rows
 // travel from registered staging by RDMA WRITE, and combine rows come back into a landing region of
 // their token's PE. See docs/ep.md.
+//
+// Node-deduplicated regions (kernel types InterNodeV1, InterNodeV1LL; docs/ep_internode_v1.md §3):
+// a PE sends each of its tokens at most once per remote node, as one record, to its rail peer
+// there, which forwards it over P2P (v1Inbox -> the IntraNode outputs of its node) and in combine
+// returns one partial sum per token (v1PartialOut -> the owner's v1Landing). Remote node n is kept
+// at slot (n - myNode - 1) mod N. Parity P = 2 for V1LL (dispatch k % 2, combine e % 2), 1 for V1.
 #pragma once
 
 #include <cstddef>
@@ -71,6 +77,19 @@ struct EpDeviceState {
   // InterNode dispatch: blocks of the group serving another node's PE d that have staged their
   // rows; the last one posts the group's RDMA WRITEs and resets it.
   uint32_t stagedBlocks[kEpMaxWorldSize];
+  // InterNodeV1/V1LL, per remote node slot m (and channel): blocks that finished packing our
+  // records for node m (dispatch), forwarding the records of m's rail peer (dispatch, V1: the last
+  // posts the credit), summing the partials of m's rail peer on each channel (combine: the last
+  // posts them); a local PE without weights contributed to the partials of (m, channel). The last
+  // block of each group resets its counter.
+  uint32_t v1Packed[kEpMaxWorldSize];
+  uint32_t v1Forwarded[kEpMaxWorldSize];
+  uint32_t v1Summed[kEpMaxWorldSize * kEpV1MaxChannels];
+  uint32_t v1NoWeights[kEpMaxWorldSize * kEpV1MaxChannels];
+  // Last dispatch: records of the rail peer of slot m for our node (what our combine returns to
+  // it), and our records for node slot m (what our combine waits for).
+  int32_t v1InRecords[kEpMaxWorldSize];
+  int32_t v1OutRecords[kEpMaxWorldSize];
 };
 
 // The sizes regions are computed from (EpLayoutDims(config)).
@@ -86,6 +105,10 @@ struct EpLayoutDims {
   size_t markWords;  // 32-bit words of one expert's row bitmap: ceil(rmax / 32)
   size_t hidden;     // hiddenDim
   size_t fp8;        // 1: combine rows travel as e4m3 (quant_type fp8_direct_cast), else 0
+  // InterNodeV1/V1LL (all 0 otherwise): remote nodes N - 1, PEs per node G, parity sets (2 for
+  // V1LL, 1 for V1), 1 for V1 (credits, landFree), channels Q, largest dispatch record and partial
+  // (bytes), 8-byte words of one count record.
+  size_t v1Nodes, g, v1Par, v1Ht, v1Q, v1Rec, v1Part, v1CountWords;
 };
 
 // What a region holds: kControl (signals, counters: zeroed at creation, kernels keep them
@@ -149,9 +172,29 @@ const char* EpRegionRoleName(EpRegionRole role);
   X(stageHist, "stage_hist", d.inter * d.w * d.epr * sizeof(int32_t), kStaging)                  \
   /* InterNode: rows of our tokens returned by other nodes' PEs, by destination then list index */ \
   X(landingTokens, "landing_tokens", d.inter * d.landing * d.row, kStaging)                      \
-  X(landingWeights, "landing_weights", d.inter * d.landing * d.k * sizeof(float), kStaging)   \
+  X(landingWeights, "landing_weights", d.inter * d.landing * d.k * sizeof(float), kStaging)       \
   /* quant_type fp8_direct_cast: [Rmax][hidden] e4m3 codes of our combine input (what peers read) */ \
-  X(combineInFp8, "combine_in_fp8", d.fp8 * d.rmax * d.hidden, kStaging)
+  X(combineInFp8, "combine_in_fp8", d.fp8 * d.rmax * d.hidden, kStaging)                          \
+  /* V1: [k%2][m][words] tagged count record of m's rail peer (EpV1CountWord order) */             \
+  X(v1CountRec, "v1_count_rec", 2 * d.v1Nodes * d.v1CountWords * 8, kControl)                     \
+  /* V1: [P][m][c] tagged word: records of channel c of m's rail peer landed (value: records) */   \
+  X(v1Tail, "v1_tail", d.v1Par * d.v1Nodes * d.v1Q * 8, kControl)                                 \
+  /* V1 (not LL): [m] tagged word: m's rail peer forwarded all our records of call k (value 0) */ \
+  X(v1Credit, "v1_credit", d.v1Ht * d.v1Nodes * 8, kControl)                                      \
+  /* V1: [P][m][c] tagged word: partials of channel c from m's rail peer landed (EpV1LandValue) */ \
+  X(v1LandTail, "v1_land_tail", d.v1Par * d.v1Nodes * d.v1Q * 8, kControl)                        \
+  /* V1 (not LL): [m] tagged word: m's rail peer finished reading its landing (value 0) */         \
+  X(v1LandFree, "v1_land_free", d.v1Ht * d.v1Nodes * 8, kControl)                                 \
+  /* V1: [P][m][M] records of m's rail peer for our node (RDMA), read by our forwarders */          \
+  X(v1Inbox, "v1_inbox", d.v1Par * d.v1Nodes * d.m * d.v1Rec, kStaging)                           \
+  /* V1: [P][m][M] partials of our tokens from node m's rail peer (RDMA), read by our combine */    \
+  X(v1Landing, "v1_landing", d.v1Par * d.v1Nodes * d.m * d.v1Part, kStaging)                      \
+  /* V1: [m][M] our records for node m, packed for the WRITE (read by the NIC) */                  \
+  X(v1SendStage, "v1_send_stage", d.v1Nodes * d.m * d.v1Rec, kStaging)                           \
+  /* V1: [m][words] our count record for node m (read by the NIC) */                               \
+  X(v1CountSend, "v1_count_send", d.v1Nodes * d.v1CountWords * 8, kStaging)                      \
+  /* V1: [m][M] partial sums of m's rail peer's tokens, for the WRITE (read by the NIC) */          \
+  X(v1PartialOut, "v1_partial_out", d.v1Nodes * d.m * d.v1Part, kStaging)
 // clang-format on
 
 // An X-macro table, one row per entry, laid out by hand:
@@ -166,7 +209,11 @@ const char* EpRegionRoleName(EpRegionRole role);
   /* [M][W] row of token t on PE d, or -1 (last dispatch) */                                       \
   X(tokenSlot, "token_slot", d.m * d.w * sizeof(int32_t), kControl)                              \
   X(combineOutWeights, "combine_out_weights", d.m * d.k * sizeof(float), kOutput)                \
-  X(combineOutTokens, "combine_out_tokens", d.m * d.row, kOutput)
+  X(combineOutTokens, "combine_out_tokens", d.m * d.row, kOutput)                               \
+  /* V1: [m][M][G] row where our forwarders put record i of m's rail peer on local PE g, or -1 */ \
+  X(v1Route, "v1_route", d.v1Nodes * d.m * d.g * sizeof(int32_t), kControl)                      \
+  /* V1: [M][m] index of our token t in our list for node slot m, or -1 (last dispatch) */         \
+  X(v1ListPos, "v1_list_pos", d.m * d.v1Nodes * sizeof(int32_t), kControl)
 // clang-format on
 
 // The expert-major ("standard MoE") block: ordinary device memory a handle allocates at its first
@@ -252,6 +299,11 @@ size_t EpExpertMajorBytes(const EpDispatchCombineConfig& config);
 // expert histogram); Validate() keeps it within kEpMaxDispatchSmemBytes.
 size_t EpDispatchSmemBytes(const EpDispatchCombineConfig& config, int warpSize);
 constexpr size_t kEpMaxDispatchSmemBytes = 40 * 1024;
+
+// Dynamic shared memory of the InterNodeV1/V1LL dispatch kernel (the G + 1 membership bitmaps of
+// one node with their prefix counts, and that node's expert histograms); Validate keeps it within
+// kEpMaxDispatchSmemBytes.
+size_t EpV1DispatchSmemBytes(const EpDispatchCombineConfig& config, int warpSize);
 
 // --- index helpers (element indices into the arrays above) ---------------------------------
 MORI_HD inline size_t EpCountInboxIndex(int parity, int src, int dst, int worldSize) {
@@ -348,6 +400,54 @@ MORI_HD inline size_t EpInterCountIndex(int parity, int src, int dst, int worldS
 // were sent.
 MORI_HD inline uint32_t EpLandingValue(uint64_t ready, bool weights) {
   return static_cast<uint32_t>(EpReadyFormat(ready)) | (weights ? 0x10u : 0u);
+}
+
+// --- InterNodeV1 / V1LL records (docs/ep_internode_v1.md §2) -------------------------------
+MORI_HD inline uint32_t EpAlignUp(uint32_t v, uint32_t a) { return (v + a - 1) / a * a; }
+// A dispatch record, 16-byte aligned: [row | K fp32 weights | scales | K indices | source token |
+// G int32 idx(s->j, t), -1: local PE j does not need the token]. Every PE of a call computes the
+// same layout (row bytes, index type and scale bytes are part of the call's format).
+struct EpV1Record {
+  uint32_t weights, scales, indices, srcPos, header, bytes;  // offsets, then the size
+};
+MORI_HD inline EpV1Record EpV1RecordLayout(uint32_t rowBytes, int k, uint32_t scaleBytes,
+                                           int idxBytes, int g) {
+  EpV1Record r;
+  r.weights = rowBytes;
+  r.scales = r.weights + 4u * k;
+  r.indices = EpAlignUp(r.scales + scaleBytes, 8);
+  r.srcPos = r.indices + static_cast<uint32_t>(idxBytes * k);
+  r.header = r.srcPos + 4;
+  r.bytes = EpAlignUp(r.header + 4u * g, 16);
+  return r;
+}
+// A combine partial: [row | K fp32 weights], 16-byte aligned (weights always travel: whether the
+// owner asked for them is its own call's business).
+MORI_HD inline uint32_t EpV1PartialBytes(uint32_t rowBytes, int k) {
+  return EpAlignUp(rowBytes + 4u * k, 16);
+}
+// V1 chunks: ceil(512 KiB / record) records (V1LL sends each channel's share as one chunk).
+constexpr uint32_t kEpV1ChunkBytes = 512u << 10;
+MORI_HD inline int EpV1ChunkRecords(uint32_t recordBytes) {
+  return static_cast<int>((kEpV1ChunkBytes + recordBytes - 1) / recordBytes);
+}
+// A count record's tagged words: the sender's dispatch format, its records for the node, its
+// count for each of the node's G PEs, then G expert histograms of Epr entries.
+constexpr int kEpV1CountFormat = 0;
+constexpr int kEpV1CountRecords = 1;
+constexpr int kEpV1CountPerPe = 2;
+MORI_HD inline int EpV1CountWords(int g, int epr) { return 2 + g + g * epr; }
+// Slot of node n among the remote nodes of a PE on node `me` (N nodes), and back.
+MORI_HD inline int EpV1NodeSlot(int n, int me, int numNodes) {
+  return (n - me - 1 + numNodes) % numNodes;
+}
+MORI_HD inline int EpV1SlotNode(int m, int me, int numNodes) { return (me + 1 + m) % numNodes; }
+// A landing tail's value: partials landed (bits 0..16), bit 17: a PE of the proxy's node passed no
+// weights for them, bits 18..31: the combine format (EpReadyFormat: dtype, row bytes / 16) mod
+// 2^14, compared by the owner.
+MORI_HD inline uint32_t EpV1LandValue(uint32_t count, bool noWeights, uint64_t readyFormat) {
+  const uint32_t fmt = static_cast<uint32_t>((readyFormat & 0xF) | ((readyFormat >> 12) << 4));
+  return (count & 0x1FFFFu) | (noWeights ? (1u << 17) : 0u) | ((fmt & 0x3FFFu) << 18);
 }
 
 }  // namespace mori::ops

@@ -1,0 +1,341 @@
+// InterNodeV1 / InterNodeV1LL combine: two-level and deterministic. One kernel; every block takes
+// its share of each phase in order (docs/ep_internode_v1.md §5-7):
+//   1. Input in place: block 0 signals "ready" to the local PEs. External input: every block waits
+//      until the local PEs finished reading our registered buffer (last combine); the resident
+//      blocks copy the input into it in chunks they claim, and the block that completes the last
+//      chunk signals "ready" (EpCombineCopyInput; docs/ep.md "Residency").
+//   2. Every block waits for the ready signal of every local PE (where its rows are).
+//   3. Proxy, per rail peer o: for each record o sent us in the last dispatch, the partial
+//      P = round(sum over the local PEs j it went to, ascending, of j's row) in fp32 (weights
+//      likewise, unrounded fp32), into v1PartialOut; the last block to finish a channel's share
+//      posts it (WRITE + landing tail on that QP; V1LL also for an empty share; V1 in chunks, after
+//      o freed its landing: landFree >= e - 1).
+//   4. Owner: waits for every channel's landing tail; for each token, the own node's partial from
+//      the local PEs (pulled, rounded), then the sum in fp32 over the nodes holding a destination,
+//      ascending, of their partials, rounded: out = round(sum_n P_n).
+//   5. The last block completes our WRITEs (quiet: v1PartialOut is rewritten by the next combine),
+//      posts landFree {e} to every rail peer (V1), signals "done reading" to the local PEs and
+//      bumps the epoch.
+#include "combine_reduce.hpp"
+#include "internode_v1_device.hpp"
+#include "intranode.hpp"
+#include "mori/core/gpu_check.hpp"
+
+namespace mori::ops {
+namespace detail {
+
+using core::CmpOp;
+
+// Lane g < G holds `slot`, the row of an item on local PE g, or -1. The members' rows (in
+// tok[g], rows of rowBytes) go to rows[0..n) in ascending g; returns n (every lane). Ends with a
+// warp barrier (rows is read by the whole warp next).
+MORI_DEVICE_INLINE int WarpMemberRows(int slot, const uint8_t* const* tok, uint32_t rowBytes,
+                                      const uint8_t** rows) {
+  const LaneMask members = core::WarpBallot(slot >= 0);
+  if (slot >= 0)
+    rows[core::PopCount(members & LowerLanesMask(core::LaneId()))] =
+        tok[core::LaneId()] + static_cast<size_t>(slot) * rowBytes;
+  core::WarpSync();
+  return core::PopCount(members);
+}
+
+template <typename Elem>
+__global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
+    EpV1CombineKernel(const EpCombineKernelArgs a) {
+  __shared__ const uint8_t* sTok[kEpMaxWorldSize];  // local PE g's combine rows
+  __shared__ const float* sW[kEpMaxWorldSize];      // its weights (nullptr: none)
+  __shared__ const uint8_t* sRows[kCombineMaxWarps][kEpMaxWorldSize];
+  __shared__ int sFailed;
+  __shared__ unsigned sClaim;  // external input: the block's copy chunk (EpCombineCopyInput)
+  constexpr int kThreads = kEpMaxThreadsPerBlock;
+
+  const EpKernelCommon& c = a.c;
+  const EpKernelStart start = EpBeginKernel(c, EpTraceKind::kCombine, a.partsPerToken);
+  const core::WaitContext wait = c.shmem.wait;
+  const EpV1Topo tp(c);
+  const int W = c.worldSize;
+  const int me = c.rank;
+  const int T = a.numTokens;
+  const int K = c.topK;
+  const int M = c.maxTokensPerRank;
+  const int G = tp.G;
+  const int R = tp.R;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int nThreads = static_cast<int>(blockDim.x);
+  const int lane = core::LaneId();
+  const int warp = core::WarpId();
+  const int nWarps = core::WarpsPerBlock();
+  const int b = static_cast<int>(blockIdx.x);
+  const int nb = static_cast<int>(gridDim.x);
+  const uint64_t epoch = start.epoch;
+  const int parity = start.parity;
+  const int par = tp.ll ? parity : 0;  // landing set of this call
+  uint64_t* const tr = start.trace;
+  uint8_t* const L0 = c.symmLocal;
+  const uint64_t ready = EpPackReady(a.tokenSource, a.weightSource, a.dataType, a.rowBytes);
+  const uint32_t partBytes = EpV1PartialBytes(a.rowBytes, K);
+  const int vecs = static_cast<int>(a.rowBytes / 16);
+  const int P = a.partsPerToken;
+  if (tid == 0) sFailed = 0;
+  __syncthreads();
+
+  // ---- 1. input; ready to the local PEs ------------------------------------------------------
+  auto signalReady = [&]() {
+    SignalStoreAll(
+        G,
+        [&](int g) {
+          return At<EpSignal>(PeerBlock(c, tp.LocalPe(g)), c.symm.readyInbox) +
+                 EpReadyInboxIndex(parity, me, W);
+        },
+        ready, epoch);
+  };
+  if (a.copyTokens != 0 || a.copyWeights != 0) {
+    EpCombineCopyInput(a, wait, epoch, tp.LocalPe(0), tp.LocalPe(G), sFailed, sClaim, signalReady);
+  } else if (b == 0 && tid == 0) {
+    signalReady();
+  }
+  if (tid == 0) EpTraceStamp(tr, kEpCombineSent);
+
+  // ---- 2. the local PEs' rows are ready -------------------------------------------------------
+  if (sFailed == 0) {
+    for (int g = tid; g < G; g += nThreads) {
+      const int p = tp.LocalPe(g);
+      uint64_t v = 0;
+      if (!EpReadyWait(c, wait, parity, epoch, p, ready, &v)) {
+        sFailed = 1;
+        continue;
+      }
+      EpReadySources(c, p, v, &sTok[g], &sW[g]);
+    }
+  }
+  __syncthreads();
+  if (tid == 0) EpTraceStamp(tr, kEpCombinePeersReady);
+
+  // Items (record or token x part) are dealt to the grid's warps round robin.
+  const int stride = nb * nWarps;
+  const int gwarp = b * nWarps + warp;
+
+  // ---- 3. proxy: partial sums of our rail peers' tokens --------------------------------------
+  for (int m = 0; m < R && sFailed == 0; m++) {
+    const int cnt = c.state->v1InRecords[m];
+    const int32_t* route = c.v1Route + static_cast<size_t>(m) * M * G;
+    uint8_t* out = L0 + c.symm.v1PartialOut + static_cast<size_t>(m) * M * partBytes;
+    for (int item = gwarp; item < cnt * P; item += stride) {
+      const int i = item / P;
+      const int part = item - i * P;
+      const int n = WarpMemberRows(lane < G ? route[static_cast<size_t>(i) * G + lane] : -1, sTok,
+                                   a.rowBytes, sRows[warp]);
+      uint8_t* prow = out + static_cast<size_t>(i) * partBytes;
+      WarpReduceRows<Elem, kThreads>(reinterpret_cast<uint4*>(prow), sRows[warp], n,
+                                     EpShareBegin(vecs, part, P), EpShareBegin(vecs, part + 1, P));
+      if (part == 0) {
+        bool noW = false;
+        for (int k = lane; k < K; k += kWarpSize) {
+          float acc = 0.0f;
+          for (int g = 0; g < G; g++) {  // ascending local PE, as the rows
+            const int sl = route[static_cast<size_t>(i) * G + g];
+            if (sl < 0) continue;
+            if (sW[g] == nullptr) {
+              noW = true;
+            } else {
+              acc += sW[g][static_cast<size_t>(sl) * K + k];
+            }
+          }
+          reinterpret_cast<float*>(prow + a.rowBytes)[k] = acc;
+        }
+        if (core::WarpBallot(noW) != 0 && lane == 0) {
+          int q = 0;
+          while (q + 1 < tp.Q && EpShareBegin(cnt, q + 1, tp.Q) <= i) q++;
+          atomicOr(&c.state->v1NoWeights[m * kEpV1MaxChannels + q], 1u);
+        }
+      }
+      core::WarpSync();  // the next item rewrites this warp's row list
+    }
+    __syncthreads();
+    if (tid == 0) {
+      core::FenceAcqRelSystem();  // our partials (and weight flags) before the counters
+      for (int q = 0; q < tp.Q; q++) {
+        const int at = m * kEpV1MaxChannels + q;
+        const unsigned old = atomicAdd(&c.state->v1Summed[at], 1u);
+        if (old != static_cast<unsigned>(nb) - 1) continue;
+        c.state->v1Summed[at] = 0;
+        core::FenceAcqRelSystem();  // acquire every block's partials (through the counter)
+        const bool noW = atomicExch(&c.state->v1NoWeights[at], 0u) != 0;
+        const int s0 = EpShareBegin(cnt, q, tp.Q), s1 = EpShareBegin(cnt, q + 1, tp.Q);
+        const int o = tp.RailPeer(m);
+        bool ok = !core::DeviceAborted(wait);
+        // V1: o finished reading its landing region in its last combine.
+        if (ok && !tp.ll && s0 < s1)
+          ok = TagWaitAtLeast(wait, At<uint64_t>(L0, c.symm.v1LandFree) + m, epoch - 1, o,
+                              "EP V1 combine: landFree (rail peer read its last landing)");
+        const size_t at2 = static_cast<size_t>(par) * R + tp.SlotOnPeer(m);
+        if (ok)
+          ok = PostShare(c, o, q, L0 + c.symm.v1Landing + at2 * M * partBytes, out, partBytes, s0,
+                         s1, tp.ll ? (s1 > s0 ? s1 - s0 : 1) : EpV1ChunkRecords(partBytes),
+                         At<uint64_t>(L0, c.symm.v1LandTail) + at2 * tp.Q + q, epoch,
+                         EpV1LandValue(0, noW, EpReadyFormat(ready)), tp.ll);
+        if (!ok) sFailed = 1;
+      }
+    }
+    __syncthreads();
+  }
+
+  // ---- 4. owner: own node's partials, then the other nodes' -----------------------------------
+  // Pass 1 needs no other node: P_own = round(sum of the local rows, ascending) into the output
+  // row, while the partials travel. The same warp takes the same items in pass 2 (same lanes, same
+  // vectors), which adds the nodes' partials in ascending node order.
+  if (sFailed == 0) {
+    for (int item = gwarp; item < T * P; item += stride) {
+      const int t = item / P;
+      const int part = item - t * P;
+      const int nLocal =
+          WarpMemberRows(lane < G ? c.tokenSlot[static_cast<size_t>(t) * W + tp.LocalPe(lane)] : -1,
+                         sTok, a.rowBytes, sRows[warp]);
+      if (nLocal > 0)
+        WarpReduceRows<Elem, kThreads>(
+            reinterpret_cast<uint4*>(a.outTokens + static_cast<size_t>(t) * a.rowBytes),
+            sRows[warp], nLocal, EpShareBegin(vecs, part, P), EpShareBegin(vecs, part + 1, P));
+      core::WarpSync();  // the next item rewrites this warp's row list
+    }
+  }
+  // The partials' tails (every channel of every rail peer: V1LL; the channels with partials: V1).
+  for (int i = tid; i < R * tp.Q && sFailed == 0; i += nThreads) {
+    const int m = i / tp.Q, q = i - m * tp.Q;
+    const int cnt = c.state->v1OutRecords[m];
+    const int s0 = EpShareBegin(cnt, q, tp.Q), s1 = EpShareBegin(cnt, q + 1, tp.Q);
+    if (s0 == s1 && !tp.ll) continue;
+    uint64_t* w =
+        At<uint64_t>(L0, c.symm.v1LandTail) + (static_cast<size_t>(par) * R + m) * tp.Q + q;
+    uint32_t v = 0;
+    if (!TailWait(wait, w, epoch, static_cast<uint32_t>(s1 - s0), static_cast<uint32_t>(s1 - s0),
+                  0x1FFFFu, tp.RailPeer(m),
+                  "EP V1 combine: partials of a channel (landing tail) from rail peer", &v)) {
+      sFailed = 1;
+      continue;
+    }
+    const uint32_t mine = EpV1LandValue(0, false, EpReadyFormat(ready));
+    if ((v & ~0x3FFFFu) != mine) {
+      ReportError(wait, tp.RailPeer(m),
+                  "EP combine: PEs called combine with different dtype/hidden",
+                  static_cast<const uint64_t*>(w), CmpOp::kEq, static_cast<uint64_t>(mine),
+                  static_cast<uint64_t>(v & ~0x3FFFFu));
+      sFailed = 1;
+    } else if ((v & (1u << 17)) != 0 && a.outWeights != nullptr) {
+      ReportError(wait, tp.RailPeer(m),
+                  "EP combine: a PE passed no weights, this PE asked for weights",
+                  static_cast<const uint64_t*>(w), CmpOp::kNe,
+                  static_cast<uint64_t>(EpCombineSource::kNone),
+                  static_cast<uint64_t>(EpCombineSource::kNone));
+    }
+  }
+  __syncthreads();
+  if (sFailed == 0) {
+    const uint8_t* landing = L0 + c.symm.v1Landing + static_cast<size_t>(par) * R * M * partBytes;
+    for (int item = gwarp; item < T * P; item += stride) {
+      const int t = item / P;
+      const int part = item - t * P;
+      const int vb = EpShareBegin(vecs, part, P), ve = EpShareBegin(vecs, part + 1, P);
+      uint4* const outRow =
+          reinterpret_cast<uint4*>(a.outTokens + static_cast<size_t>(t) * a.rowBytes);
+      const int nLocal = core::PopCount(core::WarpBallot(
+          lane < G && c.tokenSlot[static_cast<size_t>(t) * W + tp.LocalPe(lane)] >= 0));
+      // Every node holding a destination, ascending: its partial (ours: the row of pass 1).
+      const int pos = lane < R ? c.v1ListPos[static_cast<size_t>(t) * R + lane] : -1;
+      const LaneMask remote = core::WarpBallot(pos >= 0);
+      core::WarpSync();
+      int n = 0;
+      for (int nd = 0; nd < tp.N; nd++) {
+        if (nd == tp.node) {
+          if (nLocal > 0) sRows[warp][n++] = reinterpret_cast<const uint8_t*>(outRow);
+          continue;
+        }
+        const int m = EpV1NodeSlot(nd, tp.node, tp.N);
+        const int p = core::WarpShfl(pos, m);
+        if (p >= 0) sRows[warp][n++] = landing + (static_cast<size_t>(m) * M + p) * partBytes;
+      }
+      core::WarpSync();
+      if (remote != 0 || nLocal == 0)
+        WarpReduceRows<Elem, kThreads>(outRow, sRows[warp], n, vb, ve);
+      if (part == 0 && a.outWeights != nullptr) {
+        for (int k = lane; k < K; k += kWarpSize) {
+          float acc = 0.0f;
+          for (int nd = 0; nd < tp.N; nd++) {
+            if (nd == tp.node) {
+              if (nLocal == 0) continue;
+              float own = 0.0f;
+              for (int g = 0; g < G; g++) {
+                const int sl = c.tokenSlot[static_cast<size_t>(t) * W + tp.LocalPe(g)];
+                if (sl < 0) continue;
+                if (sW[g] == nullptr) {
+                  ReportError(wait, tp.LocalPe(g),
+                              "EP combine: a PE passed no weights, this PE asked for weights",
+                              CmpOp::kNe, static_cast<uint64_t>(EpCombineSource::kNone),
+                              static_cast<uint64_t>(EpCombineSource::kNone));
+                } else {
+                  own += sW[g][static_cast<size_t>(sl) * K + k];
+                }
+              }
+              acc += own;
+              continue;
+            }
+            const int m = EpV1NodeSlot(nd, tp.node, tp.N);
+            const int p = c.v1ListPos[static_cast<size_t>(t) * R + m];
+            if (p >= 0)
+              acc += reinterpret_cast<const float*>(
+                  landing + (static_cast<size_t>(m) * M + p) * partBytes + a.rowBytes)[k];
+          }
+          a.outWeights[static_cast<size_t>(t) * K + k] = acc;
+        }
+      }
+      core::WarpSync();
+    }
+  }
+
+  // ---- 5. quiet, landFree, done, epoch ---------------------------------------------------------
+  __syncthreads();
+  if (tid == 0) {
+    EpTraceStamp(tr, kEpCombineReduced);
+    core::FenceAcqRelSystem();
+    EpTraceStamp(tr, kEpCombineFenced);
+    const unsigned old = atomicAdd(&c.state->combineBlocksDone, 1u);
+    if (tr != nullptr) {
+      EpTraceStamp(tr, kEpCombineCounted);
+      tr[kEpTraceWordArrival] = static_cast<uint64_t>(old) + 1;
+    }
+    if (old == gridDim.x - 1) {
+      c.state->combineBlocksDone = 0;
+      c.state->combineCopyNextChunk = 0;  // every block stopped claiming copy chunks before
+      const bool aborted = core::DeviceAborted(wait);
+      core::FenceAcqRelSystem();  // every block's reads (through the counter) before the signals
+      if (!aborted) {
+        if (!tp.ll) {
+          const uint64_t freed = EpTagWord(epoch, 0);
+          for (int m = 0; m < R; m++)
+            shmem::ShmemPutMemNbiThreadQp(c.shmem,
+                                          At<uint64_t>(L0, c.symm.v1LandFree) + tp.SlotOnPeer(m),
+                                          &freed, sizeof(freed), tp.RailPeer(m), 0);
+        }
+        // Our partial WRITEs read v1PartialOut until they complete.
+        shmem::ShmemQuietThread(c.shmem);
+        for (int g = 0; g < G; g++)
+          core::AtomicStoreRelaxedSystem(
+              &(At<EpSignal>(PeerBlock(c, tp.LocalPe(g)), c.symm.doneInbox) + me)->tag, epoch);
+      }
+      c.state->combineEpoch = epoch;
+      EpTraceStamp(tr, kEpCombineTail);
+    }
+  }
+}
+
+}  // namespace detail
+
+// One instantiation per element type combine sums (V1 and V1LL are one kernel).
+void LaunchEpV1Combine(const EpCombineKernelArgs& args, EpDataType dataType, int blocks,
+                       int threads, gpuStream_t stream) {
+  detail::WithCombineElem(dataType, [&](auto elem) {
+    MORI_CHECK_GPU(core::GpuLaunchKernel(detail::EpV1CombineKernel<decltype(elem)>, blocks, threads,
+                                         0, stream, args.c.programmatic != 0, args));
+  });
+}
+
+}  // namespace mori::ops
