@@ -461,6 +461,10 @@ def roundtrip(env, spec, op=None, label=""):
                 raise ValueError(wmode)
         cb, cwp = spec.c_launch(it)
         out, out_w2 = op.combine(cin, cw, idx, block_num=cb, warp_per_block=cwp)
+        if env.emulated_rdma:
+            # verify_combine's allocations can hold up the emulator's copies (the other node's
+            # rows) this combine waits for, as verify_dispatch's above.
+            torch.cuda.synchronize()
         verify_combine(env, spec, op, out, out_w2, data, cnt, poisoned, it, cdt)
         last = (outs, data, it)
         if spec.check_every and (it + 1) % spec.check_every == 0:
@@ -888,15 +892,20 @@ def case_split_phase_dispatch(env):
     x, idx, w, sc = (X[r, : Ts[r]].contiguous(), IDX[r, : Ts[r]].contiguous(), WT[r, : Ts[r]].contiguous(),
                      SC[r, : Ts[r]].contiguous())
     cdt = torch.bfloat16
-    # The work between the halves allocates nothing (see roundtrip: the RDMA emulator).
+    # Under the RDMA emulator no runtime call that holds up its copies (a device allocation that
+    # misses the cache, a new stream) may run while a call of this op is unfinished: the combine's
+    # rows from the other node, or the send's own WRITEs, would wait for them until the device
+    # timeout (docs/rdma.md, "Host run-ahead"). So the work between the halves allocates nothing,
+    # and the host synchronises before it allocates behind a combine.
     a = torch.randn((1024, 1024), device=env.dev)
     bm = a @ a
-    warm = [torch.empty((1 << 20,), device=env.dev) for _ in range(10)]  # cached for `junk` below
-    del warm
 
     def combined(outs):
         y = expert_fn(outs[0], r, cdt)
-        return [t.clone() for t in op.combine(y, outs[1] * float(r + 1), idx)]
+        got = op.combine(y, outs[1] * float(r + 1), idx)
+        if env.emulated_rdma:
+            torch.cuda.synchronize()
+        return [t.clone() for t in got]
 
     env.barrier()
     outs = op.dispatch(x, w, sc, idx)
@@ -910,9 +919,15 @@ def case_split_phase_dispatch(env):
         results.append((f"split {i}", _dispatch_state(env, op, outs), combined(outs)))
     # A temporary input (only the op references it until dispatch_recv) and the receive on another
     # stream (it waits for the send half).
+    inputs = (x, w, sc, idx)
     other = torch.cuda.Stream(device=env.dev)
-    op.dispatch_send(x.clone(), w.clone(), sc.clone(), idx.clone())
-    junk = [torch.full((1 << 20,), 3.0, device=env.dev) for _ in range(8)]  # reuses freed memory
+    # Blocks of the temporaries' sizes, cached for them and for `junk` (nothing allocates between
+    # the halves): twice over, so junk finds them also while the op keeps the temporaries alive.
+    warm = [torch.empty_like(t) for t in inputs + inputs]
+    zeros = torch.zeros_like(fused_c[0])  # for the misuse checks below (also between halves)
+    del warm
+    op.dispatch_send(*(t.clone() for t in inputs))
+    junk = [torch.full_like(t, 3) for t in inputs]  # takes the temporaries' memory if the op let go
     other.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(other):
         outs = op.dispatch_recv()
@@ -927,9 +942,9 @@ def case_split_phase_dispatch(env):
     expect_usage_error(mori, errors, "dispatch_send twice", lambda: op.dispatch_send(x, w, sc, idx), "pending")
     expect_usage_error(mori, errors, "dispatch between the halves", lambda: op.dispatch(x, w, sc, idx), "pending")
     expect_usage_error(mori, errors, "combine between the halves",
-                       lambda: op.combine(torch.zeros_like(fused_c[0]), None, idx), "pending")
+                       lambda: op.combine(zeros, None, idx), "pending")
     expect_usage_error(mori, errors, "combine_send between the halves",
-                       lambda: op.combine_send(torch.zeros_like(fused_c[0]), None, idx), "pending")
+                       lambda: op.combine_send(zeros, None, idx), "pending")
     expect_usage_error(mori, errors, "convert_dispatch_output between the halves",
                        lambda: op.convert_dispatch_output(), "pending")
     expect_usage_error(mori, errors, "debug_fill_buffers between the halves", lambda: op.debug_fill_buffers(),

@@ -24,7 +24,8 @@ atomic: the model checks the order of the protocol's steps, not memory ordering 
 `bugs` switches off one guard at a time, so the tests also show that the model can fail: one
 buffer set instead of two (the push combine's first version failed so on the GPU), no wait for
 the signal of ranks that pushed nothing, no done wait before the dispatch announces, no done wait
-before the external-input copy.
+before the external-input copy, a split dispatch that leaves the combine's per-peer counts
+(EpDeviceState sendCount / recvCount, which the model's combines use as the kernels do) stale.
 
 Modes "v1" and "v1ll" (run_v1) model InterNodeV1 and InterNodeV1LL, rail-aligned and
 node-deduplicated (internode_v1_dispatch.cpp, internode_v1_combine.cpp; docs/ep_internode_v1.md
@@ -141,6 +142,9 @@ class Rank:
         self.tail_seen = [0] * W                      # last tail epoch this rank consumed
         self.landed = [0] * W                         # landingReady [dst]: combine epoch
         self.landing_readers = 0                      # our combine reading our landing region
+        self.landing_rows = [0] * W                   # rows the last landing word of [dst] announced
+        self.send_count = [0] * W                     # EpDeviceState::sendCount, written by dispatch
+        self.recv_count = [0] * W                     # EpDeviceState::recvCount, written by dispatch
         self.dispatch_epoch = 0
         self.combine_epoch = 0
 
@@ -181,6 +185,7 @@ def run(W, ops, seed, mode="push", bugs=(), vecs=3, G=None):
             for q in range(W):  # count(me -> every d), to every rank
                 need_free(q, ranks[q].dispatch_epoch, k, "count signal", me)
                 ranks[q].count[par][me] = k
+                R.send_count[q] = cnt[me][q]  # the leaders' sendCount[dest]
             yield None
             # receive side: every count, then every row
             def arrived_all():
@@ -206,6 +211,8 @@ def run(W, ops, seed, mode="push", bugs=(), vecs=3, G=None):
                 if R.arrived[s] != cnt[s][me]:
                     raise Violation(f"rank {me} dispatch {k}: {R.arrived[s]} rows from {s}, expected {cnt[s][me]}")
                 R.arrived[s] = 0
+            for s in range(W):  # EpDispatchReceive: recvCount[s]
+                R.recv_count[s] = cnt[s][me]
 
         def copy(d):
             # counts of lower ranks (our rows' offset on d) and d's own count (d's buffers free)
@@ -240,6 +247,8 @@ def run(W, ops, seed, mode="push", bugs=(), vecs=3, G=None):
             for q in range(W):
                 need_free(q, ranks[q].dispatch_epoch, k, "count signal", me)
                 ranks[q].count[par][me] = k
+                if "split_no_send_count" not in bugs:
+                    R.send_count[q] = cnt[me][q]  # the leaders' sendCount[dest]
             yield None
 
         def stage(d):
@@ -289,6 +298,9 @@ def run(W, ops, seed, mode="push", bugs=(), vecs=3, G=None):
             for s in range(W):
                 if cnt[s][me] > 0 and R.split_slot[par][s] != k:
                     raise Violation(f"rank {me} dispatch_recv {k}: rows from {s} of call {R.split_slot[par][s]}")
+            if "split_no_recv_count" not in bugs:
+                for s in range(W):  # block 0 (R5): recvCount[s]
+                    R.recv_count[s] = cnt[s][me]
 
         def epilogue():
             for s in range(W):
@@ -305,7 +317,10 @@ def run(W, ops, seed, mode="push", bugs=(), vecs=3, G=None):
         R = ranks[me]
         e = R.combine_epoch + 1
         par = e % P
-        cnt = rows(R.dispatch_epoch)  # rows[s][me]: what we received from s, i.e. hold for s
+        # Whom we return rows to and whom we wait for: what our last dispatch recorded
+        # (recvCount[s]: rows we hold for s; sendCount[d]: our rows on d), as the kernels do.
+        dk = R.dispatch_epoch
+        dpar = dk % P
 
         def signal(value_done):
             for q in range(W):
@@ -330,12 +345,12 @@ def run(W, ops, seed, mode="push", bugs=(), vecs=3, G=None):
                 for p in range(W):
                     if p == me:
                         continue
-                    if "skip_zero_row_ready" in bugs and cnt[me][p] == 0:
+                    if "skip_zero_row_ready" in bugs and R.send_count[p] == 0:
                         continue
                     yield wait_ready(p)
-                    yield lambda p=p: R.push_arrived[par][p] >= cnt[me][p] * vecs
+                    yield lambda p=p: R.push_arrived[par][p] >= R.send_count[p] * vecs
                 for p in range(W):
-                    if p != me and cnt[me][p] > 0 and R.push_slot[par][p] != e:
+                    if p != me and R.send_count[p] > 0 and R.push_slot[par][p] != e:
                         raise Violation(f"rank {me} combine {e}: rows from {p} of call {R.push_slot[par][p]}")
 
             def push(s):
@@ -344,18 +359,18 @@ def run(W, ops, seed, mode="push", bugs=(), vecs=3, G=None):
                 if S.push_arrived[par][me] != 0:
                     raise Violation(f"rank {me} combine {e}: push counter on {s} not reset")
                 S.push_slot[par][me] = e
-                S.push_arrived[par][me] += cnt[s][me] * vecs
+                S.push_arrived[par][me] += ranks[me].recv_count[s] * vecs
                 yield None
 
             def epilogue():
                 for p in range(W):
-                    if p != me and R.push_arrived[par][p] != cnt[me][p] * vecs:
+                    if p != me and R.push_arrived[par][p] != R.send_count[p] * vecs:
                         raise Violation(f"rank {me} combine {e}: push counter from {p} is {R.push_arrived[par][p]}")
                     R.push_arrived[par][p] = 0
                 R.readers -= 1
                 R.combine_epoch = e
 
-            blocks = [block0()] + [push(s) for s in range(W) if s != me and cnt[s][me] > 0]
+            blocks = [block0()] + [push(s) for s in range(W) if s != me and R.recv_count[s] > 0]
             return blocks, epilogue
 
         # pull (and inter)
@@ -372,8 +387,16 @@ def run(W, ops, seed, mode="push", bugs=(), vecs=3, G=None):
                 ranks[q].ready[par][me] = e
             yield None
             for s in range(W):  # return other nodes' rows into their landing regions
-                if not remote(me, s) or cnt[s][me] == 0:
+                if not remote(me, s) or R.recv_count[s] == 0:
                     continue
+                if any(remote(s, d) for d in range(me)):
+                    # landing base on s: s's count words of the last dispatch for the PEs below us
+                    # of other nodes (InterReturnRows reads them with the dispatch's parity)
+                    def counted(s=s):
+                        if R.count[dpar][s] > dk:
+                            raise Violation(f"rank {me} combine {e}: count word of {s} of call {R.count[dpar][s]}, not {dk}")
+                        return R.count[dpar][s] == dk
+                    yield counted
                 if "no_landing_done_wait" not in bugs:
                     yield lambda s=s: R.done[s] >= e - 1
                 S = ranks[s]
@@ -382,12 +405,17 @@ def run(W, ops, seed, mode="push", bugs=(), vecs=3, G=None):
                 if S.landed[me] > e - 1:
                     raise Violation(f"rank {me} combine {e}: landing word on {s} of call {S.landed[me]}")
                 S.landed[me] = e
+                S.landing_rows[me] = R.recv_count[s]
             for p in range(W):
                 if remote(me, p):
-                    if cnt[me][p] > 0:
+                    if R.send_count[p] > 0:
                         yield lambda p=p: R.landed[p] == e
                 else:
                     yield wait_ready(p)
+            for p in range(W):
+                if remote(me, p) and R.send_count[p] > 0 and R.landing_rows[p] != R.send_count[p]:
+                    raise Violation(f"rank {me} combine {e}: {R.landing_rows[p]} rows landed from {p}, "
+                                    f"{R.send_count[p]} of ours went there")
             for p in range(W):
                 if not remote(me, p):
                     ranks[p].readers += 1
@@ -487,6 +515,23 @@ def test_model_finds_split_dispatch_races():
     # one staging set, or the receive skipping the counts of ranks that staged nothing: caught
     assert caught("push", "one_parity", ops="SSCSCS") > 0
     assert caught("push", "split_skip_zero_count", ops="SSSCSS", W=3) > 0
+
+
+def test_model_finds_stale_combine_counts_after_split_dispatch():
+    # The combine decides whom it returns rows to (recvCount) and whom it waits for (sendCount, and
+    # InterNode: the landing rows) from what the last dispatch recorded. If a split dispatch left
+    # either stale, a peer waits for rows that never come or reads the wrong number: caught, with
+    # the landing count words read at the dispatch's parity (the model holds with the kernels'
+    # recording: test_internode_split_dispatch_holds_in_random_interleavings).
+    for bug in ("split_no_recv_count", "split_no_send_count"):
+        for mode in ("push", "inter"):
+            n = 0
+            for seed in range(20):
+                try:
+                    run(4, "DCSC", seed=seed, mode=mode, G=2, bugs=(bug,))
+                except Violation:
+                    n += 1
+            assert n > 0, (bug, mode)
 
 
 def test_split_receive_done_wait_is_implied_by_the_counts():
