@@ -42,6 +42,11 @@ class CaseFailure(Exception):
     pass
 
 
+class PeerFailed(Exception):
+    """Raised by Env.fail_together on a rank that found nothing wrong while another rank did: the
+    rank leaves the case with the others and reports no failure of its own."""
+
+
 # ---------------------------------------------------------------------------------------------
 # Environment of one rank
 # ---------------------------------------------------------------------------------------------
@@ -112,6 +117,15 @@ class Env:
         t = self.torch.tensor([1 if flag else 0], dtype=self.torch.int32)
         self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
         return bool(t.item())
+
+    def fail_together(self, errors):
+        """Collective: when some rank has errors, every rank leaves the case here (CaseFailure with
+        its errors, PeerFailed on the others), so that no rank goes on to the case's later
+        collectives (a round trip, a new op) while another is already in the harness's."""
+        if self.any_rank(errors):
+            if errors:
+                raise CaseFailure("; ".join(errors))
+            raise PeerFailed("another rank failed")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -474,13 +488,24 @@ def roundtrip(env, spec, op=None, label=""):
 
 
 def _raise_on_counters(env, spec, op, cnt, last, label, upto):
+    """Raises on every rank when some rank saw a device error or a mismatch (collective: the ranks
+    leave the case together, whatever comes after the round trip)."""
     env.torch.cuda.synchronize()
-    env.mori.shmem.shmem_check_device_error()
+    err = None
+    try:
+        env.mori.shmem.shmem_check_device_error()
+    except Exception as e:  # noqa: BLE001
+        err = e
     c = cnt.tolist()
+    if not env.any_rank(err is not None or any(c)):
+        return
+    if err is not None:
+        raise err
     if any(c):
         bad = ", ".join(f"{C_NAMES[i]}={v}" for i, v in enumerate(c) if v)
         detail = describe_failure(env, spec, op, last[0], last[1], last[2]) if last else ""
         raise CaseFailure(f"{label} mismatches after {upto} iterations: {bad}; {detail}")
+    raise PeerFailed("another rank failed")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1249,8 +1274,7 @@ def case_config_mismatch_across_ranks(env):
     if mori.shmem.shmem_heap_free_bytes() != free0:
         errors.append(f"heap free bytes changed after the offset check: {free0} -> {mori.shmem.shmem_heap_free_bytes()}")
     env.close_ops()
-    if errors:
-        raise CaseFailure("; ".join(errors))
+    env.fail_together(errors)
     roundtrip(env, Spec(H=2048, M=128, seed=50), label="good op after the mismatches")
 
 
@@ -1335,7 +1359,8 @@ def case_receive_cap(env):
     errors = []
     # rank 0 receives W * M rows > cap; senders s >= 2 start beyond the cap (s * M + M > cap).
     # InterNodeV1/V1LL: the rows of another node's sender are placed (and refused) by its rail peer
-    # on rank 0's node, so exactly the ranks of that node report it.
+    # on rank 0's node, so exactly the ranks of that node report it; they record it when their
+    # dispatch ends, after every signal of the call (the other node's ranks finish without error).
     must_fail = r == 0 or r * M + M > M + M // 2
     if env.v1:
         must_fail = r // env.v1_nodes == 0
@@ -1347,8 +1372,7 @@ def case_receive_cap(env):
         errors.append(f"unexpected error: {msg}")
     env.barrier()
     env.close_ops()
-    if errors:
-        raise CaseFailure("; ".join(errors))
+    env.fail_together(errors)
     roundtrip(env, Spec(H=1024, M=M, seed=62), label="after the receive-cap error")
 
 
@@ -1399,8 +1423,7 @@ def case_combine_input_too_short(env):
         errors.append("the error is still pending after it was read")
     env.barrier()
     env.close_ops()  # the failed combine left this op's signals out of step
-    if errors:
-        raise CaseFailure("; ".join(errors))
+    env.fail_together(errors)
     roundtrip(env, Spec(H=1024, M=T, seed=63, mode="external_exact"), label="after the short combine input")
 
 
@@ -1439,8 +1462,7 @@ def case_refused_after_device_abort(env):
     if mori.shmem.shmem_device_error_pending() is not None:
         errors.append("the error is still pending after it was read")
     env.barrier()
-    if errors:
-        raise CaseFailure("; ".join(errors))
+    env.fail_together(errors)
     roundtrip(env, spec, op=op, label="after the error was read")
 
 
@@ -1663,8 +1685,7 @@ def standard_moe_roundtrip(env, spec, op=None, label="", external_weights=False)
             cnt_em[8] += 1  # combine_standard_moe passes no weights to combine
     _raise_on_counters(env, spec, op, cnt, None, label, upto=spec.iters)
     bad = ", ".join(f"{EM_NAMES[i]}={v}" for i, v in enumerate(cnt_em.tolist()) if v)
-    if bad:
-        raise CaseFailure(f"{label} expert-major mismatches after {spec.iters} iterations: {bad}")
+    env.fail_together([f"{label} expert-major mismatches after {spec.iters} iterations: {bad}"] if bad else [])
     return op
 
 
@@ -1861,8 +1882,7 @@ def case_standard_moe_bad_inputs(env):
         errors.append(f"first conversion during a capture: not refused as expected ({refused[0]})")
     del g
     env.barrier()
-    if errors:
-        raise CaseFailure("; ".join(errors))
+    env.fail_together(errors)
     # both ops still work: checked round trips
     standard_moe_roundtrip(env, spec, op=op2, label="after a refused capture")
     standard_moe_roundtrip(env, spec, op=op, label="after the bad calls")
@@ -2118,6 +2138,8 @@ def worker(rank, world, local_rank, args):
             fn(env)
         except SkipCase as e:
             skip = str(e)
+        except PeerFailed:
+            pass  # another rank failed the case and reports it; this one left with it
         except CaseFailure as e:
             msg = str(e)
         except Exception as e:  # noqa: BLE001

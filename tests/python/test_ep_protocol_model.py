@@ -611,6 +611,8 @@ class V1Rank:
         self.readers = 0        # combines reading our rows now
         self.dispatch_epoch = 0
         self.combine_epoch = 0
+        self.errors = []        # receive-capacity overflows this rank found (run_v1's cap)
+        self.aborted = False    # bug "cap_abort": an overflow raised this rank's abort flag
 
 
 class V1Call:
@@ -633,11 +635,15 @@ class V1Call:
 
 
 def v1_routing(rnd, W, G, M, pattern):
-    """Tokens (0..M per rank) with up to 3 distinct destination ranks each (none allowed)."""
+    """Tokens (0..M per rank) with up to 3 distinct destination ranks each (none allowed);
+    "one_rank": M tokens per rank, every one to rank 0 only (the GPU suite's receive_cap_overflow)."""
     N = W // G
     routes = []
     for s in range(W):
         toks = []
+        if pattern == "one_rank":
+            routes.append([(0,)] * M)
+            continue
         for _ in range(rnd.randint(0, M)):
             if pattern == "local":      # every token stays on its node: zero-byte chunks
                 pool = [d for d in range(W) if d // G == s // G]
@@ -657,13 +663,22 @@ def _share(n, i, parts):
 
 
 def run_v1(W, G, ops, seed, ll=False, bugs=(), Q=2, C=2, M=5, pattern="mixed", skew=0.0, fast=0,
-           slow_nic=0.0):
+           slow_nic=0.0, cap=None):
     """Runs `ops` ("D" dispatch, "C" zero-copy combine, "X" external-input combine) on W ranks
     in nodes of G, V1 (ll=False) or V1LL, in a random interleaving of every block's steps and every
     WRITE's delivery; with probability `skew` a step of rank `fast` (its blocks or its WRITEs) goes
     first, so that rank runs as far ahead as the protocol lets it; with probability `slow_nic` a
     WRITE's delivery that was drawn is put off while any block can move. Returns statistics;
-    raises Violation when a safety property fails."""
+    raises Violation when a safety property fails.
+
+    cap (rows, max_total_recv_tokens; for a lone "D"): the error path of a receive-capacity
+    overflow. A writer (the source on j's node, or its proxy there) whose rows of source s would
+    pass j's capacity (base(s->j) + count(s->j) > cap) writes none of them and keeps the error; j's
+    receiver finds its total > cap from the counts and waits for no row. The build records kept
+    errors when the kernel ends, so every other step of the call still runs (stats["errors"]).
+    Bug "cap_abort" (the first build): the first overflow a rank finds raises its abort flag at
+    once: from then its blocks give up at any wait that does not hold yet, and its packing blocks
+    post no chunk or tail."""
     rnd = random.Random(seed)
     N = W // G
     node = lambda r: r // G  # noqa: E731
@@ -776,6 +791,11 @@ def run_v1(W, G, ops, seed, ll=False, bugs=(), Q=2, C=2, M=5, pattern="mixed", s
         J.out_written.add((k, pos))
         J.out[pos] = row
 
+    def cap_error(r, what):
+        ranks[r].errors.append(what)
+        if "cap_abort" in bugs:
+            ranks[r].aborted = True
+
     # --- dispatch ---------------------------------------------------------------------------------
     def dispatch(me):
         R = ranks[me]
@@ -820,6 +840,8 @@ def run_v1(W, G, ops, seed, ll=False, bugs=(), Q=2, C=2, M=5, pattern="mixed", s
                 if not ll and not waited and "no_credit_wait" not in bugs:
                     yield lambda: R.credit[n] >= k - 1
                 waited = True
+                if "cap_abort" in bugs and R.aborted:
+                    return  # the first build's last packer: no post once the abort flag is up
                 post_chunk(me, p, c, [("rec", n, i) for i in range(cb, ce)], lambda X: X.inbox, ip, cb,
                            lambda X: X.tail, (k, ce - b), ph,
                            lambda i, x: f"rank {me} dispatch {k}: record {i} on {p} still holds call {x}, not forwarded")
@@ -829,6 +851,9 @@ def run_v1(W, G, ops, seed, ll=False, bugs=(), Q=2, C=2, M=5, pattern="mixed", s
             ts = [t for t, ds in enumerate(d.routes[me]) if j in ds]
             yield lambda: counts_ready(j, par, k, me, f"rank {me} dispatch {k}")
             base = base_of(j, par, me)
+            if cap is not None and base + len(ts) > cap:
+                cap_error(me, f"rows of {me} for {j}: {base + len(ts)} > {cap}")
+                return  # j gets none of them (its receiver finds the overflow from the counts)
             for t in ts:
                 write_row(j, base + d.idx[me, j, t], (me, t, k), k, me)
             yield None
@@ -856,6 +881,10 @@ def run_v1(W, G, ops, seed, ll=False, bugs=(), Q=2, C=2, M=5, pattern="mixed", s
             need = [j for j in local(me) if counts[j] > 0]
             yield lambda: all(counts_ready(j, par, k, s, f"proxy {me} dispatch {k}") for j in need)
             b, e = _share(nrec, c, Q)
+            over = {j for j in need if cap is not None and base_of(j, par, s) + counts[j] > cap}
+            if e > b:
+                for j in sorted(over):
+                    cap_error(me, f"rows of {s} for {j}: {base_of(j, par, s) + counts[j]} > {cap}")
             for cb, ce in chunks(b, e) if (ll or e > b) else []:
                 yield lambda ce=ce: tag_wait(R.tail.get((ip, m, c)), k, f"proxy {me} dispatch {k}: tail {c} of {s}") \
                     and R.tail[ip, m, c][1] >= ce - b
@@ -867,7 +896,7 @@ def run_v1(W, G, ops, seed, ll=False, bugs=(), Q=2, C=2, M=5, pattern="mixed", s
                         raise Violation(f"proxy {me} dispatch {k}: record {i} of {s} is {slot and slot[:2]}, not call {k}'s token {want}")
                     _, t, idx = slot[1]
                     for j in sorted(idx):
-                        if idx[j] < 0:
+                        if idx[j] < 0 or j in over:
                             continue
                         pos = base_of(j, par, s) + idx[j]
                         write_row(j, pos, (s, t, k), k, me)
@@ -892,6 +921,10 @@ def run_v1(W, G, ops, seed, ll=False, bugs=(), Q=2, C=2, M=5, pattern="mixed", s
             for s in range(W):
                 if R.count_inbox[par, s][1] != d.cnt[s][me]:
                     raise Violation(f"rank {me} dispatch {k}: count from {s} is {R.count_inbox[par, s][1]}, expected {d.cnt[s][me]}")
+            total = sum(R.count_inbox[par, s][1] for s in range(W))
+            if cap is not None and total > cap:
+                cap_error(me, f"received {total} > {cap}")
+                return  # no row is waited for
             for s in range(W):
                 yield lambda s=s: R.arrived[s] >= d.cnt[s][me]
             for s in range(W):
@@ -1067,10 +1100,17 @@ def run_v1(W, G, ops, seed, ll=False, bugs=(), Q=2, C=2, M=5, pattern="mixed", s
             return True
         if b is None:  # epilogue: every block ended; the kernel ends after its WRITEs completed
             return "no_quiet" in bugs or quiet(r)
-        return b[1] is None or b[1]()
+        if b[1] is None or b[1]():
+            return True
+        if ranks[r].aborted:  # its wait bails out on the abort flag: the block ends
+            b[2] = True
+            gave_up[0] = True
+        return False
 
+    gave_up = [False]
     while any(x is not None for x in running) or nic:
         pick = None
+        gave_up[0] = False
         for only in ((fast,) if skew and rnd.random() < skew else ()) + (None,):
             cands = candidates(only)
             put_off = None
@@ -1086,6 +1126,8 @@ def run_v1(W, G, ops, seed, ll=False, bugs=(), Q=2, C=2, M=5, pattern="mixed", s
             pick = pick or put_off
             if pick:
                 break
+        if pick is None and gave_up[0]:
+            continue
         if pick is None:
             stuck = [f"rank {r} op {done_ops[r]} line {b[0].gi_frame.f_lineno if b[0].gi_frame else '-'}"
                      for r in range(W) if running[r] for b in running[r][0] if not b[2]]
@@ -1103,6 +1145,7 @@ def run_v1(W, G, ops, seed, ll=False, bugs=(), Q=2, C=2, M=5, pattern="mixed", s
                 b[1] = next(b[0])
             except StopIteration:
                 b[2] = True
+    stats["errors"] = {r: ranks[r].errors for r in range(W) if ranks[r].errors}
     return stats
 
 
@@ -1208,3 +1251,52 @@ def test_v1_model_finds_missing_local_waits():
         v1_catches("no_copy_wait", "input copy while a combine reads", ll=ll, ops="DXX", topologies=((4, 2),))
         v1_catches("no_dest_wait", "dispatch", ll=ll, ops="DCCDCC", topologies=((4, 2),))
         v1_catches("no_base_wait", "dispatch", ll=ll, ops="DD")
+
+
+def v1_cap_reporters(d, W, G, cap):
+    """Ranks that must report a receive-capacity overflow of dispatch `d` (IntraNode's rule on
+    V1's writers): j when its total passes cap; the writer of source s's rows for j (s itself on
+    j's node, else s's rail peer there) when base(s->j) + count(s->j) > cap."""
+    rep = set()
+    for j in range(W):
+        base = 0
+        for s in range(W):
+            c = d.cnt[s][j]
+            if c and base + c > cap:
+                rep.add(s if s // G == j // G else (j // G) * G + s % G)
+            base += c
+        if base > cap:
+            rep.add(j)
+    return rep
+
+
+def test_v1_receive_cap_error_reaches_every_rank_and_strands_none():
+    """A dispatch past max_total_recv_tokens: every rank finishes the call (no wait left open: the
+    model raises a deadlock otherwise), exactly the ranks that receive too much or write rows past
+    a capacity report it (GPU suite's receive_cap_overflow: every token to rank 0, cap M + M/2,
+    so rank 0's node), and the rows below the capacity still land where IntraNode puts them."""
+    for ll in (False, True):
+        for W, G in ((4, 2), (4, 1), (6, 3), (6, 2)):
+            for pattern, M, cap in (("one_rank", 4, 6), ("mixed", 5, 4), ("incast", 5, 7)):
+                for seed in range(12):
+                    st = run_v1(W, G, "D", seed * 7 + W, ll=ll, M=M, pattern=pattern, cap=cap,
+                                **_schedule(seed, W))
+                    # the routing of call 1, drawn again from the same seed
+                    d = V1Call(v1_routing(random.Random(seed * 7 + W), W, G, M, pattern), W, G)
+                    assert set(st["errors"]) == v1_cap_reporters(d, W, G, cap), (ll, W, G, pattern, seed, st["errors"])
+                    if pattern == "one_rank":
+                        assert set(st["errors"]) == set(range(G)), st["errors"]
+
+
+def test_v1ll_model_finds_the_first_builds_cap_abort():
+    """The first build raised the abort flag where it found the overflow: its packing blocks then
+    posted nothing, and V1LL's rail peer waits for every share's tail, also an empty one (the
+    GPU's 'rank 3 waits a V1 tail from its rail peer 1')."""
+    for seed in range(200):
+        try:
+            run_v1(4, 2, "D", seed, ll=True, bugs=("cap_abort",), M=4, pattern="one_rank", cap=6,
+                   **_schedule(seed, 4))
+        except Violation as e:
+            assert "deadlock" in str(e), str(e)
+            return
+    raise AssertionError("the model did not find the stranded wait with cap_abort")

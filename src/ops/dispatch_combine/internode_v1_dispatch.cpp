@@ -88,8 +88,11 @@ MORI_DEVICE_INLINE void WarpForwardRecord(const uint8_t* rec, const EpV1Record& 
 
 // base(s -> j) for each local PE j = node * G + g with cnt[g] > 0 (rows of source s for j), into
 // base[g]: the sum of count(s' -> j) over s' < s, after count(j -> j) (j started this call: its
-// outputs are free); checks that the rows fit j's receive capacity. Every thread of the block
-// calls; false (block-uniform) on failure (recorded).
+// outputs are free). Rows that would pass j's receive capacity: base[g] = -1 (j gets none of s's
+// rows) and the overflow is kept for the grid's last block (EpKeepCapOverflow), not raised now:
+// an early abort would make this PE's other blocks drop signals its peers wait for (count
+// announcements, relays, V1LL empty-share tails); j finds the overflow itself from its counts.
+// Every thread of the block calls; false (block-uniform) on failure (recorded).
 MORI_DEVICE_INLINE bool EpV1Bases(const EpKernelCommon& c, const core::WaitContext& wait,
                                   const EpV1Topo& tp, int parity, uint64_t epoch, uint64_t format,
                                   int s, const int* cnt, int* base, int& sFailed) {
@@ -117,10 +120,11 @@ MORI_DEVICE_INLINE bool EpV1Bases(const EpKernelCommon& c, const core::WaitConte
   __syncthreads();
   if (tid == 0 && sFailed == 0) {
     for (int g = 0; g < tp.G; g++) {
-      if (cnt[g] > 0 && static_cast<long long>(base[g]) + cnt[g] > c.maxRecvRows) {
-        ReportError(wait, tp.LocalPe(g), "EP dispatch: PE rows > max_total_recv_tokens", CmpOp::kLe,
-                    static_cast<uint64_t>(c.maxRecvRows), static_cast<uint64_t>(base[g] + cnt[g]));
-        sFailed = 1;
+      const long long end = static_cast<long long>(base[g]) + cnt[g];
+      if (cnt[g] > 0 && end > c.maxRecvRows) {
+        EpKeepCapOverflow(&c.state->v1CapOverflow, tp.LocalPe(g), static_cast<uint64_t>(end),
+                          false);
+        base[g] = -1;
       }
     }
   }
@@ -258,9 +262,11 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock, 1)
       if (old == static_cast<unsigned>(gs) - 1) {
         c.state->v1Packed[m] = 0;
         core::FenceAcqRelSystem();  // acquire the group's staging (through the counter)
-        bool ok = !core::DeviceAborted(wait);
+        // Posted also after an error elsewhere on this PE (the staging is complete): the rail
+        // peer waits for these tails (V1LL: also an empty share's) whatever we found.
+        bool ok = true;
         // V1: the rail peer forwarded all our records of the last call (its inbox is free).
-        if (ok && !tp.ll)
+        if (!tp.ll)
           ok = TagWaitAtLeast(wait, At<uint64_t>(L0, c.symm.v1Credit) + m, epoch - 1, peer,
                               "EP V1 dispatch: credit (rail peer forwarded our last call)");
         const int chunk = tp.ll ? (cList > 0 ? cList : 1) : EpV1ChunkRecords(L.bytes);
@@ -380,7 +386,8 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock, 1)
       for (int i = tid; i < (t1 - t0) * G; i += nThreads) {
         const int t = t0 + i / G, g = i % G;
         const int p = scan.PosOf(g, t);
-        c.tokenSlot[static_cast<size_t>(t) * W + tp.LocalPe(g)] = p < 0 ? -1 : sBase[g] + p;
+        c.tokenSlot[static_cast<size_t>(t) * W + tp.LocalPe(g)] =
+            p < 0 || sBase[g] < 0 ? -1 : sBase[g] + p;
       }
       const int parts = EpPartsPerRow(i1 - i0, nWarps, inVecs);
       for (int item = warp; item < (i1 - i0) * parts; item += nWarps) {
@@ -389,7 +396,7 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock, 1)
         const int t = scan.TokenAt(G, i);
         for (int g = 0; g < G; g++) {
           const int p = scan.PosOf(g, t);
-          if (p < 0) continue;
+          if (p < 0 || sBase[g] < 0) continue;  // not for j, or past j's capacity
           WarpWriteInputRow<IndexT>(
               a, t, EpShareBegin(units, part, parts) * unitVecs,
               EpShareBegin(units, part + 1, parts) * unitVecs, part == 0,
@@ -462,7 +469,8 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock, 1)
         const int32_t* head = reinterpret_cast<const int32_t*>(r + L.header);
         for (int g = 0; g < G; g++) {
           const int p = head[g];
-          if (p < 0 || p >= sCnt[g]) continue;  // not for j (a bad index is never written)
+          // Not for j (a bad index is never written), or past j's capacity.
+          if (p < 0 || p >= sCnt[g] || sBase[g] < 0) continue;
           WarpForwardRecord(r, L, a.scaleBytes, kIdxBytes, K, EpShareBegin(outVecs, part, parts),
                             EpShareBegin(outVecs, part + 1, parts), part == 0,
                             EpV1OutputRow(c, tp.LocalPe(g), static_cast<size_t>(sBase[g] + p),
@@ -472,7 +480,7 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock, 1)
         if (part == 0 && lane < G) {
           const int p = head[lane];
           route[static_cast<size_t>(i) * G + lane] =
-              p < 0 || p >= sCnt[lane] ? -1 : sBase[lane] + p;
+              p < 0 || p >= sCnt[lane] || sBase[lane] < 0 ? -1 : sBase[lane] + p;
         }
       }
     }
@@ -502,7 +510,8 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock, 1)
 
   // ---- 5. receive (block 0); epoch ----------------------------------------------------------
   if (b == 0)
-    EpDispatchReceive<EpFamily::kIntraNode>(c, wait, parity, epoch, a.format, sTotal, sFailed);
+    EpDispatchReceive<EpFamily::kIntraNode>(c, wait, parity, epoch, a.format, sTotal, sFailed,
+                                            &c.state->v1CapOverflow);
   if (tid == 0) EpTraceStamp(tr, kEpDispatchReceived);
   __syncthreads();
   if (tid == 0) {
@@ -517,6 +526,9 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock, 1)
       // Our WRITEs read v1SendStage and v1CountSend until they complete; the next call rewrites
       // them.
       if (!core::DeviceAborted(wait)) shmem::ShmemQuietThread(c.shmem);
+      // Every block is past its last signal: a receive-capacity overflow found this call is
+      // recorded now (every PE of the call finishes it: each finds its own errors).
+      EpRecordKeptCapOverflow(wait, &c.state->v1CapOverflow, c.maxRecvRows);
       c.state->dispatchEpoch = epoch;
     }
   }

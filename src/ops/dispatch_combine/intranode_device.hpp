@@ -101,6 +101,31 @@ MORI_DEVICE_INLINE void ReportError(const core::WaitContext& ctx, int peer, cons
                          value);
 }
 
+// A receive-capacity overflow kept for later (InterNodeV1/V1LL: found mid-call, recorded by the
+// grid's last block once every signal of the call is out, so that no peer waits for one that an
+// early abort would skip): rows << 32 | kind << 16 | (pe + 1); kind 1: our own received total
+// (pe: this PE), 0: rows of one source for local PE pe. 0: none. Each call keeps the first.
+constexpr uint64_t kEpCapOverflowTotal = 1ull << 16;
+MORI_DEVICE_INLINE void EpKeepCapOverflow(uint64_t* word, int pe, uint64_t rows, bool total) {
+  const uint64_t v = (rows << 32) | (total ? kEpCapOverflowTotal : 0ull) |
+                     static_cast<uint64_t>(static_cast<uint32_t>(pe + 1) & 0xFFFFu);
+  atomicCAS(reinterpret_cast<unsigned long long*>(word), 0ull, static_cast<unsigned long long>(v));
+}
+// Records the overflow kept in `word` (if any) as a usage error and clears the word.
+MORI_DEVICE_INLINE void EpRecordKeptCapOverflow(const core::WaitContext& wait, uint64_t* word,
+                                                int maxRecvRows) {
+  const uint64_t v = atomicExch(reinterpret_cast<unsigned long long*>(word), 0ull);
+  if (v == 0) return;
+  const int pe = static_cast<int>(v & 0xFFFFu) - 1;
+  if ((v & kEpCapOverflowTotal) != 0) {
+    ReportError(wait, -1, "EP dispatch: rows exceed max_total_recv_tokens", core::CmpOp::kLe,
+                static_cast<uint64_t>(maxRecvRows), v >> 32);
+  } else {
+    ReportError(wait, pe, "EP dispatch: PE rows > max_total_recv_tokens", core::CmpOp::kLe,
+                static_cast<uint64_t>(maxRecvRows), v >> 32);
+  }
+}
+
 // Records (first offender wins) and prints one line; never raises the abort flag.
 __device__ __noinline__ inline void EpRecordBadExpertId(uint64_t* word, int rank, int token, int k,
                                                         long long id, int numExperts) {
@@ -223,11 +248,12 @@ MORI_DEVICE_INLINE void EpSumExpertCounts(const EpKernelCommon& c, int parity) {
 // for: a sender whose rows would not fit writes none), then the rows: arrived[s] (or, InterNode,
 // the RDMA tail of a source on another node) must reach the count; arrived[s] is reset. Writes
 // the received total, recvCount[s] and the per-local-expert counts. sTotal and sFailed are the
-// block's shared words (sTotal 0 on entry).
+// block's shared words (sTotal 0 on entry). capOverflow (not null): a total above the receive
+// capacity is kept there (EpKeepCapOverflow) instead of recorded at once; sFailed either way.
 template <EpFamily kFamily>
 MORI_DEVICE_INLINE void EpDispatchReceive(const EpKernelCommon& c, const core::WaitContext& wait,
                                           int parity, uint64_t epoch, uint64_t format, int& sTotal,
-                                          int& sFailed) {
+                                          int& sFailed, uint64_t* capOverflow = nullptr) {
   using core::CmpOp;
   constexpr bool kInter = kFamily == EpFamily::kInterNode;
   const int W = c.worldSize;
@@ -245,8 +271,12 @@ MORI_DEVICE_INLINE void EpDispatchReceive(const EpKernelCommon& c, const core::W
     }
     __syncthreads();
     if (tid == 0 && sFailed == 0 && sTotal > c.maxRecvRows) {
-      ReportError(wait, -1, "EP dispatch: rows exceed max_total_recv_tokens", CmpOp::kLe,
-                  static_cast<uint64_t>(c.maxRecvRows), static_cast<uint64_t>(sTotal));
+      if (capOverflow != nullptr) {
+        EpKeepCapOverflow(capOverflow, me, static_cast<uint64_t>(sTotal), true);
+      } else {
+        ReportError(wait, -1, "EP dispatch: rows exceed max_total_recv_tokens", CmpOp::kLe,
+                    static_cast<uint64_t>(c.maxRecvRows), static_cast<uint64_t>(sTotal));
+      }
       sFailed = 1;
     }
     __syncthreads();

@@ -90,6 +90,10 @@ struct EpDeviceState {
   // it), and our records for node slot m (what our combine waits for).
   int32_t v1InRecords[kEpMaxWorldSize];
   int32_t v1OutRecords[kEpMaxWorldSize];
+  // InterNodeV1/V1LL dispatch: the first receive-capacity overflow found this call
+  // (EpKeepCapOverflow); the grid's last block records it once the call's signals are out and
+  // clears it.
+  uint64_t v1CapOverflow;
 };
 
 // The sizes regions are computed from (EpLayoutDims(config)).
