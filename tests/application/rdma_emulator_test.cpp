@@ -538,6 +538,97 @@ TEST(RdmaEmulator, WaitsAreBoundedWithoutEmulator) {
             std::string::npos);
 }
 
+// The host accessor, whose copies of at least `gateBytes` wait until Release(): an emulator whose
+// enqueue is held up by another thread's runtime call (docs/rdma.md, "Host run-ahead").
+class GatedAccessor : public application::EmuMemoryAccessor {
+ public:
+  explicit GatedAccessor(size_t gateBytes) : gateBytes(gateBytes) {}
+  void Copy(void* dst, const void* src, size_t bytes) override {
+    if (bytes >= gateBytes) {
+      held.store(true, std::memory_order_release);
+      while (!released.load(std::memory_order_acquire))
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+    host->Copy(dst, src, bytes);
+  }
+  uint64_t FetchAdd64(void* target, uint64_t add) override { return host->FetchAdd64(target, add); }
+  uint64_t CompareSwap64(void* target, uint64_t expected, uint64_t desired) override {
+    return host->CompareSwap64(target, expected, desired);
+  }
+  void Flush() override { host->Flush(); }
+  void Release() { released.store(true, std::memory_order_release); }
+  std::atomic<bool> held{false};
+
+ private:
+  std::unique_ptr<application::EmuMemoryAccessor> host = application::MakeHostMemoryAccessor();
+  size_t gateBytes;
+  std::atomic<bool> released{false};
+};
+
+// InterNodeV1's combine tail on one QP, with the emulator held up in the chunk's copy (the 2 x 4
+// GPU run of session 10): a signalled WRITE completes (the blocks before), then the chunk WRITE
+// (unsignalled) + its tail in one doorbell and the inline landFree. The quiet expires exactly
+// those 3 blocks short and the tail has not landed ("saw 0" at the owner); nothing is lost: once
+// the copy goes through, every WQE completes in order and the quiet succeeds.
+TEST(RdmaEmulator, HeldCopyLeavesQuietShortByTheWqesBehindIt) {
+  constexpr size_t kChunk = 4096;
+  Loop loop(64, 64);
+  auto gate = std::make_unique<GatedAccessor>(kChunk);
+  GatedAccessor* g = gate.get();
+  QueueEmulator emu(std::move(gate));
+  loop.Attach(emu);
+  std::vector<uint8_t> src(kChunk + 128), dst(kChunk + 128, 0);
+  for (size_t i = 0; i < src.size(); i++) src[i] = static_cast<uint8_t>(i * 37 + 11);
+  uint64_t words[2] = {0, 0};  // the peer's landing tail and landFree
+  auto srcMr = emu.RegisterMemory(0, src.data(), src.size(), EmuAccess::kEmuAllAccess);
+  auto dstMr = emu.RegisterMemory(1, dst.data(), dst.size(), EmuAccess::kEmuAllAccess);
+  auto wordMr = emu.RegisterMemory(1, words, sizeof(words), EmuAccess::kEmuAllAccess);
+  emu.Start();
+  crdma::WqeDesc rec{};  // an earlier signalled WRITE (the count record): completes
+  rec.kind = crdma::WqeKind::kWrite;
+  rec.local = Local(&src[kChunk], 128, srcMr);
+  rec.remote = Remote(&dst[kChunk], dstMr);
+  Check(crdma::PostWqe(loop.ep, rec, Ctx()), loop.ep);
+  Check(crdma::Quiet(loop.ep, Ctx()), loop.ep);
+  const uint64_t before = *loop.ep.cq.completed;
+  ASSERT_EQ(before, 1u);
+  crdma::WqeDesc chunk{};
+  chunk.kind = crdma::WqeKind::kWrite;
+  chunk.unsignalled = true;
+  chunk.local = Local(src.data(), kChunk, srcMr);
+  chunk.remote = Remote(dst.data(), dstMr);
+  const uint64_t tailValue = (uint64_t{1} << 32) | 85;  // {call 1, 85 records}
+  Check(crdma::PostWriteWithSignal(
+            loop.ep, chunk,
+            crdma::SignalWqe(crdma::SignalUpdate::kSet, Remote(&words[0], wordMr), tailValue,
+                             mlx5::Mlx5LocalBuf{0, 0, 0}),
+            Ctx()),
+        loop.ep);
+  const uint64_t freed = uint64_t{1} << 32;
+  crdma::WqeDesc landFree{};
+  landFree.kind = crdma::WqeKind::kWriteInline;
+  landFree.inlineData = &freed;
+  landFree.local = mlx5::Mlx5LocalBuf{0, 0, sizeof(freed)};
+  landFree.remote = Remote(&words[1], wordMr);
+  Check(crdma::PostWqe(loop.ep, landFree, Ctx()), loop.ep);
+  ASSERT_EQ(*loop.ep.sq.ready, before + 3);
+  for (int i = 0; i < 100000 && !g->held.load(); i++)
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  ASSERT_TRUE(g->held.load());
+  const crdma::QueueResult r = crdma::Quiet(loop.ep, Ctx(50ull * 1000 * 1000));
+  ASSERT_EQ(r.status, crdma::QueueStatus::kTimeout);
+  EXPECT_EQ(r.expected, before + 3);
+  EXPECT_EQ(r.seen, before);
+  EXPECT_EQ(__atomic_load_n(&words[0], __ATOMIC_ACQUIRE), 0u);
+  g->Release();
+  Check(crdma::Quiet(loop.ep, Ctx()), loop.ep);
+  EXPECT_EQ(*loop.ep.cq.completed, before + 3);
+  EXPECT_EQ(words[0], tailValue);
+  EXPECT_EQ(words[1], freed);
+  EXPECT_EQ(dst, src);
+  emu.Stop();
+}
+
 TEST(RdmaEmulator, StartStopAndManualProcessing) {
   Loop loop(8, 8);
   QueueEmulator emu;

@@ -713,6 +713,11 @@ def case_dispatch_only_loop(env):
     cw = out_w * float(r + 1)
     for _ in range(30):
         out, ow = op.combine(outs_tok, cw, IDX[r, : data[4][r]].contiguous())
+        if env.emulated_rdma:
+            # As roundtrip: verify_combine's kernels (a loop over the W ranks) and allocations
+            # queued behind unfinished combines must not hold up the emulator's copies they wait
+            # for (docs/rdma.md, "Host run-ahead").
+            torch.cuda.synchronize()
         verify_combine(env, spec2, op, out, ow, data, cnt, False, 0, cdt)
     _raise_on_counters(env, spec2, op, cnt, None, "combine loop", 30)
 
@@ -1663,6 +1668,10 @@ def standard_moe_roundtrip(env, spec, op=None, label="", external_weights=False)
         else:
             em = op.dispatch_standard_moe(x, w, sc, idx, block_num=db, warp_per_block=dw)
             outs = dispatch_views(env, op, x, w, sc, idx)
+        if env.emulated_rdma:
+            # As roundtrip: the checks' kernels and allocations must not hold up the emulator's
+            # copies this call waits for (docs/rdma.md, "Host run-ahead").
+            torch.cuda.synchronize()
         verify_dispatch(env, spec, op, outs, data, cnt, poisoned, it)
         ids, row_slot = verify_expert_major(env, op, em, outs, cnt_em, em_poisoned)
         cdt = env.dt(spec.combine_dtype(it))
@@ -1675,6 +1684,13 @@ def standard_moe_roundtrip(env, spec, op=None, label="", external_weights=False)
         else:
             out, out_w = op.combine_standard_moe(y, wts, idx, block_num=cb, warp_per_block=cw)
             buf = op.get_registered_combine_input_buffer(cdt, spec.H(it))
+        if env.emulated_rdma:
+            # The references below queue W * K * ~12 small kernels (about 800 at 8 ranks) and
+            # allocate behind the combine: a launch waiting for room in a full queue (or an
+            # allocation) blocks the emulator's copies the combine waits for. Seen with 8 ranks as
+            # 2 x 4 on one H100 (InterNodeV1): every rank's emulator held up until the device
+            # timeout, quiets 3 WQEs short (partials WRITE, landing tail, landFree).
+            torch.cuda.synchronize()
         iview = torch.int32 if cdt == torch.float32 else torch.int16
         ref_in = U.expert_major_combine_input_torch(torch, y, ids, outs[1] * wscale, row_slot, r, Epr)
         valid_row = torch.arange(ids.shape[0], device=env.dev) < outs[4][0]

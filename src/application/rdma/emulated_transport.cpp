@@ -72,19 +72,22 @@ class GpuMemoryAccessor : public EmuMemoryAccessor {
     Bind();
     const auto t0 = std::chrono::steady_clock::now();
     MORI_CHECK_GPU(gpuMemcpyAsync(dst, src, bytes, gpuMemcpyDefault, stream));
-    // Enqueuing must not wait for the GPU. It does while another thread of this process waits in
-    // a launch for room in a full queue (the launch holds the runtime's calls from other threads),
-    // and every QP of this PE stalls meanwhile: say so, once.
+    // Enqueuing must not wait for the GPU. It does while another thread of this process is in a
+    // runtime call that waits for the GPU (a launch waiting for room in a full queue, a device
+    // allocation with peer access on, a synchronous copy to pageable memory: each holds the
+    // runtime's calls from other threads), and every QP of this PE stalls meanwhile: say so, once.
     const auto ms =
         std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0)
             .count();
     if (ms >= kSlowCallMs && !warnedSlowEnqueue) {
       warnedSlowEnqueue = true;
-      MORI_WARN(kLogRdma,
-                "RDMA emulator: enqueuing a %zu-byte copy on device %d took %lld ms: another "
-                "thread's launch waited for room in a full queue behind kernels that wait for the "
-                "emulator (queue less work behind unfinished RDMA kernels; docs/rdma.md)",
-                bytes, device, static_cast<long long>(ms));
+      MORI_WARN(
+          kLogRdma,
+          "RDMA emulator: enqueuing a %zu-byte copy on device %d took %lld ms: another "
+          "thread's runtime call (a launch waiting for room in a full queue, a device "
+          "allocation, a synchronous copy) waited behind kernels that wait for the emulator "
+          "(queue less work behind unfinished RDMA kernels; docs/rdma.md, \"Host run-ahead\")",
+          bytes, device, static_cast<long long>(ms));
     }
   }
   uint64_t FetchAdd64(void* target, uint64_t add) override {
