@@ -40,6 +40,17 @@ The table also gives the deduplication ratio (InterNode's payload for the same r
 measured bytes) and whether every WRITE went to the sender's rail peer. Shapes (DeepSeek-V3-like): hidden 7168,
 top-8 of 256 experts, BF16 or FP8 (+56 fp32 scales) dispatch, BF16 combine; --tokens sets tokens per
 rank (HT 4096, LL 128). The table is printed last.
+
+--link-model also prints, per phase, the *modelled* link time of the work requests the kernels
+posted (tools/bench/ep_link_model.py: per PE one TX and one RX port at --link-gbps, FIFO across
+QPs, --link-latency-us, --link-per-wr-us per work request, dependencies from the emulator's trace
+ring) next to the floor (max over PEs of max(bytes sent, received) / bandwidth). It sets
+MORI_RDMA_EMULATE_TRACE=--link-model-trace (entries per rank, enough for one call of a phase)
+before shmem init; a phase whose trace ring overflowed gets no modelled time, only a warning.
+Standard shapes at 2 x 8 (issue 14's targets):
+
+    python3 tools/bench/ep_internode_bench.py --nproc 16 --gpu-per-node 8 --tokens 128 --dtypes fp8 \
+        --kernel-type InterNodeV1LL --link-model
 """
 
 import argparse
@@ -48,15 +59,18 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tests", "ops"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ep_link_model as LM  # noqa: E402
 import ep_test_utils as U  # noqa: E402
 
 HIDDEN, TOPK, EXPERTS, SCALE_DIM = 7168, 8, 256, 56
 
 
-def phase_stats(mori, dist, W):
+def phase_stats(mori, dist, W, trace=False):
     """Every rank's RDMA WRITE counts since the last reset (and resets them): list of dicts. Call
     after the phase's kernels finished on every rank: waits until the emulator has executed every
-    request they posted (a kernel does not wait for its last signals)."""
+    request they posted (a kernel does not wait for its last signals). trace=True adds the rank's
+    trace ring ("trace": the entries' time_ns, src, dst, bytes, outcome) and "trace_dropped"."""
     deadline = time.monotonic() + 10.0
     while mori.shmem.rdma_stats()["pending_sq_blocks"] != 0:
         if time.monotonic() > deadline:
@@ -75,6 +89,10 @@ def phase_stats(mori, dist, W):
         else:
             mine["other"] += row["wqes"]
         mine["atomics"] += row["atomics"]
+    if trace:
+        keys = ("time_ns", "src", "dst", "bytes", "outcome")
+        mine["trace"] = [{k: e[k] for k in keys} for e in st["trace"]]
+        mine["trace_dropped"] = st["trace_dropped"]
     allr = [None] * W
     dist.all_gather_object(allr, mine)
     return allr
@@ -163,6 +181,30 @@ def v1_ideal(torch, IDX, Ts, W, G, Epr, K, row, combine_row, scale_bytes, idx_by
     return dp, dh, cp, ch, dw, cw, worst
 
 
+def link_model(phase_rows, args):
+    """The modelled link time of one phase from every rank's phase_stats(trace=True) row: a
+    LinkModelResult, or None (with a warning) when a rank's trace ring dropped entries."""
+    dropped = [(r, row["trace_dropped"]) for r, row in enumerate(phase_rows) if row["trace_dropped"]]
+    if dropped:
+        print("WARNING: the RDMA trace ring dropped entries (rank: entries) " +
+              ", ".join(f"{r}: {n}" for r, n in dropped) + f"; no modelled time for this phase. "
+              f"Raise --link-model-trace (now {args.link_model_trace}).")
+        return None
+    entries = LM.merge_traces([row["trace"] for row in phase_rows])
+    return LM.model_link_time(entries, gbps=args.link_gbps, latency_us=args.link_latency_us,
+                              per_wr_us=args.link_per_wr_us)
+
+
+def link_model_lines(models, args, W, G, M):
+    """The --link-model table: {phase: LinkModelResult or None (trace ring overflowed)}."""
+    lines = LM.format_table({k: v for k, v in models.items() if v is not None},
+                            title=f"{args.kernel_type}, {W // G} nodes x {G}, {M} tokens/rank: ")
+    lines += [f"{k:<20} modelled: n/a (trace ring overflowed)" for k, v in models.items() if v is None]
+    lines.append("issue 14's targets at 2 x 8 (EP16), standard shapes: high-throughput phases modelled/floor <= 1.15; "
+                 "LL dispatch <= 34 us and combine <= 52 us modelled")
+    return lines
+
+
 def worker(rank, world, local_rank, args):
     os.environ.setdefault("MORI_SHMEM_HEAP_SIZE", args.heap)
     import torch
@@ -177,6 +219,7 @@ def worker(rank, world, local_rank, args):
     W, G, M = world, args.gpu_per_node, args.tokens
     Epr = EXPERTS // W
     rows = []
+    models = {}  # modelled phase -> LinkModelResult or None (rank 0, --link-model)
     for name in args.dtypes.split(","):
         fp8 = name == "fp8"
         dt = U.fp8_dtype(torch) if fp8 else torch.bfloat16
@@ -206,7 +249,7 @@ def worker(rank, world, local_rank, args):
             out = op.dispatch(x, w, sc, IDX[rank])
             torch.cuda.synchronize()
             dist.barrier()
-            dstats = phase_stats(mori, dist, W)
+            dstats = phase_stats(mori, dist, W, trace=counted and args.link_model)
             cin = op.get_registered_combine_input_buffer(torch.bfloat16, HIDDEN)
             n = int(out[4].item())
             cin[:n].copy_(out[0][:n].to(torch.bfloat16) if not fp8 else out[0][:n].float().to(torch.bfloat16))
@@ -214,7 +257,10 @@ def worker(rank, world, local_rank, args):
             op.combine(cin, out[1], IDX[rank])
             torch.cuda.synchronize()
             dist.barrier()
-            cstats = phase_stats(mori, dist, W)
+            cstats = phase_stats(mori, dist, W, trace=counted and args.link_model)
+        if args.link_model and rank == 0:
+            models["dispatch " + name] = link_model(dstats, args)
+            models[f"combine bf16 ({name})"] = link_model(cstats, args)
         mori.shmem.shmem_check_device_error()
         row_b = HIDDEN * (1 if fp8 else 2)
         dp, dh, cp, ch, pairs, lists = ideal(torch, IDX, Ts, W, G, Epr, TOPK, row_b, HIDDEN * 2, sdim * 4, 4)
@@ -251,6 +297,9 @@ def worker(rank, world, local_rank, args):
                   f"{dedup:>6.2f} {mean / 1024:>9.1f}KB {atom:>7} {off_rail:>10} {rank_wqes:>9} {pairs:>7}")
             if ideal_w is not None:
                 print(f"{'':<16} ideal WQEs {ideal_w} (summed over ranks)")
+        if args.link_model:
+            print()
+            print("\n".join(link_model_lines(models, args, W, G, M)))
     # Exact: measured bytes = ideal payload + headers; V1: no off-rail byte, no atomic, and (V1LL)
     # at most (N - 1) Q 3 work requests per rank and phase.
     bound = (W // G - 1) * args.num_qp_per_pe * 3
@@ -264,7 +313,7 @@ def worker(rank, world, local_rank, args):
     return 1 if bad else 0
 
 
-def main():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--gpu-per-node", type=int, default=2)
@@ -273,7 +322,33 @@ def main():
     p.add_argument("--heap", default="4G", help="MORI_SHMEM_HEAP_SIZE per rank")
     p.add_argument("--kernel-type", default="InterNode", choices=("InterNode", "InterNodeV1", "InterNodeV1LL"))
     p.add_argument("--num-qp-per-pe", type=int, default=1, help="config num_qp_per_pe (and MORI_NUM_QP_PER_PE)")
-    args = p.parse_args()
+    p.add_argument("--link-model", action="store_true",
+                   help="also print the modelled link time per phase (tools/bench/ep_link_model.py)")
+    p.add_argument("--link-model-trace", type=int, default=1 << 18,
+                   help="with --link-model: MORI_RDMA_EMULATE_TRACE, trace entries per rank (at most 2^24)")
+    p.add_argument("--link-gbps", type=float, default=LM.DEFAULT_GBPS, help="modelled port bandwidth, GB/s")
+    p.add_argument("--link-latency-us", type=float, default=LM.DEFAULT_LATENCY_US, help="modelled latency, us")
+    p.add_argument("--link-per-wr-us", type=float, default=LM.DEFAULT_PER_WR_US,
+                   help="modelled cost per work request on the TX port, us")
+    args = p.parse_args(argv)
+    if args.link_model and not 1 <= args.link_model_trace <= 1 << 24:
+        p.error("--link-model-trace must be in [1, 2^24]")
+    if not (args.link_gbps > 0 and args.link_latency_us >= 0 and args.link_per_wr_us >= 0
+            and args.link_latency_us + args.link_per_wr_us > 0):
+        p.error("--link-gbps must be > 0, --link-latency-us and --link-per-wr-us >= 0 and not both 0")
+    return args
+
+
+def bench_env(args):
+    """The environment the ranks need (set before shmem init; spawned ranks inherit it)."""
+    env = {"MORI_GPU_PER_NODE": str(args.gpu_per_node)}
+    if args.link_model:
+        env["MORI_RDMA_EMULATE_TRACE"] = str(args.link_model_trace)
+    return env
+
+
+def main():
+    args = parse_args()
     try:
         import torch
 
@@ -283,7 +358,7 @@ def main():
     except ImportError:
         print("SKIPPED: needs torch")
         return 77
-    os.environ["MORI_GPU_PER_NODE"] = str(args.gpu_per_node)
+    os.environ.update(bench_env(args))
     if args.num_qp_per_pe != 1:
         os.environ.setdefault("MORI_NUM_QP_PER_PE", str(args.num_qp_per_pe))
     os.environ.setdefault("MORI_RDMA_EMULATE", "1")
