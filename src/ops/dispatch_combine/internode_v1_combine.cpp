@@ -294,17 +294,7 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
   // ---- 5. quiet, landFree, done, epoch ---------------------------------------------------------
   __syncthreads();
   if (tid == 0) {
-    EpTraceStamp(tr, kEpCombineReduced);
-    core::FenceAcqRelSystem();
-    EpTraceStamp(tr, kEpCombineFenced);
-    const unsigned old = atomicAdd(&c.state->combineBlocksDone, 1u);
-    if (tr != nullptr) {
-      EpTraceStamp(tr, kEpCombineCounted);
-      tr[kEpTraceWordArrival] = static_cast<uint64_t>(old) + 1;
-    }
-    if (old == gridDim.x - 1) {
-      c.state->combineBlocksDone = 0;
-      c.state->combineCopyNextChunk = 0;  // every block stopped claiming copy chunks before
+    if (EpCombineCountBlockDone(c, tr)) {
       const bool aborted = core::DeviceAborted(wait);
       core::FenceAcqRelSystem();  // every block's reads (through the counter) before the signals
       if (!aborted) {

@@ -411,18 +411,7 @@ __global__ void __launch_bounds__(kThreads) EpCombineKernel(const EpCombineKerne
   // cumulative release fence; the last block acquires them all through the counter, then signals.
   __syncthreads();
   if (tid == 0) {
-    EpTraceStamp(tr, kEpCombineReduced);
-    core::FenceAcqRelSystem();
-    EpTraceStamp(tr, kEpCombineFenced);
-    const unsigned old = atomicAdd(&c.state->combineBlocksDone, 1u);
-    if (tr != nullptr) {
-      EpTraceStamp(tr, kEpCombineCounted);
-      tr[kEpTraceWordArrival] = static_cast<uint64_t>(old) + 1;
-    }
-    if (old == gridDim.x - 1) {
-      c.state->combineBlocksDone = 0;
-      c.state->combineNextItem = 0;  // every block stopped drawing items before its counter add
-      c.state->combineCopyNextChunk = 0;  // and claiming copy chunks
+    if (EpCombineCountBlockDone(c, tr)) {
       // The abort flag is a PCIe read: issued before the fence, its latency overlaps the fence's.
       const bool aborted = core::DeviceAborted(wait);
       // Acquire every block's peer loads (through the counter) and release them to the done

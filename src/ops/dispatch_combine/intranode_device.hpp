@@ -452,6 +452,27 @@ MORI_DEVICE_INLINE void WarpCopyVectors(uint4* __restrict__ dst, const uint4* __
   }
 }
 
+// The end of a combine kernel, thread 0 of every block, after the block's barrier: one system
+// fence (cumulative over the barrier: it releases the block's peer loads), the block counted in
+// combineBlocksDone, its trace words stamped. Returns true in the grid's last block, which has
+// reset the per-call grid counters (every block stopped drawing work items and claiming copy
+// chunks before its count) and then signals "done" and publishes the epoch.
+MORI_DEVICE_INLINE bool EpCombineCountBlockDone(const EpKernelCommon& c, uint64_t* tr) {
+  EpTraceStamp(tr, kEpCombineReduced);
+  core::FenceAcqRelSystem();
+  EpTraceStamp(tr, kEpCombineFenced);
+  const unsigned old = atomicAdd(&c.state->combineBlocksDone, 1u);
+  if (tr != nullptr) {
+    EpTraceStamp(tr, kEpCombineCounted);
+    tr[kEpTraceWordArrival] = static_cast<uint64_t>(old) + 1;
+  }
+  if (old != gridDim.x - 1) return false;
+  c.state->combineBlocksDone = 0;
+  c.state->combineNextItem = 0;
+  c.state->combineCopyNextChunk = 0;
+  return true;
+}
+
 // Size of the chunks a grid of `blocks` blocks claims to copy `n` units: about two per block,
 // whole multiples of `align` units, at least 4096 units (a claim costs an atomic round trip).
 MORI_HD inline size_t EpCopyChunkSize(size_t n, size_t align, unsigned blocks) {
