@@ -643,8 +643,8 @@ MORI_DEVICE_INLINE void WarpQuantizeVectors(uint8_t* codes, uint8_t* scales, con
 // every thread serialises GPU-wide; the barrier orders the block's copies before thread 0's
 // cumulative release fence) and adds its chunk count to combineCopyChunksDone; the block that
 // completes the last chunk (thread 0, after acquiring every block's copies) resets that counter and
-// runs onLast() unless the device aborted. The CALLER's last block of the grid resets
-// combineCopyNextChunk (once every block stopped claiming). sFailed / sClaim: the block's shared
+// runs onLast() unless the device aborted. The grid's last block resets combineCopyNextChunk in
+// EpCombineCountBlockDone (once every block stopped claiming). sFailed / sClaim: the block's shared
 // words. Every thread of every block calls.
 template <typename OnLast>
 MORI_DEVICE_INLINE void EpCombineCopyInput(const EpCombineKernelArgs& a,
