@@ -75,8 +75,16 @@ fi
 # suites need it and fail without it.
 cmake --build "$build" -j "$jobs" >>"$buildLog" 2>&1 || echo "   (full build failed; see $buildLog)"
 
+# GPUs this run may use: the driver's list, narrowed by CUDA_VISIBLE_DEVICES when it is set (the
+# ranks per GPU, the MPS share and the example's rank count follow from it).
 ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 [[ ${ngpu:-0} -gt 0 ]] || ngpu=$($py -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+if [[ -n ${CUDA_VISIBLE_DEVICES+x} ]]; then
+  IFS=, read -r -a visible <<<"$CUDA_VISIBLE_DEVICES"
+  nvis=0
+  for v in "${visible[@]}"; do [[ -n ${v// /} ]] && nvis=$((nvis + 1)); done
+  ((nvis < ngpu)) && ngpu=$nvis
+fi
 ranks=${MORI_TEST_NPES:-$ngpu}  # ranks of the multi-rank programs
 echo "== $ngpu local GPUs; output in $runLog"
 if [[ $mps == 1 ]]; then

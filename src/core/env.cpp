@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <memory>
 #include <mutex>
+#include <optional>
 
 #include "mori/core/errors.hpp"
 
@@ -80,14 +81,29 @@ std::shared_ptr<const Snapshot> Get() {
   return gSnapshot;
 }
 
+// The boolean spellings (lower case, trimmed); nullopt for anything else.
+std::optional<bool> BoolSpelling(const std::string& t) {
+  if (t == "1" || t == "true" || t == "yes" || t == "on") return true;
+  if (t == "0" || t == "false" || t == "no" || t == "off") return false;
+  return std::nullopt;
+}
 }  // namespace
 
 bool ParseEnvBool(const char* name, const std::string& text) {
-  std::string t = Lower(Trim(text));
-  if (t == "1" || t == "true" || t == "yes" || t == "on") return true;
-  if (t == "0" || t == "false" || t == "no" || t == "off") return false;
-  MORI_THROW(InvalidUsageError, "%s=%s: expected a boolean (1/0, true/false, yes/no, on/off)", name,
-             text.c_str());
+  const std::optional<bool> v = BoolSpelling(Lower(Trim(text)));
+  MORI_ENSURE(v.has_value(), InvalidUsageError,
+              "%s=%s: expected a boolean (1/0, true/false, yes/no, on/off)", name, text.c_str());
+  return *v;
+}
+
+std::optional<bool> ParseEnvAutoBool(const char* name, const std::string& text) {
+  const std::string t = Lower(Trim(text));
+  if (t.empty() || t == "auto") return std::nullopt;
+  const std::optional<bool> v = BoolSpelling(t);
+  MORI_ENSURE(v.has_value(), InvalidUsageError,
+              "%s=%s: expected auto or a boolean (1/0, true/false, yes/no, on/off)", name,
+              text.c_str());
+  return v;
 }
 
 int64_t ParseEnvInt(const char* name, const std::string& text) {

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -69,9 +70,10 @@ namespace mori::core {
     "How GPU threads ring the NIC doorbell (verbs transport): auto = the UAR page mapped for the " \
     "GPU when the driver allows it, else a CPU proxy thread; uar = mapped UAR or fail; cpu = "     \
     "always the CPU proxy thread.")                                                           \
-  X(epCombineStaged, MORI_EP_COMBINE_STAGED, Bool, "1",                                           \
+  X(epCombineStaged, MORI_EP_COMBINE_STAGED, String, "auto",                                      \
     "Large-batch EP combine streams the peers' rows into shared memory with bulk copies "         \
-    "(NVIDIA sm_90+); 0 = register loads only.")                                                 \
+    "(NVIDIA sm_90+): auto = where measured faster (at most 2 PEs in the op); 1 = always; "       \
+    "0 = register loads only.")                                                                  \
   X(epCombinePush, MORI_EP_COMBINE_PUSH, Bool, "1",                                               \
     "EP ops whose config has at most 256 tokens per rank combine by pushing each row to its "     \
     "token's PE and summing locally; 0 = every PE pulls its tokens' rows (one extra round trip).")\
@@ -118,6 +120,9 @@ void ReloadEnv();
 // Parsers, exposed for tests. All raise InvalidUsageError with `name` in the message.
 bool ParseEnvBool(const char* name, const std::string& text);
 int64_t ParseEnvInt(const char* name, const std::string& text);
+// A boolean that may also be left to the library: empty or "auto" (any case) -> nullopt, else
+// ParseEnvBool's spellings.
+std::optional<bool> ParseEnvAutoBool(const char* name, const std::string& text);
 uint64_t ParseEnvSize(const char* name, const std::string& text);
 
 }  // namespace mori::core

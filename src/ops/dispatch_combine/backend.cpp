@@ -89,9 +89,13 @@ class IntraNodeBackend final : public EpBackend {
     }
     const gpuDeviceProp_t prop = DeviceProperties(device);
     // The staged combine needs the bulk copy engine, its shared memory (plus a margin for the
-    // kernel's static shared memory) and MORI_EP_COMBINE_STAGED.
+    // kernel's static shared memory) and MORI_EP_COMBINE_STAGED: "auto" stages where it was
+    // measured faster, at most kEpStagedAutoMaxPes PEs (docs/ep.md, combine step 3).
+    const bool wantStaged =
+        core::ParseEnvAutoBool("MORI_EP_COMBINE_STAGED", core::Env().epCombineStaged)
+            .value_or(c.worldSize <= kEpStagedAutoMaxPes);
     size_t smemOptin = 0;
-    staged = core::GpuHasBulkAsyncCopy(prop, &smemOptin) && core::Env().epCombineStaged &&
+    staged = wantStaged && core::GpuHasBulkAsyncCopy(prop, &smemOptin) &&
              EpCombineStagedSmemBytes(kEpMaxThreadsPerBlock / core::kWarpSize) + (16u << 10) <=
                  smemOptin;
     if (staged) PrepareEpCombineStaged();

@@ -141,6 +141,9 @@ constexpr int kEpCombineStageRows = 4;
 inline size_t EpCombineStagedSmemBytes(int warps) {
   return static_cast<size_t>(warps) * kEpCombineStages * kEpCombineStageBytes;
 }
+// MORI_EP_COMBINE_STAGED=auto stages only ops of at most this many PEs: with 2 H200s staging was
+// faster (most rows local or on one link), with 4 it was slower (docs/performance.md, session 11).
+constexpr int kEpStagedAutoMaxPes = 2;
 
 // Launchers (kernel instantiations live next to the kernels).
 void LaunchEpDispatch(const EpDispatchKernelArgs& args, EpFamily family, EpIndexType indexType,
