@@ -43,10 +43,15 @@ rank (HT 4096, LL 128). The table is printed last.
 
 --link-model also prints, per phase, the *modelled* link time of the work requests the kernels
 posted (tools/bench/ep_link_model.py: per PE one TX and one RX port at --link-gbps, FIFO across
-QPs, --link-latency-us, --link-per-wr-us per work request, dependencies from the emulator's trace
-ring) next to the floor (max over PEs of max(bytes sent, received) / bandwidth). It sets
+QPs, --link-latency-us, --link-per-wr-us per work request) next to the floor (max over PEs of
+max(bytes sent, received) / bandwidth), twice: with the dependencies the kernels have within the
+call (rule 3' of ep_link_model.py, the headline, checked against issue 14's targets) and with
+every earlier delivery in the emulator's trace as a dependency (rule 3, the trace-order bound;
+ranks that share a GPU run in time slices, and this bound serialises them). It sets
 MORI_RDMA_EMULATE_TRACE=--link-model-trace (entries per rank, enough for one call of a phase)
 before shmem init; a phase whose trace ring overflowed gets no modelled time, only a warning.
+--save-trace PATH (implies --link-model) also writes the merged per-phase traces and the run's
+parameters as JSON, which `python3 tools/bench/ep_link_model.py PATH` re-models.
 Standard shapes at 2 x 8 (issue 14's targets):
 
     python3 tools/bench/ep_internode_bench.py --nproc 16 --gpu-per-node 8 --tokens 128 --dtypes fp8 \
@@ -70,7 +75,8 @@ def phase_stats(mori, dist, W, trace=False):
     """Every rank's RDMA WRITE counts since the last reset (and resets them): list of dicts. Call
     after the phase's kernels finished on every rank: waits until the emulator has executed every
     request they posted (a kernel does not wait for its last signals). trace=True adds the rank's
-    trace ring ("trace": the entries' time_ns, src, dst, bytes, outcome) and "trace_dropped"."""
+    trace ring ("trace": the entries' time_ns, src, dst, qp, opcode, bytes, outcome) and
+    "trace_dropped"."""
     deadline = time.monotonic() + 10.0
     while mori.shmem.rdma_stats()["pending_sq_blocks"] != 0:
         if time.monotonic() > deadline:
@@ -90,7 +96,7 @@ def phase_stats(mori, dist, W, trace=False):
             mine["other"] += row["wqes"]
         mine["atomics"] += row["atomics"]
     if trace:
-        keys = ("time_ns", "src", "dst", "bytes", "outcome")
+        keys = ("time_ns", "src", "dst", "qp", "opcode", "bytes", "outcome")
         mine["trace"] = [{k: e[k] for k in keys} for e in st["trace"]]
         mine["trace_dropped"] = st["trace_dropped"]
     allr = [None] * W
@@ -181,28 +187,32 @@ def v1_ideal(torch, IDX, Ts, W, G, Epr, K, row, combine_row, scale_bytes, idx_by
     return dp, dh, cp, ch, dw, cw, worst
 
 
-def link_model(phase_rows, args):
-    """The modelled link time of one phase from every rank's phase_stats(trace=True) row: a
-    LinkModelResult, or None (with a warning) when a rank's trace ring dropped entries."""
+def merged_trace(phase_rows, args):
+    """One phase's WRs from every rank's phase_stats(trace=True) row, in one execution order
+    (ep_link_model.merge_traces), or None (with a warning) when a rank's trace ring dropped
+    entries."""
     dropped = [(r, row["trace_dropped"]) for r, row in enumerate(phase_rows) if row["trace_dropped"]]
     if dropped:
         print("WARNING: the RDMA trace ring dropped entries (rank: entries) " +
               ", ".join(f"{r}: {n}" for r, n in dropped) + f"; no modelled time for this phase. "
               f"Raise --link-model-trace (now {args.link_model_trace}).")
         return None
-    entries = LM.merge_traces([row["trace"] for row in phase_rows])
-    return LM.model_link_time(entries, gbps=args.link_gbps, latency_us=args.link_latency_us,
-                              per_wr_us=args.link_per_wr_us)
+    return LM.merge_traces([row["trace"] for row in phase_rows])
 
 
-def link_model_lines(models, args, W, G, M):
-    """The --link-model table: {phase: LinkModelResult or None (trace ring overflowed)}."""
-    lines = LM.format_table({k: v for k, v in models.items() if v is not None},
-                            title=f"{args.kernel_type}, {W // G} nodes x {G}, {M} tokens/rank: ")
-    lines += [f"{k:<20} modelled: n/a (trace ring overflowed)" for k, v in models.items() if v is None]
-    lines.append("issue 14's targets at 2 x 8 (EP16), standard shapes: high-throughput phases modelled/floor <= 1.15; "
-                 "LL dispatch <= 34 us and combine <= 52 us modelled")
-    return lines
+def link_run(phases, args, W, G, M):
+    """The run ep_link_model.run_table and save_run take: the parameters and
+    [{"name", "kind", "entries" or None}]."""
+    params = {"kernel_type": args.kernel_type, "world_size": W, "gpu_per_node": G, "tokens": M, "hidden": HIDDEN,
+              "topk": TOPK, "experts": EXPERTS, "experts_per_rank": EXPERTS // W, "num_qp_per_pe": args.num_qp_per_pe,
+              "dtypes": args.dtypes, "link_gbps": args.link_gbps, "link_latency_us": args.link_latency_us,
+              "link_per_wr_us": args.link_per_wr_us, "link_model_trace": args.link_model_trace}
+    return {"params": params, "phases": [{"name": n, "kind": k, "entries": e} for n, k, e in phases]}
+
+
+def link_model_lines(run):
+    """The --link-model table: rule 3' (headline, issue 14's targets) next to rule 3."""
+    return LM.run_table(run, deps="both")
 
 
 def worker(rank, world, local_rank, args):
@@ -219,7 +229,7 @@ def worker(rank, world, local_rank, args):
     W, G, M = world, args.gpu_per_node, args.tokens
     Epr = EXPERTS // W
     rows = []
-    models = {}  # modelled phase -> LinkModelResult or None (rank 0, --link-model)
+    traced = []  # (phase, "dispatch" | "combine", merged trace or None): rank 0, --link-model
     for name in args.dtypes.split(","):
         fp8 = name == "fp8"
         dt = U.fp8_dtype(torch) if fp8 else torch.bfloat16
@@ -259,8 +269,8 @@ def worker(rank, world, local_rank, args):
             dist.barrier()
             cstats = phase_stats(mori, dist, W, trace=counted and args.link_model)
         if args.link_model and rank == 0:
-            models["dispatch " + name] = link_model(dstats, args)
-            models[f"combine bf16 ({name})"] = link_model(cstats, args)
+            traced.append(("dispatch " + name, "dispatch", merged_trace(dstats, args)))
+            traced.append((f"combine bf16 ({name})", "combine", merged_trace(cstats, args)))
         mori.shmem.shmem_check_device_error()
         row_b = HIDDEN * (1 if fp8 else 2)
         dp, dh, cp, ch, pairs, lists = ideal(torch, IDX, Ts, W, G, Epr, TOPK, row_b, HIDDEN * 2, sdim * 4, 4)
@@ -298,8 +308,13 @@ def worker(rank, world, local_rank, args):
             if ideal_w is not None:
                 print(f"{'':<16} ideal WQEs {ideal_w} (summed over ranks)")
         if args.link_model:
+            run = link_run(traced, args, W, G, M)
+            if args.save_trace:
+                LM.save_run(args.save_trace, run)
+                print(f"\nsaved the per-phase traces to {args.save_trace} (re-model: python3 "
+                      f"tools/bench/ep_link_model.py {args.save_trace})")
             print()
-            print("\n".join(link_model_lines(models, args, W, G, M)))
+            print("\n".join(link_model_lines(run)))
     # Exact: measured bytes = ideal payload + headers; V1: no off-rail byte, no atomic, and (V1LL)
     # at most (N - 1) Q 3 work requests per rank and phase.
     bound = (W // G - 1) * args.num_qp_per_pe * 3
@@ -326,11 +341,16 @@ def parse_args(argv=None):
                    help="also print the modelled link time per phase (tools/bench/ep_link_model.py)")
     p.add_argument("--link-model-trace", type=int, default=1 << 18,
                    help="with --link-model: MORI_RDMA_EMULATE_TRACE, trace entries per rank (at most 2^24)")
+    p.add_argument("--save-trace", metavar="PATH",
+                   help="with --link-model (implied): write the merged per-phase traces and the run's parameters "
+                        "as JSON (re-model: python3 tools/bench/ep_link_model.py PATH)")
     p.add_argument("--link-gbps", type=float, default=LM.DEFAULT_GBPS, help="modelled port bandwidth, GB/s")
     p.add_argument("--link-latency-us", type=float, default=LM.DEFAULT_LATENCY_US, help="modelled latency, us")
     p.add_argument("--link-per-wr-us", type=float, default=LM.DEFAULT_PER_WR_US,
                    help="modelled cost per work request on the TX port, us")
     args = p.parse_args(argv)
+    if args.save_trace:
+        args.link_model = True
     if args.link_model and not 1 <= args.link_model_trace <= 1 << 24:
         p.error("--link-model-trace must be in [1, 2^24]")
     if not (args.link_gbps > 0 and args.link_latency_us >= 0 and args.link_per_wr_us >= 0
