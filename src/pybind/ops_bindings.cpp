@@ -233,6 +233,8 @@ void RegisterOpsBindings(py::module_& m) {
   o.attr("MAX_THREADS_PER_BLOCK") = ops::kEpMaxThreadsPerBlock;
   o.attr("ROW_ALIGN_BYTES") = ops::kEpRowAlignBytes;
   o.attr("SMALL_BATCH_TOKENS") = ops::kEpSmallBatchTokens;
+  o.attr("PUSH_COMBINE_MAX_TOKENS") = ops::kEpPushCombineMaxTokens;
+  o.attr("SPLIT_DISPATCH_MAX_TOKENS") = ops::kEpSplitDispatchMaxTokens;
   o.attr("WARP_SIZE") = core::kWarpSize;
   o.attr("TRACE_LAYOUT") = TraceLayoutDict();
 

@@ -2,11 +2,14 @@
 """mori.compat.deep_ep: DeepEP's Buffer over EpDispatchCombineOp (docs/compat.md).
 
 Everywhere (no GPU; torch only where marked): the call signatures DeepEP's callers bind to, Config
-and the size hints against the ops' layout table, refusals of what mori cannot honour, argument
-checks that come before any tensor, and the dispatch-layout math against a torch-free reference.
+and the size hints against the ops' layout table, the normal-mode capacity (the inverse of the
+hints, the same on every rank), refusals of what mori cannot honour, argument checks that come
+before any tensor, the dispatch-layout math against a torch-free reference, and (CPU tensors, a
+stand-in op) what dispatch and combine return from the op's outputs.
 On a GPU machine the test at the end runs the worker below on 2 and 4 ranks sharing the GPUs
 (`python3 tests/python/test_compat_deep_ep.py --nproc 2`): layout counts, received data and
-metadata, combine against the reference sum, cached-handle replay, low-latency FP8 codes and
+metadata, the capacity from the Buffer's bytes with token counts differing by rank and its
+refusal, combine against the reference sum, cached-handle replay, low-latency FP8 codes and
 scales, the weighted low-latency combine, hook and non-hook, two dispatches in flight, CUDA graph.
 """
 
@@ -306,6 +309,97 @@ if UNDER_PYTEST:
             ctx.stage(_FakeTensor(cuda, "x"))
         assert cuda.log[:2] == [("comm", "wait_stream", "compute"), ("comm", "contiguous", "x")]
         assert cuda.log[-1] == ("compute", "wait_stream", "comm") and ctx.event.event is None
+        # DeepEP's rule: without async_finish the caller's stream waits for the comm stream before
+        # the call returns, which orders any later free of these tensors; nothing is recorded.
+        assert not any(entry[1] == "record_stream" for entry in cuda.log)
+
+    class _FakeNormalOp:
+        """An op stand-in on the CPU: its dispatch outputs are preset rows as if received (rank 1
+        of 2, 2 experts per rank: local experts 2 and 3), combine returns preset sums."""
+
+        def __init__(self, torch, config):
+            R, K, H = config.world_size * config.max_num_inp_token_per_rank, config.num_experts_per_token, 8
+            if config.max_total_recv_tokens:
+                R = min(R, config.max_total_recv_tokens)
+            self.config, self.calls = config, []
+            self.out = torch.arange(R * H, dtype=torch.float32).view(R, H).to(torch.bfloat16)
+            self.out_w = torch.arange(1, R * K + 1, dtype=torch.float32).view(R, K)
+            self.out_i = torch.tensor([[2, 3, 0], [1, -1, 3], [7, 9, 2]] * R)[:R]  # 7, 9: stale rows
+            self.total = torch.tensor([2], dtype=torch.int32)
+            self.counts = torch.tensor([2, 1], dtype=torch.int32)
+
+        def dispatch(self, x, w, s, idx, block_num=-1):
+            self.calls.append(("dispatch", int(x.shape[0]), int(x.shape[1])))
+            self.tokens = int(x.shape[0])
+            return self.out, (None if w is None else self.out_w), None, self.out_i.to(idx.dtype), self.total
+
+        def get_local_expert_count(self):
+            return self.counts
+
+        def combine(self, x, w, idx, block_num=-1):
+            self.calls.append(("combine", int(x.shape[0])))  # the last dispatch's tokens come back
+            return self.out[:self.tokens] * 2, (None if w is None else self.out_w[:self.tokens])
+
+    @needs_torch
+    def test_normal_dispatch_and_combine_outputs_with_a_fake_op(monkeypatch):
+        """(CPU tensors, a stand-in op, a stand-in torch.cuda): what dispatch and combine return
+        from the op's outputs: fresh rows, local ids with -1 and weights 0 elsewhere, the aligned
+        count list from one host read, num_worst_tokens padding, the combine's copies, and one op
+        for token counts that differ (the capacity comes from the Buffer's bytes)."""
+        import types
+
+        import torch
+
+        cuda = _FakeCuda()
+        made = []
+
+        class TorchWithFakeCuda:
+            def __getattr__(self, name):
+                return cuda if name == "cuda" else getattr(torch, name)
+
+        def new_op(config):
+            made.append(_FakeNormalOp(torch, config))
+            return made[-1]
+
+        monkeypatch.setattr(deep_ep, "_torch", lambda: TorchWithFakeCuda())
+        monkeypatch.setattr(deep_ep, "_ops", lambda: types.SimpleNamespace(
+            EpDispatchCombineOp=new_op, EpDispatchCombineConfig=ops.EpDispatchCombineConfig,
+            EpDispatchCombineKernelType=ops.EpDispatchCombineKernelType, ep_symmetric_bytes=ops.ep_symmetric_bytes))
+        b = _normal_buffer(1, deep_ep.Config(num_max_tokens_per_rank=64).get_nvl_buffer_size_hint(16, 2), world=2)
+        b._device, b._comm_stream, b._row_ids = torch.device("cpu"), cuda.comm, {}
+        M = b._normal_capacity(8, 2)
+        per_expert = torch.zeros(4, dtype=torch.int32)
+
+        def dispatch(T, **kw):
+            x = torch.ones((T, 8), dtype=torch.bfloat16)
+            ids = torch.zeros((T, 3), dtype=torch.int64)
+            return b.dispatch(x, topk_idx=ids, topk_weights=torch.ones((T, 3)), num_tokens_per_expert=per_expert, **kw)
+
+        rx, ridx, rw, counts, h, ev = dispatch(5, expert_alignment=4)
+        op = made[0]
+        assert len(made) == 1 and op.config.max_num_inp_token_per_rank == M and ev.event is None
+        assert torch.equal(rx, op.out[:2]) and rx.data_ptr() != op.out.data_ptr()
+        assert ridx.tolist() == [[0, 1, -1], [-1, -1, 1]]
+        assert rw.tolist() == [[1, 2, 0], [0, 0, 6]]
+        assert counts == [4, 4] and h.num_recv_tokens == 2 and h.num_tokens == 5
+        assert dispatch(M - 1, expert_alignment=1)[3] == [2, 1] and len(made) == 1  # same op
+        wx, widx, ww, wcounts, wh, _ = dispatch(3, num_worst_tokens=5)
+        assert wcounts == [] and wx.shape == (5, 8) and wh.num_recv_tokens == 5
+        assert made[-1].config.max_total_recv_tokens == 5  # 5 < W * M: the receive cap
+        assert torch.equal(wx[:2], made[-1].out[:2])
+        assert widx.tolist() == [[0, 1, -1], [-1, -1, 1]] + [[-1] * 3] * 3
+        assert ww.tolist() == [[1, 2, 0], [0, 0, 6]] + [[0] * 3] * 3
+        y, yw, _ = b.combine(torch.zeros((2, 8), dtype=torch.bfloat16), h, topk_weights=torch.ones((2, 3)))
+        assert torch.equal(y, op.out[:5] * 2) and torch.equal(yw, op.out_w[:5])
+        assert y.data_ptr() != op.out.data_ptr()
+        assert op.calls[-2:] == [("dispatch", 5, deep_ep._DUMMY_HIDDEN), ("combine", 2)]  # h was not the last dispatch
+        assert not any(entry[1] == "record_stream" for entry in cuda.log)
+        with pytest.raises(mori.InvalidUsageError, match=f"{M + 1} tokens exceed"):
+            dispatch(M + 1)
+        ids = torch.tensor([[0, 3, -1], [2, 3, 1], [-1, -1, -1]])
+        layout = b.get_dispatch_layout(ids, 4)
+        assert [t.tolist() for t in layout[:4] if t is not None] == [[2, 2], [1, 1, 1, 2], [[True, True], [True, True], [False, False]]]
+        assert layout[1] is None and layout[2].is_contiguous() and layout[3].is_contiguous()
 
     @needs_torch
     def test_low_latency_combine_argument_rules_on_cpu():
@@ -333,6 +427,106 @@ if UNDER_PYTEST:
         w.mul_(2)  # the same tensor, modified after the dispatch sent it
         with pytest.raises(mori.InvalidUsageError, match="pass that same tensor, unmodified"):
             b.low_latency_combine(x, ids, w, h)
+
+    # --- normal-mode capacity: from construction arguments, the same on every rank ------------------
+    @pytest.mark.parametrize("hidden_bytes,W,N,gpn", [(7168 * 2, 8, 4096, None), (4096 * 2, 8, 128, None),
+                                                      (1000, 4, 300, None), (512 * 2, 2, 128, None),
+                                                      (7168 * 2, 16, 1024, 8)])
+    def test_normal_capacity_is_the_inverse_of_the_size_hints(hidden_bytes, W, N, gpn):
+        """A Buffer given Config(num_max_tokens_per_rank=N)'s hints for rows of hidden_bytes holds
+        N tokens per rank: the capacity is the most tokens whose nominal op fits the bytes."""
+        c = deep_ep.Config(num_max_tokens_per_rank=N)
+        budget = c.get_nvl_buffer_size_hint(hidden_bytes, W) + c.get_rdma_buffer_size_hint(hidden_bytes, W)
+        m = deep_ep._tokens_for_bytes(budget, W, hidden_bytes, gpn)
+
+        def nominal(t):
+            return deep_ep._nominal_normal_bytes(W, hidden_bytes, t, gpn)
+
+        assert m >= N and nominal(m) <= budget < nominal(m + 1)
+        assert deep_ep._tokens_for_bytes(0, W, hidden_bytes, gpn) == 0
+        assert deep_ep._tokens_for_bytes(1 << 60, W, hidden_bytes, gpn) == 65536
+
+    @pytest.mark.parametrize("W,hidden_bytes,gpn", [(4, 1000, None), (16, 2048, 8)])
+    def test_normal_capacity_is_the_largest_fit(W, hidden_bytes, gpn):
+        """Against every token count: the bytes drop past the small-batch bound (push-combine and
+        split-dispatch buffers), so the largest fit can lie above a count that does not fit."""
+        sizes = [deep_ep._nominal_normal_bytes(W, hidden_bytes, t, gpn) for t in range(1, 65537)]
+        budgets = {0, sizes[0] - 1, sizes[0], sizes[99], sizes[254], sizes[255], sizes[255] - 1, sizes[256],
+                   sizes[4095], sizes[-1] - 1, sizes[-1], sizes[-1] + 1}
+        for budget in sorted(budgets):
+            want = max((t for t, b in enumerate(sizes, 1) if b <= budget), default=0)
+            assert deep_ep._tokens_for_bytes(budget, W, hidden_bytes, gpn) == want, budget
+
+    def _normal_buffer(rank=0, nvl=0, rdma=0, cap=None, world=4):
+        b = _detached(low_latency_mode=False, world=world)
+        b.rank, b.num_nvl_bytes, b.num_rdma_bytes, b.num_max_tokens_per_rank = rank, nvl, rdma, cap
+        b._capacities, b._num_nodes, b._gpu_per_node = {}, 1, world
+        return b
+
+    def test_normal_capacity_needs_no_communication():
+        """Every rank computes the same capacity from the Buffer's arguments and the row size (no
+        collective, whatever its own token count); over it, the refusal names the bound and how to
+        raise it."""
+        nvl = deep_ep.Config(num_max_tokens_per_rank=256).get_nvl_buffer_size_hint(7168 * 2, 4)
+        caps = {_normal_buffer(r, nvl)._normal_capacity(7168, 2) for r in range(4)}
+        assert len(caps) == 1
+        m = caps.pop()
+        assert m >= 256
+        assert _normal_buffer(0, nvl // 2, nvl - nvl // 2)._normal_capacity(7168, 2) == m  # nvl + rdma
+        assert _normal_buffer(0, nvl)._normal_capacity(3584, 2) > m  # smaller rows: more tokens
+        msg = str(_normal_buffer(0, nvl)._over_capacity(m + 1, m, 7168, 2))
+        for needle in (f"{m + 1} tokens exceed this Buffer's normal-mode capacity of {m} tokens per rank",
+                       f"num_nvl_bytes + num_rdma_bytes = {nvl} bytes",
+                       "Config(num_max_tokens_per_rank=N).get_nvl_buffer_size_hint(14336, 4)",
+                       "pass num_max_tokens_per_rank=N to Buffer", "this rank launched nothing"):
+            assert needle in msg
+        none = _normal_buffer()
+        assert none._normal_capacity(7168, 2) == 0
+        assert "hold no normal-mode op for rows of 14336 bytes" in str(none._over_capacity(1, 0, 7168, 2))
+        fixed = _normal_buffer(0, nvl, cap=64)
+        assert fixed._normal_capacity(7168, 2) == 64 and fixed._normal_capacity(512, 4) == 64
+        assert "exceed the Buffer's num_max_tokens_per_rank (64)" in str(fixed._over_capacity(65, 64, 7168, 2))
+
+    @needs_torch
+    def test_dispatch_over_capacity_refuses_before_anything_runs():
+        """(CPU tensors, no op): the capacity check comes before any stream, op or collective."""
+        import torch
+
+        b = _normal_buffer(0, deep_ep.Config(num_max_tokens_per_rank=128).get_nvl_buffer_size_hint(64 * 2, 4))
+        b._device = torch.device("cpu")
+        m = b._normal_capacity(64, 2)
+        x = torch.zeros((m + 1, 64), dtype=torch.bfloat16)
+        ids = torch.zeros((m + 1, 2), dtype=torch.int64)
+        per_expert = torch.zeros(8, dtype=torch.int32)
+        with pytest.raises(mori.InvalidUsageError, match=f"{m + 1} tokens exceed this Buffer's normal-mode capacity"):
+            b.dispatch(x, topk_idx=ids, num_tokens_per_expert=per_expert)
+        none = _normal_buffer()
+        none._device = b._device
+        with pytest.raises(mori.InvalidUsageError, match="hold no normal-mode op"):
+            none.dispatch(x[:1], topk_idx=ids[:1], num_tokens_per_expert=per_expert)
+
+    @needs_torch
+    def test_local_routing_on_cpu():
+        """recv_topk_idx/recv_topk_weights from the op's received ids and weights: local ids, -1
+        and weight 0 for other ranks' experts, for padding rows (num_worst_tokens: rows at or past
+        the received count) and for rows past the op's receive rows."""
+        import torch
+
+        out_i = torch.tensor([[4, 5, -1], [0, 7, 6], [5, 4, 3], [9, 9, 9]])  # rank 2 of 2 experts per rank
+        out_w = torch.arange(1, 13, dtype=torch.float32).view(4, 3)
+        for dtype in (torch.int64, torch.int32):
+            idx, w = torch.empty((3, 3), dtype=dtype), torch.empty((3, 3))
+            deep_ep._local_routing(idx, w, out_i.to(dtype), out_w, 3, 4, 2)
+            assert idx.tolist() == [[0, 1, -1], [-1, -1, -1], [1, 0, -1]]
+            assert w.tolist() == [[1, 2, 0], [0, 0, 0], [7, 8, 0]]
+        idx, w = torch.empty((6, 3), dtype=torch.int64), torch.empty((6, 3))
+        pad = torch.arange(4, dtype=torch.int32) >= torch.tensor([2], dtype=torch.int32)  # 2 received
+        deep_ep._local_routing(idx, w, out_i, out_w, 4, 4, 2, pad)
+        assert idx.tolist() == [[0, 1, -1]] + [[-1] * 3] * 5
+        assert w.tolist() == [[1, 2, 0]] + [[0] * 3] * 5
+        idx = torch.empty((3, 3), dtype=torch.int64)
+        deep_ep._local_routing(idx, None, out_i, None, 3, 0, 2)  # rank 0: experts 0 and 1
+        assert idx.tolist() == [[-1, -1, -1], [0, -1, -1], [-1, -1, -1]]
 
     def test_event_overlap_without_event():
         ev = deep_ep.EventOverlap()
@@ -466,6 +660,52 @@ def case_normal_dispatch_combine(env):
         b = torch.randn_like(y, dtype=torch.float32).to(torch.bfloat16)
         yb, _, _ = buf.combine(rx, handle, bias=(b, b))
         _check(torch.equal(yb.cpu(), (y.float() + b.float() + b.float()).to(torch.bfloat16).cpu()), "bias")
+
+
+def case_normal_capacity(env):
+    """The normal-mode capacity comes from the Buffer's bytes (or num_max_tokens_per_rank), with
+    no communication: ranks with different token counts use the same op; a dispatch over the
+    capacity is refused by the rank that has it (here every rank) before anything is launched,
+    and the Buffer works on; a Buffer with neither bytes nor num_max_tokens_per_rank refuses
+    normal-mode dispatch; an explicit num_max_tokens_per_rank of 128 (the push-combine op) is
+    used as given."""
+    torch, buf, rank, world, mori = env["torch"], env["buf"], env["rank"], env["world"], env["mori"]
+    M = buf._normal_capacity(H, 2)
+    _check(M >= 128, f"the Buffer sized by the hint for 128 tokens holds {M}")
+
+    def round_trip(b, seed, n_of, what):
+        x, ids, w = _inputs(torch, rank, world, seed, n_of(rank), env["dev"], neg=True)
+        per_rank, _, per_expert, in_rank, _ = b.get_dispatch_layout(ids, world * EPR)
+        rx, _, _, _, h, _ = b.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                       num_tokens_per_expert=per_expert, topk_idx=ids, topk_weights=w)
+        ex, _, _, _ = _received(torch, rank, world, seed, [n_of(s) for s in range(world)], neg=True)
+        _check(torch.equal(rx.cpu(), ex), f"{what}: received rows")
+        y, _, _ = b.combine(rx, h)
+        _check(torch.equal(y.cpu(), _times_dest(torch, x.cpu(), ids.cpu())), f"{what}: combine")
+        return h
+
+    def refused(b, n, needle):
+        x, ids, w = _inputs(torch, rank, world, 15, n, env["dev"])
+        per_rank, _, per_expert, in_rank, _ = b.get_dispatch_layout(ids, world * EPR)
+        try:
+            b.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                       topk_idx=ids, topk_weights=w)
+        except mori.InvalidUsageError as e:
+            return needle in str(e)
+        return False
+
+    h = round_trip(buf, 14, lambda r: 1 + (37 * r) % M, "token counts differing by rank")
+    normal = [s for s in buf._slots if s.key[0] == "normal"]
+    _check(len(normal) == 1 and normal[0].key[5] == M and h._slot is normal[0], "one op, of the Buffer's capacity")
+    _check(refused(buf, M + 1, f"{M + 1} tokens exceed this Buffer's normal-mode capacity of {M}"),
+           "a dispatch over the capacity is refused, naming it")
+    round_trip(buf, 16, lambda r: M - r, "after a refusal, at the capacity")
+    none = env["new_buffer"](env["group"], 0, 0, explicitly_destroy=True)
+    _check(refused(none, 4, "hold no normal-mode op"), "no bytes, no num_max_tokens_per_rank: refused")
+    fixed = env["new_buffer"](env["group"], 0, 0, explicitly_destroy=True, num_max_tokens_per_rank=128)
+    round_trip(fixed, 17, lambda r: 100 + 9 * r, "num_max_tokens_per_rank=128")
+    _check([s.key[5] for s in fixed._slots] == [128], "the explicit capacity is the op's")
+    _check(refused(fixed, 129, "exceed the Buffer's num_max_tokens_per_rank (128)"), "over the explicit capacity")
 
 
 def case_cached_handle_replay(env):
@@ -774,6 +1014,7 @@ def case_low_latency_recv_hook(env):
 GPU_CASES = [
     ("layout", case_layout),
     ("normal_dispatch_combine", case_normal_dispatch_combine),
+    ("normal_capacity", case_normal_capacity),
     ("cached_handle_replay", case_cached_handle_replay),
     ("async_and_num_worst_tokens", case_async_and_worst),
     ("low_latency_fp8", case_low_latency_fp8),
@@ -850,7 +1091,9 @@ def _case_buffers(new_buffer, env):
     from mori.compat import deep_ep
 
     group, world = env["group"], env["world"]
-    buf = new_buffer(group, 0, 0, explicitly_destroy=True)
+    # Sized as DeepEP callers size it, by the hint (for 128 tokens per rank of H bf16 elements).
+    nvl = deep_ep.Config(num_max_tokens_per_rank=128).get_nvl_buffer_size_hint(H * 2, world)
+    buf = new_buffer(group, nvl, 0, explicitly_destroy=True)
     buf_ll = new_buffer(group, 0, deep_ep.Buffer.get_low_latency_rdma_size_hint(24, H, world, world * EPR),
                         low_latency_mode=True, num_qps_per_rank=EPR, explicitly_destroy=True)
     return dict(buf=buf, buf_ll=buf_ll)

@@ -326,6 +326,7 @@ def test_constants():
     assert o.MAX_WORLD_SIZE == 32
     assert o.ROW_ALIGN_BYTES == 16
     assert o.SMALL_BATCH_TOKENS == 128
+    assert o.PUSH_COMBINE_MAX_TOKENS == o.SPLIT_DISPATCH_MAX_TOKENS == 256
     assert o.MAX_THREADS_PER_BLOCK // o.WARP_SIZE >= 8
 
 

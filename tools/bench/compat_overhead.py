@@ -34,7 +34,7 @@ ROWS = [
     ("ht dispatch, count list", "Buffer.dispatch(...) (host reads the count)", "op.dispatch + total.item()"),
     ("ht combine", "Buffer.combine(x, handle)", "op.combine"),
     ("ll dispatch bf16", "Buffer.low_latency_dispatch(use_fp8=False)", "op.dispatch + convert_dispatch_output"),
-    ("ll dispatch fp8", "Buffer.low_latency_dispatch(use_fp8=True)", "op.dispatch(use_fp8) + convert"),
+    ("ll dispatch fp8", "Buffer.low_latency_dispatch(use_fp8=True)", "op.dispatch(use_fp8) + convert (column-major)"),
     ("ll combine, weights sent", "Buffer.low_latency_combine (dispatch had topk_weights)", "op.combine_standard_moe"),
     ("ll combine, weights round", "Buffer.low_latency_combine (extra weights dispatch)", "op.combine_standard_moe"),
 ]
@@ -166,9 +166,9 @@ class Runner:
             buf.low_latency_dispatch(x, ids, M, self.E, use_fp8=fp8)  # both ops of the shape
             op = self._op_of(buf, "ll")
 
-            def direct_ll():
+            def direct_ll():  # the adapter's conversion: DeepEP's column-major scales with FP8
                 op.dispatch(x, None, None, ids, use_fp8=fp8)
-                return op.convert_dispatch_output()
+                return op.convert_dispatch_output(column_major_scales=fp8)
 
             return (lambda: buf.low_latency_dispatch(x, ids, M, self.E, use_fp8=fp8)), direct_ll
         sent = name.endswith("weights sent")

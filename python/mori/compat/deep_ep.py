@@ -16,9 +16,17 @@ silently). How the calls map onto mori:
   each shape must happen on every rank and outside CUDA-graph capture (checked: a first call
   during capture raises).
 * Normal mode: one op per (hidden, element size, top-k, experts per rank, tokens per rank,
-  scales, receive cap). Tokens per rank: the Buffer's num_max_tokens_per_rank (a mori keyword)
-  when given, else the group's maximum of the call's token count, agreed by one all-reduce per
-  dispatch and rounded up to a power of two (>= 128).
+  scales, receive cap). Tokens per rank (the op's capacity) comes from the Buffer's construction
+  arguments and the row size only, never from a call's token count, so every rank picks the same
+  op with no communication whatever its own count: the Buffer's num_max_tokens_per_rank (a mori
+  keyword) when given, else the most tokens per rank whose op, as Config's size hints count it
+  (rows of hidden x max(element size, 2) bytes, DeepEP's hidden_bytes; top-8, one expert per
+  rank, this Buffer's node layout), fits in num_nvl_bytes + num_rdma_bytes. That is the inverse
+  of the hints: a Buffer sized with Config(num_max_tokens_per_rank=N)'s hints for those rows holds
+  N tokens per rank (the op itself, with the call's top-k, experts and scales, may take slightly
+  more or less heap). A dispatch of more tokens raises InvalidUsageError naming the bound; each
+  rank decides from its own count, so ranks under the bound launch and then time out waiting
+  for the one that refused.
 * Every op runs on the Buffer's communication stream, ordered after the caller's stream or
   previous_event, as DeepEP's kernels are; async_finish returns an EventOverlap instead of making
   the caller's stream wait.
@@ -42,7 +50,6 @@ from .. import _C
 
 _DEFAULT_NUM_SMS = 20
 _QUANT_GROUP = 128
-_MIN_NORMAL_CAPACITY = 128
 _MAX_TOKENS_PER_RANK = 65536
 _MAX_WORLD = 32
 _DUMMY_HIDDEN = 8  # bf16 elements of the routing-only dispatches (16-byte rows, the minimum)
@@ -80,10 +87,6 @@ def _refuse_if(cond, msg):
         raise _usage(msg)
 
 
-def _pow2_at_least(n, floor):
-    return max(floor, 1 << max(0, (int(n) - 1).bit_length()))
-
-
 # --- size hints (no GPU: from the ops' layout table) ---------------------------------------------
 def _op_config(rank, world, hidden, token_bytes, max_tokens, experts_per_rank, topk, scale_dim=0,
                scale_type_size=0, gpu_per_node=None, recv_cap=0):
@@ -105,6 +108,36 @@ def _symmetric_bytes(**kw):
 def _hidden_of_bytes(hidden_bytes):
     # bf16 elements of a row of `hidden_bytes`, rounded up to 16-byte rows
     return max(8, -(-int(hidden_bytes) // 16) * 8)
+
+
+def _nominal_normal_bytes(world, hidden_bytes, max_tokens, gpu_per_node=None):
+    """Symmetric bytes of the normal-mode op the size hints count: rows of `hidden_bytes`, top-8,
+    one expert per rank, `max_tokens` tokens per rank (gpu_per_node None: one node)."""
+    return _symmetric_bytes(world=world, hidden=_hidden_of_bytes(hidden_bytes), token_bytes=2, max_tokens=max_tokens,
+                            experts_per_rank=1, topk=_NOMINAL_TOPK, gpu_per_node=gpu_per_node)
+
+
+def _tokens_for_bytes(budget, world, hidden_bytes, gpu_per_node=None):
+    """The most tokens per rank, 0 to _MAX_TOKENS_PER_RANK, whose nominal op
+    (_nominal_normal_bytes) fits in `budget` bytes: the inverse of the size hints. A function of
+    its arguments only, so equal on every rank. The bytes grow with the tokens except where the
+    small-batch buffers end (ops of at most PUSH_COMBINE_MAX_TOKENS / SPLIT_DISPATCH_MAX_TOKENS
+    tokens per rank carry push-combine and split-dispatch buffers, larger ones do not), so each
+    stretch between those bounds is bisected and the largest fit wins."""
+    native = _C.ops
+    bounds = sorted({0, native.PUSH_COMBINE_MAX_TOKENS, native.SPLIT_DISPATCH_MAX_TOKENS, _MAX_TOKENS_PER_RANK})
+    best = 0
+    for first, last in zip(bounds, bounds[1:]):  # the stretch first + 1 .. last
+        lo, hi = first, last  # lo: the largest fit found in the stretch (first: none yet)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if _nominal_normal_bytes(world, hidden_bytes, mid, gpu_per_node) <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        if lo > first:
+            best = lo
+    return best
 
 
 class EventHandle:
@@ -155,7 +188,8 @@ class Config:
     kernel per phase with num_sms blocks, at least world size, at most the SM count). The chunk
     sizes describe DeepEP's ring buffers, which mori does not have: they are range-checked and
     kept (as attributes) but change nothing. num_max_tokens_per_rank (mori keyword) is the token
-    capacity the size hints assume."""
+    capacity the size hints assume: a Buffer given these hints' bytes for rows of hidden_bytes
+    dispatches up to that many tokens per rank (module docstring)."""
 
     def __init__(self, num_sms=_DEFAULT_NUM_SMS, num_max_nvl_chunked_send_tokens=6,
                  num_max_nvl_chunked_recv_tokens=256, num_max_rdma_chunked_send_tokens=6,
@@ -175,16 +209,17 @@ class Config:
     def _bytes(self, hidden_bytes, num_ranks, gpu_per_node):
         _check_int("hidden_bytes", hidden_bytes, 1)
         _check_int("num_ranks", num_ranks, 1, _MAX_WORLD)
-        return _symmetric_bytes(world=num_ranks, hidden=_hidden_of_bytes(hidden_bytes), token_bytes=2,
-                                max_tokens=self.num_max_tokens_per_rank, experts_per_rank=1, topk=_NOMINAL_TOPK,
-                                gpu_per_node=gpu_per_node)
+        return _nominal_normal_bytes(num_ranks, hidden_bytes, self.num_max_tokens_per_rank, gpu_per_node)
 
     def get_nvl_buffer_size_hint(self, hidden_bytes, num_ranks):
         """Symmetric-heap bytes of a normal-mode op for rows of `hidden_bytes` among `num_ranks`
-        ranks on one node, for num_max_tokens_per_rank tokens per rank and top-8 (an estimate: the
-        op is sized when the first call shows the real shape). mori allocates from the shmem heap
-        (MORI_SHMEM_HEAP_SIZE), not from a buffer of this size: Buffer only compares the sum of
-        the sizes it is given with the heap's free bytes."""
+        ranks on one node, for num_max_tokens_per_rank tokens per rank and top-8 (the op the
+        first call creates has the call's top-k, experts and scales: its bytes may differ
+        slightly). A Buffer given these bytes (plus get_rdma_buffer_size_hint's) holds
+        num_max_tokens_per_rank tokens per rank for such rows: its normal-mode capacity is the
+        inverse of this hint. mori allocates each op from the shmem heap (MORI_SHMEM_HEAP_SIZE) on
+        first use, not a buffer of this size up front: Buffer compares the sum of the sizes it is
+        given with the heap's free bytes."""
         return self._bytes(hidden_bytes, num_ranks, None)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes, num_ranks):
@@ -216,6 +251,7 @@ class _OpSlot:
         self.op = op
         self.key = key
         self.current = None  # the _Routing of the op's last dispatch
+        self.dummy = None  # rows of the routing-only dispatches (Buffer._dummy_rows)
 
 
 class DispatchHandle:
@@ -260,7 +296,10 @@ class _OnComm:
     is returned. With previous_event the comm stream does not wait for the caller's stream (as in
     DeepEP): the inputs must be ready when the event is; the adapter's own work on them (making
     them contiguous) therefore runs on the comm stream after the wait, never on the caller's stream
-    where the event would not cover it."""
+    where the event would not cover it. Inputs and outputs are record_stream'ed only with
+    async_finish (as DeepEP): without it the caller's stream waits for the comm stream before the
+    call returns, so whatever the caller later does with them on its stream, freeing included, is
+    ordered after the comm stream's work."""
 
     def __init__(self, buf, previous_event, async_finish, allocate_on_comm_stream, inputs=()):
         self.torch = _torch()
@@ -292,33 +331,40 @@ class _OnComm:
         self.inputs.append(t)
         return t.contiguous()
 
-    def empty(self, shape, dtype):
-        torch = self.torch
+    def empties(self, *specs):
+        """Fresh output tensors, one per (shape, dtype) spec (a None spec gives None), allocated
+        on the caller's stream (one stream switch for all) unless allocate_on_comm_stream."""
+        torch, dev = self.torch, self.buf._device
+
+        def make():
+            return [None if s is None else torch.empty(s[0], dtype=s[1], device=dev) for s in specs]
+
         if self.alloc_on_comm:
-            t = torch.empty(shape, dtype=dtype, device=self.buf._device)
+            outs = make()
         else:
             with torch.cuda.stream(self.compute):
-                t = torch.empty(shape, dtype=dtype, device=self.buf._device)
-        self.outputs.append(t)
-        return t
+                outs = make()
+        self.outputs.extend(t for t in outs if t is not None)
+        return outs
+
+    def empty(self, shape, dtype):
+        return self.empties((shape, dtype))[0]
 
     def __exit__(self, exc_type, exc, tb):
         self._guard.__exit__(exc_type, exc, tb)
-        if exc_type is not None:
+        if exc_type is not None or not self.async_finish:
             self.compute.wait_stream(self.comm)
+            if exc_type is None:
+                self.event = EventOverlap(None)
             return False
         if not self.torch.cuda.is_current_stream_capturing():  # a graph's memory lives with the graph
             for t in self.inputs:  # freed by the caller before the comm stream is done with them
                 t.record_stream(self.comm)
             for t in self.outputs:
                 t.record_stream(self.compute if self.alloc_on_comm else self.comm)
-        if self.async_finish:
-            ev = self.torch.cuda.Event()
-            ev.record(self.comm)
-            self.event = EventOverlap(ev, self.inputs + self.outputs)
-        else:
-            self.compute.wait_stream(self.comm)
-            self.event = EventOverlap(None)
+        ev = self.torch.cuda.Event()
+        ev.record(self.comm)
+        self.event = EventOverlap(ev, self.inputs + self.outputs)
         return False
 
 
@@ -353,23 +399,62 @@ def dispatch_layout(topk_idx, num_experts, num_ranks, gpu_per_node):
     [W / gpu_per_node] int32 or None when gpu_per_node >= W, num_tokens_per_expert [E] int32,
     is_token_in_rank [T, W] bool). Ids outside [0, E) (-1: no expert) count nowhere."""
     torch = _torch()
+
+    def empties(*specs):
+        return [None if s is None else torch.empty(s[0], dtype=s[1], device=topk_idx.device) for s in specs]
+
+    return _layout(topk_idx, num_experts, num_ranks, gpu_per_node, empties)
+
+
+def _layout(topk_idx, num_experts, num_ranks, gpu_per_node, empties):
+    """dispatch_layout written into the tensors empties(*(shape, dtype) specs) returns (the
+    results are those tensors, or views of them); the work runs on the current stream."""
+    torch = _torch()
     W, E = num_ranks, num_experts
     epr = E // W
     T = int(topk_idx.shape[0])
-    dev = topk_idx.device
-    idx = topk_idx.long()
-    valid = (idx >= 0) & (idx < E)
-    per_expert = torch.zeros(E + 1, dtype=torch.int64, device=dev)
-    per_expert.scatter_add_(0, torch.where(valid, idx, E).flatten(), torch.ones_like(idx).flatten())
-    in_rank = torch.zeros((T, W + 1), dtype=torch.bool, device=dev)
-    in_rank.scatter_(1, torch.where(valid, idx // epr, W), True)
-    in_rank = in_rank[:, :W].contiguous()
-    per_rdma = None
+    nodes = 0
     if gpu_per_node < W:
         if W % gpu_per_node != 0:
             raise _usage(f"get_dispatch_layout: {W} ranks do not form nodes of {gpu_per_node} GPUs")
-        per_rdma = in_rank.view(T, W // gpu_per_node, gpu_per_node).any(2).sum(0).to(torch.int32)
-    return in_rank.sum(0).to(torch.int32), per_rdma, per_expert[:E].to(torch.int32), in_rank
+        nodes = W // gpu_per_node
+    i32 = torch.int32
+    per_rank, per_rdma, per_expert, in_rank = empties(((W,), i32), ((nodes,), i32) if nodes else None,
+                                                      ((E + 1,), i32), ((T, W), torch.bool))
+    dev = topk_idx.device
+    idx = topk_idx.long()
+    slot = idx.masked_fill((idx < 0) | (idx >= E), E)  # expert E, of rank W: nowhere
+    per_expert.zero_()
+    per_expert.scatter_add_(0, slot.reshape(-1), torch.ones(slot.numel(), dtype=i32, device=dev))
+    hit = torch.zeros((T, W + 1), dtype=torch.bool, device=dev)
+    hit.scatter_(1, slot.div(epr, rounding_mode="floor"), True)
+    in_rank.copy_(hit[:, :W])
+    torch.sum(in_rank, 0, dtype=i32, out=per_rank)
+    if nodes:
+        torch.sum(in_rank.view(T, nodes, gpu_per_node).any(2), 0, dtype=i32, out=per_rdma)
+    return per_rank, per_rdma, per_expert[:E], in_rank
+
+
+def _local_routing(recv_idx, recv_w, out_i, out_w, rows, first, epr, pad=None):
+    """DeepEP's recv_topk_idx and recv_topk_weights of a normal dispatch, written into recv_idx
+    [n, K] and recv_w ([n, K] float32 or None) on the current stream: for the first `rows`
+    received rows, out_i's global expert ids as this rank's local ids (id - first when in
+    [first, first + epr)), -1 for any other id; out_w's weights where the local id is kept, 0
+    elsewhere; rows where pad ([rows] bool, or None) is set, and rows past `rows`, get -1 and 0.
+    Plain arithmetic on the ids (no gather), so whatever an unused row holds is harmless."""
+    n = int(recv_idx.shape[0])
+    idx = recv_idx[:rows]
+    _torch().sub(out_i[:rows], first, out=idx)
+    drop = idx.div(epr, rounding_mode="floor").ne(0)  # local ids are exactly those with quotient 0
+    if pad is not None:
+        drop |= pad.view(rows, 1)
+    idx.masked_fill_(drop, -1)
+    if rows < n:
+        recv_idx[rows:].fill_(-1)
+    if recv_w is not None:
+        recv_w[:rows].copy_(out_w[:rows]).masked_fill_(drop, 0.0)
+        if rows < n:
+            recv_w[rows:].zero_()
 
 
 _live_shmem_owners = []
@@ -387,8 +472,11 @@ class Buffer:
     Refused (InvalidUsageError): allow_mnnvl=True and use_fabric=True (no multi-node NVLink or
     fabric memory: other nodes are reached by RDMA), allow_nvlink_for_low_latency_mode=False (mori
     always uses load/store within a node), enable_shrink=True (no rank masking), comm (a group
-    is required). num_max_tokens_per_rank (mori keyword, >= 1): normal-mode token capacity per
-    rank; None: agreed per dispatch by an all-reduce of the token count over the group."""
+    is required). num_max_tokens_per_rank (mori keyword, 1..65536): normal-mode token capacity
+    per rank; None: the most tokens per rank whose op fits num_nvl_bytes + num_rdma_bytes as the
+    size hints count it, per row size (module docstring); with both byte counts 0 and no
+    num_max_tokens_per_rank, normal-mode dispatch is refused. Either way no call communicates to
+    agree on it."""
 
     num_sms = _DEFAULT_NUM_SMS
 
@@ -451,8 +539,8 @@ class Buffer:
                           "MORI_SHMEM_HEAP_SIZE if an op does not fit)", stacklevel=2)
         self._device = torch.device("cuda", torch.cuda.current_device())
         self._comm_stream = torch.cuda.Stream(self._device)
-        self._group_on_gpu = "nccl" in str(dist.get_backend(group)).lower() and "gloo" not in str(
-            dist.get_backend(group)).lower()
+        self._capacities = {}  # row bytes -> normal-mode tokens per rank (_normal_capacity)
+        self._row_ids = {}  # n -> arange(n) int32 on the device (_rows_at_or_after)
         self._ll_turn = {}
         self._ll_combine_inputs = {}
         self._ll_idx_bad = None  # (device flag, pinned copy) of the low-latency topk_idx check
@@ -571,36 +659,79 @@ class Buffer:
             raise _usage(f"config must be a mori.compat.deep_ep.Config or None, got {type(config).__name__}")
         return config.num_sms
 
-    def _capacity(self, num_tokens):
-        """Tokens per rank of the normal-mode op for a dispatch of num_tokens."""
-        torch = _torch()
+    def _normal_capacity(self, hidden, token_bytes):
+        """Tokens per rank of the normal-mode ops for rows of hidden x token_bytes (module
+        docstring): a function of construction arguments and the row size only, so every rank
+        computes the same without communicating. Computed once per row size."""
         if self.num_max_tokens_per_rank is not None:
-            _refuse_if(num_tokens > self.num_max_tokens_per_rank,
-                       f"dispatch: {num_tokens} tokens exceed the Buffer's num_max_tokens_per_rank "
-                       f"({self.num_max_tokens_per_rank})")
             return self.num_max_tokens_per_rank
-        _refuse_if(torch.cuda.is_current_stream_capturing(),
-                   "dispatch: during CUDA-graph capture pass num_max_tokens_per_rank to Buffer (without it each "
-                   "dispatch agrees on the capacity by an all-reduce, which cannot be captured)")
-        import torch.distributed as dist
+        row_bytes = hidden * token_bytes
+        m = self._capacities.get(row_bytes)
+        if m is None:
+            m = _tokens_for_bytes(self.num_nvl_bytes + self.num_rdma_bytes, self.group_size, row_bytes,
+                                  self._capacity_gpn())
+            self._capacities[row_bytes] = m
+        return m
 
-        t = torch.tensor([num_tokens], dtype=torch.int64, device=self._device if self._group_on_gpu else "cpu")
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        m = int(t.item())
-        _refuse_if(m > _MAX_TOKENS_PER_RANK, f"dispatch: a rank has {m} tokens; mori allows at most "
-                                             f"{_MAX_TOKENS_PER_RANK} per rank")
-        return min(_MAX_TOKENS_PER_RANK, _pow2_at_least(m, _MIN_NORMAL_CAPACITY))
+    def _capacity_gpn(self):
+        # the node layout of this Buffer's ops, as _op_config takes it (None: one node)
+        return self._gpu_per_node if self._num_nodes > 1 else None
+
+    def _over_capacity(self, num_tokens, capacity, hidden, token_bytes):
+        """The InvalidUsageError of a dispatch of num_tokens > capacity tokens."""
+        W, row_bytes = self.group_size, hidden * token_bytes
+        fix = (f"size the Buffer for N tokens per rank with Config(num_max_tokens_per_rank=N)."
+               f"get_nvl_buffer_size_hint({row_bytes}, {W}) plus get_rdma_buffer_size_hint({row_bytes}, {W}), "
+               "or pass num_max_tokens_per_rank=N to Buffer")
+        budget = self.num_nvl_bytes + self.num_rdma_bytes
+        if self.num_max_tokens_per_rank is not None:
+            what = f"{num_tokens} tokens exceed the Buffer's num_max_tokens_per_rank ({capacity})"
+            fix = "create the Buffer with a larger num_max_tokens_per_rank"
+        elif capacity == 0:
+            one = _nominal_normal_bytes(W, row_bytes, 1, self._capacity_gpn())
+            return _usage(f"dispatch: this Buffer's num_nvl_bytes + num_rdma_bytes ({budget} bytes) hold no "
+                          f"normal-mode op for rows of {row_bytes} bytes (one token per rank takes {one} bytes); "
+                          f"{fix}. Every rank refuses alike (nothing was launched)")
+        else:
+            what = (f"{num_tokens} tokens exceed this Buffer's normal-mode capacity of {capacity} tokens per rank for "
+                    f"rows of {row_bytes} bytes (the most whose op fits num_nvl_bytes + num_rdma_bytes = {budget} "
+                    "bytes)")
+        return _usage(f"dispatch: {what}; {fix}. Each rank decides this from its own token count: this rank "
+                      "launched nothing, and ranks whose count fits wait for it until they time out")
 
     def _reestablish(self, slot, routing, blocks=-1):
         """Make `routing` the op's last dispatch again (a dispatch of dummy rows, same routing,
         hence the same received-row order). Runs on the current (communication) stream."""
         if slot.current is routing:
             return
-        torch = _torch()
-        dummy = torch.zeros((routing.num_tokens, _DUMMY_HIDDEN), dtype=torch.bfloat16, device=self._device)
         w = None if routing.weights is None else routing.weights[0]
-        slot.op.dispatch(dummy, w, None, routing.topk_idx, block_num=blocks)
+        slot.op.dispatch(self._dummy_rows(slot, routing.num_tokens), w, None, routing.topk_idx, block_num=blocks)
         slot.current = routing
+
+    def _dummy_rows(self, slot, n):
+        """[n, _DUMMY_HIDDEN] bf16 rows for a routing-only dispatch on slot's op (their values are
+        never used): a view of one zero tensor of the op's capacity, made on the current (comm)
+        stream and kept while the slot lives, since a captured graph may hold its address; made
+        during capture, it is the graph's and is not kept."""
+        d = slot.dummy
+        if d is None:
+            torch = _torch()
+            d = torch.zeros((slot.op.config.max_num_inp_token_per_rank, _DUMMY_HIDDEN), dtype=torch.bfloat16,
+                            device=self._device)
+            if not torch.cuda.is_current_stream_capturing():
+                slot.dummy = d
+        return d[:n]
+
+    def _rows_at_or_after(self, n, total):
+        """[n] bool on the device: row i >= total (a [1] device count). arange(n) is kept per n
+        (outside capture, as _dummy_rows)."""
+        torch = _torch()
+        ids = self._row_ids.get(n)
+        if ids is None:
+            ids = torch.arange(n, dtype=torch.int32, device=self._device)
+            if not torch.cuda.is_current_stream_capturing():
+                self._row_ids[n] = ids
+        return ids >= total
 
     # --- checks -----------------------------------------------------------------------------------
     def _tensor(self, what, t, ndim, dtypes=None):
@@ -637,17 +768,8 @@ class Buffer:
         W = self.group_size
         gpn = self._gpu_per_node if self._num_nodes > 1 else W
         with _OnComm(self, previous_event, async_finish, allocate_on_comm_stream, (topk_idx,)) as ctx:
-            layout = dispatch_layout(topk_idx, num_experts, W, gpn)
-            outs = []
-            for t in layout:
-                if t is None:
-                    outs.append(None)
-                    continue
-                o = ctx.empty(tuple(t.shape), t.dtype)
-                o.copy_(t)
-                outs.append(o)
-            out_per_rank, out_per_rdma, out_per_expert, out_in_rank = outs
-        return out_per_rank, out_per_rdma, out_per_expert, out_in_rank, ctx.event
+            per_rank, per_rdma, per_expert, in_rank = _layout(topk_idx, num_experts, W, gpn, ctx.empties)
+        return per_rank, per_rdma, per_expert, in_rank, ctx.event
 
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
@@ -658,12 +780,14 @@ class Buffer:
         num_recv_tokens_per_expert_list, handle, event): fresh tensors of the received rows
         (ordered by source rank, then source token), recv_topk_idx in local expert ids with -1
         for other ranks' experts (weights 0 there), the per-local-expert counts as a Python list
-        rounded up to expert_alignment (this synchronises with the GPU, as in DeepEP).
-        num_worst_tokens > 0: no synchronisation for the count list (the per-dispatch capacity
-        agreement still reads a count on the host unless the Buffer has num_max_tokens_per_rank);
-        outputs have num_worst_tokens rows (rows
-        past the received count: topk_idx -1, weights 0, x unspecified), the count list is empty,
-        and a dispatch receiving more rows is an attributed device error.
+        rounded up to expert_alignment (one host read of the received and per-expert counts: this
+        synchronises with the GPU, as in DeepEP).
+        num_worst_tokens > 0: no host synchronisation (graph-capturable once the op exists);
+        outputs have num_worst_tokens rows (rows past the received count: topk_idx -1, weights 0,
+        x unspecified), the count list is empty, and a dispatch receiving more rows is an
+        attributed device error.
+        T must not exceed the Buffer's normal-mode capacity (module docstring), else
+        InvalidUsageError naming it.
         handle given (cached layout): x goes where that dispatch's tokens went; returns
         (recv_x, None, None, None, None, event).
         topk_idx and num_tokens_per_expert are required without a handle (mori routes by expert id;
@@ -708,61 +832,46 @@ class Buffer:
         if topk_weights is not None:
             self._tensor("dispatch: topk_weights", topk_weights, 2, (torch.float32,))
             _refuse_if(tuple(topk_weights.shape) != (T, K), f"dispatch: topk_weights must have shape [{T}, {K}]")
-        _refuse_if(torch.cuda.is_current_stream_capturing() and num_worst_tokens == 0,
+        tb = max(2, x.element_size())
+        M = self._normal_capacity(H, tb)
+        if T > M or M == 0:
+            raise self._over_capacity(T, M, H, tb)
+        _refuse_if(num_worst_tokens == 0 and torch.cuda.is_current_stream_capturing(),
                    "dispatch: without num_worst_tokens the received count is read on the host, which cannot be "
                    "captured in a CUDA graph (pass num_worst_tokens)")
-        esize = x.element_size()
+        cap = num_worst_tokens if 0 < num_worst_tokens < W * M else 0
+        sd = 0 if x_scales is None else int(x_scales.shape[1])
+        key = ("normal", H, tb, K, epr, M, sd, cap)
         with _OnComm(self, previous_event, async_finish, allocate_on_comm_stream) as ctx:
             x, x_scales, topk_idx, topk_weights = (ctx.stage(t) for t in (x, x_scales, topk_idx, topk_weights))
-            M = self._capacity(T)
-            cap = num_worst_tokens if 0 < num_worst_tokens < W * M else 0
-            sd = 0 if x_scales is None else int(x_scales.shape[1])
-            key = ("normal", H, max(2, esize), K, epr, M, sd, cap)
-            slot = self._slot(key, hidden=H, token_bytes=max(2, esize), max_tokens=M, experts_per_rank=epr, topk=K,
+            slot = self._slot(key, hidden=H, token_bytes=tb, max_tokens=M, experts_per_rank=epr, topk=K,
                               scale_dim=sd, scale_type_size=4, recv_cap=cap)
             op = slot.op
             out, out_w, out_s, out_i, total = op.dispatch(x, topk_weights, x_scales, topk_idx, block_num=blocks)
             routing = _Routing(topk_idx.clone(), T)
             slot.current = routing
+            counts = []
             if num_worst_tokens:
                 n = num_worst_tokens
                 rows = min(n, int(out.shape[0]))
-                valid = (torch.arange(n, device=self._device) < total.to(torch.int64)).view(n, 1)
+                pad = self._rows_at_or_after(rows, total)
             else:
-                n = rows = int(total.item())
-                valid = None
-            routing.num_recv = n
-            recv_x = ctx.empty((n, H), out.dtype)
-            recv_x[:rows].copy_(out[:rows])
-            recv_s = None
-            if out_s is not None:
-                recv_s = ctx.empty((n, sd), out_s.dtype)
-                recv_s[:rows].copy_(out_s[:rows])
-            local = self._local_ids(out_i[:rows], epr)
-            recv_idx = ctx.empty((n, K), topk_idx.dtype)
-            recv_idx.fill_(-1)
-            recv_idx[:rows].copy_(local)
-            if valid is not None:
-                recv_idx.copy_(torch.where(valid, recv_idx, torch.full_like(recv_idx, -1)))
-            recv_w = None
-            if out_w is not None:
-                recv_w = ctx.empty((n, K), torch.float32)
-                recv_w.zero_()
-                recv_w[:rows].copy_(torch.where(local >= 0, out_w[:rows], torch.zeros_like(out_w[:rows])))
-                if valid is not None:
-                    recv_w.copy_(torch.where(valid, recv_w, torch.zeros_like(recv_w)))
-            counts = []
-            if not num_worst_tokens:
+                # One device-to-host read for both counts (it waits for the dispatch).
+                host = torch.cat((total, op.get_local_expert_count())).tolist()
+                n = rows = host[0]
+                pad = None
                 a = expert_alignment
-                counts = [-(-c // a) * a for c in op.get_local_expert_count().tolist()]
+                counts = [-(-c // a) * a for c in host[1:]] if a > 1 else host[1:]
+            routing.num_recv = n
+            recv_x, recv_s, recv_idx, recv_w = ctx.empties(
+                ((n, H), out.dtype), None if out_s is None else ((n, sd), out_s.dtype), ((n, K), topk_idx.dtype),
+                None if out_w is None else ((n, K), torch.float32))
+            recv_x[:rows].copy_(out[:rows])
+            if recv_s is not None:
+                recv_s[:rows].copy_(out_s[:rows])
+            _local_routing(recv_idx, recv_w, out_i, out_w, rows, self.rank * epr, epr, pad)
             handle = DispatchHandle(self, slot, routing, n, H)
         return ((recv_x, recv_s) if recv_s is not None else recv_x), recv_idx, recv_w, counts, handle, ctx.event
-
-    def _local_ids(self, ids, epr):
-        """Global expert ids of received rows -> this rank's local ids, -1 for other ranks' experts."""
-        torch = _torch()
-        e = ids - self.rank * epr
-        return torch.where((e >= 0) & (e < epr), e, torch.full_like(e, -1))
 
     def _cached_dispatch(self, x, x_scales, handle, topk_idx, topk_weights, num_worst_tokens, blocks,
                          previous_event, async_finish, allocate_on_comm_stream):
@@ -786,12 +895,11 @@ class Buffer:
             x, x_scales = ctx.stage(x), ctx.stage(x_scales)
             out, _, out_s, _, _ = slot.op.dispatch(x, None, x_scales, routing.topk_idx, block_num=blocks)
             slot.current = routing
-            recv_x = ctx.empty((n, H), out.dtype)
+            recv_x, recv_s = ctx.empties(((n, H), out.dtype),
+                                         None if out_s is None else ((n, int(out_s.shape[1])), out_s.dtype))
             m = min(n, int(out.shape[0]))  # num_worst_tokens may exceed the op's receive rows
             recv_x[:m].copy_(out[:m])
-            recv_s = None
-            if out_s is not None:
-                recv_s = ctx.empty((n, int(out_s.shape[1])), out_s.dtype)
+            if recv_s is not None:
                 recv_s[:m].copy_(out_s[:m])
         return ((recv_x, recv_s) if recv_s is not None else recv_x), None, None, None, None, ctx.event
 
@@ -876,7 +984,7 @@ class Buffer:
             x, topk_weights = ctx.stage(x), ctx.stage(topk_weights)
             self._reestablish(slot, routing, blocks)
             y, y_w = op.combine(x, topk_weights, None, block_num=blocks)
-            combined = ctx.empty((T, H), x.dtype)
+            combined, combined_w = ctx.empties(((T, H), x.dtype), None if y_w is None else ((T, K), torch.float32))
             if biases:
                 acc = y.float()
                 for b in biases:
@@ -884,9 +992,7 @@ class Buffer:
                 combined.copy_(acc)
             else:
                 combined.copy_(y)
-            combined_w = None
             if y_w is not None:
-                combined_w = ctx.empty((T, K), torch.float32)
                 combined_w.copy_(y_w)
         return combined, combined_w, ctx.event
 
@@ -1065,8 +1171,8 @@ class Buffer:
                 wslot = self._slot(("ll-weights", K, epr, handle.num_max_dispatch_tokens_per_rank), hidden=_DUMMY_HIDDEN,
                                    token_bytes=2, max_tokens=handle.num_max_dispatch_tokens_per_rank,
                                    experts_per_rank=epr, topk=K)
-                dummy = torch.zeros((T, _DUMMY_HIDDEN), dtype=torch.bfloat16, device=self._device)
-                _, weights, _, _, _ = wslot.op.dispatch(dummy, topk_weights.contiguous(), None, routing.topk_idx)
+                _, weights, _, _, _ = wslot.op.dispatch(self._dummy_rows(wslot, T), topk_weights.contiguous(), None,
+                                                        routing.topk_idx)
                 wslot.current = None
             result = out if out is not None else ctx.empty((T, handle.hidden), torch.bfloat16)
             split = return_recv_hook and op.split_combine_available
