@@ -89,7 +89,8 @@ TEST(ParseEnvAutoBoolTest, AutoOrBoolean) {
   for (const char* a : {"", "  ", "auto", "AUTO", " Auto "})
     EXPECT_FALSE(ParseEnvAutoBool("X", a).has_value()) << "'" << a << "'";
   for (const char* t : {"1", "true", "Yes", " on "}) EXPECT_EQ(ParseEnvAutoBool("X", t), true) << t;
-  for (const char* f : {"0", "FALSE", "no", "off\n"}) EXPECT_EQ(ParseEnvAutoBool("X", f), false) << f;
+  for (const char* f : {"0", "FALSE", "no", "off\n"})
+    EXPECT_EQ(ParseEnvAutoBool("X", f), false) << f;
   for (const char* bad : {"2", "autox", "automatic", "-1", "y"}) {
     std::string msg = InvalidUsageMessage([&] { ParseEnvAutoBool("MORI_TEST_AUTO", bad); });
     EXPECT_NE(msg.find("MORI_TEST_AUTO"), std::string::npos) << "input '" << bad << "': " << msg;
