@@ -288,6 +288,10 @@ void RegisterOpsBindings(py::module_& m) {
       .def_property_readonly(
           "kernel_type",
           [](const EpDispatchCombineConfig& c) { return static_cast<int>(c.kernelType); })
+      .def_property_readonly(
+          "runs_as", [](const EpDispatchCombineConfig& c) { return static_cast<int>(c.RunsAs()); },
+          "The kernel type whose kernels and buffers this config gets (AsyncLL: IntraNode on one "
+          "node, else InterNode)")
       .def_readonly("gpu_per_node", &EpDispatchCombineConfig::gpuPerNode)
       .def_readonly("rdma_block_num", &EpDispatchCombineConfig::rdmaBlockNum)
       .def_readonly("num_qp_per_pe", &EpDispatchCombineConfig::numQpPerPe)

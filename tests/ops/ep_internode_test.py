@@ -11,6 +11,8 @@ other nodes over GPU-posted RDMA (emulated by MORI_RDMA_EMULATE=1 when nodes are
     python3 tests/ops/ep_internode_test.py ... --num-qp-per-pe 4          # 4 QPs (channels) per peer
     python3 tests/ops/ep_internode_test.py --nproc 4 --gpu-per-node 2 --kernel-type InterNodeV1LL
                                           # node-deduplicated: combine checked by the two-level formula
+    python3 tests/ops/ep_internode_test.py --nproc 4 --gpu-per-node 2 --kernel-type AsyncLL
+                                          # runs as InterNode, ops of <= 256 tokens per rank
 """
 
 import os

@@ -5,6 +5,7 @@
     python3 tests/ops/ep_intranode_test.py --nproc 4 [-k substring] [--list]
     python3 tests/ops/ep_intranode_test.py --nproc 4      # on fewer GPUs: ranks share GPUs
     MORI_EP_STRESS_ITERS=10000 torchrun --nproc_per_node=4 tests/ops/ep_intranode_test.py -k stress
+    python3 tests/ops/ep_intranode_test.py --nproc 4 --kernel-type AsyncLL   # runs as IntraNode, <= 256 tokens
 
 mori is imported from an installation, $MORI_BUILD_DIR/python, or <repo>/build*/python.
 
@@ -33,9 +34,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ep_test_utils as U  # noqa: E402
 
 DTYPE_NAMES = ("bf16", "fp16", "fp32", "fp8")
-KERNEL_TYPES = ("IntraNode", "InterNode", "InterNodeV1", "InterNodeV1LL")
+KERNEL_TYPES = ("IntraNode", "InterNode", "InterNodeV1", "InterNodeV1LL", "AsyncLL")
 V1_TYPES = ("InterNodeV1", "InterNodeV1LL")  # node-deduplicated: two-level combine
 V1LL_MAX_TOKENS = 256  # InterNodeV1LL's max_num_inp_token_per_rank limit (kEpV1LLMaxTokens)
+# max_num_inp_token_per_rank limits of the small-batch types (kEpV1LLMaxTokens, kEpSplitDispatchMaxTokens)
+LL_MAX_TOKENS = {"InterNodeV1LL": V1LL_MAX_TOKENS, "AsyncLL": 256}
 
 
 class CaseFailure(Exception):
@@ -69,11 +72,11 @@ class Env:
     def config(self, **kw):
         """An EpDispatchCombineConfig of this run's kernel type (--kernel-type, --gpu-per-node)
         unless the case names one."""
-        kw.setdefault("kernel_type", self.args.kernel_type)
+        kw.setdefault("kernel_type", getattr(self.args, "config_kernel_type", self.args.kernel_type))
         kw.setdefault("gpu_per_node", self.args.gpu_per_node or self.W)
         kw.setdefault("num_qp_per_pe", self.args.num_qp_per_pe)
-        if kw["kernel_type"] == "InterNodeV1LL" and "max_num_inp_token_per_rank" in kw:
-            kw["max_num_inp_token_per_rank"] = min(kw["max_num_inp_token_per_rank"], V1LL_MAX_TOKENS)
+        if kw["kernel_type"] in LL_MAX_TOKENS and "max_num_inp_token_per_rank" in kw:
+            kw["max_num_inp_token_per_rank"] = min(kw["max_num_inp_token_per_rank"], LL_MAX_TOKENS[kw["kernel_type"]])
         return self.mori.ops.EpDispatchCombineConfig(**kw)
 
     @property
@@ -133,7 +136,7 @@ class Env:
 # ---------------------------------------------------------------------------------------------
 class Spec:
     """One round-trip scenario. Fields that may vary per iteration are functions of `it`.
-    max_tokens_cap (set by the driver: InterNodeV1LL's limit) lowers every spec's M."""
+    max_tokens_cap (set by the driver: InterNodeV1LL's and AsyncLL's limit) lowers every spec's M."""
 
     max_tokens_cap = None
 
@@ -892,11 +895,17 @@ def case_split_phase_dispatch(env):
             raise CaseFailure("; ".join(errors))
         return
     big = Spec(H=1024, M=512, iters=1, seed=51, t_mode="small")
-    bop = spec_op(env, big)
-    X, IDX, WT, SC, Ts = make_data(env, big, 0, 51)
-    expect_usage_error(mori, errors, "dispatch_send with 512 tokens per rank",
-                       lambda: bop.dispatch_send(X[r, : Ts[r]].contiguous(), None, None, IDX[r, : Ts[r]].contiguous()),
-                       "<= 256")
+    if big.M < 512:  # AsyncLL: no op of more than 256 tokens per rank exists; creating one is refused
+        cfg = small_cfg(env)
+        cfg.max_num_inp_token_per_rank = 512
+        expect_usage_error(mori, errors, "an AsyncLL op of 512 tokens per rank", lambda: env.new_op(cfg),
+                           "AsyncLL is the small-batch split-phase kernel type")
+    else:
+        bop = spec_op(env, big)
+        X, IDX, WT, SC, Ts = make_data(env, big, 0, 51)
+        expect_usage_error(mori, errors, "dispatch_send with 512 tokens per rank",
+                           lambda: bop.dispatch_send(X[r, : Ts[r]].contiguous(), None, None, IDX[r, : Ts[r]].contiguous()),
+                           "<= 256")
     env.close_ops()
     # Round trips with split and fused calls mixed (verify_dispatch / verify_combine check both).
     roundtrip(env, Spec(H=2048, M=256, iters=6, seed=52, split=lambda it: it % 3 != 2,
@@ -1099,8 +1108,8 @@ def case_bad_inputs(env):
         expect_usage_error(mori, errors, what, fn)
 
     # config errors (every rank raises; nothing is allocated)
-    expect("kernel_type AsyncLL (not built)",
-           lambda: env.new_op(mk(kernel_type=mori.ops.EpDispatchCombineKernelType.AsyncLL)))
+    expect("kernel_type IntraNodeLL (not built)",
+           lambda: env.new_op(mk(kernel_type=mori.ops.EpDispatchCombineKernelType.IntraNodeLL)))
     G = env.args.gpu_per_node or W
     if env.args.kernel_type == "IntraNode" and W > 1:
         expect("InterNode with gpu_per_node 1 on one node", lambda: env.new_op(mk(kernel_type="InterNode", gpu_per_node=1)))
@@ -2104,10 +2113,16 @@ def worker(rank, world, local_rank, args):
     torch.cuda.set_device(local_rank)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     env = Env(rank, world, local_rank, args)
-    if args.kernel_type == "InterNodeV1LL":
-        Spec.max_tokens_cap = V1LL_MAX_TOKENS
+    if args.kernel_type in LL_MAX_TOKENS:
+        Spec.max_tokens_cap = LL_MAX_TOKENS[args.kernel_type]
     mori = U.import_mori()
     env.mori = mori
+    # Configs name --kernel-type; the cases check the kernels it runs as (AsyncLL: IntraNode on one
+    # node, InterNode across nodes; the config's runs_as), so args.kernel_type becomes that.
+    args.config_kernel_type = args.kernel_type
+    args.kernel_type = env.config(rank=rank, world_size=world, hidden_dim=256, scale_dim=0, scale_type_size=0,
+                                  max_token_type_size=2, max_num_inp_token_per_rank=8, num_experts_per_rank=1,
+                                  num_experts_per_token=1).runs_as.name
     results = []  # (name, status, message, seconds)
 
     def record(name, status, msg, secs):
@@ -2140,8 +2155,13 @@ def worker(rank, world, local_rank, args):
 
     mori.shmem.shmem_torch_process_group_init("default")
     if rank == 0:
-        print(f"mori EP {args.kernel_type} suite: {world} ranks, gpu_per_node {args.gpu_per_node or world}, {torch.cuda.get_device_name(local_rank)}, "
+        runs_as = f" (runs as {args.kernel_type})" if args.kernel_type != args.config_kernel_type else ""
+        print(f"mori EP {args.config_kernel_type}{runs_as} suite: {world} ranks, gpu_per_node {args.gpu_per_node or world}, {torch.cuda.get_device_name(local_rank)}, "
               f"backend {mori.backend() if callable(getattr(mori, 'backend', None)) else '?'}", flush=True)
+        if args.config_kernel_type in LL_MAX_TOKENS:
+            print(f"note: {args.config_kernel_type} ops have at most {LL_MAX_TOKENS[args.config_kernel_type]} tokens "
+                  "per rank: the cases written for larger ops (max tokens, the pull combine, traces) run at that "
+                  "size", flush=True)
         if world > torch.cuda.device_count():
             print(f"note: {world} ranks share {torch.cuda.device_count()} GPU(s): the protocol runs between "
                   "processes, but no row crosses a link (peers on one GPU are plain device memory)", flush=True)

@@ -177,12 +177,23 @@ if UNDER_PYTEST:
         with pytest.raises(mori.InvalidUsageError, match=needle):
             c.validate()
 
-    def test_sglang_low_latency_mode_is_refused_naming_what_works():
-        kwargs, _ = sglang_config_kwargs(ops, 0, 8, mode="low_latency")
+    @pytest.mark.parametrize("world,runs_as", [(8, "IntraNode"), (16, "InterNode")])
+    def test_sglang_low_latency_mode(world, runs_as):
+        # AsyncLL: up to 256 tokens per rank, run as IntraNode on one node (SGLang's gpu_per_node
+        # is 8 from 8 ranks on) and as InterNode across nodes; read back as AsyncLL.
+        kt = ops.EpDispatchCombineKernelType
+        kwargs, _ = sglang_config_kwargs(ops, 0, world, mode="low_latency", max_tokens=256)
         c = ops.EpDispatchCombineConfig(**kwargs)
-        # SGLang's LL dispatcher asserts on identity.
+        c.validate()
+        assert c.kernel_type is kt.AsyncLL  # SGLang's LL dispatcher asserts on identity
+        assert c.runs_as is kt[runs_as]
+
+    def test_sglang_low_latency_mode_above_256_tokens_is_refused_naming_what_works():
+        kwargs, _ = sglang_config_kwargs(ops, 0, 8, mode="low_latency")  # SGLang's default 4096 tokens
+        c = ops.EpDispatchCombineConfig(**kwargs)
         assert c.kernel_type is ops.EpDispatchCombineKernelType.AsyncLL
-        with pytest.raises(mori.InvalidUsageError, match=r"kernel_type = AsyncLL: not built yet .*IntraNode, InterNode"):
+        with pytest.raises(mori.InvalidUsageError, match=r"max_num_inp_token_per_rank = 4096 is out of range \[1, 256\]: "
+                                                         r"AsyncLL .*use IntraNode, InterNode or InterNodeV1 above it"):
             c.validate()
 
     def test_sglang_inter_node_mode():
@@ -396,13 +407,15 @@ def seq_rocm_positional(env):
 
 
 def seq_not_built_refused(env):
-    """What the engines pick on other topologies (AsyncLL) and their combine quant
-    types are refused on every rank at op creation, naming what works; the next op is fine."""
+    """What the engines pick that this build refuses (SGLang's low-latency mode, AsyncLL, above 256
+    tokens per rank; its blockwise combine quant types) is refused on every rank at op creation,
+    naming what works; the next op is fine."""
     torch, mori, rank, world = env["torch"], env["mori"], env["rank"], env["world"]
-    for mode, quant, needle in (("low_latency", "none", "AsyncLL: not built yet"),
-                                ("intra_node", "fp8_blockwise", "'fp8_blockwise' is not a quant type of this build")):
+    for mode, quant, tokens, needle in (
+            ("low_latency", "none", 257, "AsyncLL is the small-batch split-phase kernel type"),
+            ("intra_node", "fp8_blockwise", M, "'fp8_blockwise' is not a quant type of this build")):
         kwargs, _ = sglang_config_kwargs(mori.ops, rank, world, mode=mode, params_dtype=torch.bfloat16, hidden=H,
-                                         max_tokens=M, num_local_experts=EPR, topk=K, combine_quant_type=quant)
+                                         max_tokens=tokens, num_local_experts=EPR, topk=K, combine_quant_type=quant)
         try:
             env["new_op"](mori.ops.EpDispatchCombineConfig(**kwargs))
         except mori.InvalidUsageError as e:

@@ -74,19 +74,86 @@ def test_kernel_types_are_mori_s():
     expected = {"IntraNode": 0, "InterNode": 1, "InterNodeV1": 2, "InterNodeV1LL": 3, "AsyncLL": 4, "IntraNodeLL": 5}
     assert {m.name: m.value for m in ops.EpDispatchCombineKernelType} == expected
     assert {n: int(v) for n, v in _C.ops.EpDispatchCombineKernelType.__members__.items()} == expected
-    assert ops.KERNEL_TYPE_BUILT == {n: n in ("IntraNode", "InterNode", "InterNodeV1", "InterNodeV1LL")
-                                     for n in expected}
+    assert ops.KERNEL_TYPE_BUILT == {n: n != "IntraNodeLL" for n in expected}
 
 
-@pytest.mark.parametrize("kt", ["AsyncLL", "IntraNodeLL"])
-def test_other_kernel_types_not_built(kt):
-    what_works = r"not built yet \(this build has the IntraNode, InterNode, InterNodeV1 and InterNodeV1LL kernels\)"
+def test_intranode_ll_not_built_names_what_works():
+    kt = "IntraNodeLL"
+    what_works = (r"not built yet \(this build has IntraNode, InterNode, InterNodeV1, InterNodeV1LL and AsyncLL; "
+                  r"for small batches on one node use IntraNode, or AsyncLL for the split phase\)")
     with pytest.raises(mori.InvalidUsageError, match=f"kernel_type = {kt}: {what_works}"):
         make(kernel_type=ops.EpDispatchCombineKernelType[kt]).validate()
     with pytest.raises(mori.InvalidUsageError, match=what_works):
         make(kernel_type=kt).validate()  # names work too
     with pytest.raises(mori.InvalidUsageError, match=what_works):
         make(kernel_type=int(ops.EpDispatchCombineKernelType[kt])).validate()  # and values
+
+
+# AsyncLL: the small-batch type for the split phase, run as IntraNode on one node, else InterNode.
+@pytest.mark.parametrize("world,gpn,runs_as", [(4, 8, "IntraNode"), (4, 4, "IntraNode"), (8, 8, "IntraNode"),
+                                               (4, 2, "InterNode"), (16, 8, "InterNode"), (4, 1, "InterNode")])
+def test_async_ll_runs_as_intranode_on_one_node_else_internode(world, gpn, runs_as):
+    kt = ops.EpDispatchCombineKernelType
+    c = make(kernel_type=kt.AsyncLL, world_size=world, gpu_per_node=gpn, max_num_inp_token_per_rank=256)
+    c.validate()
+    assert c.kernel_type is kt.AsyncLL and c.to_native().kernel_type == 4  # reads back as given
+    assert c.runs_as is kt[runs_as] and c.to_native().runs_as == int(kt[runs_as])
+    # every other type runs as itself, whatever the topology
+    for other in ("IntraNode", "InterNode", "InterNodeV1", "InterNodeV1LL"):
+        assert make(kernel_type=other, world_size=world, gpu_per_node=gpn).runs_as is kt[other]
+
+
+@pytest.mark.parametrize("m", [1, 128, 256])
+def test_async_ll_validates_up_to_256_tokens(m):
+    for kt in ("AsyncLL", ops.EpDispatchCombineKernelType.AsyncLL, 4):  # member, name, value
+        make(kernel_type=kt, max_num_inp_token_per_rank=m).validate()
+        make(kernel_type=kt, max_num_inp_token_per_rank=m, world_size=16, gpu_per_node=8).validate()
+
+
+@pytest.mark.parametrize("world,gpn", [(4, 8), (16, 8)])
+def test_async_ll_refuses_more_than_256_tokens(world, gpn):
+    assert _C.ops.SPLIT_DISPATCH_MAX_TOKENS == 256
+    needle = (r"max_num_inp_token_per_rank = 257 is out of range \[1, 256\]: AsyncLL is the small-batch "
+              r"split-phase kernel type \(use IntraNode, InterNode or InterNodeV1 above it\)")
+    with pytest.raises(mori.InvalidUsageError, match=needle):
+        make(kernel_type="AsyncLL", world_size=world, gpu_per_node=gpn, max_num_inp_token_per_rank=257).validate()
+    with pytest.raises(mori.InvalidUsageError, match=needle):  # the size hints validate too
+        ops.ep_symmetric_bytes(make(kernel_type="AsyncLL", world_size=world, gpu_per_node=gpn,
+                                    max_num_inp_token_per_rank=257))
+
+
+def test_async_ll_other_rules_are_those_of_the_type_it_runs_as():
+    # across nodes: InterNode's equal nodes; fp8_direct_cast as both IntraNode and InterNode
+    with pytest.raises(mori.InvalidUsageError, match="kernel_type AsyncLL needs nodes of equal size"):
+        make(kernel_type="AsyncLL", world_size=6, gpu_per_node=4, max_num_inp_token_per_rank=128).validate()
+    for gpn in (2, 8):
+        make(kernel_type="AsyncLL", gpu_per_node=gpn, max_num_inp_token_per_rank=128,
+             quant_type="fp8_direct_cast").validate()
+
+
+@pytest.mark.parametrize("world,gpn,as_", [(4, 8, "IntraNode"), (4, 2, "InterNode"), (16, 8, "InterNode")])
+@pytest.mark.parametrize("m", [64, 256])
+def test_async_ll_layout_is_the_type_it_runs_as(world, gpn, as_, m):
+    # the same buffers, offsets and sizes as the type it runs as: split staging, and on one node
+    # the push combine's buffers (the split combine)
+    kw = dict(world_size=world, gpu_per_node=gpn, max_num_inp_token_per_rank=m)
+    a, b = make(kernel_type="AsyncLL", **kw), make(kernel_type=as_, **kw)
+    assert ops.ep_layout(a) == ops.ep_layout(b)
+    assert ops.ep_symmetric_bytes(a) == ops.ep_symmetric_bytes(b) and ops.ep_local_bytes(a) == ops.ep_local_bytes(b)
+    sym = ops.ep_layout(a)["symmetric"]
+    assert "split_tokens" in sym
+    assert ("push_recv_tokens" in sym) == (as_ == "IntraNode")
+    assert ("split_tail" in sym) == (as_ == "InterNode")
+
+
+def test_agreement_compares_the_kernel_type_given():
+    # AsyncLL on one PE and IntraNode on the others have one layout but are different ops
+    g = group(dict.fromkeys(range(4), dict(max_num_inp_token_per_rank=128)))
+    g[1] = make(rank=1, kernel_type="AsyncLL", max_num_inp_token_per_rank=128)
+    msg = _C.ops._find_ep_disagreement("config", rows(g))
+    assert "PE 1 has kernel_type = 4 but PE 0 has 0" in msg, msg
+    same = [make(rank=r, kernel_type="AsyncLL", max_num_inp_token_per_rank=128) for r in range(4)]
+    assert _C.ops._find_ep_disagreement("config", rows(same)) == ""
 
 
 def test_v1ll_validation():

@@ -34,8 +34,9 @@ def _enum_from_binding(name, members):
 
 # MORI's kernel types, names and numbers from the C++ enum (IntraNode 0, InterNode 1, InterNodeV1
 # 2, InterNodeV1LL 3, AsyncLL 4, IntraNodeLL 5). Every member exists so that engines written
-# against ROCm/mori resolve the names; a type this build has no kernels for is refused when a
-# config is validated (an op created), naming the built ones (KERNEL_TYPE_BUILT).
+# against ROCm/mori resolve the names; a type this build has no kernels for (IntraNodeLL) is
+# refused when a config is validated (an op created), naming the built ones (KERNEL_TYPE_BUILT).
+# AsyncLL runs as IntraNode or InterNode (EpDispatchCombineConfig.runs_as).
 EpDispatchCombineKernelType = _enum_from_binding(
     "EpDispatchCombineKernelType",
     _native().EpDispatchCombineKernelType.__members__.items(),
@@ -99,7 +100,9 @@ class EpDispatchCombineConfig:
     or element type); `max_num_inp_token_per_rank` bounds the tokens of one call;
     `max_total_recv_tokens` (0: no cap) caps the rows one rank receives per dispatch. `data_type`
     is accepted for MORI compatibility and ignored (the dtype comes from the tensors).
-    `kernel_type`: an EpDispatchCombineKernelType, its name or value. `quant_type`: "none" (combine
+    `kernel_type`: an EpDispatchCombineKernelType, its name or value; AsyncLL (the small-batch
+    type for the split phase, max_num_inp_token_per_rank <= 256) runs as IntraNode when
+    gpu_per_node >= world_size and as InterNode otherwise (`runs_as`). `quant_type`: "none" (combine
     rows travel in the input dtype) or "fp8_direct_cast" (each row travels as saturating e4m3
     codes, the token's rank sums the decoded values in fp32 and rounds once to the input dtype;
     hidden_dim a multiple of 16; every rank must agree; docs/ep.md). `num_qp_per_pe` is range-checked; InterNode posts on one QP per peer in this build and warns
@@ -198,6 +201,13 @@ class EpDispatchCombineConfig:
     @property
     def num_experts(self):
         return self.world_size * self.num_experts_per_rank
+
+    @property
+    def runs_as(self):
+        """The kernel type whose kernels and buffers this config gets: AsyncLL runs as IntraNode
+        when all ranks are one node (gpu_per_node >= world_size) and as InterNode otherwise; every
+        other type runs as itself. `kernel_type` stays what was given."""
+        return EpDispatchCombineKernelType(self.to_native().runs_as)
 
     @property
     def max_num_recv_tokens(self):
@@ -488,7 +498,7 @@ class EpDispatchCombineOp(ExpertMajorMixin):
         with no SM waiting for a peer; any GPU work may run before dispatch_recv(), which
         completes it. The op keeps input, weights, scales and indices alive until dispatch_recv;
         they must stay unchanged until then (the send kernel reads them). Needs kernel_type
-        IntraNode or InterNode and max_num_inp_token_per_rank <= 256 (other ops raise
+        IntraNode, InterNode or AsyncLL and max_num_inp_token_per_rank <= 256 (other ops raise
         mori.InvalidUsageError naming what works). Until dispatch_recv, dispatch, dispatch_send, combine, combine_send, the
         expert-major conversions and debug_fill_buffers raise. Every rank of a call uses the same
         form (split or fused). Returns None."""
@@ -681,7 +691,8 @@ class EpDispatchCombineOp(ExpertMajorMixin):
         tokens' ranks and the call returns without any SM waiting for a peer; any GPU work may
         run before combine_recv(), which completes it. Arguments as combine(). The input and
         weights must stay unchanged until combine_recv has run. Needs the push combine (kernel_type
-        IntraNode, max_num_inp_token_per_rank <= 256); other ops raise mori.InvalidUsageError.
+        IntraNode, or AsyncLL on one node, max_num_inp_token_per_rank <= 256); other ops raise
+        mori.InvalidUsageError.
         Until combine_recv, dispatch/combine/combine_send raise. Returns None."""
         args = self._combine_args("combine_send", input, weights, indices, rdma_block_num,
                                   use_external_inp_buf, call_reset)

@@ -233,7 +233,7 @@ int DeviceFp8Format(int device) {
 
 std::unique_ptr<EpBackend> MakeEpBackend(const EpDispatchCombineConfig& config, int device) {
   std::unique_ptr<EpBackend> b;
-  if (config.kernelType != EpDispatchCombineKernelType::kIntraNode) {
+  if (config.RunsAs() != EpDispatchCombineKernelType::kIntraNode) {
     b = std::make_unique<InterNodeBackend>(config, device);  // InterNode, InterNodeV1/V1LL
   } else {
     b = std::make_unique<IntraNodeBackend>(config, device);

@@ -46,7 +46,7 @@ class EpBackend {
   int combineFp8Format = 0;
 };
 
-// The backend of config.kernelType on the current device (decides from MORI_EP_* and the device).
+// The backend of config.RunsAs() on the current device (decides from MORI_EP_* and the device).
 // Raises InvalidUsageError when shmem's topology does not fit the family (IntraNode: every PE by
 // load/store; InterNode: shmem's nodes are gpu_per_node consecutive PEs, load/store within a node,
 // RDMA across nodes).

@@ -24,7 +24,8 @@ bool EpKernelTypeIsBuilt(EpDispatchCombineKernelType type) {
   return type == EpDispatchCombineKernelType::kIntraNode ||
          type == EpDispatchCombineKernelType::kInterNode ||
          type == EpDispatchCombineKernelType::kInterNodeV1 ||
-         type == EpDispatchCombineKernelType::kInterNodeV1LL;
+         type == EpDispatchCombineKernelType::kInterNodeV1LL ||
+         type == EpDispatchCombineKernelType::kAsyncLL;
 }
 
 const char* EpQuantTypeName(EpQuantType type) {
@@ -139,18 +140,24 @@ void EpDispatchCombineConfig::Validate() const {
   CheckRange("max_total_recv_tokens", maxTotalRecvTokens, 0, 1 << 30,
              "0 means world_size * max_num_inp_token_per_rank");
   if (!EpKernelTypeIsBuilt(kernelType)) {
-    ThrowNotBuilt("kernel_type", "kernel type", static_cast<int>(kernelType), kEpNumKernelTypes,
-                  EpKernelTypeName(kernelType),
-                  "this build has the IntraNode, InterNode, InterNodeV1 and InterNodeV1LL kernels");
+    ThrowNotBuilt(
+        "kernel_type", "kernel type", static_cast<int>(kernelType), kEpNumKernelTypes,
+        EpKernelTypeName(kernelType),
+        "this build has IntraNode, InterNode, InterNodeV1, InterNodeV1LL and AsyncLL; for "
+        "small batches on one node use IntraNode, or AsyncLL for the split phase");
   }
-  if (kernelType != EpDispatchCombineKernelType::kIntraNode) {
+  if (kernelType == EpDispatchCombineKernelType::kAsyncLL)
+    CheckRange("max_num_inp_token_per_rank", maxNumInpTokenPerRank, 1, kEpSplitDispatchMaxTokens,
+               "AsyncLL is the small-batch split-phase kernel type (use IntraNode, InterNode or "
+               "InterNodeV1 above it)");
+  if (RunsAs() != EpDispatchCombineKernelType::kIntraNode) {
     MORI_ENSURE(worldSize % LocalSize() == 0, InvalidUsageError,
                 "EpDispatchCombineConfig: kernel_type %s needs nodes of equal size, but "
                 "world_size = %d is not a multiple of gpu_per_node = %d",
                 EpKernelTypeName(kernelType), worldSize, gpuPerNode);
   }
   if (IsV1()) {
-    if (kernelType == EpDispatchCombineKernelType::kInterNodeV1LL)
+    if (RunsAs() == EpDispatchCombineKernelType::kInterNodeV1LL)
       CheckRange("max_num_inp_token_per_rank", maxNumInpTokenPerRank, 1, kEpV1LLMaxTokens,
                  "InterNodeV1LL is the small-batch kernel type (use InterNodeV1 above it)");
     CheckRange("num_qp_per_pe", numQpPerPe, 1, kEpV1MaxChannels,
@@ -226,7 +233,7 @@ EpLayoutDims MakeEpLayoutDims(const EpDispatchCombineConfig& c) {
   d.scaleRow = c.ScaleRowBytes();
   d.push = EpPushCombineFits(c) ? 1 : 0;
   d.split = EpSplitDispatchFits(c) ? 1 : 0;
-  d.inter = c.kernelType == EpDispatchCombineKernelType::kInterNode ? 1 : 0;
+  d.inter = c.RunsAs() == EpDispatchCombineKernelType::kInterNode ? 1 : 0;
   d.landing = d.m * std::min(d.k, d.w);
   d.markWords = (d.rmax + 31) / 32;
   d.hidden = static_cast<size_t>(c.hiddenDim);
@@ -235,7 +242,7 @@ EpLayoutDims MakeEpLayoutDims(const EpDispatchCombineConfig& c) {
     const int g = c.LocalSize();
     d.g = static_cast<size_t>(g);
     d.v1Nodes = static_cast<size_t>(c.worldSize / g - 1);
-    d.v1Par = c.kernelType == EpDispatchCombineKernelType::kInterNodeV1LL ? 2 : 1;
+    d.v1Par = c.RunsAs() == EpDispatchCombineKernelType::kInterNodeV1LL ? 2 : 1;
     d.v1Ht = d.v1Par == 1 ? 1 : 0;
     d.v1Q = static_cast<size_t>(c.numQpPerPe);
     // The largest record: the widest row, int64 indices, the config's scales.

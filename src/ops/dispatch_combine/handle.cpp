@@ -341,9 +341,9 @@ void EpDispatchCombineHandle::FillCommonArgs(EpKernelCommon* common) const {
   common->numExperts = c.NumExperts();
   common->topK = c.numExpertsPerToken;
   common->localSize =
-      c.kernelType == EpDispatchCombineKernelType::kIntraNode ? c.worldSize : c.LocalSize();
+      c.RunsAs() == EpDispatchCombineKernelType::kIntraNode ? c.worldSize : c.LocalSize();
   common->channels = c.numQpPerPe;
-  common->lowLatency = c.kernelType == EpDispatchCombineKernelType::kInterNodeV1LL ? 1 : 0;
+  common->lowLatency = c.RunsAs() == EpDispatchCombineKernelType::kInterNodeV1LL ? 1 : 0;
   common->maxRecvRows = c.MaxNumRecvTokens();
   common->shmem = shmemCtx;
   common->symmHeapOffset = symmHeapOffset;
@@ -600,8 +600,9 @@ void EpDispatchCombineHandle::LaunchCombineCall(const EpCombineArgs& args, EpCom
                 config.rank);
     MORI_ENSURE(phase == EpCombinePhase::kBoth || backend->PushCombine(), InvalidUsageError,
                 "EP combine_send: split-phase combine needs the push combine (kernel_type "
-                "IntraNode, max_num_inp_token_per_rank <= 256, MORI_EP_COMBINE_PUSH on); this op "
-                "uses the %s combine",
+                "IntraNode or AsyncLL on one node, max_num_inp_token_per_rank <= 256, "
+                "MORI_EP_COMBINE_PUSH on); this op (kernel_type %s) uses the %s combine",
+                EpKernelTypeName(config.kernelType),
                 backend->Family() == EpFamily::kIntraNode ? "pull" : "InterNode");
     TakeExpertIdError(what);  // never between the halves: the receive half always launches
   }

@@ -14,8 +14,11 @@ namespace mori::ops {
 // destination PE. kInterNodeV1 (high throughput: chunks, credits) and kInterNodeV1LL (small
 // batches: parity-buffered): nodes of gpuPerNode PEs, rail-aligned and node-deduplicated (a token
 // crosses the network at most once per remote node, to the PE with the sender's local index,
-// which forwards it over P2P; docs/ep_internode_v1.md). The others (the split-phase kAsyncLL,
-// kIntraNodeLL) are not built: Validate rejects them, naming the built ones.
+// which forwards it over P2P; docs/ep_internode_v1.md). kAsyncLL (small batches, for the split
+// phase: dispatch_send/dispatch_recv, combine_send/combine_recv): at most kEpSplitDispatchMaxTokens
+// tokens per rank; it has no kernels of its own and runs as kIntraNode or kInterNode
+// (EpDispatchCombineConfig::RunsAs). kIntraNodeLL is not built: Validate rejects it, naming the
+// built ones.
 enum class EpDispatchCombineKernelType : int32_t {
   kIntraNode = 0,
   kInterNode = 1,
@@ -132,10 +135,20 @@ struct EpDispatchCombineConfig {
   }
   // PEs per node as the kernels see it (an op within one node has one node of worldSize PEs).
   int LocalSize() const { return gpuPerNode < worldSize ? gpuPerNode : worldSize; }
+  // The kernel type whose kernels, buffer layout and topology rules this config gets: kAsyncLL
+  // runs as kIntraNode when all its PEs are one node (LocalSize() == worldSize) and as kInterNode
+  // otherwise; every other type runs as itself. Whatever picks kernels or buffers reads this;
+  // messages, the agreement across PEs and what users read back keep kernelType.
+  EpDispatchCombineKernelType RunsAs() const {
+    if (kernelType != EpDispatchCombineKernelType::kAsyncLL) return kernelType;
+    return LocalSize() == worldSize ? EpDispatchCombineKernelType::kIntraNode
+                                    : EpDispatchCombineKernelType::kInterNode;
+  }
   // The node-deduplicated kernel types (InterNodeV1, InterNodeV1LL).
   bool IsV1() const {
-    return kernelType == EpDispatchCombineKernelType::kInterNodeV1 ||
-           kernelType == EpDispatchCombineKernelType::kInterNodeV1LL;
+    const EpDispatchCombineKernelType t = RunsAs();
+    return t == EpDispatchCombineKernelType::kInterNodeV1 ||
+           t == EpDispatchCombineKernelType::kInterNodeV1LL;
   }
   size_t MaxTokenRowBytes() const {
     return static_cast<size_t>(hiddenDim) * static_cast<size_t>(maxTokenTypeSize);

@@ -264,22 +264,25 @@ struct EpRegionInfo {
   EpRegionRole role;
 };
 
-// Push combine buffers exist (and the push combine may run) when a config has at most this many
-// tokens per rank: they cost maxNumInpTokenPerRank x W rows per PE.
+// Push combine buffers exist (and the push combine, the one with a split phase, may run) when an
+// IntraNode config (an AsyncLL one on one node too) has at most this many tokens per rank: they
+// cost maxNumInpTokenPerRank x W rows per PE.
 constexpr int kEpPushCombineMaxTokens = 256;
 inline bool EpPushCombineFits(const EpDispatchCombineConfig& config) {
-  return config.kernelType == EpDispatchCombineKernelType::kIntraNode &&
+  return config.RunsAs() == EpDispatchCombineKernelType::kIntraNode &&
          config.maxNumInpTokenPerRank <= kEpPushCombineMaxTokens;
 }
 
 // Split-phase dispatch (dispatch_send / dispatch_recv) needs, per PE, staging for every source's
 // rows of two calls (2 x W x M rows with their metadata: the send writes no final positions, so
 // it waits on no peer's counts; docs/ep_split_phase.md). It exists for IntraNode and InterNode
-// configs of at most kEpSplitDispatchMaxTokens tokens per rank.
+// configs of at most kEpSplitDispatchMaxTokens tokens per rank (so for every AsyncLL config, which
+// Validate bounds by it).
 constexpr int kEpSplitDispatchMaxTokens = kEpPushCombineMaxTokens;
 inline bool EpSplitDispatchFits(const EpDispatchCombineConfig& config) {
-  return (config.kernelType == EpDispatchCombineKernelType::kIntraNode ||
-          config.kernelType == EpDispatchCombineKernelType::kInterNode) &&
+  const EpDispatchCombineKernelType t = config.RunsAs();
+  return (t == EpDispatchCombineKernelType::kIntraNode ||
+          t == EpDispatchCombineKernelType::kInterNode) &&
          config.maxNumInpTokenPerRank <= kEpSplitDispatchMaxTokens;
 }
 
