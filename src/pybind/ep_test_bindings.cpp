@@ -1,8 +1,10 @@
 // mori._C._testing: the host-callable work splits of the EP kernels (src/ops/dispatch_combine),
 // bound so that tests check the functions the kernels call rather than copies of them
 // (tests/python/test_ep_kernel_model.py, tests/python/test_ep_v1_layout.py,
-// tests/ops/test_ep_block_roles.py), and the two reference kernels of the one-rank benchmark
-// (tools/bench/ep_bench.py --kernel-baselines). Not an API.
+// tests/ops/test_ep_block_roles.py), the two reference kernels of the one-rank benchmark
+// (tools/bench/ep_bench.py --kernel-baselines), and the fault-injection hooks of the GPU suite's
+// failure-mode cases (tests/ops/ep_intranode_test.py: a short device timeout for one op, a wrong
+// RDMA key for one peer). Not an API.
 // Compiled by the GPU compiler: the helpers live in the kernels' device headers.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -17,6 +19,8 @@
 #include "../ops/dispatch_combine/internode_v1_device.hpp"
 #include "../ops/dispatch_combine/intranode_device.hpp"
 #include "mori/core/gpu_check.hpp"
+#include "mori/ops/dispatch_combine/handle.hpp"
+#include "mori/shmem/shmem_api.hpp"
 #include "pybind_common.hpp"
 
 namespace mori::pybind {
@@ -68,7 +72,8 @@ Role BlockRole(int b, int nb, int world, int me) {
 }  // namespace
 
 void RegisterEpTestBindings(py::module_& m) {
-  py::module_ t = m.def_submodule("_testing", "EP kernel arithmetic, bound for the tests only");
+  py::module_ t = m.def_submodule(
+      "_testing", "EP kernel arithmetic and fault-injection hooks, bound for the tests only");
   t.attr("WARP_SIZE") = core::kWarpSize;
   t.attr("EP_COMBINE_STAGES") = ops::kEpCombineStages;
   t.attr("EP_COMBINE_STAGE_BYTES") = ops::kEpCombineStageBytes;
@@ -218,6 +223,21 @@ void RegisterEpTestBindings(py::module_& m) {
       },
       py::arg("blocks") = 1, py::arg("threads") = 32, py::arg("stream") = 0,
       "Launches an empty kernel (asynchronous on `stream`)");
+  t.def(
+      "ep_set_device_timeout",
+      [](ops::EpDispatchCombineHandle& h, int64_t ms) { h.SetDeviceTimeoutForTest(ms); },
+      py::arg("handle"), py::arg("ms"),
+      "EpDispatchCombineHandle::SetDeviceTimeoutForTest: the bound, in ms, of the device waits of "
+      "the op's calls launched from now on (handle: EpDispatchCombineOp._h())");
+  t.def(
+      "shmem_exchange_rdma_peer_key",
+      [](int pe, uint32_t rkey) {
+        py::gil_scoped_release nogil;
+        return shmem::ShmemExchangeRdmaPeerKey(pe, rkey);
+      },
+      py::arg("pe"), py::arg("rkey"),
+      "shmem::ShmemExchangeRdmaPeerKey: stores `rkey` as the heap key of this PE's RDMA requests "
+      "to PE `pe`, returns the key it replaces (only while none of this PE's device work runs)");
 }
 
 }  // namespace mori::pybind

@@ -584,6 +584,23 @@ bool ShmemDeviceErrorPending(std::string* description) {
 
 void ShmemAbortDeviceWaits() { RaiseAbortFlag(State("shmem_abort_device_waits")); }
 
+uint32_t ShmemExchangeRdmaPeerKey(int pe, uint32_t rkey) {
+  std::lock_guard<std::mutex> lock(gMutex);  // finalize cannot free the table meanwhile
+  ShmemState& s = State("shmem_exchange_rdma_peer_key");
+  MORI_ENSURE(pe >= 0 && pe < s.devCtx.worldSize, InvalidUsageError,
+              "shmem_exchange_rdma_peer_key: pe %d out of range [0, %d)", pe, s.devCtx.worldSize);
+  MORI_ENSURE(s.rdmaPeersDev != nullptr && s.context->Transport(pe) == TransportType::kRdma,
+              InvalidUsageError,
+              "shmem_exchange_rdma_peer_key: PE %d is not reached by RDMA from PE %d", pe,
+              s.devCtx.rank);
+  // The kernels read the key from this device table at every request (ShmemRdmaPeer::rkey).
+  uint32_t* key = &s.rdmaPeersDev[pe].rkey;
+  uint32_t previous = 0;
+  MORI_CHECK_GPU(gpuMemcpy(&previous, key, sizeof(previous), gpuMemcpyDeviceToHost));
+  MORI_CHECK_GPU(gpuMemcpy(key, &rkey, sizeof(rkey), gpuMemcpyHostToDevice));
+  return previous;
+}
+
 void ShmemBootstrapAllgather(const void* send, void* recv, size_t bytesPerPe) {
   ShmemState& s = State("shmem_bootstrap_allgather");
   MORI_ENSURE(bytesPerPe > 0 && send != nullptr && recv != nullptr, InvalidUsageError,

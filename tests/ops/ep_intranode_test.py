@@ -1568,6 +1568,301 @@ def case_destroy_while_peers_combine(env):
         raise CaseFailure("; ".join(errors))
 
 
+# ---------------------------------------------------------------------------------------------
+# Failure modes: ranks out of step, a peer that never calls, an RDMA request that fails
+# ---------------------------------------------------------------------------------------------
+SHORT_DEVICE_TIMEOUT_MS = 3000  # device wait bound of the one op whose call is made to fail
+
+
+def _gpu_delay(env):
+    """A function queueing about `ms` milliseconds of GPU work on the current stream without
+    allocating: torch.cuda._sleep, else fp32 matmuls into tensors allocated (and cuBLAS set up)
+    here, before any op call is in flight."""
+    torch = env.torch
+    if hasattr(torch.cuda, "_sleep"):
+        return lambda ms: sleep_ms(env, ms)
+    a = torch.ones((4096, 4096), device=env.dev)
+    out = torch.empty_like(a)
+    torch.matmul(a, a, out=out)
+    torch.cuda.synchronize()
+
+    def busy(ms):
+        for _ in range(max(1, int(ms) // 2)):  # a 4096^3 fp32 matmul takes a few ms
+            torch.matmul(a, a, out=out)
+
+    return busy
+
+
+def _skewed_round_trips(env, spec, skew, label):
+    """spec.iters dispatch + combine round trips of a new op, skew() called before every dispatch
+    and every combine; checked as roundtrip checks them (no poison, no split phase)."""
+    torch = env.torch
+    r = env.rank
+    op = spec_op(env, spec)
+    cnt = torch.zeros(len(C_NAMES), dtype=torch.int64, device=env.dev)
+    last = None
+    for it in range(spec.iters):
+        data = make_data(env, spec, it, spec.seed)
+        X, IDX, WT, SC, Ts = data
+        T = Ts[r]
+        x, idx, w = X[r, :T].contiguous(), IDX[r, :T].contiguous(), WT[r, :T].contiguous()
+        skew()
+        outs = op.dispatch(x, w, None, idx)
+        if env.emulated_rdma:
+            torch.cuda.synchronize()  # as roundtrip: verify's allocations only after the call ended
+        verify_dispatch(env, spec, op, outs, data, cnt, False, it)
+        cdt = env.dt(spec.combine_dtype(it))
+        y = expert_fn(outs[0], r, cdt)
+        if spec.mode(it) == "zero_copy":
+            cin = op.get_registered_combine_input_buffer(cdt, spec.H(it))
+            cin.copy_(y)
+        else:
+            cin = y
+        cw = outs[1] * float(r + 1)
+        skew()
+        out, ow = op.combine(cin, cw, idx)
+        if env.emulated_rdma:
+            torch.cuda.synchronize()
+        verify_combine(env, spec, op, out, ow, data, cnt, False, it, cdt)
+        last = (outs, data, it)
+    _raise_on_counters(env, spec, op, cnt, last, label, upto=spec.iters)
+
+
+def case_skewed_ranks(env):
+    """Round trips with the ranks out of step. Before call c (dispatches and combines counted
+    together, the same on every rank), rank c % W sleeps on the host (20-200 ms) and rank
+    (c + 1) % W queues 40-200 ms of GPU work ahead of the call, so every phase has a peer that
+    starts late, on the host or on the GPU, and a different one each time. Dispatch bit-exact and
+    combine bitwise as in roundtrip, for an op with M 128 (IntraNode: push combine) and zero-copy
+    input, and one with M 384 (pull) and external input. Under the RDMA emulator the delays stay
+    host sleeps between calls and GPU work on memory allocated before (docs/rdma.md, "Host
+    run-ahead")."""
+    W, r = env.W, env.rank
+    if W < 2:
+        raise SkipCase("needs 2 ranks (one late for the others)")
+    host_ms = (20, 200, 60, 140, 100, 30, 180)
+    gpu_ms = (150, 40, 200, 80, 120)
+    gpu_delay = _gpu_delay(env)
+    calls = [0]
+
+    def skew():
+        c = calls[0]
+        calls[0] += 1
+        if r == c % W:
+            time.sleep(host_ms[c % len(host_ms)] / 1000.0)
+        if r == (c + 1) % W:
+            gpu_delay(gpu_ms[c % len(gpu_ms)])
+
+    specs = [("M 128, zero-copy input", Spec(H=2048, M=128, t_mode="vary", poison=False, iters=4, seed=90)),
+             ("M 384, external input", Spec(H=4096, M=384, mode="external", poison=False, iters=4, seed=91))]
+    for label, spec in specs:
+        _skewed_round_trips(env, spec, skew, f"skewed ranks, {label}")
+        env.close_ops()
+
+
+def _timeout_fields(msg):
+    """(peer, waited ms) of a device wait timeout's message; None where the message has none."""
+    import re
+
+    peer = re.search(r"on peer (-?\d+)", msg or "")
+    waited = re.search(r"waited ([0-9.]+) ms", msg or "")
+    return (int(peer.group(1)) if peer else None, float(waited.group(1)) if waited else None)
+
+
+def _bounded_barrier(env, seconds, what):
+    """dist.barrier that raises CaseFailure after `seconds` instead of waiting for ever."""
+    work = env.dist.barrier(async_op=True)
+    deadline = time.monotonic() + seconds
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            raise CaseFailure(f"{what}: the other ranks did not reach the barrier within {seconds:.0f} s")
+        time.sleep(0.01)
+    work.wait()
+
+
+def _sync_error(env):
+    """(exception type, message) raised by a bounded synchronisation of the current stream (it
+    raises the recorded device error and clears it), (None, None) without error."""
+    try:
+        env.mori.shmem.shmem_stream_synchronize()
+    except Exception as e:  # noqa: BLE001
+        return type(e), str(e)
+    return None, None
+
+
+def _check_timeout(env, errors, kind, msg, allowed, what):
+    """A device wait timeout at the op's short bound, attributed to a peer in `allowed`. Returns
+    the peer named (None if there is none)."""
+    mori = env.mori
+    if kind is not mori.TimeoutError:
+        errors.append(f"{what}: expected mori.TimeoutError, got {kind.__name__ if kind else 'no error'}: {msg}")
+        return None
+    peer, waited = _timeout_fields(msg)
+    if "device wait timed out" not in msg or peer is None or waited is None:
+        errors.append(f"{what}: not an attributed device wait timeout: {msg}")
+        return None
+    if peer not in allowed:
+        errors.append(f"{what}: the wait that expired names peer {peer}, expected {sorted(allowed)}: {msg}")
+    # The op's bound, not the job's (the shmem default's), ended the wait.
+    job_ms = int(os.environ.get("MORI_DEVICE_TIMEOUT_MS", "60000"))
+    if waited < SHORT_DEVICE_TIMEOUT_MS or (job_ms > SHORT_DEVICE_TIMEOUT_MS and waited >= job_ms):
+        errors.append(f"{what}: waited {waited} ms, expected the op's bound of {SHORT_DEVICE_TIMEOUT_MS} ms "
+                      f"(the job's is {job_ms} ms)")
+    return peer
+
+
+def case_missing_peer(env):
+    """The highest rank does not make a dispatch call that the other ranks make. Their dispatch
+    must end with a device timeout after this op's wait bound (SHORT_DEVICE_TIMEOUT_MS, set for
+    this op alone with mori._C._testing.ep_set_device_timeout; the job's MORI_DEVICE_TIMEOUT_MS
+    stays long), raised by shmem_stream_synchronize as mori.TimeoutError whose peer waited for is
+    the missing rank (InterNodeV1/V1LL, ranks on its node: or one of its rail peers, whose counts
+    reach that node only through the missing rank), and cleared once read. The missing rank waits
+    at a host barrier bounded by the others' worst case and has no error. Then every rank destroys
+    the op, and a new op's round trip is exact (recovery without re-initialising shmem)."""
+    mori = env.mori
+    W, r = env.W, env.rank
+    if W < 2:
+        raise SkipCase("needs 2 ranks (one stays away)")
+    missing = W - 1
+    allowed = {missing}
+    if env.v1:
+        G = env.v1_nodes
+        if r // G == missing // G:
+            allowed |= {p for p in range(W) if p % G == missing % G and p // G != missing // G}
+    spec = Spec(H=2048, M=128, t_mode="max", routing="random", seed=92, poison=False)
+    op = roundtrip(env, spec, label="before the missing call")
+    X, IDX, WT, SC, Ts = make_data(env, spec, 0, spec.seed)
+    x, idx, w = X[r, : Ts[r]].contiguous(), IDX[r, : Ts[r]].contiguous(), WT[r, : Ts[r]].contiguous()
+    mori._C._testing.ep_set_device_timeout(op._h(), SHORT_DEVICE_TIMEOUT_MS)
+    host_ms = int(os.environ.get("MORI_HOST_TIMEOUT_MS", "120000"))
+    errors = []
+    env.barrier()
+    if r != missing:
+        op.dispatch(x, w, None, idx)
+        kind, msg = _sync_error(env)
+        _check_timeout(env, errors, kind, msg, allowed, f"dispatch without rank {missing}")
+        try:
+            op.check_device_error()  # read already: nothing left
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"check_device_error after the error was read raised {type(e).__name__}: {e}")
+    # The others come once their dispatch timed out, or at worst once the host timeout of their
+    # synchronisation aborted it.
+    _bounded_barrier(env, (SHORT_DEVICE_TIMEOUT_MS + host_ms) / 1000.0 + 60, f"rank {r}")
+    pending = mori.shmem.shmem_device_error_pending()
+    if pending is not None:
+        errors.append(f"a device error is pending after the timeout was read: {pending}")
+    try:
+        op.close()  # collective: every rank destroys the op whose epochs now disagree
+    except Exception as e:  # noqa: BLE001
+        errors.append(f"destroying the op after the timeout: {type(e).__name__}: {e}")
+    env.close_ops()
+    env.fail_together(errors)
+    roundtrip(env, Spec(H=2048, M=128, seed=93), label="a new op after the missing call")
+
+
+def _blame_reaches(named, start, culprit):
+    """Whether following the peers named by timed-out ranks (named: rank -> peer) from `start`
+    reaches `culprit` (every rank on the way timed out, no cycle)."""
+    seen = set()
+    q = start
+    while q != culprit:
+        if q in seen or q not in named:
+            return False
+        seen.add(q)
+        q = named[q]
+    return True
+
+
+def case_bad_rdma_key(env):
+    """Rank 0's RDMA requests to its first peer on another node (the victim) carry a wrong heap
+    key (mori._C._testing.shmem_exchange_rdma_peer_key) during one dispatch. Rank 0's must end
+    with mori.RemoteError: an RDMA error completion on a QP to the victim, syndrome 0x13 (remote
+    access). The victim's must end with mori.TimeoutError (this op's short bound) naming rank 0;
+    every other rank finishes without error or times out on a wait whose peer, followed from rank
+    to timed-out rank, leads to rank 0 (rows and counts that only rank 0's failed QP carries).
+    The QP stays failed, so the recovery is a new shmem session (finalize, init on every rank)
+    in which a new op's round trip is exact. Needs a peer reached by RDMA (InterNode family)."""
+    mori = env.mori
+    testing = mori._C._testing
+    W, r = env.W, env.rank
+    if env.args.kernel_type == "IntraNode":
+        raise SkipCase("IntraNode moves rows by load/store: no RDMA key is used")
+    culprit = 0
+    victims = [p for p in range(W) if mori.shmem.shmem_node_of(p) != mori.shmem.shmem_node_of(culprit)]
+    if not victims:
+        raise SkipCase("one node: no peer is reached by RDMA")
+    victim = victims[0]
+    spec = Spec(H=2048, M=128, t_mode="max", routing="random", seed=94, poison=False)
+    op = roundtrip(env, spec, label="before the bad key")
+    X, IDX, WT, SC, Ts = make_data(env, spec, 0, spec.seed)
+    x, idx, w = X[r, : Ts[r]].contiguous(), IDX[r, : Ts[r]].contiguous(), WT[r, : Ts[r]].contiguous()
+    testing.ep_set_device_timeout(op._h(), SHORT_DEVICE_TIMEOUT_MS)
+    errors = []
+    good_key = None
+    env.barrier()  # no kernel of this rank runs while the key changes
+    if r == culprit:
+        if mori.shmem.shmem_transport_type(victim) != "rdma":
+            errors.append(f"rank {victim} is on another node but not reached by RDMA "
+                          f"({mori.shmem.shmem_transport_type(victim)})")
+        else:
+            good_key = testing.shmem_exchange_rdma_peer_key(victim, 0)
+            testing.shmem_exchange_rdma_peer_key(victim, good_key ^ 0x00FFFF00)
+    env.barrier()
+    kind, msg = None, None
+    try:
+        op.dispatch(x, w, None, idx)
+        kind, msg = _sync_error(env)
+    except Exception as e:  # noqa: BLE001
+        kind, msg = type(e), str(e)
+    results = [None] * W
+    env.dist.all_gather_object(results, (kind.__name__ if kind else None, msg))
+    if r == culprit:
+        import re
+
+        to_pe = re.search(r"to pe (\d+)", msg or "")
+        if kind is not mori.RemoteError:
+            errors.append(f"expected mori.RemoteError, got {kind.__name__ if kind else 'no error'}: {msg}")
+        elif ("RDMA error completion" not in msg or "QP 0x" not in msg or "syndrome 0x13" not in msg
+              or to_pe is None or int(to_pe.group(1)) != victim):
+            errors.append(f"the error does not name the QP to pe {victim} and syndrome 0x13: {msg}")
+    else:
+        named = {}
+        for q, (kname, m) in enumerate(results):
+            if kname == "TimeoutError":
+                named[q] = _timeout_fields(m)[0]
+        if r == victim:
+            _check_timeout(env, errors, kind, msg, {culprit}, "the victim's dispatch")
+        elif kind is not None:
+            _check_timeout(env, errors, kind, msg, set(range(W)), "dispatch")
+            if r in named and not _blame_reaches(named, r, culprit):
+                errors.append(f"the peers named by timed-out ranks (rank: peer) do not lead from rank {r} "
+                              f"to rank {culprit}: {named}")
+    env.barrier()  # every rank's dispatch has ended
+    if good_key is not None:
+        testing.shmem_exchange_rdma_peer_key(victim, good_key)
+    # The QP stays failed: every drain (the op's release here) records it again on rank 0.
+    try:
+        op.close()
+    except Exception as e:  # noqa: BLE001
+        errors.append(f"destroying the op after the RDMA error: {type(e).__name__}: {e}")
+    env.close_ops()
+    try:
+        mori.shmem.shmem_check_device_error()
+    except mori.RemoteError as e:
+        if r != culprit:
+            errors.append(f"a remote error on a rank whose keys were right: {e}")
+    except Exception as e:  # noqa: BLE001
+        errors.append(f"after closing the op: {type(e).__name__}: {e}")
+    try:
+        mori.shmem.shmem_finalize()
+    except Exception as e:  # noqa: BLE001
+        errors.append(f"shmem_finalize after the RDMA error: {type(e).__name__}: {e}")
+    mori.shmem.shmem_torch_process_group_init("default")
+    env.fail_together(errors)
+    roundtrip(env, Spec(H=2048, M=128, seed=95), label="a new shmem session after the RDMA error")
+
+
 def case_stress(env):
     iters = int(os.environ.get("MORI_EP_STRESS_ITERS", "0") or 0)
     if iters <= 0:
@@ -2076,6 +2371,7 @@ CASES = [
     ("launch_shapes", case_launch_shapes),
     ("dispatch_only_and_combine_only_loops", case_dispatch_only_loop),
     ("combine_back_to_back", case_combine_back_to_back),
+    ("ranks_skewed_by_sleeps", case_skewed_ranks),
     ("split_phase_combine", case_split_phase_combine),
     ("split_phase_dispatch", case_split_phase_dispatch),
     ("cuda_graph_replay", case_cuda_graph),
@@ -2093,6 +2389,8 @@ CASES = [
     ("standard_moe_bad_inputs", case_standard_moe_bad_inputs),
     ("phase_trace", case_phase_trace),
     ("back_to_back_iterations", case_back_to_back),
+    ("missing_peer_times_out", case_missing_peer),
+    ("bad_rdma_key_remote_error", case_bad_rdma_key),
     ("stress", case_stress),
 ]
 

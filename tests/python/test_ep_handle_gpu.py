@@ -124,6 +124,23 @@ def test_calls_refused_while_a_device_error_is_pending(one_rank_shmem):
 
 
 @needs_gpu
+def test_device_timeout_hook(one_rank_shmem):
+    """mori._C._testing.ep_set_device_timeout (the EP suite's failure-mode cases): range checked,
+    calls still run under the new bound, refused once the op is released."""
+    h = _C.ops.EpDispatchCombineHandle(config())
+    for ms in (0, -1, 24 * 3600 * 1000 + 1):
+        with pytest.raises(mori.InvalidUsageError, match="out of range"):
+            _C._testing.ep_set_device_timeout(h, ms)
+    _C._testing.ep_set_device_timeout(h, 1000)
+    empty_dispatch(h)
+    empty_combine(h)
+    mori.shmem.shmem_stream_synchronize(0)
+    h.release()
+    with pytest.raises(mori.InvalidUsageError, match="released"):
+        _C._testing.ep_set_device_timeout(h, 1000)
+
+
+@needs_gpu
 def test_release_after_finalize_only_frees_local_memory():
     g = OneRank()
     _C._init_with_callbacks(0, 1, g.allgather, g.alltoall, g.barrier, 0)

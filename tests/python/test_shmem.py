@@ -26,6 +26,11 @@ def test_is_initialized_false_before_init():
     assert mori.shmem.shmem_is_initialized() is False
 
 
+def test_rdma_key_hook_needs_shmem():
+    with pytest.raises(mori.InvalidUsageError, match="not initialised"):
+        _C._testing.shmem_exchange_rdma_peer_key(1, 0)
+
+
 # --- callback bootstrap, exercised without a GPU through _C._test_callback_bootstrap ---------
 class FakeGroup:
     """Stands in for a world of `world` ranks seen from `rank`: peers contribute derived bytes."""
@@ -227,6 +232,11 @@ def test_single_rank_init_malloc_free_finalize():
         assert mori.shmem.shmem_buffer_deregister(aligned, 100) == 0
         mori.shmem.shmem_free(aligned)
         mori.shmem.shmem_free(ptr)
+        # the fault-injection hook of the EP suite: no peer of one rank is reached by RDMA
+        with pytest.raises(mori.InvalidUsageError, match="PE 0 is not reached by RDMA"):
+            _C._testing.shmem_exchange_rdma_peer_key(0, 0)
+        with pytest.raises(mori.InvalidUsageError, match="pe 1 out of range"):
+            _C._testing.shmem_exchange_rdma_peer_key(1, 0)
         with pytest.raises(mori.InvalidUsageError, match="already initialised"):
             _C._init_with_callbacks(0, 1, g.allgather, g.alltoall, g.barrier, 0)
     finally:

@@ -98,6 +98,11 @@ bool ShmemDeviceErrorPending(std::string* description = nullptr);
 // up; the next ShmemCheckDeviceError / ShmemStreamSynchronize raises TimeoutError ("aborted").
 // What a host wait does on expiry; for watchdogs and tests.
 void ShmemAbortDeviceWaits();
+// Test hook (fault injection): stores `rkey` as the heap key this PE's kernels put into their RDMA
+// requests to PE `pe` and returns the key it replaces. A request carrying a wrong key completes in
+// error (remote access) and leaves its QP failed until shmem is finalized. Call only while none
+// of this PE's device work is running. InvalidUsageError when `pe` is not reached by RDMA.
+uint32_t ShmemExchangeRdmaPeerKey(int pe, uint32_t rkey);
 // Bounded wait for all of this PE's device work (MORI_HOST_TIMEOUT_MS), then for the completion
 // of every RDMA request it posted (a kernel may finish before its last puts have landed): on
 // return, everything this PE put has reached its peers. Leaves a recorded device error in place

@@ -370,6 +370,16 @@ void EpDispatchCombineHandle::SetTrace(uint64_t* buffer, int slots, int maxBlock
   traceMaxBlocks = buffer != nullptr ? maxBlocks : 0;
 }
 
+void EpDispatchCombineHandle::SetDeviceTimeoutForTest(int64_t ms) {
+  CheckUsable("SetDeviceTimeoutForTest", false);
+  constexpr int64_t kMaxMs = 24ll * 3600 * 1000;  // shmem init's bound on MORI_DEVICE_TIMEOUT_MS
+  MORI_ENSURE(ms >= 1 && ms <= kMaxMs, InvalidUsageError,
+              "EP SetDeviceTimeoutForTest: %lld ms is out of range [1, %lld]",
+              static_cast<long long>(ms), static_cast<long long>(kMaxMs));
+  // Every launch copies shmemCtx into its arguments (FillCommonArgs).
+  shmemCtx.wait.timeoutNs = static_cast<uint64_t>(ms) * 1000000ull;
+}
+
 void EpDispatchCombineHandle::TakeExpertIdError(const char* what) {
   CheckUsable(what);
   const uint64_t seen = __atomic_load_n(badExpertIdHost, __ATOMIC_ACQUIRE);

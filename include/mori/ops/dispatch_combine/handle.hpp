@@ -240,6 +240,10 @@ class EpDispatchCombineHandle {
   // host through mapped memory; best of a few rounds). Needs no other work of this GPU to hold
   // all of its SMs; bounded by MORI_HOST_TIMEOUT_MS (TimeoutError). Defined in trace.cpp.
   EpTraceClockSample SampleTraceClock() const;
+  // Test hook: the bound of every device wait of this op's calls launched from now on, in
+  // milliseconds (MORI_DEVICE_TIMEOUT_MS as read at shmem init otherwise). Lets a failure-mode
+  // test see an attributed timeout in seconds while the job's bound stays long; no other use.
+  void SetDeviceTimeoutForTest(int64_t ms);
 
  private:
   // refuseOnDeviceError = false: every check but the pending device error (the receive half).
