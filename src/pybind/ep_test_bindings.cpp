@@ -91,6 +91,14 @@ void RegisterEpTestBindings(py::module_& m) {
       py::arg("nb"), py::arg("world"), py::arg("me"),
       "[EpDispatchBlockRole(b) for b in range(nb)]");
   t.def(
+      "ep_resident_sms",
+      [](int numSms, int pesOnGpu, bool mps, int mpsThreadPercent) {
+        Require(numSms >= 1 && pesOnGpu >= 1, "need num_sms >= 1 and pes_on_gpu >= 1");
+        return ops::EpResidentSms(numSms, pesOnGpu, mps, mpsThreadPercent);
+      },
+      py::arg("num_sms"), py::arg("pes_on_gpu"), py::arg("mps"), py::arg("mps_thread_percent"),
+      "EpResidentSms: the SMs one PE's grids may take so that its GPU's PEs fit at once");
+  t.def(
       "ep_share_begin",
       [](int n, int i, int parts) {
         Require(parts >= 1 && n >= 0 && i >= 0 && i <= parts,

@@ -455,6 +455,12 @@ int ShmemNodeOf(int pe) {
 int ShmemNumNodes() { return State("shmem_num_nodes").context->NumNodes(); }
 int ShmemLocalRank() { return State("shmem_local_rank").context->LocalRank(); }
 int ShmemLocalSize() { return State("shmem_local_size").context->LocalSize(); }
+int ShmemPesOnMyGpu() {
+  const application::Context& c = *State("shmem_pes_on_my_gpu").context;
+  int n = 0;
+  for (int pe = 0; pe < c.WorldSize(); pe++) n += c.SameGpu(pe) ? 1 : 0;
+  return n;
+}
 
 ShmemDeviceContext ShmemGetDeviceContext() { return State("ShmemGetDeviceContext").devCtx; }
 

@@ -55,8 +55,9 @@ TransportType ShmemTransportType(int pe);
 // lowest PE; the local rank is this PE's index among its node's PEs in PE order.
 int ShmemNodeOf(int pe);  // node of PE `pe` (InvalidUsageError if out of range)
 int ShmemNumNodes();
-int ShmemLocalRank();  // this PE's index on its node
-int ShmemLocalSize();  // number of PEs on this PE's node
+int ShmemLocalRank();   // this PE's index on its node
+int ShmemLocalSize();   // number of PEs on this PE's node
+int ShmemPesOnMyGpu();  // number of PEs (this one included) whose GPU is this PE's GPU
 // The struct kernels take by value to use the device API.
 ShmemDeviceContext ShmemGetDeviceContext();
 

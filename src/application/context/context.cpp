@@ -50,6 +50,7 @@ Context::Context(BootstrapNetwork& boot, int device)
 
   sameNode.assign(worldSize, false);
   canP2P.assign(worldSize, false);
+  sameGpu.assign(worldSize, false);
   transport.assign(worldSize, TransportType::kNone);
   const bool disableP2P = core::Env().disableP2P;
   for (int pe = 0; pe < worldSize; pe++) {
@@ -58,6 +59,7 @@ Context::Context(BootstrapNetwork& boot, int device)
     sameNode[pe] = same;
     if (pe == rank) {
       canP2P[pe] = true;
+      sameGpu[pe] = true;
       transport[pe] = TransportType::kSelf;
       continue;
     }
@@ -67,6 +69,7 @@ Context::Context(BootstrapNetwork& boot, int device)
         int can = 0;
         if (peerDevice == device) {
           can = 1;  // two PEs on one GPU (tests): plain device memory
+          sameGpu[pe] = true;
         } else {
           MORI_CHECK_GPU(gpuDeviceCanAccessPeer(&can, device, peerDevice));
         }

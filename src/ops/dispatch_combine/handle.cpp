@@ -16,6 +16,7 @@
 #include "mori/core/fp8.hpp"
 #include "mori/core/gpu_check.hpp"
 #include "mori/core/logging.hpp"
+#include "mori/core/mps.hpp"
 #include "mori/ops/dispatch_combine/agreement.hpp"
 #include "mori/shmem/shmem_api.hpp"
 
@@ -69,6 +70,20 @@ EpDispatchCombineHandle::EpDispatchCombineHandle(const EpDispatchCombineConfig& 
                     config.rank, config.worldSize, pe, npes);
         MORI_CHECK_GPU(gpuGetDevice(&device));
         MORI_CHECK_GPU(gpuDeviceGetAttribute(&numSms, gpuDevAttrMultiProcessorCount, device));
+        {
+          // PEs sharing this GPU under MPS run at once: grids capped so that all fit together
+          // (at least world_size blocks stay possible: dispatch needs one per destination).
+          const core::MpsClient mps = core::DetectMpsClient();
+          const int sharing = shmem::ShmemPesOnMyGpu();
+          const int resident = EpResidentSms(numSms, sharing, mps.active, mps.threadPercent);
+          if (resident < numSms) {
+            MORI_INFO(kLogOps,
+                      "EP op on PE %d: %d PEs share this GPU under CUDA MPS; grids capped at %d "
+                      "of the %d SMs it shows (docs/ep.md, Residency)",
+                      pe, sharing, std::max(resident, std::min(numSms, config.worldSize)), numSms);
+            numSms = std::max(resident, std::min(numSms, config.worldSize));
+          }
+        }
         backend = MakeEpBackend(config, device);  // checks shmem's topology for the family
         symmLayout = MakeEpSymmetricLayout(config);
         localLayout = MakeEpLocalLayout(config);

@@ -141,6 +141,20 @@ constexpr int kEpCombineStageRows = 4;
 inline size_t EpCombineStagedSmemBytes(int warps) {
   return static_cast<size_t>(warps) * kEpCombineStages * kEpCombineStageBytes;
 }
+// The SMs one PE's grids may take so that the grids of every PE on its GPU fit at once (docs/ep.md,
+// "Residency"). Under CUDA MPS (mps) the pesOnGpu processes of a GPU run concurrently and each
+// sees numSms, its share: with a thread percentage p (1-100) from the environment the GPU has
+// numSms * 100 / p SMs, else numSms; each PE gets at most that divided by pesOnGpu. Without MPS the
+// processes take turns on the whole GPU, so numSms is returned unchanged, as with one PE.
+inline int EpResidentSms(int numSms, int pesOnGpu, bool mps, int mpsThreadPercent) {
+  if (!mps || pesOnGpu <= 1) return numSms;
+  const long long gpu = mpsThreadPercent >= 1 && mpsThreadPercent <= 100
+                            ? static_cast<long long>(numSms) * 100 / mpsThreadPercent
+                            : numSms;
+  const long long share = gpu / pesOnGpu;
+  return static_cast<int>(share < 1 ? 1 : (share < numSms ? share : numSms));
+}
+
 // MORI_EP_COMBINE_STAGED=auto stages only ops of at most this many PEs: with 2 H200s staging was
 // faster (most rows local or on one link), with 4 it was slower (docs/performance.md, session 11).
 constexpr int kEpStagedAutoMaxPes = 2;

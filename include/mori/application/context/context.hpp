@@ -41,6 +41,7 @@ class Context {
   const std::vector<int32_t>& LocalRanksOfPes() const { return localRankOf; }
   bool SameNode(int pe) const { return sameNode[pe]; }
   bool CanP2P(int pe) const { return canP2P[pe]; }
+  bool SameGpu(int pe) const { return sameGpu[pe]; }  // pe runs on this PE's GPU (itself too)
   TransportType Transport(int pe) const { return transport[pe]; }
   const std::vector<TransportType>& Transports() const { return transport; }
   const PeerRecord& Peer(int pe) const { return peers[pe]; }
@@ -59,6 +60,7 @@ class Context {
   std::vector<int32_t> localRankOf;  // [worldSize]
   std::vector<bool> sameNode;
   std::vector<bool> canP2P;
+  std::vector<bool> sameGpu;
   std::vector<TransportType> transport;
 };
 
