@@ -405,8 +405,9 @@ def spec_op(env, spec):
     return env.new_op(cfg, check_inputs=False)
 
 
-def roundtrip(env, spec, op=None, label=""):
-    """Runs spec.iters dispatch+combine round trips and checks them; raises CaseFailure."""
+def roundtrip(env, spec, op=None, label="", before_call=None):
+    """Runs spec.iters dispatch+combine round trips and checks them; raises CaseFailure.
+    before_call(), when given, runs on the host right before every dispatch and every combine."""
     torch = env.torch
     r = env.rank
     if op is None:
@@ -428,6 +429,8 @@ def roundtrip(env, spec, op=None, label=""):
         sc = SC[r, :T].contiguous() if SC is not None else None
         db, dw = spec.d_launch(it)
         qkw = spec.quant_kw(it)
+        if before_call is not None:
+            before_call()
         if spec.split(it):
             # Work between the halves, on memory allocated before (under the RDMA emulator a
             # cudaMalloc there could hold up the copies the send kernel completes with).
@@ -477,6 +480,8 @@ def roundtrip(env, spec, op=None, label=""):
             else:
                 raise ValueError(wmode)
         cb, cwp = spec.c_launch(it)
+        if before_call is not None:
+            before_call()
         out, out_w2 = op.combine(cin, cw, idx, block_num=cb, warp_per_block=cwp)
         if env.emulated_rdma:
             # verify_combine's allocations can hold up the emulator's copies (the other node's
@@ -1593,41 +1598,6 @@ def _gpu_delay(env):
     return busy
 
 
-def _skewed_round_trips(env, spec, skew, label):
-    """spec.iters dispatch + combine round trips of a new op, skew() called before every dispatch
-    and every combine; checked as roundtrip checks them (no poison, no split phase)."""
-    torch = env.torch
-    r = env.rank
-    op = spec_op(env, spec)
-    cnt = torch.zeros(len(C_NAMES), dtype=torch.int64, device=env.dev)
-    last = None
-    for it in range(spec.iters):
-        data = make_data(env, spec, it, spec.seed)
-        X, IDX, WT, SC, Ts = data
-        T = Ts[r]
-        x, idx, w = X[r, :T].contiguous(), IDX[r, :T].contiguous(), WT[r, :T].contiguous()
-        skew()
-        outs = op.dispatch(x, w, None, idx)
-        if env.emulated_rdma:
-            torch.cuda.synchronize()  # as roundtrip: verify's allocations only after the call ended
-        verify_dispatch(env, spec, op, outs, data, cnt, False, it)
-        cdt = env.dt(spec.combine_dtype(it))
-        y = expert_fn(outs[0], r, cdt)
-        if spec.mode(it) == "zero_copy":
-            cin = op.get_registered_combine_input_buffer(cdt, spec.H(it))
-            cin.copy_(y)
-        else:
-            cin = y
-        cw = outs[1] * float(r + 1)
-        skew()
-        out, ow = op.combine(cin, cw, idx)
-        if env.emulated_rdma:
-            torch.cuda.synchronize()
-        verify_combine(env, spec, op, out, ow, data, cnt, False, it, cdt)
-        last = (outs, data, it)
-    _raise_on_counters(env, spec, op, cnt, last, label, upto=spec.iters)
-
-
 def case_skewed_ranks(env):
     """Round trips with the ranks out of step. Before call c (dispatches and combines counted
     together, the same on every rank), rank c % W sleeps on the host (20-200 ms) and rank
@@ -1656,7 +1626,7 @@ def case_skewed_ranks(env):
     specs = [("M 128, zero-copy input", Spec(H=2048, M=128, t_mode="vary", poison=False, iters=4, seed=90)),
              ("M 384, external input", Spec(H=4096, M=384, mode="external", poison=False, iters=4, seed=91))]
     for label, spec in specs:
-        _skewed_round_trips(env, spec, skew, f"skewed ranks, {label}")
+        roundtrip(env, spec, label=f"skewed ranks, {label}", before_call=skew)
         env.close_ops()
 
 
