@@ -122,7 +122,8 @@ def test_layout_is_the_bindings():
         assert all(0 <= s < L["stamps"] for s in stamps)
     assert [n for _, n in phases("dispatch")] == ["scan", "announce", "count_wait", "copy", "publish", "receive",
                                                    "grid_counter"]
-    assert [n for _, n in phases("combine")] == ["send", "wait_peers", "reduce", "fence", "grid_counter", "tail"]
+    assert [n for _, n in phases("combine")] == ["send", "wait_peers", "proxy_sums", "reduce", "fence", "grid_counter",
+                                                  "tail"]
 
 
 # --- conversion ---------------------------------------------------------------------------------
@@ -349,6 +350,37 @@ def test_inputs_numpy_and_4d():
     assert trace.to_chrome_trace(a.reshape(2, 2, 3, L["words"]), "dispatch") == ref
 
 
+@pytest.mark.parametrize("kind", ["dispatch", "combine"])
+def test_phase_summary(kind):
+    """Per phase: the median over complete launches of the longest block's time; the launch span;
+    an incomplete launch and an unreached phase left out."""
+    grid = 5
+    buf = Buffer(slots=8, max_blocks=8)
+    names = [n for _, n in phases(kind)]
+    skip = names[1]  # a phase no block reaches (as IntraNode never stamps the proxy sums)
+    scale = {1: 1, 2: 3, 3: 2}  # launch epoch -> duration factor: medians are epoch 3's
+    for epoch, f in scale.items():
+        start = T0 + epoch * 10**6
+        for b in range(grid):
+            stamps, t = {L["entry_stamp"]: start + 100 * b}, start + 100 * b
+            for i, (s, name) in enumerate(phases(kind)):
+                if name == skip:
+                    continue
+                t += f * phase_dur(kind, i, b)
+                stamps[s] = t
+            buf.record(kind, epoch, b, grid, start, stamps=stamps, arrival=b + 1)
+    buf.record(kind, 4, 0, grid, T0 + 5 * 10**6)  # launch 4: one block of 5 recorded
+    got = trace.phase_summary(buf.words, kind, slots=8)
+    assert got["launches"] == 3
+    want = [(n, 2 * phase_dur(kind, i, grid - 1) / 1000.0) for i, (_, n) in enumerate(phases(kind)) if n != skip]
+    assert [n for n, _ in got["phases"]] == [n for n, _ in want]
+    for (_, us), (_, w) in zip(got["phases"], want):
+        assert us == pytest.approx(w, abs=1e-3)
+    total = sum(phase_dur(kind, i, grid - 1) for i, (_, n) in enumerate(phases(kind)) if n != skip)
+    assert got["span_us"] == pytest.approx((100 * (grid - 1) + 2 * total) / 1000.0, abs=1e-3)
+    assert trace.phase_summary(buf.words, kind, slots=8, launches=2)["launches"] == 1
+
+
 def test_bad_arguments():
     buf = Buffer(1, 1)
     with pytest.raises(mori.InvalidUsageError, match="kind"):
@@ -387,9 +419,13 @@ def test_op_switch_argument_checks():
     assert t.buffer is None and not t.enabled
     with pytest.raises(mori.InvalidUsageError, match="never enabled"):
         t.dump(_FakeOp(), "dispatch", "x.json", "last")
+    with pytest.raises(mori.InvalidUsageError, match="never enabled"):
+        t.summary(_FakeOp(), "dispatch", "all")
     t.buffer = object()  # as if enabled: the launches argument is checked before anything runs
     with pytest.raises(mori.InvalidUsageError, match="launches"):
         t.dump(_FakeOp(), "combine", "x.json", "first")
+    with pytest.raises(mori.InvalidUsageError, match="launches"):
+        t.summary(_FakeOp(), "combine", "first")
 
 
 def test_resolve_path(tmp_path):

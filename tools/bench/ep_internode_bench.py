@@ -52,6 +52,10 @@ MORI_RDMA_EMULATE_TRACE=--link-model-trace (entries per rank, enough for one cal
 before shmem init; a phase whose trace ring overflowed gets no modelled time, only a warning.
 --save-trace PATH (implies --link-model) also writes the merged per-phase traces and the run's
 parameters as JSON, which `python3 tools/bench/ep_link_model.py PATH` re-models.
+--phases N runs N more round trips back to back with the op's per-block phase trace on and prints,
+per phase, the median over ranks of each rank's median-over-calls longest block time: the GPU-side
+work of packing, forwarding and the partial sums. With emulated nodes run one rank per GPU
+(--nproc <= GPUs) for these times; phases that wait for the network then show the emulator.
 Standard shapes at 2 x 8 (issue 14's targets):
 
     python3 tools/bench/ep_internode_bench.py --nproc 16 --gpu-per-node 8 --tokens 128 --dtypes fp8 \
@@ -60,6 +64,7 @@ Standard shapes at 2 x 8 (issue 14's targets):
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -215,6 +220,63 @@ def link_model_lines(run):
     return LM.run_table(run, deps="both")
 
 
+def phase_times(torch, dist, op, x, w, sc, idx, cin, W, calls):
+    """`calls` round trips back to back with the op's phase trace on (no host sync between calls:
+    the ranks meet in the kernels), then every rank's op.trace_phase_summary per kind (a list
+    over ranks of {"dispatch": ..., "combine": ...})."""
+    op.enable_trace(slots=max(64, calls))
+    torch.cuda.synchronize()
+    dist.barrier()
+    for _ in range(calls):
+        out = op.dispatch(x, w, sc, idx)
+        cin[:out[0].shape[0]].copy_(out[0].to(torch.bfloat16) if out[0].dtype != torch.bfloat16 else out[0])
+        op.combine(cin, out[1], idx)
+    summary = {k: op.trace_phase_summary(k) for k in ("dispatch", "combine")}
+    op.disable_trace()
+    dist.barrier()
+    every = [None] * W
+    dist.all_gather_object(every, summary)
+    return every
+
+
+# What each V1 phase does (include/mori/ops/dispatch_combine/trace.hpp); "+ wait": the phase also
+# waits for another PE or the network, so it is not GPU work alone.
+V1_PHASES = {
+    ("dispatch", "scan"): "pack: scan, count record, records staged, shares posted",
+    ("dispatch", "announce"): "relay rail peers' count records + wait",
+    ("dispatch", "count_wait"): "own-node counts announced + wait (local PEs done)",
+    ("dispatch", "copy"): "own-node rows copied to local PEs + wait (lower counts)",
+    ("dispatch", "publish"): "forward rail peers' records to local PEs + wait (tails)",
+    ("dispatch", "receive"): "block 0: totals + wait (every source)",
+    ("combine", "send"): "input in place, ready sent",
+    ("combine", "wait_peers"): "wait: local PEs' rows ready",
+    ("combine", "proxy_sums"): "proxy: partial sums of rail peers' tokens, posted",
+    ("combine", "reduce"): "owner: own-node sums, wait (landing tails), node sums",
+}
+
+
+def phase_lines(phased, args, W, G, M):
+    """The --phases table: per dtype, kind and phase the median (and max) over ranks of each
+    rank's median-over-calls longest block time."""
+    out = [f"\n{args.kernel_type} kernel phases ({W} ranks, {W // G} nodes x {G}, {M} tokens/rank; "
+           f"{args.phases} back-to-back round trips, per-block trace; link emulated by the software NIC, "
+           f"so phases that wait for the network show the emulator, not a link)",
+           f"{'dtype':<6} {'kind':<9} {'phase':<13} {'median us':>10} {'max us':>8}  what"]
+    for name, every in phased:
+        for kind in ("dispatch", "combine"):
+            spans = [r[kind]["span_us"] for r in every if r[kind]["span_us"] is not None]
+            if spans:
+                out.append(f"{name:<6} {kind:<9} {'(span)':<13} {statistics.median(spans):>10.1f} {max(spans):>8.1f}"
+                           f"  first entry -> last exit ({min(r[kind]['launches'] for r in every)} calls)")
+            names = [n for n, _ in every[0][kind]["phases"]]
+            for n in names:
+                v = [dict(r[kind]["phases"]).get(n) for r in every]
+                v = [x for x in v if x is not None]
+                what = V1_PHASES.get((kind, n), "") if args.kernel_type != "InterNode" else ""
+                out.append(f"{name:<6} {kind:<9} {n:<13} {statistics.median(v):>10.1f} {max(v):>8.1f}  {what}")
+    return out
+
+
 def worker(rank, world, local_rank, args):
     os.environ.setdefault("MORI_SHMEM_HEAP_SIZE", args.heap)
     import torch
@@ -230,6 +292,7 @@ def worker(rank, world, local_rank, args):
     Epr = EXPERTS // W
     rows = []
     traced = []  # (phase, "dispatch" | "combine", merged trace or None): rank 0, --link-model
+    phased = []  # (dtype, every rank's phase summaries): --phases
     for name in args.dtypes.split(","):
         fp8 = name == "fp8"
         dt = U.fp8_dtype(torch) if fp8 else torch.bfloat16
@@ -268,6 +331,9 @@ def worker(rank, world, local_rank, args):
             torch.cuda.synchronize()
             dist.barrier()
             cstats = phase_stats(mori, dist, W, trace=counted and args.link_model)
+        if args.phases:
+            phased.append((name, phase_times(torch, dist, op, x, w, sc, IDX[rank], cin, W, args.phases)))
+            phase_stats(mori, dist, W)  # drains what the traced calls put on the wire
         if args.link_model and rank == 0:
             traced.append(("dispatch " + name, "dispatch", merged_trace(dstats, args)))
             traced.append((f"combine bf16 ({name})", "combine", merged_trace(cstats, args)))
@@ -307,6 +373,8 @@ def worker(rank, world, local_rank, args):
                   f"{dedup:>6.2f} {mean / 1024:>9.1f}KB {atom:>7} {off_rail:>10} {rank_wqes:>9} {pairs:>7}")
             if ideal_w is not None:
                 print(f"{'':<16} ideal WQEs {ideal_w} (summed over ranks)")
+        if phased:
+            print("\n".join(phase_lines(phased, args, W, G, M)))
         if args.link_model:
             run = link_run(traced, args, W, G, M)
             if args.save_trace:
@@ -337,6 +405,8 @@ def parse_args(argv=None):
     p.add_argument("--heap", default="4G", help="MORI_SHMEM_HEAP_SIZE per rank")
     p.add_argument("--kernel-type", default="InterNode", choices=("InterNode", "InterNodeV1", "InterNodeV1LL"))
     p.add_argument("--num-qp-per-pe", type=int, default=1, help="config num_qp_per_pe (and MORI_NUM_QP_PER_PE)")
+    p.add_argument("--phases", type=int, default=0, metavar="N",
+                   help="also run N traced back-to-back round trips and print each phase's time (per-block trace)")
     p.add_argument("--link-model", action="store_true",
                    help="also print the modelled link time per phase (tools/bench/ep_link_model.py)")
     p.add_argument("--link-model-trace", type=int, default=1 << 18,
@@ -351,6 +421,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.save_trace:
         args.link_model = True
+    if args.phases < 0:
+        p.error(f"--phases must be >= 0, got {args.phases}")
     if args.link_model and not 1 <= args.link_model_trace <= 1 << 24:
         p.error("--link-model-trace must be in [1, 2^24]")
     if not (args.link_gbps > 0 and args.link_latency_us >= 0 and args.link_per_wr_us >= 0

@@ -4,6 +4,8 @@
     python3 tools/bench/ep_split_bench.py                  # one rank (the default)
     python3 tools/bench/ep_split_bench.py --nproc 2        # ranks share the GPUs when fewer
     python3 tools/bench/ep_split_bench.py --tokens 128 --gemm 2048,4096 --fp8
+    MORI_RDMA_EMULATE=1 CUDA_MODULE_LOADING=EAGER MORI_GPU_PER_NODE=1 \
+        python3 tools/bench/ep_split_bench.py --nproc 2 --kernel-type InterNode --gpu-per-node 1
 
 LL shape (IntraNode, tokens per rank <= 256: what split phase serves): hidden 7168, top-8 of 256
 experts, random routing, bf16 rows (--fp8: the fused e4m3 quantisation). Every figure is the
@@ -21,6 +23,12 @@ iteration, measured in the same run as its baseline:
 With one rank no row crosses a link and no peer is waited for, so the split rows show the cost of
 the extra launch and the receive's local compaction; with several ranks the fused call also waits
 for its peers, which the gemm between the halves hides.
+
+--kernel-type InterNode with virtual nodes (--gpu-per-node, MORI_GPU_PER_NODE, MORI_RDMA_EMULATE=1)
+puts the rows for other nodes on RDMA: the send phase posts the work requests and returns, the
+NIC (here the software emulator, whose copies run on the GPU's copy engines) moves the rows while
+the gemm runs. Give each rank its own GPU (--nproc <= GPUs) for times; they are the emulator's,
+not a NIC's. InterNode has no split combine across nodes (those rows are skipped with the reason).
 """
 
 import argparse
@@ -50,7 +58,8 @@ def worker(rank, world, local_rank, args):
     cfg = mori.ops.EpDispatchCombineConfig(
         rank=rank, world_size=world, hidden_dim=HIDDEN, scale_dim=HIDDEN // 128 if args.fp8 else 0,
         scale_type_size=4 if args.fp8 else 0, max_token_type_size=2, max_num_inp_token_per_rank=T,
-        num_experts_per_rank=EXPERTS // world, num_experts_per_token=TOPK, use_external_inp_buf=False)
+        num_experts_per_rank=EXPERTS // world, num_experts_per_token=TOPK, use_external_inp_buf=False,
+        kernel_type=args.kernel_type, gpu_per_node=args.gpu_per_node)
     op = mori.ops.EpDispatchCombineOp(cfg, check_inputs=False)
     g = torch.Generator(device=dev)
     g.manual_seed(1234 + rank)
@@ -146,7 +155,9 @@ def worker(rank, world, local_rank, args):
             row(f"combine + gemm {n}", timed(lambda: (combine(), gemm())), timed(lambda: combine_split(gemm)))
     if rank == 0:
         name = torch.cuda.get_device_name(local_rank)
-        print(f"split-phase cost and overlap: {world} rank(s) on {min(world, ngpus)} x {name}, {T} tokens/rank, "
+        print(f"split-phase cost and overlap, {args.kernel_type}"
+              f"{f' ({world // args.gpu_per_node} nodes x {args.gpu_per_node}, emulated NIC)' if args.kernel_type != 'IntraNode' else ''}"
+              f": {world} rank(s) on {min(world, ngpus)} x {name}, {T} tokens/rank, "
               f"hidden {HIDDEN}, top-{TOPK} of {EXPERTS}, {'fp8' if args.fp8 else 'bf16'} dispatch, bf16 combine; "
               f"us per iteration (median of {args.reps} graph replays x {args.inner})")
         print(f"{'':24} {'fused (baseline)':>17} {'split':>10} {'split - fused':>14}")
@@ -170,7 +181,11 @@ def main():
     p.add_argument("--fp8", action="store_true", help="dispatch with the fused fp8 quantisation")
     p.add_argument("--inner", type=int, default=20)
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--kernel-type", default="IntraNode", choices=("IntraNode", "InterNode", "AsyncLL"))
+    p.add_argument("--gpu-per-node", type=int, default=0, help="ranks per (virtual) node (0: all ranks)")
     args = p.parse_args()
+    if args.gpu_per_node == 0:
+        args.gpu_per_node = args.nproc
     if "LOCAL_RANK" not in os.environ:
         import torch
 

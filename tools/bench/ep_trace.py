@@ -75,8 +75,9 @@ def phase_spans(kind):
     """(label, from stamp, to stamp) of the kind's phases in order (the combine tail apart)."""
     out, prev = [], ENTRY
     for stamp, phase in PHASES[kind]:
-        if phase in LABELS[kind]:
-            out.append((LABELS[kind][phase], prev, stamp))
+        if phase not in LABELS[kind]:
+            continue  # the combine tail, and InterNodeV1's proxy sums (IntraNode never stamps them)
+        out.append((LABELS[kind][phase], prev, stamp))
         prev = stamp
     return out
 

@@ -875,6 +875,14 @@ class EpDispatchCombineOp(ExpertMajorMixin):
         """As dump_dispatch_trace, for combine (with each block's per-peer ready times)."""
         return self._trace_or_raise("dump_combine_trace").dump(self, "combine", path, launches)
 
+    def trace_phase_summary(self, kind, launches="all"):
+        """Waits for this GPU's work and returns mori.ops.trace.phase_summary of this rank's
+        recorded launches of `kind` ("dispatch" or "combine"): the median launch span and, per
+        phase, the median over launches of the longest block's time in it (us)."""
+        if kind not in ("dispatch", "combine"):
+            raise _usage(f"trace_phase_summary: kind must be 'dispatch' or 'combine', got {kind!r}")
+        return self._trace_or_raise("trace_phase_summary").summary(self, kind, launches)
+
     def _trace_or_raise(self, what):
         self._h()
         if self._trace is None:

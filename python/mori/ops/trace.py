@@ -407,6 +407,34 @@ def to_chrome_trace(buf, kind, *, rank=0, world_size=None, clock_samples=(), lau
     return {"traceEvents": events, "otherData": {"mori_trace": meta}}
 
 
+def phase_summary(buf, kind, *, launches="all", slots=None, max_blocks=None):
+    """How long one kind's launches spend in each phase, from a raw trace buffer (as
+    to_chrome_trace, whose slices it reads). Only launches with every block recorded count.
+
+    Returns {"launches": n, "span_us": median launch span (first block's entry -> last block's
+    exit), "phases": [(name, us)]}: per phase, in the kind's order, the median over launches of the
+    longest time any block of the launch spent in it (phases no block reached are left out). A
+    phase that waits for another PE includes that wait (trace.hpp names what each phase does)."""
+    tr = to_chrome_trace(buf, kind, launches=launches, slots=slots, max_blocks=max_blocks)
+    meta = tr["otherData"]["mori_trace"]
+    complete = {ln["epoch"] for ln in meta["launches"] if ln["complete"]}
+    spans, longest = [], {}  # longest: phase -> epoch -> us
+    for e in tr["traceEvents"]:
+        if e["ph"] != "X" or e["args"].get("epoch") not in complete:
+            continue
+        if e["tid"] == meta["tid_base"]:
+            spans.append(e["dur"])
+        else:
+            per = longest.setdefault(e["name"], {})
+            per[e["args"]["epoch"]] = max(per.get(e["args"]["epoch"], 0.0), e["dur"])
+    names = [name for _, name in layout()["phases"][kind]]
+    return {
+        "launches": len(spans),
+        "span_us": statistics.median(spans) if spans else None,
+        "phases": [(n, statistics.median(longest[n].values())) for n in names if n in longest],
+    }
+
+
 def write_chrome_trace(trace, path):
     """Write a trace dict as JSON (compact) to `path`; returns the path."""
     path = os.fspath(path)
@@ -510,6 +538,17 @@ class OpTrace:
         if not meta["launches"]:
             warnings.warn(f"{what}: no {kind} launch was recorded since enable_trace", stacklevel=3)
         return write_chrome_trace(trace, resolve_path(path, kind, cfg.rank))
+
+    def summary(self, op, kind, launches):
+        if self.buffer is None:
+            raise _usage("trace_phase_summary: tracing was never enabled on this op (op.enable_trace())")
+        _check_launches_arg(launches)
+        import torch
+
+        with torch.cuda.device(op._device_index):
+            torch.cuda.synchronize(op.device)  # every launch so far (any stream) has written its records
+            raw = self.buffer.cpu()
+        return phase_summary(raw, kind, launches=launches, slots=self.slots, max_blocks=self.max_blocks)
 
 
 def resolve_path(path, kind, rank):

@@ -179,6 +179,7 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
     }
     __syncthreads();
   }
+  if (tid == 0) EpTraceStamp(tr, kEpCombineProxied);
 
   // ---- 4. owner: own node's partials, then the other nodes' -----------------------------------
   // Pass 1 needs no other node: P_own = round(sum of the local rows, ascending) into the output

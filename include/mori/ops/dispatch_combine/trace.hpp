@@ -58,7 +58,17 @@ static_assert(kEpTraceWordPeerReady + kEpTracePeers == kEpTraceWords, "EP trace 
 // grid-counter add; tail = last block only: done signals sent and epoch bumped. Push combine
 // (small batches): sent = rows pushed to their tokens' PEs (+ fence and arrival add); peers_ready =
 // every PE's rows for our tokens arrived; reduced = summed from local memory; fenced = reduced (no
-// fence of its own); tail = arrival counters checked and reset, epoch bumped.
+// fence of its own); tail = arrival counters checked and reset, epoch bumped. InterNodeV1/V1LL
+// combine: sent = input in place, ready sent; peers_ready = the local PEs' rows ready; proxied =
+// the proxy's partial sums of the rail peers' tokens written and their shares posted; reduced =
+// the owner's sums (own node's rows, then, after the partials' landing tails, every node's
+// partial); fenced, counted, tail as the pull combine. Kernels without a proxy phase never stamp
+// `proxied` (readers skip stamps that were not reached).
+//
+// Dispatch of InterNodeV1/V1LL: scanned = packed (scan, count record and records staged, shares
+// posted); announced = rail peers' count records relayed (waits for the network); send_base =
+// own-node counts announced; copied = own-node rows copied; published = rail peers' records
+// forwarded (waits for the network); received and counted as IntraNode.
 enum EpCombineStamp : int {
   kEpCombineEntry = 0,
   kEpCombineSent = 1,
@@ -67,6 +77,7 @@ enum EpCombineStamp : int {
   kEpCombineFenced = 4,
   kEpCombineCounted = 5,
   kEpCombineTail = 6,
+  kEpCombineProxied = 7,
 };
 
 // Dispatch stamps, in the order a block passes them: entry; scanned (destination bitmap + prefix);
@@ -94,11 +105,9 @@ struct EpTracePhase {
 };
 
 inline constexpr EpTracePhase kEpCombineTracePhases[] = {
-    {kEpCombineSent, "send"},
-    {kEpCombinePeersReady, "wait_peers"},
-    {kEpCombineReduced, "reduce"},
-    {kEpCombineFenced, "fence"},
-    {kEpCombineCounted, "grid_counter"},
+    {kEpCombineSent, "send"},          {kEpCombinePeersReady, "wait_peers"},
+    {kEpCombineProxied, "proxy_sums"}, {kEpCombineReduced, "reduce"},
+    {kEpCombineFenced, "fence"},       {kEpCombineCounted, "grid_counter"},
     {kEpCombineTail, "tail"},
 };
 inline constexpr EpTracePhase kEpDispatchTracePhases[] = {
