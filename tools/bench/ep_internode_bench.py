@@ -52,7 +52,8 @@ MORI_RDMA_EMULATE_TRACE=--link-model-trace (entries per rank, enough for one cal
 before shmem init; a phase whose trace ring overflowed gets no modelled time, only a warning.
 --save-trace PATH (implies --link-model) also writes the merged per-phase traces and the run's
 parameters as JSON, which `python3 tools/bench/ep_link_model.py PATH` re-models.
---phases N runs N more round trips back to back with the op's per-block phase trace on and prints,
+--phases N runs N more round trips (each kernel after a host barrier) with the op's per-block phase
+trace on and prints,
 per phase, the median over ranks of each rank's median-over-calls longest block time: the GPU-side
 work of packing, forwarding and the partial sums. With emulated nodes run one rank per GPU
 (--nproc <= GPUs) for these times; phases that wait for the network then show the emulator.
@@ -221,15 +222,17 @@ def link_model_lines(run):
 
 
 def phase_times(torch, dist, op, x, w, sc, idx, cin, W, calls):
-    """`calls` round trips back to back with the op's phase trace on (no host sync between calls:
-    the ranks meet in the kernels), then every rank's op.trace_phase_summary per kind (a list
-    over ranks of {"dispatch": ..., "combine": ...})."""
+    """`calls` round trips with the op's phase trace on, every kernel started after a host sync and
+    barrier (so no phase includes the previous call's tail), then every rank's
+    op.trace_phase_summary per kind (a list over ranks of {"dispatch": ..., "combine": ...})."""
     op.enable_trace(slots=max(64, calls))
-    torch.cuda.synchronize()
-    dist.barrier()
     for _ in range(calls):
+        torch.cuda.synchronize()
+        dist.barrier()
         out = op.dispatch(x, w, sc, idx)
         cin[:out[0].shape[0]].copy_(out[0].to(torch.bfloat16) if out[0].dtype != torch.bfloat16 else out[0])
+        torch.cuda.synchronize()
+        dist.barrier()
         op.combine(cin, out[1], idx)
     summary = {k: op.trace_phase_summary(k) for k in ("dispatch", "combine")}
     op.disable_trace()
@@ -259,7 +262,7 @@ def phase_lines(phased, args, W, G, M):
     """The --phases table: per dtype, kind and phase the median (and max) over ranks of each
     rank's median-over-calls longest block time."""
     out = [f"\n{args.kernel_type} kernel phases ({W} ranks, {W // G} nodes x {G}, {M} tokens/rank; "
-           f"{args.phases} back-to-back round trips, per-block trace; link emulated by the software NIC, "
+           f"{args.phases} round trips, each kernel after a host barrier, per-block trace; link emulated by the software NIC, "
            f"so phases that wait for the network show the emulator, not a link)",
            f"{'dtype':<6} {'kind':<9} {'phase':<13} {'median us':>10} {'max us':>8}  what"]
     for name, every in phased:
@@ -406,7 +409,7 @@ def parse_args(argv=None):
     p.add_argument("--kernel-type", default="InterNode", choices=("InterNode", "InterNodeV1", "InterNodeV1LL"))
     p.add_argument("--num-qp-per-pe", type=int, default=1, help="config num_qp_per_pe (and MORI_NUM_QP_PER_PE)")
     p.add_argument("--phases", type=int, default=0, metavar="N",
-                   help="also run N traced back-to-back round trips and print each phase's time (per-block trace)")
+                   help="also run N traced round trips and print each phase's time (per-block trace)")
     p.add_argument("--link-model", action="store_true",
                    help="also print the modelled link time per phase (tools/bench/ep_link_model.py)")
     p.add_argument("--link-model-trace", type=int, default=1 << 18,
