@@ -2,8 +2,9 @@
 // standalone, not part of the CMake build.) The RDMA emulator moves RDMA WRITEs with
 // cudaMemcpyAsync on a high-priority non-blocking stream while EP kernels spin waiting for them:
 // if such a copy needs an SM (a copy kernel rather than the copy engine), a grid holding every SM
-// of the GPU starves it. Each case: a spinner grid (one block per SM: 200 KB of shared memory)
-// fills GPU 0 (and, "both", GPU 1) and waits on a host-mapped flag (at most 3 s, by the GPU clock);
+// of the GPU starves it. Each case: a spinner grid (two 1024-thread blocks per SM with 100 KB of
+// shared memory each: every thread slot of the SM taken, so no other block fits) fills GPU 0
+// and/or GPU 1 and waits on a host-mapped flag (at most 3 s, by the GPU clock);
 // once every block is resident a 4 MiB copy is enqueued on a high-priority non-blocking stream of
 // GPU 0 and polled for up to 500 ms; then the spinners are released. Prints one line per case.
 //
@@ -26,7 +27,9 @@
   } while (0)
 
 constexpr size_t kCopyBytes = 4u << 20;
-constexpr int kSpinSmem = 200 * 1024;
+constexpr int kSpinSmem = 100 * 1024;
+constexpr int kSpinThreads = 1024;
+constexpr int kSpinBlocksPerSm = 2;
 
 __device__ __forceinline__ uint64_t GlobalTimer() {
   uint64_t t;
@@ -34,7 +37,7 @@ __device__ __forceinline__ uint64_t GlobalTimer() {
   return t;
 }
 
-__global__ void Spin(volatile int* release, int* started, uint64_t maxNs) {
+__global__ void __launch_bounds__(kSpinThreads) Spin(volatile int* release, int* started, uint64_t maxNs) {
   extern __shared__ char smem[];
   if (threadIdx.x == 0) {
     atomicAdd_system(started, 1);
@@ -57,7 +60,7 @@ struct Spinner {
     CK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&startedDev), started, 0));
     int* relDev;
     CK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&relDev), const_cast<int*>(release), 0));
-    Spin<<<blocks, 128, kSpinSmem, s>>>(relDev, startedDev, 3000000000ull);
+    Spin<<<blocks, kSpinThreads, kSpinSmem, s>>>(relDev, startedDev, 3000000000ull);
     CK(cudaGetLastError());
   }
   bool AllIn(int blocks) {
@@ -100,30 +103,30 @@ int main() {
 
   struct Case {
     const char* name;
-    int dstDev;       // copy GPU 0 buffer -> this GPU's buffer
-    int freeSms;      // SMs the GPU 0 spinner leaves free
-    bool spinOther;   // GPU 1 full too
+    int dstDev;     // copy GPU 0 buffer -> this GPU's buffer
+    int freeSms0;   // SMs the GPU 0 spinner leaves free (-1: no spinner)
+    int freeSms1;   // the same on GPU 1
   };
   const Case cases[] = {
-      {"no spinner (reference)", 0, -1, false},
-      {"same GPU, every SM held", 0, 0, false},
-      {"same GPU, one SM free", 0, 1, false},
-      {"peer GPU 0 -> 1, GPU 0 full", 1, 0, false},
-      {"peer GPU 0 -> 1, both full", 1, 0, true},
-      {"peer GPU 0 -> 1, GPU 0 one SM free, GPU 1 full", 1, 1, true},
+      {"no spinner (reference)", 0, -1, -1},
+      {"same GPU, every SM full", 0, 0, -1},
+      {"same GPU, one SM free", 0, 1, -1},
+      {"peer GPU 0 -> 1, GPU 0 full", 1, 0, -1},
+      {"peer GPU 0 -> 1, GPU 1 full", 1, -1, 0},
+      {"peer GPU 0 -> 1, both full", 1, 0, 0},
+      {"peer GPU 0 -> 1, both one SM free", 1, 1, 1},
   };
   printf("%-48s %10s %s\n", "case", "copy ms", "(4 MiB, high-priority non-blocking stream of GPU 0)");
   for (const Case& c : cases) {
-    if (c.dstDev == 1 && !two) continue;
+    if ((c.dstDev == 1 || c.freeSms1 >= 0) && !two) continue;
     *release = 0;
     bool in = true;
-    if (c.freeSms >= 0) {
-      sp[0].Start(release, sp[0].sms - c.freeSms);
-      in = sp[0].AllIn(sp[0].sms - c.freeSms);
-    }
-    if (c.spinOther) {
-      sp[1].Start(release, sp[1].sms);
-      in = in && sp[1].AllIn(sp[1].sms);
+    const int fr[2] = {c.freeSms0, c.freeSms1};
+    for (int d = 0; d < 2; d++) {
+      if (fr[d] < 0) continue;
+      const int blocks = kSpinBlocksPerSm * (sp[d].sms - fr[d]);
+      sp[d].Start(release, blocks);
+      in = sp[d].AllIn(blocks) && in;
     }
     CK(cudaSetDevice(0));
     const auto t0 = std::chrono::steady_clock::now();

@@ -103,10 +103,24 @@ def worker(rank, world, local_rank, args):
         cur.wait_stream(side)
 
     def timed(fn):
-        """us per fn() call: CUDA graph of args.inner calls, median of args.reps replays."""
+        """us per fn() call: CUDA graph of args.inner calls (--eager: the calls launched one by one),
+        median of args.reps replays."""
         fn()
         torch.cuda.synchronize()
         dist.barrier()
+        if args.eager:
+            times = []
+            for _ in range(args.reps):
+                dist.barrier()
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                for _ in range(args.inner):
+                    fn()
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b) * 1e3 / args.inner)
+            mori.shmem.shmem_check_device_error()
+            return statistics.median(times)
         s = torch.cuda.Stream(device=dev)
         s.wait_stream(torch.cuda.current_stream())
         graph = torch.cuda.CUDAGraph()
@@ -159,7 +173,7 @@ def worker(rank, world, local_rank, args):
               f"{f' ({world // args.gpu_per_node} nodes x {args.gpu_per_node}, emulated NIC)' if args.kernel_type != 'IntraNode' else ''}"
               f": {world} rank(s) on {min(world, ngpus)} x {name}, {T} tokens/rank, "
               f"hidden {HIDDEN}, top-{TOPK} of {EXPERTS}, {'fp8' if args.fp8 else 'bf16'} dispatch, bf16 combine; "
-              f"us per iteration (median of {args.reps} graph replays x {args.inner})")
+              f"us per iteration (median of {args.reps} {'eager runs' if args.eager else 'graph replays'} x {args.inner})")
         print(f"{'':24} {'fused (baseline)':>17} {'split':>10} {'split - fused':>14}")
         for label, base, split in rows:
             if split is None:
@@ -181,6 +195,7 @@ def main():
     p.add_argument("--fp8", action="store_true", help="dispatch with the fused fp8 quantisation")
     p.add_argument("--inner", type=int, default=20)
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--eager", action="store_true", help="launch the timed calls one by one instead of a CUDA graph")
     p.add_argument("--kernel-type", default="IntraNode", choices=("IntraNode", "InterNode", "AsyncLL"))
     p.add_argument("--gpu-per-node", type=int, default=0, help="ranks per (virtual) node (0: all ranks)")
     args = p.parse_args()
