@@ -1,7 +1,8 @@
 """The EP GPU correctness suites in a short form, on any machine with a GPU (ranks share GPUs when
 there are fewer than ranks): tests/ops/ep_intranode_test.py with 2 and 4 ranks, and
 tests/ops/ep_internode_test.py with 4 ranks as 2 emulated nodes of 2 GPUs where that file exists, for
-InterNode, InterNodeV1 and InterNodeV1LL.
+InterNode, InterNodeV1 and InterNodeV1LL; AsyncLL (which runs as IntraNode on one node, as InterNode
+across nodes) with 4 ranks both ways.
 
 Short form: every case, the randomized stress with SHORT_ITERS iterations and SHORT_ITERS
 back-to-back iterations. A case the suite skips fails the test, as does a skip of the test itself
@@ -23,9 +24,9 @@ INTERNODE = os.path.join(REPO, "tests", "ops", "ep_internode_test.py")
 SHORT_ITERS = 200
 
 # (suite, ranks, GPUs per emulated node or None for one node, kernel type or None for the suite's)
-RUNS = [(INTRANODE, 2, None, None), (INTRANODE, 4, None, None)]
+RUNS = [(INTRANODE, 2, None, None), (INTRANODE, 4, None, None), (INTRANODE, 4, None, "AsyncLL")]
 if os.path.exists(INTERNODE):
-    RUNS += [(INTERNODE, 4, 2, kt) for kt in (None, "InterNodeV1", "InterNodeV1LL")]
+    RUNS += [(INTERNODE, 4, 2, kt) for kt in (None, "InterNodeV1", "InterNodeV1LL", "AsyncLL")]
 
 
 def _run_id(run):

@@ -7,9 +7,13 @@
 // and/or GPU 1 and waits on a host-mapped flag (at most 3 s, by the GPU clock);
 // once every block is resident a 4 MiB copy is enqueued on a high-priority non-blocking stream of
 // GPU 0 and polled for up to 500 ms; then the spinners are released. Prints one line per case.
+// "batch+hint": the same copy through cudaMemcpyBatchAsync with
+// cudaMemcpyFlagPreferOverlapWithCompute (CUDA 12.8+; CUDA 13's signature), what the emulator uses
+// (core::GpuMemcpyAsyncBesideCompute).
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90 -o /tmp/copy_beside_spin_probe tools/bench/copy_beside_spin_probe.cu
-//   /tmp/copy_beside_spin_probe        # uses GPUs 0 and 1 when there are two
+//   nvcc -O3 -std=c++17 -arch=sm_90 -o /tmp/copy_beside_spin_probe
+//   tools/bench/copy_beside_spin_probe.cu /tmp/copy_beside_spin_probe        # uses GPUs 0 and 1
+//   when there are two
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -37,7 +41,8 @@ __device__ __forceinline__ uint64_t GlobalTimer() {
   return t;
 }
 
-__global__ void __launch_bounds__(kSpinThreads) Spin(volatile int* release, int* started, uint64_t maxNs) {
+__global__ void __launch_bounds__(kSpinThreads)
+    Spin(volatile int* release, int* started, uint64_t maxNs) {
   extern __shared__ char smem[];
   if (threadIdx.x == 0) {
     atomicAdd_system(started, 1);
@@ -103,20 +108,25 @@ int main() {
 
   struct Case {
     const char* name;
-    int dstDev;     // copy GPU 0 buffer -> this GPU's buffer
-    int freeSms0;   // SMs the GPU 0 spinner leaves free (-1: no spinner)
-    int freeSms1;   // the same on GPU 1
+    int dstDev;    // copy GPU 0 buffer -> this GPU's buffer
+    int freeSms0;  // SMs the GPU 0 spinner leaves free (-1: no spinner)
+    int freeSms1;  // the same on GPU 1
+    bool batch;    // cudaMemcpyBatchAsync with cudaMemcpyFlagPreferOverlapWithCompute
   };
   const Case cases[] = {
-      {"no spinner (reference)", 0, -1, -1},
-      {"same GPU, every SM full", 0, 0, -1},
-      {"same GPU, one SM free", 0, 1, -1},
-      {"peer GPU 0 -> 1, GPU 0 full", 1, 0, -1},
-      {"peer GPU 0 -> 1, GPU 1 full", 1, -1, 0},
-      {"peer GPU 0 -> 1, both full", 1, 0, 0},
-      {"peer GPU 0 -> 1, both one SM free", 1, 1, 1},
+      {"no spinner (reference)", 0, -1, -1, false},
+      {"same GPU, every SM full", 0, 0, -1, false},
+      {"same GPU, one SM free", 0, 1, -1, false},
+      {"peer GPU 0 -> 1, GPU 0 full", 1, 0, -1, false},
+      {"peer GPU 0 -> 1, GPU 1 full", 1, -1, 0, false},
+      {"peer GPU 0 -> 1, both full", 1, 0, 0, false},
+      {"peer GPU 0 -> 1, both one SM free", 1, 1, 1, false},
+      {"batch+hint: no spinner (reference)", 0, -1, -1, true},
+      {"batch+hint: same GPU, every SM full", 0, 0, -1, true},
+      {"batch+hint: peer GPU 0 -> 1, both full", 1, 0, 0, true},
   };
-  printf("%-48s %10s %s\n", "case", "copy ms", "(4 MiB, high-priority non-blocking stream of GPU 0)");
+  printf("%-48s %10s %s\n", "case", "copy ms",
+         "(4 MiB, high-priority non-blocking stream of GPU 0)");
   for (const Case& c : cases) {
     if ((c.dstDev == 1 || c.freeSms1 >= 0) && !two) continue;
     *release = 0;
@@ -130,7 +140,17 @@ int main() {
     }
     CK(cudaSetDevice(0));
     const auto t0 = std::chrono::steady_clock::now();
-    CK(cudaMemcpyAsync(buf[c.dstDev][1], buf[0][0], kCopyBytes, cudaMemcpyDefault, hp));
+    if (c.batch) {
+      cudaMemcpyAttributes attr{};
+      attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+      attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+      size_t attrIdx = 0, size = kCopyBytes;
+      void* dst = buf[c.dstDev][1];
+      const void* src = buf[0][0];
+      CK(cudaMemcpyBatchAsync(&dst, &src, &size, 1, &attr, &attrIdx, 1, hp));
+    } else {
+      CK(cudaMemcpyAsync(buf[c.dstDev][1], buf[0][0], kCopyBytes, cudaMemcpyDefault, hp));
+    }
     double ms = -1;
     while (true) {
       const cudaError_t q = cudaStreamQuery(hp);
