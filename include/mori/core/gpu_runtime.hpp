@@ -226,33 +226,6 @@ inline gpuError_t GpuMallocCoherent(void** ptr, size_t bytes) {
 #endif
 }
 
-// cudaMemcpyAsync of device memory on `stream`, asking for a copy engine: a device-to-device copy
-// within one GPU otherwise runs as a kernel, which needs a free SM and waits as long as resident
-// kernels hold every SM (tools/bench/copy_beside_spin_probe.cu). CUDA 12.8+: one batched copy with
-// the hint cudaMemcpyFlagPreferOverlapWithCompute (a hint the driver may ignore); returns the
-// runtime's error, so a caller can fall back to gpuMemcpyAsync. HIP and older CUDA: gpuMemcpyAsync.
-inline gpuError_t GpuMemcpyAsyncBesideCompute(void* dst, const void* src, size_t bytes,
-                                              gpuStream_t stream) {
-#if MORI_CUDA && CUDART_VERSION >= 12080
-  cudaMemcpyAttributes attr{};
-  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-  attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
-  size_t attrIdx = 0;
-  void* dsts[1] = {dst};
-  size_t sizes[1] = {bytes};
-#if CUDART_VERSION >= 13000
-  const void* srcs[1] = {src};
-  return cudaMemcpyBatchAsync(dsts, srcs, sizes, 1, &attr, &attrIdx, 1, stream);
-#else
-  void* srcs[1] = {const_cast<void*>(src)};
-  size_t failIdx = 0;
-  return cudaMemcpyBatchAsync(dsts, srcs, sizes, 1, &attr, &attrIdx, 1, &failIdx, stream);
-#endif
-#else
-  return gpuMemcpyAsync(dst, src, bytes, gpuMemcpyDefault, stream);
-#endif
-}
-
 // ---------------------------------------------------------------------------------------------
 // Device memory ranges, for dma-buf export (application/rdma/gpu_dmabuf.hpp). Host only. On CUDA
 // both are driver calls reached through cudart (mori links cudart only; libcuda is loaded by it

@@ -36,10 +36,11 @@ __global__ void EmuAtomicKernel(uint64_t* target, uint64_t swapAdd, uint64_t com
 }
 
 // Touches GPU memory (this PE's heap and the peers' heaps through IPC mappings) for the emulator:
-// copies (asking for a copy engine: core::GpuMemcpyAsyncBesideCompute) on a high-priority stream
-// of this PE's device, 8-byte atomics
-// through a one-thread kernel (system-scope atomics, as the GPUs' own). Flush() waits for the
-// stream, bounded by MORI_HOST_TIMEOUT_MS, before the emulator publishes a completion.
+// copies on a high-priority stream of this PE's device (between two GPUs a copy engine moves them;
+// within one GPU CUDA runs a copy kernel, which waits for a free SM while resident kernels hold
+// every SM: tools/bench/copy_beside_spin_probe.cu, so the EP launches leave SMs free), 8-byte
+// atomics through a one-thread kernel (system-scope atomics, as the GPUs' own). Flush() waits for
+// the stream, bounded by MORI_HOST_TIMEOUT_MS, before the emulator publishes a completion.
 class GpuMemoryAccessor : public EmuMemoryAccessor {
  public:
   explicit GpuMemoryAccessor(int device) : device(device), timeoutMs(core::Env().hostTimeoutMs) {
@@ -72,21 +73,7 @@ class GpuMemoryAccessor : public EmuMemoryAccessor {
   void Copy(void* dst, const void* src, size_t bytes) override {
     Bind();
     const auto t0 = std::chrono::steady_clock::now();
-    // Preferably on a copy engine: as a kernel, a copy within one GPU waits while the EP kernels
-    // waiting for it hold every SM (under MPS: every SM of this process's share).
-    if (!engineCopyRefused) {
-      const gpuError_t e = core::GpuMemcpyAsyncBesideCompute(dst, src, bytes, stream);
-      if (e != gpuSuccess) {
-        (void)gpuGetLastError();
-        engineCopyRefused = true;
-        MORI_WARN(kLogRdma,
-                  "RDMA emulator: the copy-engine copy was refused on device %d (%s); copies use "
-                  "gpuMemcpyAsync from now on",
-                  device, gpuGetErrorString(e));
-      }
-    }
-    if (engineCopyRefused)
-      MORI_CHECK_GPU(gpuMemcpyAsync(dst, src, bytes, gpuMemcpyDefault, stream));
+    MORI_CHECK_GPU(gpuMemcpyAsync(dst, src, bytes, gpuMemcpyDefault, stream));
     // Enqueuing must not wait for the GPU. It does while another thread of this process is in a
     // runtime call that waits for the GPU (a launch waiting for room in a full queue, a device
     // allocation with peer access on, a synchronous copy to pageable memory: each holds the
@@ -158,7 +145,6 @@ class GpuMemoryAccessor : public EmuMemoryAccessor {
   int device;
   int64_t timeoutMs;
   bool warnedSlowEnqueue = false;
-  bool engineCopyRefused = false;
   gpuStream_t stream = nullptr;
   uint64_t* oldHost = nullptr;
   uint64_t* oldDev = nullptr;
