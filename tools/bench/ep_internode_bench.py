@@ -242,19 +242,26 @@ def phase_times(torch, dist, op, x, w, sc, idx, cin, W, calls):
     return every
 
 
-# What each V1 phase does (include/mori/ops/dispatch_combine/trace.hpp); "+ wait": the phase also
-# waits for another PE or the network, so it is not GPU work alone.
+# What each V1 phase does (include/mori/ops/dispatch_combine/trace.hpp); "wait"/"+ wait": the phase
+# waits for another PE or the network, so it is not GPU work alone. The GPU-side work: v1_stage
+# (packing), publish (forwarding), v1_proxy_sums and v1_own_sums / reduce (the sums); exact with
+# two nodes (with more, the forward and proxy loops interleave rail peers).
 V1_PHASES = {
-    ("dispatch", "scan"): "pack: scan, count record, records staged, shares posted",
+    ("dispatch", "v1_stage"): "scan, stage our records for the remote node",
+    ("dispatch", "scan"): "post the shares (V1: after the credit) + wait for queue room",
     ("dispatch", "announce"): "relay rail peers' count records + wait",
     ("dispatch", "count_wait"): "own-node counts announced + wait (local PEs done)",
     ("dispatch", "copy"): "own-node rows copied to local PEs + wait (lower counts)",
-    ("dispatch", "publish"): "forward rail peers' records to local PEs + wait (tails)",
+    ("dispatch", "v1_tail_wait"): "wait: rail peer's records landed (+ relayed counts)",
+    ("dispatch", "publish"): "forward rail peers' records to local PEs",
     ("dispatch", "receive"): "block 0: totals + wait (every source)",
     ("combine", "send"): "input in place, ready sent",
     ("combine", "wait_peers"): "wait: local PEs' rows ready",
-    ("combine", "proxy_sums"): "proxy: partial sums of rail peers' tokens, posted",
-    ("combine", "reduce"): "owner: own-node sums, wait (landing tails), node sums",
+    ("combine", "v1_proxy_sums"): "proxy: partial sums of rail peers' tokens",
+    ("combine", "post_partials"): "post them (V1: after landFree) + wait for queue room",
+    ("combine", "v1_own_sums"): "owner: own-node sums",
+    ("combine", "v1_landing_wait"): "wait: partials landed",
+    ("combine", "reduce"): "owner: every node's partial summed",
 }
 
 

@@ -76,7 +76,7 @@ def phase_spans(kind):
     out, prev = [], ENTRY
     for stamp, phase in PHASES[kind]:
         if phase not in LABELS[kind]:
-            continue  # the combine tail, and InterNodeV1's proxy sums (IntraNode never stamps them)
+            continue  # the combine tail, and InterNodeV1's phases (IntraNode never stamps them)
         out.append((LABELS[kind][phase], prev, stamp))
         prev = stamp
     return out

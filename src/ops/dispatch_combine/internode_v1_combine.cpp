@@ -153,6 +153,7 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
     }
     __syncthreads();
     if (tid == 0) {
+      EpTraceStamp(tr, kEpCombineV1Summed);
       core::FenceAcqRelSystem();  // our partials (and weight flags) before the counters
       for (int q = 0; q < tp.Q; q++) {
         const int at = m * kEpV1MaxChannels + q;
@@ -199,6 +200,8 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
       core::WarpSync();  // the next item rewrites this warp's row list
     }
   }
+  if (tr != nullptr) __syncthreads();  // tracing: the stamp covers every warp's own-node sums
+  if (tid == 0) EpTraceStamp(tr, kEpCombineV1OwnSummed);
   // The partials' tails (every channel of every rail peer: V1LL; the channels with partials: V1).
   for (int i = tid; i < R * tp.Q && sFailed == 0; i += nThreads) {
     const int m = i / tp.Q, q = i - m * tp.Q;
@@ -230,6 +233,7 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
     }
   }
   __syncthreads();
+  if (tid == 0) EpTraceStamp(tr, kEpCombineV1Landed);
   if (sFailed == 0) {
     const uint8_t* landing = L0 + c.symm.v1Landing + static_cast<size_t>(par) * R * M * partBytes;
     for (int item = gwarp; item < T * P; item += stride) {

@@ -257,6 +257,7 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock, 1)
     }
     __syncthreads();
     if (tid == 0) {
+      EpTraceStamp(tr, kEpDispatchV1Staged);
       core::FenceAcqRelSystem();
       const unsigned old = atomicAdd(&c.state->v1Packed[m], 1u);
       if (old == static_cast<unsigned>(gs) - 1) {
@@ -457,8 +458,11 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock, 1)
         sFailed = 1;
     }
     __syncthreads();
-    if (sFailed == 0 && i0 < i1 &&
-        EpV1Bases(c, wait, tp, parity, epoch, a.format, s, sCnt, sBase, sFailed)) {
+    // Block-uniform: every thread calls EpV1Bases (it has barriers) or none does.
+    const bool based = sFailed == 0 && i0 < i1 &&
+                       EpV1Bases(c, wait, tp, parity, epoch, a.format, s, sCnt, sBase, sFailed);
+    if (tid == 0) EpTraceStamp(tr, kEpDispatchV1TailsSeen);
+    if (based) {
       const uint8_t* inbox = L0 + c.symm.v1Inbox + (static_cast<size_t>(par) * R + m) * M * L.bytes;
       int32_t* route = c.v1Route + static_cast<size_t>(m) * M * G;
       const int parts = EpPartsPerRow(i1 - i0, nWarps, outVecs);

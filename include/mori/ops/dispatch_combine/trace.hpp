@@ -34,9 +34,9 @@ namespace mori::ops {
 enum class EpTraceKind : int { kCombine = 0, kDispatch = 1 };
 constexpr int kEpTraceKinds = 2;
 
-constexpr int kEpTraceWords = 32;
-constexpr int kEpTraceStamps = 8;  // stamp slots per record
-constexpr int kEpTracePeers = 8;   // peers whose ready time a combine record holds
+constexpr int kEpTraceWords = 40;
+constexpr int kEpTraceStamps = 12;  // stamp slots per record
+constexpr int kEpTracePeers = 8;    // peers whose ready time a combine record holds
 constexpr uint64_t kEpTraceMagic = 0x7ace0001ull;
 
 constexpr int kEpTraceWordTime = 0;
@@ -59,16 +59,21 @@ static_assert(kEpTraceWordPeerReady + kEpTracePeers == kEpTraceWords, "EP trace 
 // (small batches): sent = rows pushed to their tokens' PEs (+ fence and arrival add); peers_ready =
 // every PE's rows for our tokens arrived; reduced = summed from local memory; fenced = reduced (no
 // fence of its own); tail = arrival counters checked and reset, epoch bumped. InterNodeV1/V1LL
-// combine: sent = input in place, ready sent; peers_ready = the local PEs' rows ready; proxied =
-// the proxy's partial sums of the rail peers' tokens written and their shares posted; reduced =
-// the owner's sums (own node's rows, then, after the partials' landing tails, every node's
-// partial); fenced, counted, tail as the pull combine. Kernels without a proxy phase never stamp
-// `proxied` (readers skip stamps that were not reached).
+// combine: sent = input in place, ready sent; peers_ready = the local PEs' rows ready;
+// v1_summed = the proxy's partial sums of its rail peers' tokens written; proxied = those shares
+// posted (the last block of a share: landFree wait, WRITE + tail); v1_own_summed = the owner's
+// own-node sums written; v1_landed = every partial's landing tail seen (waits for the network);
+// reduced = every node's partial summed; fenced, counted, tail as the pull combine. With more
+// than two nodes the proxy loops over the rail peers: v1_summed is stamped in the last one.
+// Kernels without these steps never stamp them (readers skip stamps that were not reached); the
+// phases they end are named v1_* except `post_partials`.
 //
-// Dispatch of InterNodeV1/V1LL: scanned = packed (scan, count record and records staged, shares
-// posted); announced = rail peers' count records relayed (waits for the network); send_base =
-// own-node counts announced; copied = own-node rows copied; published = rail peers' records
-// forwarded (waits for the network); received and counted as IntraNode.
+// Dispatch of InterNodeV1/V1LL: v1_staged = our records for the remote node scanned and staged
+// (no wait); scanned = their shares posted (V1: after the credit); announced = rail peers' count
+// records relayed (waits for the network); send_base = own-node counts announced; copied =
+// own-node rows copied; v1_tails_seen = the rail peer's count record and tails seen (waits for
+// the network; with more than two nodes: those of the last rail peer, after forwarding the
+// others); published = the records forwarded; received and counted as IntraNode.
 enum EpCombineStamp : int {
   kEpCombineEntry = 0,
   kEpCombineSent = 1,
@@ -78,6 +83,9 @@ enum EpCombineStamp : int {
   kEpCombineCounted = 5,
   kEpCombineTail = 6,
   kEpCombineProxied = 7,
+  kEpCombineV1Summed = 8,
+  kEpCombineV1OwnSummed = 9,
+  kEpCombineV1Landed = 10,
 };
 
 // Dispatch stamps, in the order a block passes them: entry; scanned (destination bitmap + prefix);
@@ -94,6 +102,8 @@ enum EpDispatchStamp : int {
   kEpDispatchCounted = 5,
   kEpDispatchCopied = 6,
   kEpDispatchScanned = 7,
+  kEpDispatchV1Staged = 8,
+  kEpDispatchV1TailsSeen = 9,
 };
 static_assert(static_cast<int>(kEpCombineEntry) == static_cast<int>(kEpDispatchEntry),
               "one entry stamp (EpTraceBegin)");
@@ -105,14 +115,21 @@ struct EpTracePhase {
 };
 
 inline constexpr EpTracePhase kEpCombineTracePhases[] = {
-    {kEpCombineSent, "send"},          {kEpCombinePeersReady, "wait_peers"},
-    {kEpCombineProxied, "proxy_sums"}, {kEpCombineReduced, "reduce"},
-    {kEpCombineFenced, "fence"},       {kEpCombineCounted, "grid_counter"},
+    {kEpCombineSent, "send"},
+    {kEpCombinePeersReady, "wait_peers"},
+    {kEpCombineV1Summed, "v1_proxy_sums"},
+    {kEpCombineProxied, "post_partials"},
+    {kEpCombineV1OwnSummed, "v1_own_sums"},
+    {kEpCombineV1Landed, "v1_landing_wait"},
+    {kEpCombineReduced, "reduce"},
+    {kEpCombineFenced, "fence"},
+    {kEpCombineCounted, "grid_counter"},
     {kEpCombineTail, "tail"},
 };
 inline constexpr EpTracePhase kEpDispatchTracePhases[] = {
-    {kEpDispatchScanned, "scan"},         {kEpDispatchAnnounced, "announce"},
-    {kEpDispatchSendBase, "count_wait"},  {kEpDispatchCopied, "copy"},
+    {kEpDispatchV1Staged, "v1_stage"},    {kEpDispatchScanned, "scan"},
+    {kEpDispatchAnnounced, "announce"},   {kEpDispatchSendBase, "count_wait"},
+    {kEpDispatchCopied, "copy"},          {kEpDispatchV1TailsSeen, "v1_tail_wait"},
     {kEpDispatchPublished, "publish"},    {kEpDispatchReceived, "receive"},
     {kEpDispatchCounted, "grid_counter"},
 };
