@@ -2,7 +2,7 @@
 # GPU test run on all local GPUs: the shmem GPU test programs, the C++ example, the Python example
 # (when examples/python/put_get.py exists and torch imports), the EP correctness suites
 # (tests/ops/ep_intranode_test.py, and tests/ops/ep_internode_test.py between emulated nodes where
-# that file exists) and the put benchmark.
+# that file exists; every kernel type, AsyncLL included) and the put benchmark.
 #
 #   tools/run_gpu_tests.sh [--mps] [BUILD_DIR]        default BUILD_DIR: build-gpu
 #
@@ -169,6 +169,8 @@ elif [[ $pyOk == 0 ]]; then
   fail_row ep_intranode "FAIL" "torch or mori ($build/python) missing"
 else
   run ep_intranode "$py" tests/ops/ep_intranode_test.py --nproc "$ranks"
+  # AsyncLL (ROCm/mori's name) runs as IntraNode on one node.
+  run ep_intranode_AsyncLL "$py" tests/ops/ep_intranode_test.py --nproc "$ranks" --kernel-type AsyncLL
 fi
 if [[ -f tests/ops/ep_internode_test.py ]]; then
   # Two or more emulated nodes: half the ranks per node (one per node for an odd count).
@@ -180,8 +182,9 @@ if [[ -f tests/ops/ep_internode_test.py ]]; then
   else
     run ep_internode env MORI_RDMA_EMULATE=1 CUDA_MODULE_LOADING=EAGER \
       "$py" tests/ops/ep_internode_test.py --nproc "$ranks" --gpu-per-node "$perNode"
-    # The node-deduplicated kernel types, same suite (combine checked by the two-level formula).
-    for kt in InterNodeV1 InterNodeV1LL; do
+    # The node-deduplicated kernel types, same suite (combine checked by the two-level formula),
+    # and AsyncLL (runs as InterNode across nodes).
+    for kt in InterNodeV1 InterNodeV1LL AsyncLL; do
       run "ep_internode_$kt" env MORI_RDMA_EMULATE=1 CUDA_MODULE_LOADING=EAGER \
         "$py" tests/ops/ep_internode_test.py --nproc "$ranks" --gpu-per-node "$perNode" \
         --kernel-type "$kt"
