@@ -72,6 +72,9 @@ class GpuMemoryAccessor : public EmuMemoryAccessor {
 
   void Copy(void* dst, const void* src, size_t bytes) override {
     Bind();
+    lastDst = dst;
+    lastSrc = src;
+    lastBytes = bytes;
     const auto t0 = std::chrono::steady_clock::now();
     MORI_CHECK_GPU(gpuMemcpyAsync(dst, src, bytes, gpuMemcpyDefault, stream));
     // Enqueuing must not wait for the GPU. It does while another thread of this process is in a
@@ -100,7 +103,7 @@ class GpuMemoryAccessor : public EmuMemoryAccessor {
   }
   void Flush() override {
     Bind();
-    Wait("a copy");
+    Wait("a copy", true);
   }
 
  private:
@@ -126,15 +129,33 @@ class GpuMemoryAccessor : public EmuMemoryAccessor {
     Wait("an atomic (needs one free SM on the initiator's GPU)");
     return *reinterpret_cast<volatile uint64_t*>(oldHost);
   }
+  // The device holding `p` (-1: unknown).
+  static int DeviceOf(const void* p) {
+    gpuPointerAttributes_t attr{};
+    if (gpuPointerGetAttributes(&attr, p) != gpuSuccess) {
+      (void)gpuGetLastError();
+      return -1;
+    }
+    return attr.device;
+  }
   // Bounded stream wait: a kernel occupying every SM would keep the atomic kernel from running.
-  void Wait(const char* what) {
+  // `copy`: the stream's newest work is the copy of Copy()'s last call, named in the warning (a
+  // copy within one GPU runs as a kernel and needs a free SM; between GPUs it does not).
+  void Wait(const char* what, bool copy = false) {
     // Copies of a few MB take microseconds: one pending for a second is not being served (SMs
     // or the stream's hardware queue held by other work), and every QP of this PE waits with it.
     const bool done = core::PollGpuReady(
         [&] { return gpuStreamQuery(stream); }, timeoutMs, kSlowCallMs,
         [&] {
-          MORI_WARN(kLogRdma, "RDMA emulator: %s on device %d pending for over %d ms", what, device,
-                    kSlowCallMs);
+          if (copy) {
+            MORI_WARN(kLogRdma,
+                      "RDMA emulator: %s on device %d pending for over %d ms (the newest: %zu "
+                      "bytes from device %d to device %d)",
+                      what, device, kSlowCallMs, lastBytes, DeviceOf(lastSrc), DeviceOf(lastDst));
+          } else {
+            MORI_WARN(kLogRdma, "RDMA emulator: %s on device %d pending for over %d ms", what,
+                      device, kSlowCallMs);
+          }
         });
     MORI_ENSURE(done, TimeoutError,
                 "RDMA emulator: %s on device %d did not finish within MORI_HOST_TIMEOUT_MS=%lld ms",
@@ -145,6 +166,9 @@ class GpuMemoryAccessor : public EmuMemoryAccessor {
   int device;
   int64_t timeoutMs;
   bool warnedSlowEnqueue = false;
+  void* lastDst = nullptr;  // Copy()'s last call, for Wait's warning
+  const void* lastSrc = nullptr;
+  size_t lastBytes = 0;
   gpuStream_t stream = nullptr;
   uint64_t* oldHost = nullptr;
   uint64_t* oldDev = nullptr;
