@@ -27,6 +27,11 @@ the signal of ranks that pushed nothing, no done wait before the dispatch announ
 before the external-input copy, a split dispatch that leaves the combine's per-peer counts
 (EpDeviceState sendCount / recvCount, which the model's combines use as the kernels do) stale.
 
+Mode "inter_push" is the plan for split combine across nodes (docs/ep_split_phase.md, "Combine
+across nodes"; not built): the push combine, where a rank on another node gets its rows by RDMA
+into a landing of the combine's parity followed by a tail word, sent also with no rows; op "K" is
+combine_send then combine_recv (two kernels), "C"/"X" the same protocol fused.
+
 Modes "v1" and "v1ll" (run_v1) model InterNodeV1 and InterNodeV1LL, rail-aligned and
 node-deduplicated (internode_v1_dispatch.cpp, internode_v1_combine.cpp; docs/ep_internode_v1.md
 says the same with sizes and the build's choices:
@@ -143,6 +148,9 @@ class Rank:
         self.landed = [0] * W                         # landingReady [dst]: combine epoch
         self.landing_readers = 0                      # our combine reading our landing region
         self.landing_rows = [0] * W                   # rows the last landing word of [dst] announced
+        self.push_tail = [[0] * W for _ in range(P)]  # inter_push: landing tail [parity][src] (epoch)
+        self.push_land_slot = [[0] * W for _ in range(P)]  # inter_push: epoch of the rows landed per src
+        self.push_land_rows = [[0] * W for _ in range(P)]  # inter_push: rows the tail announced
         self.send_count = [0] * W                     # EpDeviceState::sendCount, written by dispatch
         self.recv_count = [0] * W                     # EpDeviceState::recvCount, written by dispatch
         self.dispatch_epoch = 0
@@ -154,7 +162,7 @@ def run(W, ops, seed, mode="push", bugs=(), vecs=3, G=None):
         return run_v1(W, G or W, ops, seed, ll=mode == "v1ll", bugs=bugs)
     rnd = random.Random(seed)
     G = G or W
-    remote = lambda a, b: mode == "inter" and a // G != b // G  # noqa: E731
+    remote = lambda a, b: mode in ("inter", "inter_push") and a // G != b // G  # noqa: E731
     P = 1 if "one_parity" in bugs else 2
     ranks = [Rank(W, P) for _ in range(W)]
     sends = {}  # dispatch epoch -> rows[src][dst]
@@ -336,6 +344,10 @@ def run(W, ops, seed, mode="push", bugs=(), vecs=3, G=None):
                 return R.ready[par][p] == e
             return ok
 
+        if mode == "inter_push":
+            blocks_send, blocks_recv, epilogue = push_combine_parts(me, e, par)
+            return blocks_send + blocks_recv, epilogue
+
         if mode == "push":
             R.readers += 1  # our own input, read by the pushes until the kernel ends
 
@@ -433,11 +445,114 @@ def run(W, ops, seed, mode="push", bugs=(), vecs=3, G=None):
 
         return [block0()], epilogue
 
+    def push_combine_parts(me, e, par):
+        """The push combine across nodes (mode "inter_push", docs/ep_split_phase.md "Combine across
+        nodes"): same-node ranks as the push combine; a rank on another node gets our rows for it
+        by RDMA into its landing of this parity, then a tail word, sent to every rank of another
+        node, also with no rows. Returns (send blocks, receive blocks, epilogue): the fused combine
+        runs them as one kernel, combine_send / combine_recv as two."""
+        R = ranks[me]
+        R.readers += 1  # our input: read by the pushes and the WRITEs until the receive's quiet
+
+        def signal():
+            # "Done reading" to every rank from the start (a push combine reads no peer's
+            # buffers; an RDMA WRITE for another node's ranks, which their dispatch waits for),
+            # "ready" to the same-node ranks.
+            for q in range(W):
+                if not (remote(me, q) and "no_remote_done" in bugs):
+                    ranks[q].done[me] = e
+                if remote(me, q):
+                    continue
+                need_free(q, ranks[q].combine_epoch, e, "ready signal", me)
+                ranks[q].ready[par][me] = e
+            yield None
+
+        def push(s):
+            S = ranks[s]
+            if remote(me, s):
+                need_free(s, S.combine_epoch, e, "landed rows", me)
+                if S.push_tail[par][me] >= e:
+                    raise Violation(f"rank {me} combine {e}: landing tail on {s} of call {S.push_tail[par][me]}")
+                if R.recv_count[s] > 0:
+                    S.push_land_slot[par][me] = e
+                S.push_land_rows[par][me] = R.recv_count[s]
+                yield None
+                S.push_tail[par][me] = e  # same QP: lands after the rows
+                yield None
+                return
+            need_free(s, S.combine_epoch, e, "pushed rows", me)
+            if S.push_arrived[par][me] != 0:
+                raise Violation(f"rank {me} combine {e}: push counter on {s} not reset")
+            S.push_slot[par][me] = e
+            S.push_arrived[par][me] += R.recv_count[s] * vecs
+            yield None
+
+        def wait():
+            for p in range(W):
+                if p == me:
+                    continue
+                if remote(me, p):
+                    if "skip_empty_tail" in bugs and R.send_count[p] == 0:
+                        continue
+
+                    def tailed(p=p):
+                        if R.push_tail[par][p] > e:
+                            raise Violation(f"rank {me} combine {e}: landing tail from {p} of call {R.push_tail[par][p]}")
+                        return R.push_tail[par][p] == e
+                    yield tailed
+                else:
+                    def ready(p=p):
+                        if R.ready[par][p] > e:
+                            raise Violation(f"rank {me} combine {e}: ready from {p} of call {R.ready[par][p]}")
+                        return R.ready[par][p] == e
+                    yield ready
+                    yield lambda p=p: R.push_arrived[par][p] >= R.send_count[p] * vecs
+            for p in range(W):
+                if p == me or R.send_count[p] == 0:
+                    continue
+                if remote(me, p):
+                    if R.push_land_slot[par][p] != e or R.push_land_rows[par][p] != R.send_count[p]:
+                        raise Violation(f"rank {me} combine {e}: landing from {p} holds call "
+                                        f"{R.push_land_slot[par][p]}, {R.push_land_rows[par][p]} rows")
+                elif R.push_slot[par][p] != e:
+                    raise Violation(f"rank {me} combine {e}: rows from {p} of call {R.push_slot[par][p]}")
+
+        def epilogue():
+            for p in range(W):
+                if p == me or remote(me, p):
+                    continue
+                if R.push_arrived[par][p] != R.send_count[p] * vecs:
+                    raise Violation(f"rank {me} combine {e}: push counter from {p} is {R.push_arrived[par][p]}")
+                R.push_arrived[par][p] = 0
+            R.readers -= 1  # the receive's quiet: our WRITEs have read our input
+            R.combine_epoch = e
+
+        targets = [s for s in range(W) if s != me and (R.recv_count[s] > 0 or
+                                                        (remote(me, s) and "skip_empty_tail" not in bugs))]
+        return [signal()] + [push(s) for s in targets], [wait()], epilogue
+
+    def combine_send(me):
+        R = ranks[me]
+        e = R.combine_epoch + 1
+        blocks_send, blocks_recv, epilogue = push_combine_parts(me, e, e % P)
+        pending[me] = (blocks_recv, epilogue)
+        return blocks_send, lambda: None
+
+    def combine_recv(me):
+        blocks_recv, epilogue = pending[me]
+        pending[me] = None
+        return blocks_recv, epilogue
+
+    pending = [None] * W  # per rank: the receive half of its combine_send
+
     def program(me):
         for op in ops:
             if op == "S":  # split dispatch: two kernels, any work between them
                 yield dispatch_send(me)
                 yield dispatch_recv(me)
+            elif op == "K":  # split combine (mode inter_push): two kernels
+                yield combine_send(me)
+                yield combine_recv(me)
             else:
                 yield dispatch(me) if op == "D" else combine(me, op == "X")
 
@@ -571,6 +686,31 @@ def test_internode_protocol_holds_in_random_interleavings():
         for ops in SEQUENCES:
             for seed in range(40):
                 run(W, ops * 2, seed=seed * 37 + W, mode="inter", G=G)
+
+
+INTER_PUSH_SEQUENCES = ["DK", "DKK", "DCKC", "DKDKK", "SKSK", "DKXKDCK", "SCKDK"]
+
+
+def test_internode_split_combine_plan_holds_in_random_interleavings():
+    # The plan of docs/ep_split_phase.md, "Combine across nodes": fused and split push combines
+    # ("C"/"X" and "K") with RDMA landings of two parities, mixed with both dispatches.
+    for W, G in ((2, 1), (4, 2), (4, 1), (6, 3)):
+        for ops in INTER_PUSH_SEQUENCES:
+            for seed in range(40):
+                run(W, ops * 2, seed=seed * 43 + W, mode="inter_push", G=G)
+
+
+def test_model_finds_internode_split_combine_races():
+    # One landing set, or no tail (and no wait) where a rank returns no rows: caught.
+    # Without "done" to other nodes' ranks, their next dispatch waits forever: caught as a deadlock.
+    for bug, ops in (("one_parity", "DKKKDKK"), ("skip_empty_tail", "DKKKDKK"), ("no_remote_done", "DKDK")):
+        n = 0
+        for seed in range(200):
+            try:
+                run(4, ops, seed=seed, mode="inter_push", G=2, bugs=(bug,))
+            except Violation:
+                n += 1
+        assert n > 0, bug
 
 
 def test_model_finds_missing_landing_done_wait():
