@@ -592,3 +592,31 @@ def test_bench_models_every_ranks_trace_and_saves_it(capsys, tmp_path):
     assert lines[5] == "combine bf16 (fp8)   modelled: n/a (trace ring overflowed)"
     LM.save_run(path, run)
     assert LM.run_table(LM.load_run(path)) == lines
+
+
+def test_bench_phase_table_sums_the_gpu_work():
+    """--phases: per phase the median over ranks; the "(GPU work)" line adds only the V1 phases that
+    wait for nobody (packing, forwarding, the sums); InterNode gets no such line."""
+    sys.path.insert(0, BENCH)
+    import ep_internode_bench as B
+
+    assert B.parse_args(["--phases", "3"]).phases == 3
+    with pytest.raises(SystemExit):
+        B.parse_args(["--phases", "-1"])
+
+    def rank(f):
+        return {"dispatch": {"launches": 3, "span_us": 10.0 * f,
+                             "phases": [("v1_stage", 1.0 * f), ("scan", 2.0 * f), ("publish", 3.0 * f)]},
+                "combine": {"launches": 3, "span_us": 12.0 * f,
+                            "phases": [("v1_proxy_sums", 1.5 * f), ("v1_own_sums", 0.5 * f),
+                                       ("v1_landing_wait", 9.0 * f), ("reduce", 2.0 * f)]}}
+
+    every = [rank(1), rank(2), rank(4)]  # medians are rank(2)'s
+    args = B.parse_args(["--kernel-type", "InterNodeV1", "--phases", "3"])
+    lines = B.phase_lines([("bf16", every)], args, 4, 2, 128)
+    rows = {tuple(ln.split()[:3]): ln.split()[3:5] for ln in lines[2:]}
+    assert rows[("bf16", "dispatch", "scan")] == ["4.0", "8.0"]  # median, max over ranks
+    work = {ln.split()[1]: ln.split()[4] for ln in lines if "(GPU work)" in ln}
+    assert work == {"dispatch": "8.0", "combine": "8.0"}  # v1_stage 2 + publish 6; 3 + 1 + 4, no wait
+    args = B.parse_args(["--kernel-type", "InterNode", "--phases", "3"])
+    assert not any("(GPU work)" in ln for ln in B.phase_lines([("bf16", every)], args, 4, 2, 128))

@@ -265,6 +265,11 @@ V1_PHASES = {
 }
 
 
+# The V1 phases that do not wait for another PE or the network: the kernels' GPU-side work
+# (packing, forwarding, the sums), summed in the "(GPU work)" line.
+V1_GPU_WORK = {"dispatch": ("v1_stage", "publish"), "combine": ("v1_proxy_sums", "v1_own_sums", "reduce")}
+
+
 def phase_lines(phased, args, W, G, M):
     """The --phases table: per dtype, kind and phase the median (and max) over ranks of each
     rank's median-over-calls longest block time."""
@@ -284,6 +289,13 @@ def phase_lines(phased, args, W, G, M):
                 v = [x for x in v if x is not None]
                 what = V1_PHASES.get((kind, n), "") if args.kernel_type != "InterNode" else ""
                 out.append(f"{name:<6} {kind:<9} {n:<13} {statistics.median(v):>10.1f} {max(v):>8.1f}  {what}")
+            work = V1_GPU_WORK[kind] if args.kernel_type != "InterNode" else ()
+            got = [n for n in work if n in names]
+            if got:
+                med = {n: statistics.median(x for x in (dict(r[kind]["phases"]).get(n) for r in every)
+                                        if x is not None) for n in got}
+                out.append(f"{name:<6} {kind:<9} {'(GPU work)':<13} {sum(med.values()):>10.1f} {'':>8}  "
+                           + " + ".join(f"{n} {med[n]:.1f}" for n in got))
     return out
 
 
