@@ -8,12 +8,13 @@
 // once every block is resident a 4 MiB copy is enqueued on a high-priority non-blocking stream of
 // GPU 0 and polled for up to 500 ms; then the spinners are released. Prints one line per case.
 // "batch+hint": the same copy through cudaMemcpyBatchAsync with
-// cudaMemcpyFlagPreferOverlapWithCompute (CUDA 12.8+; CUDA 13's signature), what the emulator uses
-// (core::GpuMemcpyAsyncBesideCompute).
+// cudaMemcpyFlagPreferOverlapWithCompute (CUDA 12.8+; CUDA 13's signature), the documented way to
+// ask for a copy that overlaps compute. Results: docs/performance.md, session 12.
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90 -o /tmp/copy_beside_spin_probe
-//   tools/bench/copy_beside_spin_probe.cu /tmp/copy_beside_spin_probe        # uses GPUs 0 and 1
-//   when there are two
+// clang-format off
+//   nvcc -O3 -std=c++17 -arch=sm_90 -o /tmp/copy_beside_spin_probe tools/bench/copy_beside_spin_probe.cu
+//   /tmp/copy_beside_spin_probe        # uses GPUs 0 and 1 when there are two
+// clang-format on
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -21,14 +22,7 @@
 #include <thread>
 #include <cuda_runtime.h>
 
-#define CK(x)                                                             \
-  do {                                                                    \
-    cudaError_t e = (x);                                                  \
-    if (e != cudaSuccess) {                                               \
-      printf("CUDA %s at %d: %s\n", #x, __LINE__, cudaGetErrorString(e)); \
-      exit(1);                                                            \
-    }                                                                     \
-  } while (0)
+#include "cuda_probe_check.hpp"
 
 constexpr size_t kCopyBytes = 4u << 20;
 constexpr int kSpinSmem = 100 * 1024;

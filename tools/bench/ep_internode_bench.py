@@ -283,18 +283,15 @@ def phase_lines(phased, args, W, G, M):
             if spans:
                 out.append(f"{name:<6} {kind:<9} {'(span)':<13} {statistics.median(spans):>10.1f} {max(spans):>8.1f}"
                            f"  first entry -> last exit ({min(r[kind]['launches'] for r in every)} calls)")
-            names = [n for n, _ in every[0][kind]["phases"]]
-            for n in names:
-                v = [dict(r[kind]["phases"]).get(n) for r in every]
-                v = [x for x in v if x is not None]
+            med = {}
+            for n, _ in every[0][kind]["phases"]:
+                v = [x for x in (dict(r[kind]["phases"]).get(n) for r in every) if x is not None]
+                med[n] = statistics.median(v)
                 what = V1_PHASES.get((kind, n), "") if args.kernel_type != "InterNode" else ""
-                out.append(f"{name:<6} {kind:<9} {n:<13} {statistics.median(v):>10.1f} {max(v):>8.1f}  {what}")
-            work = V1_GPU_WORK[kind] if args.kernel_type != "InterNode" else ()
-            got = [n for n in work if n in names]
+                out.append(f"{name:<6} {kind:<9} {n:<13} {med[n]:>10.1f} {max(v):>8.1f}  {what}")
+            got = [n for n in V1_GPU_WORK[kind] if n in med] if args.kernel_type != "InterNode" else []
             if got:
-                med = {n: statistics.median(x for x in (dict(r[kind]["phases"]).get(n) for r in every)
-                                        if x is not None) for n in got}
-                out.append(f"{name:<6} {kind:<9} {'(GPU work)':<13} {sum(med.values()):>10.1f} {'':>8}  "
+                out.append(f"{name:<6} {kind:<9} {'(GPU work)':<13} {sum(med[n] for n in got):>10.1f} {'':>8}  "
                            + " + ".join(f"{n} {med[n]:.1f}" for n in got))
     return out
 

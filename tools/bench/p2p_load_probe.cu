@@ -14,14 +14,7 @@
 #include <vector>
 #include <cuda_runtime.h>
 
-#define CK(x)                                                             \
-  do {                                                                    \
-    cudaError_t e = (x);                                                  \
-    if (e != cudaSuccess) {                                               \
-      printf("CUDA %s at %d: %s\n", #x, __LINE__, cudaGetErrorString(e)); \
-      exit(1);                                                            \
-    }                                                                     \
-  } while (0)
+#include "cuda_probe_check.hpp"
 
 constexpr size_t kBytes = 256ull << 20;
 

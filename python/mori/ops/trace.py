@@ -522,8 +522,7 @@ class OpTrace:
         h = op._h()
         cfg = op.config
         with torch.cuda.device(op._device_index):
-            torch.cuda.synchronize(op.device)  # every launch so far (any stream) has written its records
-            raw = self.buffer.cpu()
+            raw = self._records(op)
             samples = list(self.samples)
             note = None
             try:
@@ -543,12 +542,16 @@ class OpTrace:
         if self.buffer is None:
             raise _usage("trace_phase_summary: tracing was never enabled on this op (op.enable_trace())")
         _check_launches_arg(launches)
+        return phase_summary(self._records(op), kind, launches=launches, slots=self.slots,
+                             max_blocks=self.max_blocks)
+
+    def _records(self, op):
+        """The buffer on the host, once every launch so far (any stream) has written its records."""
         import torch
 
         with torch.cuda.device(op._device_index):
-            torch.cuda.synchronize(op.device)  # every launch so far (any stream) has written its records
-            raw = self.buffer.cpu()
-        return phase_summary(raw, kind, launches=launches, slots=self.slots, max_blocks=self.max_blocks)
+            torch.cuda.synchronize(op.device)
+            return self.buffer.cpu()
 
 
 def resolve_path(path, kind, rank):
