@@ -2200,7 +2200,7 @@ def _check_phase_trace(env, tr, kind, grid):
         bad.append(f"thread names {sorted(threads.items())[:4]}... differ from one track per block")
     phases = [n for _, n in L["phases"][kind]]
     if not env.v1:  # phases only the InterNodeV1/V1LL kernels stamp (trace.hpp)
-        phases = [n for n in phases if not n.startswith("v1_") and n != "post_partials"]
+        phases = [n for n in phases if not n.startswith("v1_")]
     ns = lambda us: int(round(us * 1000))  # noqa: E731  (Perfetto's reading of a ts in us)
     arrivals = []
     first_ts, last_end = None, None

@@ -122,7 +122,7 @@ def test_layout_is_the_bindings():
         assert all(0 <= s < L["stamps"] for s in stamps)
     assert [n for _, n in phases("dispatch")] == ["v1_stage", "scan", "announce", "count_wait", "copy",
                                                    "v1_tail_wait", "publish", "receive", "grid_counter"]
-    assert [n for _, n in phases("combine")] == ["send", "wait_peers", "v1_proxy_sums", "post_partials", "v1_own_sums",
+    assert [n for _, n in phases("combine")] == ["send", "wait_peers", "v1_proxy_sums", "v1_post_partials", "v1_own_sums",
                                                   "v1_landing_wait", "reduce", "fence", "grid_counter", "tail"]
 
 

@@ -258,7 +258,7 @@ V1_PHASES = {
     ("combine", "send"): "input in place, ready sent",
     ("combine", "wait_peers"): "wait: local PEs' rows ready",
     ("combine", "v1_proxy_sums"): "proxy: partial sums of rail peers' tokens",
-    ("combine", "post_partials"): "post them (V1: after landFree) + wait for queue room",
+    ("combine", "v1_post_partials"): "post them (V1: after landFree) + wait for queue room",
     ("combine", "v1_own_sums"): "owner: own-node sums",
     ("combine", "v1_landing_wait"): "wait: partials landed",
     ("combine", "reduce"): "owner: every node's partial summed",

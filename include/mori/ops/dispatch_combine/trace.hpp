@@ -66,7 +66,7 @@ static_assert(kEpTraceWordPeerReady + kEpTracePeers == kEpTraceWords, "EP trace 
 // reduced = every node's partial summed; fenced, counted, tail as the pull combine. With more
 // than two nodes the proxy loops over the rail peers: v1_summed is stamped in the last one.
 // Kernels without these steps never stamp them (readers skip stamps that were not reached); the
-// phases they end are named v1_* except `post_partials`.
+// phases they end are named v1_*.
 //
 // Dispatch of InterNodeV1/V1LL: v1_staged = our records for the remote node scanned and staged
 // (no wait); scanned = their shares posted (V1: after the credit); announced = rail peers' count
@@ -118,7 +118,7 @@ inline constexpr EpTracePhase kEpCombineTracePhases[] = {
     {kEpCombineSent, "send"},
     {kEpCombinePeersReady, "wait_peers"},
     {kEpCombineV1Summed, "v1_proxy_sums"},
-    {kEpCombineProxied, "post_partials"},
+    {kEpCombineProxied, "v1_post_partials"},
     {kEpCombineV1OwnSummed, "v1_own_sums"},
     {kEpCombineV1Landed, "v1_landing_wait"},
     {kEpCombineReduced, "reduce"},
