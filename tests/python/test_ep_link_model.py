@@ -620,3 +620,45 @@ def test_bench_phase_table_sums_the_gpu_work():
     assert work == {"dispatch": "8.0", "combine": "8.0"}  # v1_stage 2 + publish 6; 3 + 1 + 4, no wait
     args = B.parse_args(["--kernel-type", "InterNode", "--phases", "3"])
     assert not any("(GPU work)" in ln for ln in B.phase_lines([("bf16", every)], args, 4, 2, 128))
+
+
+def test_bench_v1_work_traffic():
+    """--phases (V1): each GPU-work phase's bytes read plus written, from the routing (hand-counted
+    for a 2 x 2 case)."""
+    torch = pytest.importorskip("torch")
+    sys.path.insert(0, BENCH)
+    import ep_internode_bench as B
+
+    W, G, Epr, K = 4, 2, 1, 2
+    IDX = torch.full((W, 3, K), -1, dtype=torch.int32)
+    IDX[0] = torch.tensor([[0, 1], [2, 3], [1, 3]])  # own node only; remote only; both
+    IDX[2] = torch.tensor([[0, 1], [2, -1], [1, 3]])  # rank 0's rail peer: 2, 0 and 1 rows for node 0
+    got = B.v1_work_traffic(torch, IDX, [3, 0, 3, 0], 0, W, G, Epr, K, 16, 32, 0, 4)
+    # record 48 B (row 16 + weights 8 -> 24, + indices 8 + position 4 + 2 per-PE slots 8 = 44 -> 48),
+    # metadata beside a row 20 B, partial 48 B (combine row 32 + weights 8 -> 48)
+    assert got == {"v1_stage": 2 * (16 + 48),            # tokens 1 and 2 go to node 1
+                   "publish": 2 * 48 + 3 * (16 + 20),    # rail peer's 2 records, 3 rows delivered
+                   "v1_proxy_sums": 3 * 32 + 2 * 48,     # 3 rows read, 2 partials written
+                   "v1_own_sums": 3 * 32 + 2 * 32,       # 3 own-node rows read, tokens 0 and 2 written
+                   "reduce": (1 + 2) * 32 + 2 * 32}      # tokens 1 (1 node) and 2 (2 nodes), 2 written
+
+
+def test_bench_v1_gpu_work_against_the_copy_kernel():
+    """--phases (V1): each GPU-work phase's GB/s (its bytes over its time, median over ranks)
+    against the copy kernel's on the op's grid."""
+    sys.path.insert(0, BENCH)
+    import ep_internode_bench as B
+
+    def rank(f):
+        return {"dispatch": {"launches": 3, "span_us": 10.0, "phases": [("v1_stage", 2.0 * f), ("publish", 4.0)]},
+                "combine": {"launches": 3, "span_us": 12.0, "phases": [("reduce", 1.0)]},
+                "traffic": {"v1_stage": 4e6, "publish": 2e6, "reduce": 1e6},
+                "copy_dispatch": (24, 16, 1000.0 * f), "copy_combine": (24, 16, 500.0)}
+
+    args = B.parse_args(["--kernel-type", "InterNodeV1", "--phases", "3"])
+    lines = B.phase_lines([("bf16", [rank(1), rank(2), rank(4)])], args, 4, 2, 128)
+    text = "\n".join(lines)
+    assert "on the op's 24 x 16: 2000 GB/s" in text  # dispatch copy: median over ranks
+    # v1_stage: 4 MB over 2, 4, 8 us -> 2000, 1000, 500 GB/s, median 1000 = 0.50 of 2000
+    assert "v1_stage" in text and "4.0 MB read + written, 1000 GB/s = 0.50 of the copy kernel" in text
+    assert "1.0 MB read + written, 1000 GB/s = 2.00 of the copy kernel" in text  # reduce vs 500

@@ -57,6 +57,8 @@ trace on and prints,
 per phase, the median over ranks of each rank's median-over-calls longest block time: the GPU-side
 work of packing, forwarding and the partial sums. With emulated nodes run one rank per GPU
 (--nproc <= GPUs) for these times; phases that wait for the network then show the emulator.
+For V1 it also gives each GPU-work phase's bytes read plus written (v1_work_traffic, from the
+routing) over its time, against the library's grid copy on the op's grid in the same run.
 Standard shapes at 2 x 8 (issue 14's targets):
 
     python3 tools/bench/ep_internode_bench.py --nproc 16 --gpu-per-node 8 --tokens 128 --dtypes fp8 \
@@ -193,6 +195,72 @@ def v1_ideal(torch, IDX, Ts, W, G, Epr, K, row, combine_row, scale_bytes, idx_by
     return dp, dh, cp, ch, dw, cw, worst
 
 
+def v1_work_traffic(torch, IDX, Ts, r, W, G, Epr, K, row, combine_row, scale_bytes, idx_bytes):
+    """Bytes rank r's GPU-work phases read plus write in one V1 call (the kernels' loops in
+    internode_v1_dispatch.cpp / internode_v1_combine.cpp, from the routing; records and partials
+    as in v1_ideal, metadata beside a delivered row as the record's). Returns {phase: bytes}.
+    v1_stage and reduce touch this GPU's memory only; publish, v1_proxy_sums and v1_own_sums also
+    write or read the node's other GPUs (over NVLink/P2P)."""
+    N = W // G
+    node = r // G
+    rec = align(align(row + 4 * K + scale_bytes, 8) + K * idx_bytes + 4 + 4 * G, 16)
+    meta = 4 * K + scale_bytes + K * idx_bytes + 4
+    part = align(combine_row + 4 * K, 16)
+
+    def per_node(s):  # [T, N] destinations of s's tokens on each node
+        ids = IDX[s, :Ts[s]].long()
+        valid = (ids >= 0) & (ids < W * Epr)
+        dest = torch.where(valid, ids // Epr, torch.full_like(ids, -1))
+        hit = torch.zeros((ids.shape[0], W + 1), dtype=torch.bool, device=ids.device)
+        hit.scatter_(1, torch.where(dest >= 0, dest, torch.full_like(dest, W)), True)
+        return hit[:, :W].view(-1, N, G).sum(2)  # distinct ranks per node
+
+    out = dict.fromkeys(("v1_stage", "publish", "v1_proxy_sums", "v1_own_sums", "reduce"), 0)
+    mine = per_node(r)
+    remote = torch.ones(N, dtype=torch.bool, device=mine.device)
+    remote[node] = False
+    staged = int((mine[:, remote] > 0).sum().item())
+    out["v1_stage"] = staged * (row + scale_bytes + rec)  # input row (+ scales) read, record written
+    for n in range(N):  # rail peers on other nodes: their records for our node
+        if n == node:
+            continue
+        k = per_node(n * G + r % G)[:, node]
+        recs, rows = int((k > 0).sum().item()), int(k.sum().item())
+        out["publish"] += recs * rec + rows * (row + meta)
+        out["v1_proxy_sums"] += rows * combine_row + recs * part
+    own = mine[:, node]
+    out["v1_own_sums"] = int(own.sum().item()) * combine_row + int((own > 0).sum().item()) * combine_row
+    nodes_hit = (mine > 0).sum(1)
+    with_remote = mine[:, remote].sum(1) > 0
+    out["reduce"] = int(nodes_hit[with_remote].sum().item()) * combine_row + int(with_remote.sum().item()) * combine_row
+    return out
+
+
+def copy_traffic_gbps(torch, dist, mori, dev, blocks, warps, reps=20):
+    """Every rank at once: the library's grid copy (read + write, 64 MiB each way) on blocks x warps,
+    median of `reps` CUDA-event timings; GB/s of bytes read plus written (the unit of
+    v1_work_traffic)."""
+    t = mori._C._testing
+    n = 64 << 20
+    src = torch.empty(n, dtype=torch.uint8, device=dev).random_(0, 255)
+    dst = torch.empty_like(src)
+    stream = torch.cuda.current_stream().cuda_stream
+    t.grid_copy(dst.data_ptr(), src.data_ptr(), n, blocks, warps * 32, stream)
+    torch.cuda.synchronize()
+    if not torch.equal(dst, src):
+        raise RuntimeError("grid copy baseline did not copy")
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        t.grid_copy(dst.data_ptr(), src.data_ptr(), n, blocks, warps * 32, stream)
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1) / 1e3)
+    return 2 * n / statistics.median(times) / 1e9
+
+
 def merged_trace(phase_rows, args):
     """One phase's WRs from every rank's phase_stats(trace=True) row, in one execution order
     (ep_link_model.merge_traces), or None (with a warning) when a rank's trace ring dropped
@@ -221,10 +289,11 @@ def link_model_lines(run):
     return LM.run_table(run, deps="both")
 
 
-def phase_times(torch, dist, op, x, w, sc, idx, cin, W, calls):
+def phase_times(torch, dist, op, x, w, sc, idx, cin, W, calls, extra):
     """`calls` round trips with the op's phase trace on, every kernel started after a host sync and
     barrier (so no phase includes the previous call's tail), then every rank's
-    op.trace_phase_summary per kind (a list over ranks of {"dispatch": ..., "combine": ...})."""
+    op.trace_phase_summary per kind (a list over ranks of {"dispatch": ..., "combine": ...} and
+    `extra`'s items)."""
     op.enable_trace(slots=max(64, calls))
     for _ in range(calls):
         torch.cuda.synchronize()
@@ -235,6 +304,7 @@ def phase_times(torch, dist, op, x, w, sc, idx, cin, W, calls):
         dist.barrier()
         op.combine(cin, out[1], idx)
     summary = {k: op.trace_phase_summary(k) for k in ("dispatch", "combine")}
+    summary.update(extra)
     op.disable_trace()
     dist.barrier()
     every = [None] * W
@@ -293,6 +363,18 @@ def phase_lines(phased, args, W, G, M):
             if got:
                 out.append(f"{name:<6} {kind:<9} {'(GPU work)':<13} {sum(med[n] for n in got):>10.1f} {'':>8}  "
                            + " + ".join(f"{n} {med[n]:.1f}" for n in got))
+            if got and "traffic" in every[0]:
+                blocks, warps, _ = every[0]["copy_" + kind]
+                copy = statistics.median(r["copy_" + kind][2] for r in every)
+                out.append(f"{name:<6} {kind:<9} {'[copy kernel]':<13} {'':>10} {'':>8}  library grid copy on the op's "
+                           f"{blocks} x {warps}: {copy:.0f} GB/s read + written (median over ranks)")
+                for n in got:  # each rank's bytes over its own phase time, median over ranks
+                    gbps = [r["traffic"][n] / (dict(r[kind]["phases"])[n] * 1e3) for r in every
+                            if dict(r[kind]["phases"]).get(n)]
+                    mb = statistics.median(r["traffic"][n] for r in every) / 1e6
+                    g = statistics.median(gbps) if gbps else float("nan")
+                    out.append(f"{name:<6} {kind:<9} {n:<13} {'':>10} {'':>8}  {mb:.1f} MB read + written, "
+                               f"{g:.0f} GB/s = {g / copy:.2f} of the copy kernel")
     return out
 
 
@@ -351,7 +433,14 @@ def worker(rank, world, local_rank, args):
             dist.barrier()
             cstats = phase_stats(mori, dist, W, trace=counted and args.link_model)
         if args.phases:
-            phased.append((name, phase_times(torch, dist, op, x, w, sc, IDX[rank], cin, W, args.phases)))
+            extra = {}
+            if args.kernel_type != "InterNode":
+                extra["traffic"] = v1_work_traffic(torch, IDX, Ts, rank, W, G, Epr, TOPK, HIDDEN * (1 if fp8 else 2),
+                                                   HIDDEN * 2, sdim * 4, 4)
+                for kind, for_dispatch in (("dispatch", True), ("combine", False)):
+                    blocks, warps = op.resolve_launch(M, -1, -1, for_dispatch)
+                    extra["copy_" + kind] = (blocks, warps, copy_traffic_gbps(torch, dist, mori, dev, blocks, warps))
+            phased.append((name, phase_times(torch, dist, op, x, w, sc, IDX[rank], cin, W, args.phases, extra)))
             phase_stats(mori, dist, W)  # drains what the traced calls put on the wire
         if args.link_model and rank == 0:
             traced.append(("dispatch " + name, "dispatch", merged_trace(dstats, args)))
