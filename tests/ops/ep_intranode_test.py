@@ -608,8 +608,8 @@ def case_fp8_direct_cast(env):
     """quant_type "fp8_direct_cast": every returned row travels as saturating e4m3 codes; the result
     must equal bitwise the fp32 sum of the decoded codes in ascending rank order, rounded once
     (U.fp8_direct_cast_reference), and lie within docs/ep.md's bound of the unquantised sum where
-    no row saturated. Pull combine (M > 256), push combine (M <= 256, IntraNode), InterNode (the
-    suite's kernel type), every input mode (zero-copy, external, exact-size external, dispatch
+    no row saturated. Pull combine (M > 256), push combine (M <= 256; across nodes with the
+    InterNode family), the suite's kernel type, every input mode (zero-copy, external, exact-size external, dispatch
     output in place), bf16/fp16/fp32, gains that saturate and that reach the subnormal codes, both
     block builds, and the push combine's split phase."""
     torch = env.torch
@@ -643,9 +643,8 @@ def case_fp8_direct_cast(env):
     for label, spec in cases:
         roundtrip(env, spec, label=label)
         env.close_ops()
-    if env.args.kernel_type != "IntraNode":
-        return
-    # split phase (push combine): the halves give the fused combine's outputs bit-exactly
+    # split phase (push combine; InterNode: rows for other nodes by RDMA into the parity's
+    # landing): the halves give the fused combine's outputs bit-exactly
     cnt = torch.zeros(len(C_NAMES), dtype=torch.int64, device=env.dev)
     op, spec, data, sel, inputs = combine_inputs_of_one_dispatch(env, 80, cquant=F)
     env.barrier()
@@ -792,7 +791,8 @@ def case_split_phase_combine(env):
     """combine_send / combine_recv (push combine): the halves with a matmul between them give the
     fused combine's outputs bit-exactly, back to back (alternating x and 2x) and replayed from a
     CUDA graph holding send, matmul and receive; misuse raises InvalidUsageError on every rank and
-    the op stays usable. InterNode ops refuse combine_send."""
+    the op stays usable. Across nodes (InterNode, AsyncLL) the rows for other nodes' ranks travel
+    by RDMA into the landing of the call's parity; InterNodeV1/V1LL ops refuse combine_send."""
     torch = env.torch
     mori = env.mori
     errors = []
@@ -800,9 +800,9 @@ def case_split_phase_combine(env):
     X, IDX, WT, SC, Ts = data
     r = env.rank
     cdt = torch.bfloat16
-    if env.args.kernel_type != "IntraNode":
-        expect_usage_error(mori, errors, "combine_send on an InterNode op", lambda: op.combine_send(*inputs[0], sel),
-                           "push combine")
+    if env.v1:
+        expect_usage_error(mori, errors, f"combine_send on an {env.args.kernel_type} op",
+                           lambda: op.combine_send(*inputs[0], sel), "node-deduplicated combine")
         if errors:
             raise CaseFailure("; ".join(errors))
         return
@@ -1603,7 +1603,7 @@ def case_skewed_ranks(env):
     together, the same on every rank), rank c % W sleeps on the host (20-200 ms) and rank
     (c + 1) % W queues 40-200 ms of GPU work ahead of the call, so every phase has a peer that
     starts late, on the host or on the GPU, and a different one each time. Dispatch bit-exact and
-    combine bitwise as in roundtrip, for an op with M 128 (IntraNode: push combine) and zero-copy
+    combine bitwise as in roundtrip, for an op with M 128 (push combine) and zero-copy
     input, and one with M 384 (pull) and external input. Under the RDMA emulator the delays stay
     host sleeps between calls and GPU work on memory allocated before (docs/rdma.md, "Host
     run-ahead")."""

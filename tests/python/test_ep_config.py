@@ -141,9 +141,9 @@ def test_async_ll_layout_is_the_type_it_runs_as(world, gpn, as_, m):
     assert ops.ep_layout(a) == ops.ep_layout(b)
     assert ops.ep_symmetric_bytes(a) == ops.ep_symmetric_bytes(b) and ops.ep_local_bytes(a) == ops.ep_local_bytes(b)
     sym = ops.ep_layout(a)["symmetric"]
-    assert "split_tokens" in sym
-    assert ("push_recv_tokens" in sym) == (as_ == "IntraNode")
+    assert "split_tokens" in sym and "push_recv_tokens" in sym
     assert ("split_tail" in sym) == (as_ == "InterNode")
+    assert ("push_land_tokens" in sym) == (as_ == "InterNode")
 
 
 def test_agreement_compares_the_kernel_type_given():
@@ -292,12 +292,13 @@ def test_region_table_is_the_layout():
         inter = {n for (b, n), (_, nb, _) in regs.items() if nb > 0 and n.startswith(("stage_", "landing_", "inter_"))}
         push = {n for (b, n), (_, nb, _) in regs.items() if nb > 0 and n.startswith("push_")}
         v1 = {n for (b, n), (_, nb, _) in regs.items() if nb > 0 and n.startswith("v1_")}
-        if kt == "InterNode":
-            assert inter and not push and not v1
+        if kt == "InterNode":  # the push combine across nodes: its landings and tails too
+            assert inter and not v1 and {n for n in push if n.startswith("push_land_")} == {
+                "push_land_tail", "push_land_tokens", "push_land_weights"}
         elif kt.startswith("InterNodeV1"):
             assert v1 and not push and not inter
         else:
-            assert push and not inter and not v1
+            assert push and not inter and not v1 and not any(n.startswith("push_land_") for n in push)
 
 
 def test_max_total_recv_tokens_sizes_receive_regions():
@@ -364,6 +365,36 @@ def test_push_combine_buffers_for_small_batch_configs(m):
     assert ends["push_recv_tokens"] - d["push_recv_tokens"] >= 2 * m * 3 * 7168 * 4
     assert ends["push_recv_weights"] - d["push_recv_weights"] >= 2 * m * 3 * 9 * 4
     assert total == ops.ep_symmetric_bytes(c)
+
+
+@pytest.mark.parametrize("m", [1, 128, 256])
+def test_internode_push_combine_buffers(m):
+    # InterNode (16 PEs, 8 per node): a row slot per (token, PE of our node), not per PE, and two
+    # landing sets (one per call parity) of M x min(K, W) rows with K weights, plus a tail word per
+    # (parity, PE). V1 kernel types have none (they keep their own combine).
+    K = 9
+    c = make(max_num_inp_token_per_rank=m, world_size=16, gpu_per_node=8, kernel_type="InterNode",
+             num_experts_per_token=K, num_experts_per_rank=16)
+    d = dict(ops.ep_layout(c)["symmetric"])
+    total = d.pop("total_bytes")
+    offs = sorted(d.items(), key=lambda kv: kv[1])
+    assert len({o for _, o in offs}) == len(offs), offs
+    ends = {name: (offs[i + 1][1] if i + 1 < len(offs) else total) for i, (name, _) in enumerate(offs)}
+    size = {n: ends[n] - d[n] for n in d}
+    row = 7168 * 2
+    assert 2 * m * 8 * row <= size["push_recv_tokens"] < 2 * m * 8 * row + 256
+    assert 2 * m * 8 * K * 4 <= size["push_recv_weights"] < 2 * m * 8 * K * 4 + 256
+    assert 2 * m * K * row <= size["push_land_tokens"] < 2 * m * K * row + 256
+    assert 2 * m * K * K * 4 <= size["push_land_weights"] < 2 * m * K * K * 4 + 256
+    assert 2 * 16 * 8 <= size["push_land_tail"] < 2 * 16 * 8 + 256
+    assert size["push_land_tokens"] // 2 <= size["landing_tokens"] + 256  # the fused landing, twice
+    for kt in ("InterNodeV1", "InterNodeV1LL"):
+        v1 = ops.ep_layout(make(max_num_inp_token_per_rank=m, world_size=16, gpu_per_node=8, kernel_type=kt,
+                                num_experts_per_rank=16))["symmetric"]
+        assert not any(n.startswith("push_") for n in v1), kt
+    big = ops.ep_layout(make(max_num_inp_token_per_rank=257, world_size=16, gpu_per_node=8, kernel_type="InterNode",
+                             num_experts_per_rank=16))["symmetric"]
+    assert not any(n.startswith("push_") for n in big)
 
 
 def test_no_push_combine_buffers_above_256_tokens():

@@ -28,7 +28,7 @@ before the external-input copy, a split dispatch that leaves the combine's per-p
 (EpDeviceState sendCount / recvCount, which the model's combines use as the kernels do) stale.
 
 Mode "inter_push" is the plan for split combine across nodes (docs/ep_split_phase.md, "Combine
-across nodes"; not built): the push combine, where a rank on another node gets its rows by RDMA
+across nodes"; built in intranode_combine_push.cpp): the push combine, where a rank on another node gets its rows by RDMA
 into a landing of the combine's parity followed by a tail word, sent also with no rows; op "K" is
 combine_send then combine_recv (two kernels), "C"/"X" the same protocol fused.
 

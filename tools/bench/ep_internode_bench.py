@@ -18,8 +18,9 @@ times: only work requests and bytes per rank and phase, next to the ideal from t
                      for every destination) and the expert histogram (4 Epr B), plus an 8-byte
                      tail per non-empty list
   combine payload  = sum over the same pairs of row (+ 4K with weights)
-  combine headers  = an 8-byte landing word per non-empty list and an 8-byte done word per
-                     (rank, other-node rank)
+  combine headers  = an 8-byte landing word per non-empty list (the push combine of configs of
+                     <= 256 tokens per rank: per (rank, other-node rank), also with no rows) and
+                     an 8-byte done word per (rank, other-node rank)
 
 InterNode is the direct scheme (one copy per destination rank): the payload is also the "naive"
 bytes the node-deduplicated kernels are measured against.
@@ -112,9 +113,10 @@ def phase_stats(mori, dist, W, trace=False):
     return allr
 
 
-def ideal(torch, IDX, Ts, W, G, Epr, K, row, combine_row, scale_bytes, idx_bytes):
+def ideal(torch, IDX, Ts, W, G, Epr, K, row, combine_row, scale_bytes, idx_bytes, push=False):
     """(dispatch payload, dispatch headers, combine payload, combine headers, pairs, lists) summed
-    over ranks, from the routing alone."""
+    over ranks, from the routing alone. push: the op combines by pushing (op.split_combine_available),
+    whose tail word goes to every rank of another node, also with no rows."""
     node = lambda p: p // G  # noqa: E731
     pairs = 0
     lists = 0
@@ -136,7 +138,7 @@ def ideal(torch, IDX, Ts, W, G, Epr, K, row, combine_row, scale_bytes, idx_bytes
     # each rank's count for every destination goes to every rank (W x remote ranks pairs of words)
     d_headers = remote_pairs_of_ranks * (W * 16 + 4 * Epr) + lists * 8
     c_payload = pairs * (combine_row + 4 * K)
-    c_headers = lists * 8 + remote_pairs_of_ranks * 8
+    c_headers = (remote_pairs_of_ranks if push else lists) * 8 + remote_pairs_of_ranks * 8
     return d_payload, d_headers, c_payload, c_headers, pairs, lists
 
 
@@ -447,7 +449,8 @@ def worker(rank, world, local_rank, args):
             traced.append((f"combine bf16 ({name})", "combine", merged_trace(cstats, args)))
         mori.shmem.shmem_check_device_error()
         row_b = HIDDEN * (1 if fp8 else 2)
-        dp, dh, cp, ch, pairs, lists = ideal(torch, IDX, Ts, W, G, Epr, TOPK, row_b, HIDDEN * 2, sdim * 4, 4)
+        dp, dh, cp, ch, pairs, lists = ideal(torch, IDX, Ts, W, G, Epr, TOPK, row_b, HIDDEN * 2, sdim * 4, 4,
+                                             push=op.split_combine_available)
         naive = {"dispatch": dp, "combine": cp}  # InterNode's payload: one copy per remote rank
         max_wqes = {}
         if args.kernel_type != "InterNode":

@@ -76,6 +76,20 @@ class RunAheadBound {
   size_t recorded = 0;  // slots in use
 };
 
+// The push combine reads every input in place, the caller's tensors included (no copy; InterNode
+// copies only the rows it WRITEs to other nodes into registered memory, in the kernel).
+void LaunchPushCombine(EpCombineKernelArgs& k, EpFamily family, const EpCombineArgs& args,
+                       int64_t bufferRows, int blocks, int threads, gpuStream_t stream) {
+  k.inTokens = static_cast<const uint8_t*>(args.input);
+  k.inRows = k.copyTokens != 0 ? args.inputRows : bufferRows;
+  k.inWeights = args.weights;
+  k.inWeightRows = k.copyWeights != 0 ? args.weightRows : bufferRows;
+  k.copyTokens = 0;
+  k.copyWeights = 0;
+  k.staged = 0;
+  LaunchEpCombinePush(k, family, args.dataType, blocks, threads, stream);
+}
+
 class IntraNodeBackend final : public EpBackend {
  public:
   IntraNodeBackend(const EpDispatchCombineConfig& c, int device) {
@@ -113,15 +127,7 @@ class IntraNodeBackend final : public EpBackend {
   void LaunchCombine(EpCombineKernelArgs& k, const EpCombineArgs& args, int64_t bufferRows,
                      int blocks, int threads, gpuStream_t stream) override {
     if (push) {
-      // The push combine reads every input in place, the caller's tensors included (no copy).
-      k.inTokens = static_cast<const uint8_t*>(args.input);
-      k.inRows = k.copyTokens != 0 ? args.inputRows : bufferRows;
-      k.inWeights = args.weights;
-      k.inWeightRows = k.copyWeights != 0 ? args.weightRows : bufferRows;
-      k.copyTokens = 0;
-      k.copyWeights = 0;
-      k.staged = 0;
-      LaunchEpCombinePush(k, args.dataType, blocks, threads, stream);
+      LaunchPushCombine(k, EpFamily::kIntraNode, args, bufferRows, blocks, threads, stream);
       return;
     }
     // Staged (bulk copies into shared memory) for large batches, where warps take many items and
@@ -177,6 +183,7 @@ class InterNodeBackend final : public EpBackend {
                 "MORI_RDMA_EMULATE_RUNAHEAD=%lld is out of range [0, 4096]",
                 static_cast<long long>(depth));
     if (emulated) runAhead = std::make_unique<RunAheadBound>(static_cast<int>(depth), pe);
+    push = EpPushCombineFits(c) && core::Env().epCombinePush;
     // One channel (QP 0 of shmem's QPs to each peer) whatever num_qp_per_pe says: spreading the
     // posts over several QPs (RdmaWrite) has not been run on a GPU yet.
     if (c.numQpPerPe > 1 && !v1)
@@ -187,6 +194,7 @@ class InterNodeBackend final : public EpBackend {
           pe, c.numQpPerPe);
   }
   EpFamily Family() const override { return EpFamily::kInterNode; }
+  bool PushCombine() const override { return push; }
   int MaxBlocks(int numSms) const override {
     return emulated ? std::min(numSms, std::max(worldSize, numSms / 2)) : numSms;
   }
@@ -202,11 +210,13 @@ class InterNodeBackend final : public EpBackend {
     if (record) runAhead->AfterLaunch(stream);
   }
 
-  void LaunchCombine(EpCombineKernelArgs& k, const EpCombineArgs& args, int64_t, int blocks,
-                     int threads, gpuStream_t stream) override {
+  void LaunchCombine(EpCombineKernelArgs& k, const EpCombineArgs& args, int64_t bufferRows,
+                     int blocks, int threads, gpuStream_t stream) override {
     k.staged = 0;
     const bool record = runAhead && runAhead->BeforeLaunch(stream, "combine");
-    if (v1) {
+    if (push) {
+      LaunchPushCombine(k, EpFamily::kInterNode, args, bufferRows, blocks, threads, stream);
+    } else if (v1) {
       LaunchEpV1Combine(k, args.dataType, blocks, threads, stream);
     } else {
       LaunchEpCombine(k, EpFamily::kInterNode, args.dataType, blocks, threads, stream);
@@ -217,6 +227,7 @@ class InterNodeBackend final : public EpBackend {
  private:
   int worldSize;
   bool v1;                // InterNodeV1/V1LL kernels (node-deduplicated), else InterNode's
+  bool push = false;      // small-batch InterNode config: combine pushes rows (EpPushCombineFits)
   bool emulated = false;  // some PE is reached through the RDMA emulator
   std::unique_ptr<RunAheadBound> runAhead;  // emulated only
 };

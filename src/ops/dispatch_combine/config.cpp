@@ -235,6 +235,7 @@ EpLayoutDims MakeEpLayoutDims(const EpDispatchCombineConfig& c) {
   d.split = EpSplitDispatchFits(c) ? 1 : 0;
   d.inter = c.RunsAs() == EpDispatchCombineKernelType::kInterNode ? 1 : 0;
   d.landing = d.m * std::min(d.k, d.w);
+  d.local = static_cast<size_t>(c.KernelLocalSize());
   d.markWords = (d.rmax + 31) / 32;
   d.hidden = static_cast<size_t>(c.hiddenDim);
   d.fp8 = c.quantType == EpQuantType::kFp8DirectCast ? 1 : 0;

@@ -355,8 +355,7 @@ void EpDispatchCombineHandle::FillCommonArgs(EpKernelCommon* common) const {
   common->numExpertsPerRank = c.numExpertsPerRank;
   common->numExperts = c.NumExperts();
   common->topK = c.numExpertsPerToken;
-  common->localSize =
-      c.RunsAs() == EpDispatchCombineKernelType::kIntraNode ? c.worldSize : c.LocalSize();
+  common->localSize = c.KernelLocalSize();
   common->channels = c.numQpPerPe;
   common->lowLatency = c.RunsAs() == EpDispatchCombineKernelType::kInterNodeV1LL ? 1 : 0;
   common->maxRecvRows = c.MaxNumRecvTokens();
@@ -625,10 +624,15 @@ void EpDispatchCombineHandle::LaunchCombineCall(const EpCombineArgs& args, EpCom
                 config.rank);
     MORI_ENSURE(phase == EpCombinePhase::kBoth || backend->PushCombine(), InvalidUsageError,
                 "EP combine_send: split-phase combine needs the push combine (kernel_type "
-                "IntraNode or AsyncLL on one node, max_num_inp_token_per_rank <= 256, "
-                "MORI_EP_COMBINE_PUSH on); this op (kernel_type %s) uses the %s combine",
-                EpKernelTypeName(config.kernelType),
-                backend->Family() == EpFamily::kIntraNode ? "pull" : "InterNode");
+                "IntraNode, InterNode or AsyncLL, max_num_inp_token_per_rank <= %d, "
+                "MORI_EP_COMBINE_PUSH on); this op (kernel_type %s, %d tokens per rank) uses the "
+                "%s combine",
+                kEpPushCombineMaxTokens, EpKernelTypeName(config.kernelType),
+                config.maxNumInpTokenPerRank,
+                config.IsV1() ? "node-deduplicated"
+                              : (backend->Family() == EpFamily::kIntraNode ? "pull"
+                                                                           : "InterNode "
+                                                                             "landing"));
     TakeExpertIdError(what);  // never between the halves: the receive half always launches
   }
   const EpDispatchCombineConfig& c = config;

@@ -1,6 +1,7 @@
 // Dispatch/combine kernels: argument structs and launchers (internal to src/ops). The IntraNode
 // and InterNode families share the kernels (intranode_dispatch.cpp, intranode_combine.cpp; the
-// family is a template parameter); the push combine is IntraNode-only. Protocol: docs/ep.md.
+// family is a template parameter); the push combine (small batches) serves both. Protocol:
+// docs/ep.md.
 #pragma once
 
 #include <climits>
@@ -178,8 +179,8 @@ void LaunchEpV1Dispatch(const EpDispatchKernelArgs& args, EpIndexType indexType,
                         int threads, size_t smemBytes, gpuStream_t stream);
 void LaunchEpV1Combine(const EpCombineKernelArgs& args, EpDataType dataType, int blocks,
                        int threads, gpuStream_t stream);
-// IntraNode only.
-void LaunchEpCombinePush(const EpCombineKernelArgs& args, EpDataType dataType, int blocks,
-                         int threads, gpuStream_t stream);
+// The push combine (small-batch configs, either family; intranode_combine_push.cpp).
+void LaunchEpCombinePush(const EpCombineKernelArgs& args, EpFamily family, EpDataType dataType,
+                         int blocks, int threads, gpuStream_t stream);
 
 }  // namespace mori::ops

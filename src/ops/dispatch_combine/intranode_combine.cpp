@@ -114,8 +114,7 @@ MORI_DEVICE_INLINE bool WarpReduceRowsStaged(uint4* __restrict__ out, const uint
 
 // InterNode: returns the rows (and weights) we received from each PE of another node to that PE's
 // landing region, where it sums them: rows of source s start at our recvBase(s) and land at
-// landingBase(s) = the rows s sent to PEs of other nodes below us (its count words, which every
-// PE received in dispatch). Waits until s finished reading its landing region in its last combine
+// InterLandingBase(s). Waits until s finished reading its landing region in its last combine
 // (done), then WRITEs and the landing-ready word, on one QP. One thread; completed by the quiet at
 // the end of the combine. Rows are `wireRow` bytes, read from where `ready` says (EpReadyTokens).
 // Returns false on failure (recorded).
@@ -126,8 +125,6 @@ MORI_DEVICE_INLINE bool InterReturnRows(const EpCombineKernelArgs& a, const core
   const int W = c.worldSize;
   const int me = c.rank;
   const int K = c.topK;
-  const uint64_t dEpoch = *reinterpret_cast<volatile uint64_t*>(&c.state->dispatchEpoch);
-  const int dParity = static_cast<int>(dEpoch & 1);
   uint8_t* L = c.symmLocal;
   const EpCombineSource ts = EpReadyTokens(ready);
   const uint8_t* tok = L + (ts == EpCombineSource::kFp8Wire       ? c.symm.combineInFp8
@@ -145,14 +142,7 @@ MORI_DEVICE_INLINE bool InterReturnRows(const EpCombineKernelArgs& a, const core
     const size_t n = static_cast<size_t>(c.state->recvCount[s]);
     if (n > 0 && IsRemote(c, s)) {
       size_t landingBase = 0;
-      for (int d = 0; d < me; d++) {
-        if (NodeOf(c, d) == NodeOf(c, s)) continue;
-        uint32_t cnt = 0;
-        if (!TagWait(wait, At<uint64_t>(L, c.symm.interCount) + EpInterCountIndex(dParity, s, d, W),
-                     dEpoch, s, "EP combine: count word of the last dispatch", &cnt))
-          return false;
-        landingBase += cnt;
-      }
+      if (!InterLandingBase(c, wait, s, &landingBase)) return false;
       if (!core::WaitUntil(wait, &done[s].tag, CmpOp::kGe, epoch - 1, s,
                            "EP combine: peer done reading landing (last)"))
         return false;

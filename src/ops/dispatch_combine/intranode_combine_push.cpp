@@ -1,37 +1,49 @@
-// IntraNode push combine, for small-batch configs (EpPushCombineFits, MORI_EP_COMBINE_PUSH).
-// Protocol: docs/ep.md; buffers: layout.hpp (pushArrived, pushRecvTokens, pushRecvWeights).
+// Push combine, for small-batch configs (EpPushCombineFits, MORI_EP_COMBINE_PUSH): IntraNode, and
+// InterNode (AsyncLL too) where PEs of other nodes get their rows by RDMA. Protocol: docs/ep.md;
+// buffers: layout.hpp (pushArrived, pushRecvTokens, pushRecvWeights, pushLand*).
 //
 // The pull combine (intranode_combine.cpp) costs two waits on peers before its first byte moves:
 // every PE's "ready" signal, then the load round trip of every row, and a third signal at its end
 // ("done reading your buffers"). Here each PE instead writes the rows it holds to their tokens'
 // PEs (stores need no round trip), and every PE sums from its own memory:
-//   1. Block 0 signals every PE (readyInbox, as the pull combine's ready signal) with our row
-//      format and whether we return weights (a PE checks both before it sums), and, with the same
-//      fence, "done reading your buffers" (we never read a peer's buffers in this mode).
-//   2. The rows we received from other PEs in the last dispatch (the dispatch output is ordered by
-//      source PE; rows from ourselves stay where they are) are stored, from the combine input
-//      (registered buffer, dispatch output or the caller's tensor: no copy), into slot
-//      [parity][token][our PE] of the source PE's pushRecvTokens, weights alike. Each block then
-//      fences once and adds the 16-byte vectors it stored for each PE to that PE's
-//      pushArrived[parity][our PE].
+//   1. Block 0 signals every PE of our node (readyInbox, as the pull combine's ready signal) with
+//      our row format and whether we return weights (a PE checks both before it sums), and, with
+//      the same fence, "done reading your buffers" (we never read a peer's buffers in this mode).
+//   2. The rows we received from the other PEs of our node in the last dispatch (the dispatch
+//      output is ordered by source PE, so they are one range; rows from ourselves stay where they
+//      are) are stored, from the combine input (registered buffer, dispatch output or the caller's
+//      tensor: no copy), into slot [parity][token][our local index] of the source PE's
+//      pushRecvTokens, weights alike. Each block then fences once and adds the 16-byte vectors it
+//      stored for each PE to that PE's pushArrived[parity][our PE].
+//   2'. InterNode: the rows we received from each PE s of another node (one contiguous range each)
+//      go back by RDMA WRITE into s's pushLandTokens[parity] at InterLandingBase(s) (weights
+//      alike), followed on the same QP by a tagged tail word in s's pushLandTail[parity][our PE]
+//      (the format, and whether weights came), then "done" into s's doneInbox. The tail goes to
+//      every PE of another node, also with no rows: a PE waits for every PE's tail or signal. The
+//      WRITEs read registered memory: the blocks first cast those rows to e4m3 into combineInFp8
+//      (fp8_direct_cast) or copy them from the caller's tensor into the registered buffer; the
+//      last block to finish posts. Nothing waits for their completion until step 5.
 //   3. Every block waits until pushArrived[d] reaches sendCount[d] x vectors per row for every PE
-//      d (the rows of our tokens that went to d in the last dispatch).
+//      d of our node, and for every other node's PE's tail of this parity.
 //   4. Each token's rows are summed in fp32 in ascending PE order, exactly as the pull combine:
-//      the row from PE d is in pushRecvTokens[t][d], ours is in our input at the token's slot.
-//   5. The last block checks and resets pushArrived and bumps the combine epoch.
+//      the row from PE d is in pushRecvTokens[t][d's local index] (another node's: in pushLand*
+//      at d's landing offset plus the token's list position), ours is in our input at its slot.
+//   5. The last block completes our WRITEs (they read our input), checks and resets pushArrived
+//      and bumps the combine epoch.
 // quant_type fp8_direct_cast (a.wireFp8): rows are cast to e4m3 while pushed (slots of wireRow
 // bytes), and our own tokens' rows are pushed into our own slots as well (counted in our own
 // pushArrived[me]), so every summed row is decoded from codes, whichever PE holds it.
-// Split phase (EpCombinePhase): a kSend launch runs steps 1-2 and returns (no wait on any peer), a
-// later kReceive launch with the same arguments steps 3-5. The argument below holds unchanged: a
+// Split phase (EpCombinePhase): a kSend launch runs steps 1-2' and returns (no wait on any peer),
+// a later kReceive launch with the same arguments steps 3-5. The argument below holds unchanged: a
 // PE's next kSend comes after its kReceive on its stream.
-// Why the receive slots of a parity are free when a PE pushes call k+2 into them: it finished
-// call k+1 first, which needed every PE's signal of call k+1, which each PE stores after it
-// finished call k (the last reader of those slots). The same holds for the counters and signals.
-// (Combine may run several times after one dispatch, so "the next dispatch" is no guard here.)
-// This needs step 3 to wait for EVERY PE's signal, also from PEs that pushed us nothing: else a
-// PE could finish call k+1 before a PE it has no rows from finished call k (the protocol model,
-// tests/python/test_ep_protocol_model.py, finds that race when the wait is skipped).
+// Why the receive slots (and landings) of a parity are free when a PE pushes call k+2 into them:
+// it finished call k+1 first, which needed every PE's signal or tail of call k+1, which each PE
+// sends after it finished call k (the last reader of those slots). The same holds for the
+// counters and signals. (Combine may run several times after one dispatch, so "the next dispatch"
+// is no guard here.) This needs step 3 to wait for EVERY PE's signal or tail, also from PEs that
+// pushed us nothing: else a PE could finish call k+1 before a PE it has no rows from finished call
+// k (the protocol model, tests/python/test_ep_protocol_model.py modes "push" and "inter_push",
+// finds that race when the wait is skipped).
 #include "combine_reduce.hpp"
 #include "intranode.hpp"
 #include "intranode_device.hpp"
@@ -45,11 +57,54 @@ using core::CmpOp;
 
 constexpr int kPushUnroll = 8;  // 16-byte loads in flight per lane while pushing a row
 
-template <typename Elem, int kThreads>
+// InterNode, step 2' (one thread, after every block prepared its rows): for every PE s of another
+// node, our rows of its tokens (and weights), then the tail word and "done", by RDMA WRITE on one
+// QP (RC order: the tail lands after the rows). `tok` / `wts`: the registered rows the WRITEs read
+// (wts nullptr: no weights). False on failure (recorded).
+MORI_DEVICE_INLINE bool PushPostRemote(const EpCombineKernelArgs& a, const core::WaitContext& wait,
+                                       uint64_t epoch, int parity, uint64_t format,
+                                       uint32_t wireRow, const uint8_t* tok, const uint8_t* wts) {
+  const EpKernelCommon& c = a.c;
+  const int W = c.worldSize;
+  const int me = c.rank;
+  const int K = c.topK;
+  uint8_t* L = c.symmLocal;
+  const size_t landing = static_cast<size_t>(c.maxTokensPerRank) * (K < W ? K : W);
+  const uint64_t landed = EpTagWord(epoch, EpLandingValue(format, wts != nullptr));
+  uint64_t* doneTag = &(At<EpSignal>(L, c.symm.doneInbox) + me)->tag;
+  size_t recvBase = 0;
+  for (int s = 0; s < W; s++) {
+    const size_t n = static_cast<size_t>(c.state->recvCount[s]);
+    if (IsRemote(c, s)) {
+      size_t base = 0;
+      if (n > 0 && !InterLandingBase(c, wait, s, &base)) return false;
+      const size_t at = static_cast<size_t>(parity) * landing + base;
+      bool ok = RdmaWrite(c, s, L + c.symm.pushLandTokens + at * wireRow, tok + recvBase * wireRow,
+                          n * wireRow);
+      if (ok && wts != nullptr)
+        ok = RdmaWrite(c, s, L + c.symm.pushLandWeights + at * K * sizeof(float),
+                       wts + recvBase * K * sizeof(float), n * K * sizeof(float));
+      if (ok)
+        ok = RdmaWrite(c, s,
+                       At<uint64_t>(L, c.symm.pushLandTail) + EpPushArrivedIndex(parity, me, W),
+                       &landed, sizeof(landed));
+      if (ok) ok = RdmaWrite(c, s, doneTag, &epoch, sizeof(epoch));
+      if (!ok) return false;
+    }
+    recvBase += n;
+  }
+  return true;
+}
+
+// kInter: the InterNode family (steps 2' and the tails of step 3). A template parameter, as the
+// pull kernel's family: the work-request code's registers and stack would spill the IntraNode
+// build.
+template <typename Elem, int kThreads, bool kInter>
 __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineKernelArgs a) {
   __shared__ const uint8_t* sRows[kCombineMaxWarps][kEpMaxWorldSize];
   __shared__ const float* sWRows[kCombineMaxWarps][kEpMaxWorldSize];
   __shared__ unsigned long long sPushed[kEpMaxWorldSize];  // vectors this block stored per PE
+  __shared__ uint32_t sLandOff[kEpMaxWorldSize];  // InterNode: landing row of PE p's first row
   __shared__ int sFailed;
 
   const EpKernelCommon& c = a.c;
@@ -61,6 +116,9 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
   const int M = c.maxTokensPerRank;
   const int T = a.numTokens;
   const int K = c.topK;
+  const int G = c.localSize;      // W on one node (IntraNode family)
+  constexpr bool inter = kInter;  // PEs of other nodes get their rows by RDMA (step 2')
+  const int node0 = me - me % G;  // our node's first PE
   const int tid = static_cast<int>(threadIdx.x);
   const int nThreads = static_cast<int>(blockDim.x);
   const int lane = core::LaneId();
@@ -78,13 +136,24 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
   const int vecs = static_cast<int>(a.rowBytes / 16);  // input vectors (the arrival unit)
   const uint32_t wireRow = fp8 ? a.rowBytes / (16 / Elem::kPerVec) : a.rowBytes;
   const int R = *reinterpret_cast<volatile int32_t*>(c.totalRecv);
-  uint8_t* const recvTok = c.symmLocal + c.symm.pushRecvTokens;
-  float* const recvW = At<float>(c.symmLocal, c.symm.pushRecvWeights);
-  uint64_t* const arrived =
-      At<uint64_t>(c.symmLocal, c.symm.pushArrived) + EpPushArrivedIndex(parity, 0, W);
+  uint8_t* const L = c.symmLocal;
+  uint8_t* const recvTok = L + c.symm.pushRecvTokens;
+  float* const recvW = At<float>(L, c.symm.pushRecvWeights);
+  uint64_t* const arrived = At<uint64_t>(L, c.symm.pushArrived) + EpPushArrivedIndex(parity, 0, W);
+  const size_t landing = static_cast<size_t>(M) * (K < W ? K : W);
+  // InterNode: the registered rows (and weights) the WRITEs of step 2' read.
+  const uint8_t* const wireTok =
+      L + (fp8                                              ? c.symm.combineInFp8
+           : a.tokenSource == EpCombineSource::kDispatchOut ? c.symm.dispatchOutTokens
+                                                            : c.symm.combineInTokens);
+  const float* const wireW =
+      a.inWeights == nullptr ? nullptr
+                             : At<const float>(L, a.weightSource == EpCombineSource::kDispatchOut
+                                                      ? c.symm.dispatchOutWeights
+                                                      : c.symm.combineInWeights);
 
   uint64_t* const tr = start.trace;  // phase trace (trace_device.hpp), nullptr: off
-  const bool doSend = a.phase != EpCombinePhase::kReceive;  // steps 1-2
+  const bool doSend = a.phase != EpCombinePhase::kReceive;  // steps 1-2'
   const bool doRecv = a.phase != EpCombinePhase::kSend;     // steps 3-5
   if (tid == 0) {
     sFailed = 0;
@@ -98,35 +167,60 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
                     static_cast<uint64_t>(R > a.inRows ? a.inRows : a.inWeightRows));
       sFailed = 1;
     }
+    if (inter && doRecv) {
+      uint32_t off = 0;  // landing order: destination PE, then list index
+      for (int p = 0; p < W; p++) {
+        sLandOff[p] = off;
+        if (IsRemote(c, p)) off += static_cast<uint32_t>(c.state->sendCount[p]);
+      }
+    }
   }
   for (int p = tid; p < W; p += nThreads) sPushed[p] = 0;
   __syncthreads();
 
-  // ---- 1. our format, and done, to every PE ---------------------------------------------------
+  // ---- 1. our format, and done, to every PE of our node ---------------------------------------
   if (doSend && blockIdx.x == 0 && tid == 0 && sFailed == 0) {
     const size_t readySlot = EpReadyInboxIndex(parity, me, W);
     SignalStoreAll(
-        W, [&](int p) { return At<EpSignal>(PeerBlock(c, p), c.symm.readyInbox) + readySlot; },
+        W,
+        [&](int p) {
+          return inter && IsRemote(c, p)
+                     ? nullptr
+                     : At<EpSignal>(PeerBlock(c, p), c.symm.readyInbox) + readySlot;
+        },
         format, epoch);
-    // The done tags (no value) are ordered by SignalStoreAll's fence too.
-    for (int p = 0; p < W; p++)
-      core::AtomicStoreRelaxedSystem(&(At<EpSignal>(PeerBlock(c, p), c.symm.doneInbox) + me)->tag,
-                                     epoch);
+    // The done tags (no value) are ordered by SignalStoreAll's fence too (other nodes: step 2').
+    for (int p = 0; p < W; p++) {
+      if (!(inter && IsRemote(c, p)))
+        core::AtomicStoreRelaxedSystem(&(At<EpSignal>(PeerBlock(c, p), c.symm.doneInbox) + me)->tag,
+                                       epoch);
+    }
   }
 
-  // ---- 2. push the rows we hold to their tokens' PEs ----------------------------------------
+  // Rows of the dispatch output by source PE: our node's sources [localBegin, localEnd), our own
+  // [selfBegin, selfBegin + recvCount[me]).
+  int localBegin = 0, localEnd = 0, selfBegin = 0;
+  if (doSend) {
+    int before = 0;
+    for (int s = 0; s < W; s++) {
+      if (s == node0) localBegin = before;
+      if (s == me) selfBegin = before;
+      before += c.state->recvCount[s];
+      if (s == node0 + G - 1) localEnd = before;
+    }
+  }
+
+  // ---- 2. push the rows we hold to their tokens' PEs on our node ------------------------------
   if (doSend && sFailed == 0) {
-    int selfBegin = 0;
-    for (int s = 0; s < me; s++) selfBegin += c.state->recvCount[s];
     // fp8: our own rows are pushed too (into our own slots).
     const int selfCount = fp8 ? 0 : c.state->recvCount[me];
-    const int nPush = R - selfCount;
+    const int nPush = localEnd - localBegin - selfCount;
     // As the reduce: several warps per row when rows are fewer than warps, one item per warp.
     const int parts = EpPartsPerRow(nPush, totalWarps, vecs);
     const int items = nPush * parts;
     for (int item = gWarp; item < items; item += totalWarps) {
-      const int q = item / parts;
-      const int part = item - q * parts;
+      const int q = localBegin + item / parts;
+      const int part = item % parts;
       const int r = q < selfBegin ? q : q + selfCount;
       const int vb = EpShareBegin(vecs, part, parts);
       const int ve = EpShareBegin(vecs, part + 1, parts);
@@ -144,19 +238,21 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
       float w = 0.0f;
       const bool doW = part == 0 && a.inWeights != nullptr;
       if (doW && lane < K) w = a.inWeights[static_cast<size_t>(r) * K + lane];
-      const int pos = At<const int32_t>(c.symmLocal, c.symm.dispatchOutSrcPos)[r];
+      const int pos = At<const int32_t>(L, c.symm.dispatchOutSrcPos)[r];
       const int s = pos / M;
       const int t = pos - s * M;
-      if (s < 0 || s >= W || (s == me && !fp8)) {  // dispatch wrote these; never expected
+      // Dispatch wrote these; never expected: a source outside our node's PEs (or ourselves).
+      if (s < node0 || s >= node0 + G || (s == me && !fp8)) {
         // The record names the source PE the row's position word decodes to, and what it must be.
         if (lane == 0)
           ReportError(wait, s, "EP combine: source PE of a received row (out of step)",
-                      s == me ? CmpOp::kNe : CmpOp::kLt, static_cast<uint64_t>(s == me ? me : W),
+                      s == me ? CmpOp::kNe : CmpOp::kLt,
+                      static_cast<uint64_t>(s == me ? me : node0 + G),
                       static_cast<uint64_t>(static_cast<uint32_t>(s)));
         sFailed = 1;
         break;
       }
-      const size_t slot = EpPushSlot(parity, t, me, M, W);
+      const size_t slot = EpPushSlot(parity, t, me - node0, M, G);
       uint8_t* const pb = PeerBlock(c, s);
       uint8_t* const dstRow = pb + c.symm.pushRecvTokens + slot * wireRow;
       if (fp8) {
@@ -186,19 +282,67 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
       if (lane == 0) atomicAdd(&sPushed[s], static_cast<unsigned long long>(ve - vb));
     }
   }
+
+  // ---- 2'. InterNode: the rows for other nodes' PEs into registered memory -------------------
+  // (fp8: cast to codes; the caller's tensor: copied; the registered buffer or the dispatch
+  // output: already there.)
+  const bool copyTok = !fp8 && a.inTokens != wireTok;
+  const bool copyW = wireW != nullptr && a.inWeights != wireW;
+  if (inter && doSend && sFailed == 0 && (fp8 || copyTok || copyW)) {
+    const int nLocal = localEnd - localBegin;
+    const int nPrep = R - nLocal;
+    const int parts = EpPartsPerRow(nPrep, totalWarps, vecs);
+    for (int item = gWarp; item < nPrep * parts; item += totalWarps) {
+      const int q = item / parts;
+      const int part = item % parts;
+      const int r = q < localBegin ? q : q + nLocal;
+      const int vb = EpShareBegin(vecs, part, parts);
+      const int ve = EpShareBegin(vecs, part + 1, parts);
+      const uint4* src =
+          reinterpret_cast<const uint4*>(a.inTokens + static_cast<size_t>(r) * a.rowBytes);
+      if (fp8) {
+        uint8_t* dstRow = L + c.symm.combineInFp8 + static_cast<size_t>(r) * wireRow;
+        for (int v = vb + lane; v < ve; v += kWarpSize)
+          EpStoreFp8<Elem>(dstRow, v, EpEncodeFp8<Elem>(src[v], fp8Format));
+      } else if (copyTok) {
+        WarpCopyVectors<kPushUnroll>(reinterpret_cast<uint4*>(L + c.symm.combineInTokens +
+                                                              static_cast<size_t>(r) * a.rowBytes),
+                                     src, vb, ve);
+      }
+      if (copyW && part == 0) {
+        float* dw = At<float>(L, c.symm.combineInWeights) + static_cast<size_t>(r) * K;
+        for (int k = lane; k < K; k += kWarpSize)
+          dw[k] = a.inWeights[static_cast<size_t>(r) * K + k];
+      }
+    }
+  }
+
   // One release fence per block (as dispatch): the barrier orders every thread's stores before
   // thread 0's cumulative fence; the counter adds after it publish them.
   __syncthreads();
   if (doSend && tid == 0) {
     bool any = false;
     for (int p = 0; p < W; p++) any = any || sPushed[p] != 0;
-    if (any) {
+    if (any || inter) {
       core::FenceAcqRelSystem();
       for (int p = 0; p < W; p++) {
         if (sPushed[p] != 0)
           core::AtomicFetchAddSystem(
               At<uint64_t>(PeerBlock(c, p), c.symm.pushArrived) + EpPushArrivedIndex(parity, me, W),
               static_cast<uint64_t>(sPushed[p]));
+      }
+    }
+    if constexpr (inter) {
+      // The last block to get here acquires every block's prepared rows (through the counter;
+      // its fence also orders them before the NIC reads them) and posts.
+      const unsigned old = atomicAdd(&c.state->pushPrepared, 1u);
+      if (old == gridDim.x - 1) {
+        c.state->pushPrepared = 0;
+        core::FenceAcqRelSystem();
+        if (sFailed == 0 && !core::DeviceAborted(wait) &&
+            !PushPostRemote(a, wait, epoch, parity, format, wireRow, wireTok,
+                            reinterpret_cast<const uint8_t*>(wireW)))
+          sFailed = 1;
       }
     }
     EpTraceStamp(tr, kEpCombineSent);
@@ -212,9 +356,34 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
 
   // ---- 3. every PE's rows for our tokens have arrived ---------------------------------------
   if (sFailed == 0) {
-    EpSignal* inbox = At<EpSignal>(c.symmLocal, c.symm.readyInbox);
+    EpSignal* inbox = At<EpSignal>(L, c.symm.readyInbox);
     for (int p = tid; p < W; p += nThreads) {
       if (p == me && !fp8) continue;  // fp8: our own rows arrive in our slots too
+      const int sent = c.state->sendCount[p];
+      if (inter && IsRemote(c, p)) {
+        uint64_t* w = At<uint64_t>(L, c.symm.pushLandTail) + EpPushArrivedIndex(parity, p, W);
+        uint32_t v = 0;
+        if (!TagWait(wait, w, epoch, p, "EP combine: peer's rows landed (push, landing tail)",
+                     &v)) {
+          sFailed = 1;
+          continue;
+        }
+        const uint32_t mine = EpLandingValue(format, false);
+        if ((v & ~0x10u) != mine) {
+          ReportError(wait, p, "EP combine: PEs called combine with different dtype/hidden",
+                      static_cast<const uint64_t*>(w), CmpOp::kEq, static_cast<uint64_t>(mine),
+                      static_cast<uint64_t>(v & ~0x10u));
+          sFailed = 1;
+        } else if (a.outWeights != nullptr && sent > 0 && (v & 0x10u) == 0) {
+          ReportError(wait, p, "EP combine: a PE passed no weights, this PE asked for weights",
+                      static_cast<const uint64_t*>(w), CmpOp::kNe,
+                      static_cast<uint64_t>(EpCombineSource::kNone),
+                      static_cast<uint64_t>(EpCombineSource::kNone));
+          sFailed = 1;
+        }
+        if (tr != nullptr && p < kEpTracePeers) tr[kEpTraceWordPeerReady + p] = core::WallClockNs();
+        continue;
+      }
       EpSignal* sig = inbox + EpReadyInboxIndex(parity, p, W);
       uint64_t v = 0;
       if (!SignalWait(wait, sig, epoch, p, "EP combine: peer's push started (format signal)", &v)) {
@@ -228,7 +397,6 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
         sFailed = 1;
         continue;
       }
-      const int sent = c.state->sendCount[p];
       if (a.outWeights != nullptr && sent > 0 && EpReadyWeights(v) == EpCombineSource::kNone) {
         ReportError(wait, p, "EP combine: a PE passed no weights, this PE asked for weights",
                     static_cast<const uint64_t*>(&sig->value), CmpOp::kNe,
@@ -253,6 +421,8 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
   if (sFailed == 0) {
     const int P = a.partsPerToken;
     const int items = T * P;
+    const uint8_t* const landTok = L + c.symm.pushLandTokens;
+    const float* const landW = At<const float>(L, c.symm.pushLandWeights);
     for (int item = gWarp; item < items; item += totalWarps) {
       const int t = item / P;
       const int part = item - t * P;
@@ -261,13 +431,19 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
       const int n = core::PopCount(members);
       if (slot >= 0) {
         const int j = core::PopCount(members & LowerLanesMask(lane));  // ascending PE order
-        const size_t ps = EpPushSlot(parity, t, lane, M, W);
-        sRows[warp][j] = lane == me && !fp8 ? a.inTokens + static_cast<size_t>(slot) * a.rowBytes
-                                            : recvTok + ps * wireRow;
-        sWRows[warp][j] =
-            lane == me
-                ? (a.inWeights != nullptr ? a.inWeights + static_cast<size_t>(slot) * K : nullptr)
-                : recvW + ps * K;
+        if (inter && IsRemote(c, lane)) {  // another node's PE: the token's list position there
+          const size_t lr = static_cast<size_t>(parity) * landing + sLandOff[lane] + slot;
+          sRows[warp][j] = landTok + lr * wireRow;
+          sWRows[warp][j] = landW + lr * K;
+        } else {
+          const size_t ps = EpPushSlot(parity, t, lane - node0, M, G);
+          sRows[warp][j] = lane == me && !fp8 ? a.inTokens + static_cast<size_t>(slot) * a.rowBytes
+                                              : recvTok + ps * wireRow;
+          sWRows[warp][j] =
+              lane == me
+                  ? (a.inWeights != nullptr ? a.inWeights + static_cast<size_t>(slot) * K : nullptr)
+                  : recvW + ps * K;
+        }
       }
       core::WarpSync();
       const int vb = EpShareBegin(vecs, part, P);
@@ -291,7 +467,7 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
     }
   }
 
-  // ---- 5. check and reset the arrival counters; epoch --------------------------------------
+  // ---- 5. complete our WRITEs; check and reset the arrival counters; epoch --------------------
   __syncthreads();
   if (tid == 0) {
     EpTraceStamp(tr, kEpCombineReduced);
@@ -307,8 +483,12 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
       __threadfence();
       const bool failed = atomicExch(&c.state->combineFailed, 0u) != 0;
       c.state->combineBlocksDone = 0;
+      // Our WRITEs of step 2' read our input until they complete (the caller may reuse it next).
+      if constexpr (inter) {
+        if (!core::DeviceAborted(wait)) shmem::ShmemQuietThread(c.shmem);
+      }
       for (int p = 0; p < W; p++) {
-        if (p == me && !fp8) continue;
+        if ((p == me && !fp8) || (inter && IsRemote(c, p))) continue;
         const uint64_t expected =
             static_cast<uint64_t>(c.state->sendCount[p]) * static_cast<uint64_t>(vecs);
         const uint64_t got = core::AtomicLoadRelaxedSystem(arrived + p);
@@ -325,19 +505,23 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
 }
 
 template <typename Elem>
-void LaunchPush(const EpCombineKernelArgs& args, int blocks, int threads, gpuStream_t stream) {
-  MORI_CHECK_GPU(core::GpuLaunchKernel(threads <= 256
-                                           ? EpCombinePushKernel<Elem, 256>
-                                           : EpCombinePushKernel<Elem, kEpMaxThreadsPerBlock>,
-                                       blocks, threads, 0, stream, args.c.programmatic != 0, args));
+void LaunchPush(const EpCombineKernelArgs& args, EpFamily family, int blocks, int threads,
+                gpuStream_t stream) {
+  // InterNode: one build of up to kEpMaxThreadsPerBlock threads (as the pull kernel's).
+  auto kernel = family == EpFamily::kInterNode
+                    ? EpCombinePushKernel<Elem, kEpMaxThreadsPerBlock, true>
+                : threads <= 256 ? EpCombinePushKernel<Elem, 256, false>
+                                 : EpCombinePushKernel<Elem, kEpMaxThreadsPerBlock, false>;
+  MORI_CHECK_GPU(
+      core::GpuLaunchKernel(kernel, blocks, threads, 0, stream, args.c.programmatic != 0, args));
 }
 
 }  // namespace detail
 
-void LaunchEpCombinePush(const EpCombineKernelArgs& args, EpDataType dataType, int blocks,
-                         int threads, gpuStream_t stream) {
+void LaunchEpCombinePush(const EpCombineKernelArgs& args, EpFamily family, EpDataType dataType,
+                         int blocks, int threads, gpuStream_t stream) {
   detail::WithCombineElem(dataType, [&](auto elem) {
-    detail::LaunchPush<decltype(elem)>(args, blocks, threads, stream);
+    detail::LaunchPush<decltype(elem)>(args, family, blocks, threads, stream);
   });
 }
 

@@ -227,6 +227,29 @@ MORI_DEVICE_INLINE bool RdmaWrite(const EpKernelCommon& c, int pe, void* dst, co
   return bytes == 0 || shmem::ShmemPutMemNbiThreadQp(c.shmem, dst, src, bytes, pe, 0);
 }
 
+// Where our rows for the tokens of PE `s` (another node) start in s's landing regions
+// (landingTokens, pushLand*: by destination PE, then list index): after the rows s sent in the
+// last dispatch to the PEs below us that are not on s's node, from s's count words of that
+// dispatch (interCount, which every PE receives). False on timeout/abort (recorded).
+MORI_DEVICE_INLINE bool InterLandingBase(const EpKernelCommon& c, const core::WaitContext& wait,
+                                         int s, size_t* base) {
+  const uint64_t dEpoch = *reinterpret_cast<volatile uint64_t*>(&c.state->dispatchEpoch);
+  const int dParity = static_cast<int>(dEpoch & 1);
+  size_t sum = 0;
+  for (int d = 0; d < c.rank; d++) {
+    if (NodeOf(c, d) == NodeOf(c, s)) continue;
+    uint32_t cnt = 0;
+    if (!TagWait(wait,
+                 At<uint64_t>(c.symmLocal, c.symm.interCount) +
+                     EpInterCountIndex(dParity, s, d, c.worldSize),
+                 dEpoch, s, "EP combine: count word of the last dispatch", &cnt))
+      return false;
+    sum += cnt;
+  }
+  *base = sum;
+  return true;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Block 0 of a dispatch (either form), once every source's count signal has been acquired (by
 // any thread of the block, before a barrier): the per-local-expert counts of this call, from the

@@ -133,7 +133,7 @@ struct EpDispatchCombineConfig {
     const int all = worldSize * maxNumInpTokenPerRank;
     return maxTotalRecvTokens > 0 && maxTotalRecvTokens < all ? maxTotalRecvTokens : all;
   }
-  // PEs per node as the kernels see it (an op within one node has one node of worldSize PEs).
+  // PEs per node as the config states it (an op within one node has one node of worldSize PEs).
   int LocalSize() const { return gpuPerNode < worldSize ? gpuPerNode : worldSize; }
   // The kernel type whose kernels, buffer layout and topology rules this config gets: kAsyncLL
   // runs as kIntraNode when all its PEs are one node (LocalSize() == worldSize) and as kInterNode
@@ -143,6 +143,11 @@ struct EpDispatchCombineConfig {
     if (kernelType != EpDispatchCombineKernelType::kAsyncLL) return kernelType;
     return LocalSize() == worldSize ? EpDispatchCombineKernelType::kIntraNode
                                     : EpDispatchCombineKernelType::kInterNode;
+  }
+  // PEs per node as the kernels see them: every PE of an op that runs as kIntraNode is on its
+  // node (whatever gpuPerNode says), else LocalSize().
+  int KernelLocalSize() const {
+    return RunsAs() == EpDispatchCombineKernelType::kIntraNode ? worldSize : LocalSize();
   }
   // The node-deduplicated kernel types (InterNodeV1, InterNodeV1LL).
   bool IsV1() const {

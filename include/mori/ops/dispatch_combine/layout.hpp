@@ -17,9 +17,10 @@
 // Rmax = MaxNumRecvTokens() (W * M, or max_total_recv_tokens when set), rowBytes = hiddenDim *
 // maxTokenTypeSize at most (a call packs its rows with its own row size), G = gpuPerNode.
 //
-// Push combine (small-batch IntraNode configs, EpPushCombineFits): instead of every PE pulling its
-// tokens' rows from the PEs that hold them, each PE pushes the rows it holds to their tokens' PEs
-// (pushRecvTokens, one slot per token and PE), then sums locally. Double-buffered by the combine
+// Push combine (small-batch IntraNode and InterNode configs, EpPushCombineFits): instead of every
+// PE pulling its tokens' rows from the PEs that hold them, each PE pushes the rows it holds to
+// their tokens' PEs (pushRecvTokens, one slot per token and same-node PE; InterNode: pushLand* by
+// RDMA from another node's PEs), then sums locally. Double-buffered by the combine
 // epoch's parity, as readyInbox (which carries the push combine's format signal): combine may be
 // called several times after one dispatch, and a PE may then be one call ahead. See docs/ep.md.
 //
@@ -70,6 +71,8 @@ struct EpDeviceState {
   uint32_t combineFailed;          // push combine: a block failed (the last block then does not
                                    // judge the arrival counts); last block resets it
   uint32_t dispatchFailed;         // split dispatch receive: a block failed (as combineFailed)
+  uint32_t pushPrepared;  // InterNode push combine: blocks done preparing the rows for other
+                          // nodes; the last one posts their WRITEs and resets it
   // Written by dispatch for the push and InterNode combines: sendCount[d] = our tokens routed to
   // PE d, recvCount[s] = rows received from PE s (last dispatch).
   int32_t sendCount[kEpMaxWorldSize];
@@ -106,6 +109,7 @@ struct EpLayoutDims {
   size_t split;      // 1: the split-phase dispatch staging exists (EpSplitDispatchFits), else 0
   size_t inter;      // 1: the inter-node regions exist (kernel type InterNode), else 0
   size_t landing;    // rows of the landing region: M * min(K, W)
+  size_t local;      // PEs per node as the kernels see them (KernelLocalSize: W on one node)
   size_t markWords;  // 32-bit words of one expert's row bitmap: ceil(rmax / 32)
   size_t hidden;     // hiddenDim
   size_t fp8;        // 1: combine rows travel as e4m3 (quant_type fp8_direct_cast), else 0
@@ -146,10 +150,17 @@ const char* EpRegionRoleName(EpRegionRole role);
   X(combineInWeights, "combine_in_weights", d.rmax * d.k * sizeof(float), kInput)                \
   /* [parity][src] 16-byte vectors src pushed to us */                                             \
   X(pushArrived, "push_arrived", d.push * 2 * d.w * sizeof(uint64_t), kControl)                  \
-  /* [parity][t][d] row of our token t from PE d */                                                \
-  X(pushRecvTokens, "push_recv_tokens", d.push * 2 * d.m * d.w * d.row, kStaging)                \
-  X(pushRecvWeights, "push_recv_weights", d.push * 2 * d.m * d.w * d.k * sizeof(float),          \
+  /* [parity][t][j] row of our token t from the PE of local index j on our node */                \
+  X(pushRecvTokens, "push_recv_tokens", d.push * 2 * d.m * d.local * d.row, kStaging)             \
+  X(pushRecvWeights, "push_recv_weights", d.push * 2 * d.m * d.local * d.k * sizeof(float),       \
     kStaging)                                                                                     \
+  /* push combine, InterNode: [parity][src] tagged word {epoch, EpLandingValue}: src (another */  \
+  /* node) has RDMA-written its rows for our tokens into pushLand* of this parity */              \
+  X(pushLandTail, "push_land_tail", d.push * d.inter * 2 * d.w * sizeof(uint64_t), kControl)      \
+  /* push combine, InterNode: [parity][landing rows] as landingTokens / landingWeights */         \
+  X(pushLandTokens, "push_land_tokens", d.push * d.inter * 2 * d.landing * d.row, kStaging)       \
+  X(pushLandWeights, "push_land_weights",                                                         \
+    d.push * d.inter * 2 * d.landing * d.k * sizeof(float), kStaging)                             \
   /* split-phase dispatch: [parity][src] rows src's dispatch_send has finished writing to us */   \
   X(splitArrived, "split_arrived", d.split * 2 * d.w * sizeof(uint64_t), kControl)               \
   /* split-phase dispatch: [parity][src][j] src's j-th row for us (EpSplitRow), metadata alike */ \
@@ -265,11 +276,13 @@ struct EpRegionInfo {
 };
 
 // Push combine buffers exist (and the push combine, the one with a split phase, may run) when an
-// IntraNode config (an AsyncLL one on one node too) has at most this many tokens per rank: they
-// cost maxNumInpTokenPerRank x W rows per PE.
+// IntraNode or InterNode config (AsyncLL too) has at most this many tokens per rank: they cost
+// 2 x maxNumInpTokenPerRank x (PEs per node) rows per PE, and InterNode two landing sets more.
 constexpr int kEpPushCombineMaxTokens = 256;
 inline bool EpPushCombineFits(const EpDispatchCombineConfig& config) {
-  return config.RunsAs() == EpDispatchCombineKernelType::kIntraNode &&
+  const EpDispatchCombineKernelType t = config.RunsAs();
+  return (t == EpDispatchCombineKernelType::kIntraNode ||
+          t == EpDispatchCombineKernelType::kInterNode) &&
          config.maxNumInpTokenPerRank <= kEpPushCombineMaxTokens;
 }
 
@@ -323,10 +336,11 @@ MORI_HD inline size_t EpExpertInboxIndex(int parity, int src, int expert, int wo
 MORI_HD inline size_t EpReadyInboxIndex(int parity, int src, int worldSize) {
   return static_cast<size_t>(parity) * worldSize + src;
 }
-// Push combine: slot of token `t`'s row from PE `pe` in pushRecvTokens (rows) / pushRecvWeights
-// (rows of K floats), and the arrival counter of `pe` in pushArrived, for a call of `parity`.
-MORI_HD inline size_t EpPushSlot(int parity, int t, int pe, int maxTokens, int worldSize) {
-  return (static_cast<size_t>(parity) * maxTokens + t) * worldSize + pe;
+// Push combine: slot of token `t`'s row from the PE of local index `j` (its index on our node of
+// `localSize` PEs) in pushRecvTokens (rows) / pushRecvWeights (rows of K floats), and the arrival
+// counter of PE `pe` in pushArrived, for a call of `parity`.
+MORI_HD inline size_t EpPushSlot(int parity, int t, int j, int maxTokens, int localSize) {
+  return (static_cast<size_t>(parity) * maxTokens + t) * localSize + j;
 }
 MORI_HD inline size_t EpPushArrivedIndex(int parity, int pe, int worldSize) {
   return static_cast<size_t>(parity) * worldSize + pe;
