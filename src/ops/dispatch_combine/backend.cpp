@@ -215,7 +215,6 @@ class InterNodeBackend final : public EpBackend {
     k.staged = 0;
     const bool record = runAhead && runAhead->BeforeLaunch(stream, "combine");
     if (push) {
-      k.quietSend = emulated ? 1 : 0;
       LaunchPushCombine(k, EpFamily::kInterNode, args, bufferRows, blocks, threads, stream);
     } else if (v1) {
       LaunchEpV1Combine(k, args.dataType, blocks, threads, stream);

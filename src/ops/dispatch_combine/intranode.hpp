@@ -128,10 +128,6 @@ struct EpCombineKernelArgs {
   // staged). Push: rows are cast while pushed, this PE's own rows into its own slots too.
   int32_t wireFp8;
   int32_t fp8Format;
-  // InterNode push combine: 1 = a kSend launch also completes its RDMA WRITEs before it ends (set
-  // under the RDMA emulator, whose copies work between the halves can hold up: docs/rdma.md,
-  // "Host run-ahead"); 0 = the receive half completes them.
-  int32_t quietSend;
 };
 // The push combine (intranode_combine_push.cpp) reads its input in place: inTokens/inWeights are
 // this PE's rows (registered buffer, dispatch output or the caller's tensor; inWeights nullptr:

@@ -22,8 +22,7 @@
 //      every PE of another node, also with no rows: a PE waits for every PE's tail or signal. The
 //      WRITEs read registered memory: the blocks first cast those rows to e4m3 into combineInFp8
 //      (fp8_direct_cast) or copy them from the caller's tensor into the registered buffer; the
-//      last block to finish posts. Nothing waits for their completion until step 5 (under the RDMA
-//      emulator a kSend launch completes them itself: a.quietSend).
+//      last block to finish posts. Nothing waits for their completion until step 5.
 //   3. Every block waits until pushArrived[d] reaches sendCount[d] x vectors per row for every PE
 //      d of our node, and for every other node's PE's tail of this parity.
 //   4. Each token's rows are summed in fp32 in ascending PE order, exactly as the pull combine:
@@ -340,13 +339,10 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
       if (old == gridDim.x - 1) {
         c.state->pushPrepared = 0;
         core::FenceAcqRelSystem();
-        if (sFailed == 0 && !core::DeviceAborted(wait)) {
-          if (!PushPostRemote(a, wait, epoch, parity, format, wireRow, wireTok,
-                              reinterpret_cast<const uint8_t*>(wireW)))
-            sFailed = 1;
-          else if (!doRecv && a.quietSend != 0)
-            shmem::ShmemQuietThread(c.shmem);
-        }
+        if (sFailed == 0 && !core::DeviceAborted(wait) &&
+            !PushPostRemote(a, wait, epoch, parity, format, wireRow, wireTok,
+                            reinterpret_cast<const uint8_t*>(wireW)))
+          sFailed = 1;
       }
     }
     EpTraceStamp(tr, kEpCombineSent);
