@@ -649,10 +649,15 @@ def case_fp8_direct_cast(env):
     op, spec, data, sel, inputs = combine_inputs_of_one_dispatch(env, 80, cquant=F)
     env.barrier()
     errors = []
+    def kept(outs):  # the emulator: nothing allocates while a combine waits (see split_phase_combine)
+        if env.emulated_rdma:
+            torch.cuda.synchronize()
+        return tuple(t.clone() for t in outs)
+
     for i, (x, w) in enumerate(inputs):
-        fused = tuple(t.clone() for t in op.combine(x, w, sel))
+        fused = kept(op.combine(x, w, sel))
         op.combine_send(x, w, sel)
-        split = tuple(t.clone() for t in op.combine_recv())
+        split = kept(op.combine_recv())
         if not all(torch.equal(a.view(torch.int16 if a.dtype == torch.bfloat16 else torch.int32),
                                b.view(torch.int16 if b.dtype == torch.bfloat16 else torch.int32))
                    for a, b in zip(fused, split)):
@@ -800,33 +805,47 @@ def case_split_phase_combine(env):
     X, IDX, WT, SC, Ts = data
     r = env.rank
     cdt = torch.bfloat16
-    if env.v1:
-        expect_usage_error(mori, errors, f"combine_send on an {env.args.kernel_type} op",
-                           lambda: op.combine_send(*inputs[0], sel), "node-deduplicated combine")
+    if not op.split_combine_available:
+        # only InterNodeV1/V1LL and MORI_EP_COMBINE_PUSH=0 have no push combine for this M 128 op
+        if not env.v1 and os.environ.get("MORI_EP_COMBINE_PUSH", "1") != "0":
+            errors.append("an op of 128 tokens per rank has no push combine with MORI_EP_COMBINE_PUSH on")
+        expect_usage_error(mori, errors, f"combine_send on an {env.args.kernel_type} op without the push combine",
+                           lambda: op.combine_send(*inputs[0], sel), "needs the push combine")
         if errors:
             raise CaseFailure("; ".join(errors))
         return
+    # Under the RDMA emulator no runtime call that holds up its copies (a device allocation that
+    # misses the cache, cuBLAS's first call) may run while a combine waits for rows from another
+    # node (docs/rdma.md, "Host run-ahead"): the matmul is warmed up and writes into `b`, and the
+    # host synchronises before it clones a receive's outputs.
     a = torch.randn((1024, 1024), device=env.dev)
+    b = a @ a
+
+    def kept(outs):
+        if env.emulated_rdma:
+            torch.cuda.synchronize()
+        return tuple(t.clone() for t in outs)
+
     env.barrier()
-    fused = [tuple(t.clone() for t in op.combine(x, w, sel)) for x, w in inputs]
+    fused = [kept(op.combine(x, w, sel)) for x, w in inputs]
     split = []
     for i in range(6):
         x, w = inputs[i % 2]
         op.combine_send(x, w, sel)
-        b = a @ a  # any work between the halves
-        out, ow = op.combine_recv()
-        split.append((out.clone(), ow.clone()))
-        del b
+        torch.matmul(a, a, out=b)  # any work between the halves
+        split.append(kept(op.combine_recv()))
     # a temporary input (its only reference is the op's, until combine_recv) and the receive on
     # another stream (it waits for the send half)
     other = torch.cuda.Stream(device=env.dev)
-    op.combine_send(inputs[0][0].clone(), inputs[0][1].clone(), sel)
+    tmp = [t.clone() for t in inputs[0]]
+    op.combine_send(*tmp, sel)
+    del tmp
     junk = [torch.full((1 << 20,), 7.0, device=env.dev) for _ in range(8)]  # reuses freed memory
     other.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(other):
-        out, ow = op.combine_recv()
-        split.append((out.clone(), ow.clone()))
+        got = op.combine_recv()
     torch.cuda.current_stream().wait_stream(other)
+    split.append(kept(got))
     del junk
     # misuse: every rank makes the same calls, so every rank raises (nothing is launched)
     expect_usage_error(mori, errors, "combine_recv without combine_send", lambda: op.combine_recv(), "no combine_send")
@@ -835,20 +854,20 @@ def case_split_phase_combine(env):
     expect_usage_error(mori, errors, "combine while a send is pending", lambda: op.combine(*inputs[0], sel), "pending")
     expect_usage_error(mori, errors, "dispatch while a send is pending",
                        lambda: op.dispatch(X[r, : Ts[r]].contiguous(), None, None, sel), "pending")
-    split.append(tuple(t.clone() for t in op.combine_recv()))
+    split.append(kept(op.combine_recv()))
     # a CUDA graph of send, matmul, receive (the receive half's outputs are the op's buffers)
     def body():
         op.combine_send(*inputs[1], sel)
-        b = a @ a
-        return op.combine_recv(), b
+        torch.matmul(a, a, out=b)
+        return op.combine_recv()
 
-    g, ((gout, gow), b) = capture_on_side_stream(env, body)
+    g, (gout, gow) = capture_on_side_stream(env, body)
     for _ in range(3):
         env.barrier()
         g.replay()
         torch.cuda.synchronize()
         split.append((gout.clone(), gow.clone()))
-    del g, b
+    del g
     torch.cuda.synchronize()
     mori.shmem.shmem_check_device_error()
     for i, (out, ow) in enumerate(split):
