@@ -817,7 +817,10 @@ def case_split_phase_combine(env):
     # Under the RDMA emulator no runtime call that holds up its copies (a device allocation that
     # misses the cache, cuBLAS's first call) may run while a combine waits for rows from another
     # node (docs/rdma.md, "Host run-ahead"): the matmul is warmed up and writes into `b`, and the
-    # host synchronises before it clones a receive's outputs.
+    # host synchronises before it clones a receive's outputs (and before the warm-up, which would
+    # otherwise run beside the unfinished dispatch above).
+    if env.emulated_rdma:
+        torch.cuda.synchronize()
     a = torch.randn((1024, 1024), device=env.dev)
     b = a @ a
 
