@@ -37,11 +37,11 @@ silently). How the calls map onto mori:
 * Low-latency mode: two ops per shape used in turn (DeepEP's two low-latency buffers: results of
   at most the two newest dispatches of a shape stay valid), expert-major layout and fused FP8 from
   the op. return_recv_hook=True splits the call where the op can (dispatch: at most 256 tokens
-  per rank; combine: the push combine, IntraNode): the call launches the send half and returns,
-  and the hook launches the receive half on the caller's current stream; the returned tensors
-  hold the results once the hook's work has run. Elsewhere (larger shapes, the InterNode combine,
-  the first dispatch of each of a shape's two ops, which allocates the expert-major buffers) the
-  whole call runs up front and the hook does nothing.
+  per rank; combine: the push combine, on one node and across nodes): the call launches the send
+  half and returns, and the hook launches the receive half on the caller's current stream; the
+  returned tensors hold the results once the hook's work has run. Elsewhere (larger shapes,
+  MORI_EP_COMBINE_PUSH=0, the first dispatch of each of a shape's two ops, which allocates the
+  expert-major buffers) the whole call runs up front and the hook does nothing.
 """
 
 import warnings
