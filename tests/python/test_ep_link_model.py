@@ -380,6 +380,23 @@ def test_internode_combine_done_waits_for_returned_rows_and_its_own_writes():
     assert LM.model_link_time(one).modelled_us == approx(22.6 + 2 * T8)
 
 
+def test_internode_push_combine_waits_for_nothing():
+    # the push combine (ops of <= 256 tokens per rank): rows, weights, tail and done posted
+    # together, also tail + done with no rows, which the landing protocol's reading refuses
+    p = LM.PhaseProtocol("InterNode", "combine", 2, 1, 32, push_combine=True)
+    entries = [wr(0, 1, MB), wr(0, 1, 8), wr(0, 1, 8), wr(1, 0, 8), wr(1, 0, 8)]
+    assert p.waits(entries) == [[]] * 5
+    assert "push" in p.describe()
+    r = LM.model_link_time(entries, deps="protocol", protocol=p)
+    assert r.modelled_us == approx(LM.model_link_time(entries, deps="protocol", protocol=_Waits([[]] * 5)).modelled_us)
+    with pytest.raises(ValueError):
+        LM.PhaseProtocol("InterNode", "combine", 2, 1, 32).waits(entries)
+    run = {"params": {"kernel_type": "InterNode", "world_size": 2, "gpu_per_node": 1, "experts_per_rank": 32,
+                      "push_combine": True}}
+    assert LM.run_protocol(run["params"], {"kind": "combine"}).push_combine
+    assert not LM.run_protocol({**run["params"], "push_combine": False}, {"kind": "combine"}).push_combine
+
+
 def test_protocol_rejects_traces_without_its_structure():
     p = v1("InterNodeV1", "combine", W=2, G=1)
     # a standalone word (first of its QP) with a WR behind it on the same QP

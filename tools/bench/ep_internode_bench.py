@@ -276,10 +276,11 @@ def merged_trace(phase_rows, args):
     return LM.merge_traces([row["trace"] for row in phase_rows])
 
 
-def link_run(phases, args, W, G, M):
+def link_run(phases, args, W, G, M, push_combine=False):
     """The run ep_link_model.run_table and save_run take: the parameters and
-    [{"name", "kind", "entries" or None}]."""
+    [{"name", "kind", "entries" or None}]. push_combine: the op combines by pushing."""
     params = {"kernel_type": args.kernel_type, "world_size": W, "gpu_per_node": G, "tokens": M, "hidden": HIDDEN,
+              "push_combine": bool(push_combine),
               "topk": TOPK, "experts": EXPERTS, "experts_per_rank": EXPERTS // W, "num_qp_per_pe": args.num_qp_per_pe,
               "dtypes": args.dtypes, "link_gbps": args.link_gbps, "link_latency_us": args.link_latency_us,
               "link_per_wr_us": args.link_per_wr_us, "link_model_trace": args.link_model_trace}
@@ -449,8 +450,9 @@ def worker(rank, world, local_rank, args):
             traced.append((f"combine bf16 ({name})", "combine", merged_trace(cstats, args)))
         mori.shmem.shmem_check_device_error()
         row_b = HIDDEN * (1 if fp8 else 2)
+        push = op.split_combine_available
         dp, dh, cp, ch, pairs, lists = ideal(torch, IDX, Ts, W, G, Epr, TOPK, row_b, HIDDEN * 2, sdim * 4, 4,
-                                             push=op.split_combine_available)
+                                             push=push)
         naive = {"dispatch": dp, "combine": cp}  # InterNode's payload: one copy per remote rank
         max_wqes = {}
         if args.kernel_type != "InterNode":
@@ -487,7 +489,7 @@ def worker(rank, world, local_rank, args):
         if phased:
             print("\n".join(phase_lines(phased, args, W, G, M)))
         if args.link_model:
-            run = link_run(traced, args, W, G, M)
+            run = link_run(traced, args, W, G, M, push_combine=push)
             if args.save_trace:
                 LM.save_run(args.save_trace, run)
                 print(f"\nsaved the per-phase traces to {args.save_trace} (re-model: python3 "

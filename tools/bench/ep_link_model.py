@@ -65,6 +65,8 @@ latency in µs; times in µs from 0):
      r -> p waits for every other WR delivered to r (the reduce waited for every landing word)
      and for every other WR r sent in the phase (the quiet before the done words;
      acknowledgements are not modelled, so a WR counts as complete when it has arrived).
+     The push combine (InterNode ops of <= 256 tokens per rank; run parameter "push_combine"):
+     no WR waits (rows, weights, the tail and "done" are posted together by the send).
    A WR whose size is that of a count record, count pair or histogram is read as one (the
    sizes differ for the standard shapes); the standalone words are checked to be the last WR
    of their QP, at most one per (src, dst), and a trace that breaks this raises ValueError.
@@ -178,6 +180,7 @@ class PhaseProtocol:
     world_size: int
     gpu_per_node: int
     experts_per_rank: int
+    push_combine: bool = False  # InterNode: the op combines by pushing (no WR of it waits)
 
     def __post_init__(self):
         if self.kernel_type not in KERNEL_TYPES or self.phase not in ("dispatch", "combine"):
@@ -206,6 +209,8 @@ class PhaseProtocol:
         k, p = self.kernel_type, self.phase
         if k == "InterNodeV1LL":
             return f"{k}: no WR waits within the call (parity buffers, no credit, no landFree)"
+        if k == "InterNode" and p == "combine" and self.push_combine:
+            return f"{k} combine (push): no WR waits within the call (parity landings, tail and done posted together)"
         if k == "InterNodeV1" and p == "dispatch":
             return (f"{k} dispatch: only the credits wait (for the rail peers' records and the node's count "
                     f"records)")
@@ -221,7 +226,8 @@ class PhaseProtocol:
         of the WRs it waits for under rule 3'. ValueError where the trace does not have the
         structure the rule reads (standalone words not last on their QP, or two per pair)."""
         n = len(wrs)
-        if self.kernel_type == "InterNodeV1LL":
+        if self.kernel_type == "InterNodeV1LL" or (self.kernel_type == "InterNode" and self.phase == "combine"
+                                                   and self.push_combine):
             return [[] for _ in range(n)]
         src = [int(e["src"]) for e in wrs]
         dst = [int(e["dst"]) for e in wrs]
@@ -463,7 +469,8 @@ def _target_cell(target, r):
 def run_protocol(params, phase):
     """The PhaseProtocol of one phase ({"kind": "dispatch"|"combine", ...}) of a run."""
     return PhaseProtocol(kernel_type=params["kernel_type"], phase=phase["kind"], world_size=params["world_size"],
-                         gpu_per_node=params["gpu_per_node"], experts_per_rank=params["experts_per_rank"])
+                         gpu_per_node=params["gpu_per_node"], experts_per_rank=params["experts_per_rank"],
+                         push_combine=bool(params.get("push_combine", False)))
 
 
 def run_link(params, gbps=None, latency_us=None, per_wr_us=None):
