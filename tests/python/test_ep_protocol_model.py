@@ -29,7 +29,8 @@ before the external-input copy, a split dispatch that leaves the combine's per-p
 
 Mode "inter_push" is the plan for split combine across nodes (docs/ep_split_phase.md, "Combine
 across nodes"; built in intranode_combine_push.cpp): the push combine, where a rank on another node gets its rows by RDMA
-into a landing of the combine's parity followed by a tail word, sent also with no rows; op "K" is
+into a landing of the combine's parity followed by a tail word and "done" (one QP), sent
+also with no rows; op "K" is
 combine_send then combine_recv (two kernels), "C"/"X" the same protocol fused.
 
 Modes "v1" and "v1ll" (run_v1) model InterNodeV1 and InterNodeV1LL, rail-aligned and
@@ -455,14 +456,13 @@ def run(W, ops, seed, mode="push", bugs=(), vecs=3, G=None):
         R.readers += 1  # our input: read by the pushes and the WRITEs until the receive's quiet
 
         def signal():
-            # "Done reading" to every rank from the start (a push combine reads no peer's
-            # buffers; an RDMA WRITE for another node's ranks, which their dispatch waits for),
-            # "ready" to the same-node ranks.
+            # "Done reading" to the same-node ranks from the start (a push combine reads no peer's
+            # buffers), "ready" likewise; another node's rank gets "done" behind its landing tail
+            # (push below: the kernel posts rows, weights, tail and done on one QP).
             for q in range(W):
-                if not (remote(me, q) and "no_remote_done" in bugs):
-                    ranks[q].done[me] = e
                 if remote(me, q):
                     continue
+                ranks[q].done[me] = e
                 need_free(q, ranks[q].combine_epoch, e, "ready signal", me)
                 ranks[q].ready[par][me] = e
             yield None
@@ -479,6 +479,9 @@ def run(W, ops, seed, mode="push", bugs=(), vecs=3, G=None):
                 yield None
                 S.push_tail[par][me] = e  # same QP: lands after the rows
                 yield None
+                if "no_remote_done" not in bugs:
+                    S.done[me] = e  # same QP: lands after the tail (their dispatch waits for it)
+                    yield None
                 return
             need_free(s, S.combine_epoch, e, "pushed rows", me)
             if S.push_arrived[par][me] != 0:
