@@ -27,11 +27,10 @@ the signal of ranks that pushed nothing, no done wait before the dispatch announ
 before the external-input copy, a split dispatch that leaves the combine's per-peer counts
 (EpDeviceState sendCount / recvCount, which the model's combines use as the kernels do) stale.
 
-Mode "inter_push" is the plan for split combine across nodes (docs/ep_split_phase.md, "Combine
-across nodes"; built in intranode_combine_push.cpp): the push combine, where a rank on another node gets its rows by RDMA
-into a landing of the combine's parity followed by a tail word and "done" (one QP), sent
-also with no rows; op "K" is
-combine_send then combine_recv (two kernels), "C"/"X" the same protocol fused.
+Mode "inter_push" is the push combine across nodes (docs/ep_split_phase.md, "Combine across
+nodes"; built in intranode_combine_push.cpp): a rank on another node gets its rows by RDMA into a
+landing of the combine's parity, followed on one QP by a tail word and "done", sent also with no
+rows; op "K" is combine_send then combine_recv (two kernels), "C"/"X" the same protocol fused.
 
 Modes "v1" and "v1ll" (run_v1) model InterNodeV1 and InterNodeV1LL, rail-aligned and
 node-deduplicated (internode_v1_dispatch.cpp, internode_v1_combine.cpp; docs/ep_internode_v1.md
