@@ -28,7 +28,8 @@ for its peers, which the gemm between the halves hides.
 puts the rows for other nodes on RDMA: the send phase posts the work requests and returns, the
 NIC (here the software emulator, whose copies run on the GPU's copy engines) moves the rows while
 the gemm runs. Give each rank its own GPU (--nproc <= GPUs) for times; they are the emulator's,
-not a NIC's. InterNode has no split combine across nodes (those rows are skipped with the reason).
+not a NIC's. The combine rows need the push combine (ops of <= 256 tokens per rank, the default
+MORI_EP_COMBINE_PUSH); without it they are skipped with the reason.
 """
 
 import argparse
