@@ -649,15 +649,10 @@ def case_fp8_direct_cast(env):
     op, spec, data, sel, inputs = combine_inputs_of_one_dispatch(env, 80, cquant=F)
     env.barrier()
     errors = []
-    def kept(outs):  # the emulator: nothing allocates while a combine waits (see split_phase_combine)
-        if env.emulated_rdma:
-            torch.cuda.synchronize()
-        return tuple(t.clone() for t in outs)
-
     for i, (x, w) in enumerate(inputs):
-        fused = kept(op.combine(x, w, sel))
+        fused = kept(env, op.combine(x, w, sel))
         op.combine_send(x, w, sel)
-        split = kept(op.combine_recv())
+        split = kept(env, op.combine_recv())
         if not all(torch.equal(a.view(torch.int16 if a.dtype == torch.bfloat16 else torch.int32),
                                b.view(torch.int16 if b.dtype == torch.bfloat16 else torch.int32))
                    for a, b in zip(fused, split)):
@@ -779,6 +774,15 @@ def case_combine_back_to_back(env):
     _raise_on_counters(env, spec, op, cnt, None, "back-to-back combines", 40)
 
 
+def kept(env, outs):
+    """Clones of a combine's outputs. Under the RDMA emulator the host synchronises first: an
+    allocation while a combine waits for rows from another node holds up the emulator's copies
+    (docs/rdma.md, "Host run-ahead")."""
+    if env.emulated_rdma:
+        env.torch.cuda.synchronize()
+    return tuple(t.clone() for t in outs)
+
+
 def capture_on_side_stream(env, body):
     """(graph, body's result): body() captured on a side stream once every rank's work is done."""
     torch = env.torch
@@ -824,19 +828,14 @@ def case_split_phase_combine(env):
     a = torch.randn((1024, 1024), device=env.dev)
     b = a @ a
 
-    def kept(outs):
-        if env.emulated_rdma:
-            torch.cuda.synchronize()
-        return tuple(t.clone() for t in outs)
-
     env.barrier()
-    fused = [kept(op.combine(x, w, sel)) for x, w in inputs]
+    fused = [kept(env, op.combine(x, w, sel)) for x, w in inputs]
     split = []
     for i in range(6):
         x, w = inputs[i % 2]
         op.combine_send(x, w, sel)
         torch.matmul(a, a, out=b)  # any work between the halves
-        split.append(kept(op.combine_recv()))
+        split.append(kept(env, op.combine_recv()))
     # a temporary input (its only reference is the op's, until combine_recv) and the receive on
     # another stream (it waits for the send half)
     other = torch.cuda.Stream(device=env.dev)
@@ -848,7 +847,7 @@ def case_split_phase_combine(env):
     with torch.cuda.stream(other):
         got = op.combine_recv()
     torch.cuda.current_stream().wait_stream(other)
-    split.append(kept(got))
+    split.append(kept(env, got))
     del junk
     # misuse: every rank makes the same calls, so every rank raises (nothing is launched)
     expect_usage_error(mori, errors, "combine_recv without combine_send", lambda: op.combine_recv(), "no combine_send")
@@ -857,7 +856,7 @@ def case_split_phase_combine(env):
     expect_usage_error(mori, errors, "combine while a send is pending", lambda: op.combine(*inputs[0], sel), "pending")
     expect_usage_error(mori, errors, "dispatch while a send is pending",
                        lambda: op.dispatch(X[r, : Ts[r]].contiguous(), None, None, sel), "pending")
-    split.append(kept(op.combine_recv()))
+    split.append(kept(env, op.combine_recv()))
     # a CUDA graph of send, matmul, receive (the receive half's outputs are the op's buffers)
     def body():
         op.combine_send(*inputs[1], sel)

@@ -629,10 +629,9 @@ void EpDispatchCombineHandle::LaunchCombineCall(const EpCombineArgs& args, EpCom
                 "%s combine",
                 kEpPushCombineMaxTokens, EpKernelTypeName(config.kernelType),
                 config.maxNumInpTokenPerRank,
-                config.IsV1() ? "node-deduplicated"
-                              : (backend->Family() == EpFamily::kIntraNode ? "pull"
-                                                                           : "InterNode "
-                                                                             "landing"));
+                config.IsV1()                               ? "node-deduplicated"
+                : backend->Family() == EpFamily::kIntraNode ? "pull"
+                                                            : "InterNode landing");
     TakeExpertIdError(what);  // never between the halves: the receive half always launches
   }
   const EpDispatchCombineConfig& c = config;

@@ -246,22 +246,14 @@ __global__ void __launch_bounds__(kThreads) EpCombineKernel(const EpCombineKerne
         sTok[p] = nullptr;
         sW[p] = nullptr;
         if (c.state->sendCount[p] == 0) continue;  // none of our tokens went there
-        uint32_t v = 0;
-        uint64_t* w = At<uint64_t>(c.symmLocal, c.symm.landingReady) + p;
-        if (!TagWait(wait, w, epoch, p, "EP combine: rows landed from PE", &v)) {
-          sFailed = 1;
-          continue;
-        }
-        const uint32_t myFormat = EpLandingValue(ready, false);
-        if ((v & ~0x10u) != myFormat) {
-          ReportError(wait, p, "EP combine: PEs called combine with different dtype/hidden",
-                      static_cast<const uint64_t*>(w), CmpOp::kEq, static_cast<uint64_t>(myFormat),
-                      static_cast<uint64_t>(v & ~0x10u));
+        bool weights = false;
+        if (!InterLandingWait(wait, At<uint64_t>(c.symmLocal, c.symm.landingReady) + p, epoch, p,
+                              ready, "EP combine: rows landed from PE", &weights)) {
           sFailed = 1;
           continue;
         }
         sTok[p] = c.symmLocal + c.symm.landingTokens + off * wireRow;
-        if ((v & 0x10u) != 0) sW[p] = At<const float>(c.symmLocal, c.symm.landingWeights) + off * K;
+        if (weights) sW[p] = At<const float>(c.symmLocal, c.symm.landingWeights) + off * K;
         continue;
       }
       uint64_t v = 0;

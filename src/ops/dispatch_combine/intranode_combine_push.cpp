@@ -362,19 +362,13 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
       const int sent = c.state->sendCount[p];
       if (inter && IsRemote(c, p)) {
         uint64_t* w = At<uint64_t>(L, c.symm.pushLandTail) + EpPushArrivedIndex(parity, p, W);
-        uint32_t v = 0;
-        if (!TagWait(wait, w, epoch, p, "EP combine: peer's rows landed (push, landing tail)",
-                     &v)) {
+        bool weights = false;
+        if (!InterLandingWait(wait, w, epoch, p, format,
+                              "EP combine: peer's rows landed (push, landing tail)", &weights)) {
           sFailed = 1;
           continue;
         }
-        const uint32_t mine = EpLandingValue(format, false);
-        if ((v & ~0x10u) != mine) {
-          ReportError(wait, p, "EP combine: PEs called combine with different dtype/hidden",
-                      static_cast<const uint64_t*>(w), CmpOp::kEq, static_cast<uint64_t>(mine),
-                      static_cast<uint64_t>(v & ~0x10u));
-          sFailed = 1;
-        } else if (a.outWeights != nullptr && sent > 0 && (v & 0x10u) == 0) {
+        if (a.outWeights != nullptr && sent > 0 && !weights) {
           ReportError(wait, p, "EP combine: a PE passed no weights, this PE asked for weights",
                       static_cast<const uint64_t*>(w), CmpOp::kNe,
                       static_cast<uint64_t>(EpCombineSource::kNone),

@@ -227,6 +227,25 @@ MORI_DEVICE_INLINE bool RdmaWrite(const EpKernelCommon& c, int pe, void* dst, co
   return bytes == 0 || shmem::ShmemPutMemNbiThreadQp(c.shmem, dst, src, bytes, pe, 0);
 }
 
+// Waits for the landing word `w` (landingReady, pushLandTail) of `peer` (another node) to carry
+// this call's epoch, and checks its format (EpLandingValue) against our combine's `ready`.
+// *weights: the peer's rows came with weights. False on timeout/abort or another format (recorded).
+MORI_DEVICE_INLINE bool InterLandingWait(const core::WaitContext& wait, uint64_t* w, uint64_t epoch,
+                                         int peer, uint64_t ready, const char* label,
+                                         bool* weights) {
+  uint32_t v = 0;
+  if (!TagWait(wait, w, epoch, peer, label, &v)) return false;
+  const uint32_t mine = EpLandingValue(ready, false);
+  if ((v & ~0x10u) != mine) {
+    ReportError(wait, peer, "EP combine: PEs called combine with different dtype/hidden",
+                static_cast<const uint64_t*>(w), core::CmpOp::kEq, static_cast<uint64_t>(mine),
+                static_cast<uint64_t>(v & ~0x10u));
+    return false;
+  }
+  *weights = (v & 0x10u) != 0;
+  return true;
+}
+
 // Where our rows for the tokens of PE `s` (another node) start in s's landing regions
 // (landingTokens, pushLand*: by destination PE, then list index): after the rows s sent in the
 // last dispatch to the PEs below us that are not on s's node, from s's count words of that
