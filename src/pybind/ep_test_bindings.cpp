@@ -1,7 +1,8 @@
 // mori._C._testing: the host-callable work splits of the EP kernels (src/ops/dispatch_combine),
 // bound so that tests check the functions the kernels call rather than copies of them
 // (tests/python/test_ep_kernel_model.py, tests/python/test_ep_v1_layout.py,
-// tests/ops/test_ep_block_roles.py), the two reference kernels of the one-rank benchmark
+// tests/ops/test_ep_block_roles.py), the combine's pack of fp32 sums and the software bf16
+// rounding (tests/python/test_ep_combine_pack.py), the two reference kernels of the one-rank benchmark
 // (tools/bench/ep_bench.py --kernel-baselines), and the fault-injection hooks of the GPU suite's
 // failure-mode cases (tests/ops/ep_intranode_test.py: a short device timeout for one op, a wrong
 // RDMA key for one peer). Not an API.
@@ -44,6 +45,18 @@ __global__ void BaselineCopyKernel(uint8_t* dst, const uint8_t* src, size_t byte
       reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(src), bytes / 16,
       static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x,
       static_cast<size_t>(gridDim.x) * blockDim.x);
+}
+
+// The combine's pack of fp32 sums into the output dtype (Elem::Pack), over n vectors of
+// Elem::kPerVec floats at x into n 16-byte vectors at out.
+template <typename Elem>
+__global__ void PackKernel(const float* x, uint4* out, size_t n) {
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    float acc[Elem::kPerVec];
+    for (int e = 0; e < Elem::kPerVec; e++) acc[e] = x[i * Elem::kPerVec + e];
+    out[i] = Elem::Pack(acc);
+  }
 }
 
 // The benchmark's launch-cost baseline.
@@ -231,6 +244,34 @@ void RegisterEpTestBindings(py::module_& m) {
       },
       py::arg("blocks") = 1, py::arg("threads") = 32, py::arg("stream") = 0,
       "Launches an empty kernel (asynchronous on `stream`)");
+  t.def(
+      "ep_combine_pack",
+      [](int32_t dtype, uintptr_t x, uintptr_t out, size_t n, uintptr_t stream) {
+        Require(ops::EpDataTypeIsValid(dtype), "dtype is a code of mori._C.ops.DTYPE_CODES");
+        Require(x % 16 == 0 && out % 16 == 0, "x and out must be 16-byte aligned");
+        const auto s = reinterpret_cast<gpuStream_t>(stream);
+        ep::WithCombineElem(static_cast<ops::EpDataType>(dtype), [&](auto elem) {
+          using Elem = decltype(elem);
+          const size_t vecs = n / Elem::kPerVec;
+          Require(n % Elem::kPerVec == 0, "n must be a multiple of the elements per 16 bytes");
+          if (vecs == 0) return;
+          MORI_CHECK_GPU(core::GpuLaunchKernel(PackKernel<Elem>, dim3(64), dim3(256), 0, s, false,
+                                               reinterpret_cast<const float*>(x),
+                                               reinterpret_cast<uint4*>(out), vecs));
+        });
+      },
+      py::arg("dtype"), py::arg("x"), py::arg("out"), py::arg("n"), py::arg("stream") = 0,
+      "The combine's pack (EpBf16Elem/EpFp16Elem/EpFp32Elem::Pack) of n fp32 values at device "
+      "address x into dtype (a DTYPE_CODES value; fp8 raises) at out (asynchronous on `stream`)");
+  t.def(
+      "bf16_round_bits",
+      [](uintptr_t x, uintptr_t out, size_t n) {
+        const float* xs = reinterpret_cast<const float*>(x);
+        uint16_t* o = reinterpret_cast<uint16_t*>(out);
+        for (size_t i = 0; i < n; i++) o[i] = core::Bf16RoundBits(xs[i]);
+      },
+      py::arg("x"), py::arg("out"), py::arg("n"),
+      "core::Bf16RoundBits (host) of n floats at host address x into n uint16 at out");
   t.def(
       "ep_set_device_timeout",
       [](ops::EpDispatchCombineHandle& h, int64_t ms) { h.SetDeviceTimeoutForTest(ms); },

@@ -1,11 +1,13 @@
 // Device side of the portability layer: function qualifiers, warp geometry (32 lanes on NVIDIA,
 // 64 on AMD) and lane masks, shuffles and ballots, system-scope atomics and fences, bulk copies
-// into shared memory, the grid-dependency wait, clocks and the spin pause. Kernels include
+// into shared memory, packing fp32 pairs into 16-bit floats, the grid-dependency wait, clocks and
+// the spin pause. Kernels include
 // core/gpu.hpp, which includes this header; they never test the platform themselves.
 #pragma once
 
 #include <cstdint>
 
+#include "mori/core/float16.hpp"
 #include "mori/core/gpu_runtime.hpp"
 
 #if MORI_CUDA && MORI_GPU_COMPILER
@@ -83,6 +85,31 @@ MORI_DEVICE_INLINE float MulNoContract(float a, float b) {
   return a * b;
 #else
   return __fmul_rn(a, b);
+#endif
+}
+
+// Two fp32 values rounded to nearest even into one word of two 16-bit floats, lo in bits 0-15
+// and hi in bits 16-31: bf16 (NaN to core::kBf16QuietNan, float16.hpp) and fp16. One conversion
+// instruction per pair on NVIDIA sm_80+; elsewhere bitwise the same result in software (bf16)
+// or per-element conversions (fp16).
+MORI_DEVICE_INLINE uint32_t PackBf16x2(float lo, float hi) {
+#if MORI_CUDA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  uint32_t w;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(hi), "f"(lo));
+  return w;
+#else
+  return static_cast<uint32_t>(Bf16RoundBits(lo)) |
+         (static_cast<uint32_t>(Bf16RoundBits(hi)) << 16);
+#endif
+}
+MORI_DEVICE_INLINE uint32_t PackHalf2(float lo, float hi) {
+#if MORI_CUDA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  uint32_t w;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(hi), "f"(lo));
+  return w;
+#else
+  return static_cast<uint32_t>(__half_as_ushort(__float2half_rn(lo))) |
+         (static_cast<uint32_t>(__half_as_ushort(__float2half_rn(hi))) << 16);
 #endif
 }
 

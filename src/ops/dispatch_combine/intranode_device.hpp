@@ -546,17 +546,9 @@ struct EpBf16Elem {
       acc[2 * i + 1] += __uint_as_float(w[i] & 0xFFFF0000u);
     }
   }
-  MORI_DEVICE_INLINE static uint32_t ToBits(float f) {
-    uint32_t u = __float_as_uint(f);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0u;  // NaN
-    u += 0x7FFFu + ((u >> 16) & 1u);                      // round to nearest even
-    return u >> 16;
-  }
   MORI_DEVICE_INLINE static uint4 Pack(const float (&acc)[kPerVec]) {
-    uint32_t w[4];
-#pragma unroll
-    for (int i = 0; i < 4; i++) w[i] = ToBits(acc[2 * i]) | (ToBits(acc[2 * i + 1]) << 16);
-    return make_uint4(w[0], w[1], w[2], w[3]);
+    return make_uint4(core::PackBf16x2(acc[0], acc[1]), core::PackBf16x2(acc[2], acc[3]),
+                      core::PackBf16x2(acc[4], acc[5]), core::PackBf16x2(acc[6], acc[7]));
   }
 };
 
@@ -564,9 +556,6 @@ struct EpFp16Elem {
   static constexpr int kPerVec = 8;
   MORI_DEVICE_INLINE static float ToFloat(uint32_t bits16) {
     return __half2float(__ushort_as_half(static_cast<unsigned short>(bits16)));
-  }
-  MORI_DEVICE_INLINE static uint32_t ToBits(float f) {
-    return static_cast<uint32_t>(__half_as_ushort(__float2half_rn(f)));
   }
   MORI_DEVICE_INLINE static void Unpack(const uint4& v, float (&x)[kPerVec]) {
     const uint32_t w[4] = {v.x, v.y, v.z, v.w};
@@ -585,10 +574,8 @@ struct EpFp16Elem {
     }
   }
   MORI_DEVICE_INLINE static uint4 Pack(const float (&acc)[kPerVec]) {
-    uint32_t w[4];
-#pragma unroll
-    for (int i = 0; i < 4; i++) w[i] = ToBits(acc[2 * i]) | (ToBits(acc[2 * i + 1]) << 16);
-    return make_uint4(w[0], w[1], w[2], w[3]);
+    return make_uint4(core::PackHalf2(acc[0], acc[1]), core::PackHalf2(acc[2], acc[3]),
+                      core::PackHalf2(acc[4], acc[5]), core::PackHalf2(acc[6], acc[7]));
   }
 };
 
