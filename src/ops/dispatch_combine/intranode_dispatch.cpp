@@ -329,9 +329,25 @@ __global__ void __launch_bounds__(kThreads, 1) EpDispatchKernel(const EpDispatch
   const IndexT numE = static_cast<IndexT>(c.numExperts);
   const IndexT lo = static_cast<IndexT>(dest) * static_cast<IndexT>(Epr);
   const IndexT hi = lo + static_cast<IndexT>(Epr);
+  // Where a row of ids is a whole number of 16-byte vectors (K x sizeof(IndexT), and the tensor
+  // 16-byte aligned), a batch is loaded as vectors: one load instruction per 16 bytes instead of
+  // one per id (lanes are rows apart, so each scalar load touches a sector per lane).
+  constexpr int kIdsPerVec = 16 / static_cast<int>(sizeof(IndexT));
+  const bool vecIds = (K % kIdsPerVec) == 0 && (reinterpret_cast<uintptr_t>(idx) & 15) == 0;
   auto loadIds = [&](int w, int k0, IndexT(&ids)[kDispatchScanBatch]) {
     const int t = w * kWarpSize + lane;
     const IndexT* row = idx + static_cast<size_t>(t) * K;
+    if (vecIds) {
+      static_assert(kDispatchScanBatch % kIdsPerVec == 0, "a batch is whole vectors");
+#pragma unroll
+      for (int q = 0; q < kDispatchScanBatch / kIdsPerVec; q++) {
+        const int k = k0 + q * kIdsPerVec;
+        uint4 v = make_uint4(~0u, ~0u, ~0u, ~0u);  // every id -1
+        if (t < T && k < K) v = *reinterpret_cast<const uint4*>(row + k);
+        __builtin_memcpy(&ids[q * kIdsPerVec], &v, sizeof v);
+      }
+      return;
+    }
 #pragma unroll
     for (int u = 0; u < kDispatchScanBatch; u++)
       ids[u] = t < T && k0 + u < K ? row[k0 + u] : static_cast<IndexT>(-1);
@@ -358,16 +374,13 @@ __global__ void __launch_bounds__(kThreads, 1) EpDispatchKernel(const EpDispatch
     }
   };
   {
-    IndexT cur[kDispatchScanBatch];
-    if (warp < nWords) loadIds(warp, 0, cur);
+    // The first batches of the next two words are in flight while a word is processed.
+    IndexT cur[kDispatchScanBatch], next[kDispatchScanBatch];
+    loadIds(warp, 0, cur);  // a word past the last one loads as -1 ids
+    loadIds(warp + nWarps, 0, next);
     for (int w = warp; w < nWords; w += nWarps) {
-      IndexT next[kDispatchScanBatch];
-      if (w + nWarps < nWords) {
-        loadIds(w + nWarps, 0, next);
-      } else {
-#pragma unroll
-        for (int u = 0; u < kDispatchScanBatch; u++) next[u] = static_cast<IndexT>(-1);
-      }
+      IndexT after[kDispatchScanBatch];
+      loadIds(w + 2 * nWarps, 0, after);
       const int t = w * kWarpSize + lane;
       bool member = false;
       if (t < T) {
@@ -381,7 +394,10 @@ __global__ void __launch_bounds__(kThreads, 1) EpDispatchKernel(const EpDispatch
       const LaneMask m = core::WarpBallot(member);
       if (lane == 0) words[w] = m;
 #pragma unroll
-      for (int u = 0; u < kDispatchScanBatch; u++) cur[u] = next[u];
+      for (int u = 0; u < kDispatchScanBatch; u++) {
+        cur[u] = next[u];
+        next[u] = after[u];
+      }
     }
   }
   __syncthreads();
