@@ -90,7 +90,8 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
         ready, epoch);
   };
   if (a.copyTokens != 0 || a.copyWeights != 0) {
-    EpCombineCopyInput(a, wait, epoch, tp.LocalPe(0), tp.LocalPe(G), sFailed, sClaim, signalReady);
+    EpCombineCopyInput(a, wait, epoch, tp.LocalPe(0), tp.LocalPe(G), false, sFailed, sClaim,
+                       signalReady);
   } else if (b == 0 && tid == 0) {
     signalReady();
   }

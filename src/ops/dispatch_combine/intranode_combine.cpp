@@ -1,8 +1,9 @@
 // IntraNode combine: pull-based, deterministic. Protocol: docs/ep.md; buffers: layout.hpp.
 //   1. Input in place (zero-copy registered buffer, or the dispatch output itself): block 0
-//      signals "ready" to every PE at once. External input: every block copies a share of it into
-//      the registered buffer (after every PE finished reading that buffer in the last combine);
-//      the last block to finish signals "ready". The ready signal says where our rows are.
+//      signals "ready" to every PE at once. External input: every block copies a share of the rows
+//      other PEs read into the registered buffer (after every PE finished reading that buffer in
+//      the last combine); the last block to finish signals "ready". The ready signal says where our
+//      rows are. The rows we received from ourselves are read in the caller's tensor.
 //   2. Every block waits for every PE's ready signal (epoch-tagged, parity-double-buffered).
 //   3. For each of this PE's tokens of the last dispatch, a warp (or, for small batches, several
 //      warps on slices of the row) loads the rows from the token's destination PEs, at the slots
@@ -205,7 +206,7 @@ __global__ void __launch_bounds__(kThreads) EpCombineKernel(const EpCombineKerne
   // ---- 1. input in place, or copied into the registered buffer -------------------------------
   if (a.copyTokens != 0 || a.copyWeights != 0) {
     // Chunks claimed by the resident blocks; the block completing the last one signals ready.
-    EpCombineCopyInput(a, wait, epoch, 0, W, sFailed, sClaim, [&] {
+    EpCombineCopyInput(a, wait, epoch, 0, W, true, sFailed, sClaim, [&] {
       // SignalStoreAll's fence also releases the copies acquired above.
       SignalStoreAll(
           W,
@@ -263,6 +264,7 @@ __global__ void __launch_bounds__(kThreads) EpCombineKernel(const EpCombineKerne
       }
       if (tr != nullptr && p < kEpTracePeers) tr[kEpTraceWordPeerReady + p] = core::WallClockNs();
       EpReadySources(c, p, v, &sTok[p], &sW[p]);
+      if (p == me) EpCombineOwnRowsInPlace(a, &sTok[p], &sW[p]);
     }
   }
   __syncthreads();

@@ -674,11 +674,14 @@ MORI_DEVICE_INLINE void WarpQuantizeVectors(uint8_t* codes, uint8_t* scales, con
 // completes the last chunk (thread 0, after acquiring every block's copies) resets that counter and
 // runs onLast() unless the device aborted. The grid's last block resets combineCopyNextChunk in
 // EpCombineCountBlockDone (once every block stopped claiming). sFailed / sClaim: the block's shared
-// words. Every thread of every block calls.
+// words. Every thread of every block calls. skipOwn: the rows this PE received from itself (and
+// their weights) are left out of the copy; only this PE reads them, and it reads them from the
+// caller's tensors (EpCombineOwnRowsInPlace).
 template <typename OnLast>
 MORI_DEVICE_INLINE void EpCombineCopyInput(const EpCombineKernelArgs& a,
                                            const core::WaitContext& wait, uint64_t epoch, int p0,
-                                           int p1, int& sFailed, unsigned& sClaim, OnLast onLast) {
+                                           int p1, bool skipOwn, int& sFailed, unsigned& sClaim,
+                                           OnLast onLast) {
   using core::CmpOp;
   const EpKernelCommon& c = a.c;
   const int tid = static_cast<int>(threadIdx.x);
@@ -703,8 +706,27 @@ MORI_DEVICE_INLINE void EpCombineCopyInput(const EpCombineKernelArgs& a,
     }
   }
   __syncthreads();
-  const size_t tokBytes = a.copyTokens != 0 ? static_cast<size_t>(rows) * a.rowBytes : 0;
-  const size_t wWords = a.copyWeights != 0 ? static_cast<size_t>(rows) * c.topK : 0;
+  // Own rows [ownBegin, ownBegin + ownRows) left out: a copied offset o (bytes or words) below
+  // the cut is o in the buffers, one at or past it is o + the own rows' size.
+  size_t ownBegin = 0, ownRows = 0;
+  if (skipOwn) {
+    for (int s = 0; s < c.rank; s++) ownBegin += static_cast<size_t>(c.state->recvCount[s]);
+    ownRows = static_cast<size_t>(c.state->recvCount[c.rank]);
+    if (ownBegin + ownRows > static_cast<size_t>(rows)) ownBegin = ownRows = 0;  // never: counts
+  }
+  const size_t copyRows = static_cast<size_t>(rows) - ownRows;
+  const size_t tokBytes = a.copyTokens != 0 ? copyRows * a.rowBytes : 0;
+  const size_t wWords = a.copyWeights != 0 ? copyRows * c.topK : 0;
+  // copy(at, n) for the pieces of copied range [off, off + n) (at: buffer offset).
+  auto pieces = [](size_t off, size_t n, size_t cut, size_t skip, auto&& copy) {
+    if (off < cut) {
+      const size_t m = n < cut - off ? n : cut - off;
+      copy(off, m);
+      off += m;
+      n -= m;
+    }
+    if (n > 0) copy(off + skip, n);
+  };
   const size_t tokChunk = EpCopyChunkSize(tokBytes, 16, gridDim.x);
   const size_t wChunk = EpCopyChunkSize(wWords, 1, gridDim.x);
   const unsigned tokChunks = static_cast<unsigned>((tokBytes + tokChunk - 1) / tokChunk);
@@ -721,15 +743,19 @@ MORI_DEVICE_INLINE void EpCombineCopyInput(const EpCombineKernelArgs& a,
       if (ch < tokChunks) {
         const size_t off = static_cast<size_t>(ch) * tokChunk;
         const size_t n = tokBytes - off < tokChunk ? tokBytes - off : tokChunk;
-        shmem::detail::CopyElements<uint4, shmem::detail::kCopyUnroll>(
-            reinterpret_cast<uint4*>(c.symmLocal + c.symm.combineInTokens + off),
-            reinterpret_cast<const uint4*>(a.inTokens + off), n / 16, tid, nThreads);
+        pieces(off, n, ownBegin * a.rowBytes, ownRows * a.rowBytes, [&](size_t at, size_t m) {
+          shmem::detail::CopyElements<uint4, shmem::detail::kCopyUnroll>(
+              reinterpret_cast<uint4*>(c.symmLocal + c.symm.combineInTokens + at),
+              reinterpret_cast<const uint4*>(a.inTokens + at), m / 16, tid, nThreads);
+        });
       } else if (wWords > 0) {
         const size_t off = static_cast<size_t>(ch - tokChunks) * wChunk;
         const size_t n = wWords - off < wChunk ? wWords - off : wChunk;
-        uint32_t* dst = At<uint32_t>(c.symmLocal, c.symm.combineInWeights) + off;
-        const uint32_t* src = reinterpret_cast<const uint32_t*>(a.inWeights) + off;
-        for (size_t i = tid; i < n; i += nThreads) dst[i] = src[i];
+        pieces(off, n, ownBegin * c.topK, ownRows * c.topK, [&](size_t at, size_t m) {
+          uint32_t* dst = At<uint32_t>(c.symmLocal, c.symm.combineInWeights) + at;
+          const uint32_t* src = reinterpret_cast<const uint32_t*>(a.inWeights) + at;
+          for (size_t i = tid; i < m; i += nThreads) dst[i] = src[i];
+        });
       }
       copied++;
     }
@@ -744,6 +770,15 @@ MORI_DEVICE_INLINE void EpCombineCopyInput(const EpCombineKernelArgs& a,
       if (!core::DeviceAborted(wait)) onLast();
     }
   }
+}
+
+// The pull combine's own rows under skipOwn (EpCombineCopyInput): this PE reads the rows (and
+// weights) it received from itself in the caller's tensors, which have the registered buffers'
+// row layout, instead of their uncopied places there.
+MORI_DEVICE_INLINE void EpCombineOwnRowsInPlace(const EpCombineKernelArgs& a,
+                                                const uint8_t** tokens, const float** weights) {
+  if (a.copyTokens != 0) *tokens = a.inTokens;
+  if (a.copyWeights != 0 && *weights != nullptr) *weights = a.inWeights;
 }
 
 // Waits for PE p's ready signal of this combine (readyInbox[parity][p]) and checks that p combines
