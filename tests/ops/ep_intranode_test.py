@@ -783,6 +783,19 @@ def kept(env, outs):
     return tuple(t.clone() for t in outs)
 
 
+def host_steps(env):
+    """step(it, what): with MORI_TEST_TRACE_ITERS=1, prints each rank's host steps (for a stalled
+    run: the last line of each rank says where it waits); otherwise does nothing."""
+    on = os.environ.get("MORI_TEST_TRACE_ITERS", "") not in ("", "0")
+    t0 = time.monotonic()
+
+    def step(it, what):
+        if on:
+            print(f"[rank {env.rank}] {time.monotonic() - t0:8.3f} s it {it}: {what}", flush=True)
+
+    return step
+
+
 def capture_on_side_stream(env, body):
     """(graph, body's result): body() captured on a side stream once every rank's work is done."""
     torch = env.torch
@@ -972,12 +985,15 @@ def case_split_phase_dispatch(env):
             torch.cuda.synchronize()
         return [t.clone() for t in got]
 
+    step = host_steps(env)
     env.barrier()
+    step(0, "fused dispatch")
     outs = op.dispatch(x, w, sc, idx)
     fused = _dispatch_state(env, op, outs)
     fused_c = combined(outs)
     results = []
     for i in range(4):
+        step(i, "split dispatch")
         op.dispatch_send(x, w, sc, idx)
         torch.matmul(a, a, out=bm)
         outs = op.dispatch_recv()
@@ -991,6 +1007,7 @@ def case_split_phase_dispatch(env):
     warm = [torch.empty_like(t) for t in inputs + inputs]
     zeros = torch.zeros_like(fused_c[0])  # for the misuse checks below (also between halves)
     del warm
+    step(0, "temporary input, receive on another stream")
     op.dispatch_send(*(t.clone() for t in inputs))
     junk = [torch.full_like(t, 3) for t in inputs]  # takes the temporaries' memory if the op let go
     other.wait_stream(torch.cuda.current_stream())
@@ -1001,6 +1018,7 @@ def case_split_phase_dispatch(env):
     del junk
     results.append(("temporary input, receive on another stream", state, combined(outs)))
     # misuse: every rank makes the same calls, so every rank raises (nothing is launched)
+    step(0, "misuse checks")
     expect_usage_error(mori, errors, "dispatch_recv without dispatch_send", lambda: op.dispatch_recv(),
                        "no dispatch_send")
     op.dispatch_send(x, w, sc, idx)
@@ -1025,11 +1043,14 @@ def case_split_phase_dispatch(env):
         torch.matmul(a, a, out=bm)
         return op.dispatch_recv()
 
+    step(0, "graph capture")
     g, gouts = capture_on_side_stream(env, body)
     for i in range(3):
         env.barrier()
+        step(i, "graph replay")
         g.replay()
         torch.cuda.synchronize()
+        step(i, "graph replayed")
         results.append((f"graph replay {i}", _dispatch_state(env, op, gouts), combined(gouts)))
     del g
     torch.cuda.synchronize()
@@ -1545,12 +1566,7 @@ def case_destroy_while_peers_combine(env):
         env.barrier()
         return free
 
-    trace_iters = os.environ.get("MORI_TEST_TRACE_ITERS", "") not in ("", "0")
-    t_start = time.monotonic()
-
-    def step(it, what):  # MORI_TEST_TRACE_ITERS=1: each rank's host steps, for a stalled run
-        if trace_iters:
-            print(f"[rank {r}] {time.monotonic() - t_start:8.3f} s it {it}: {what}", flush=True)
+    step = host_steps(env)
 
     for it in range(20):
         step(it, "create")
