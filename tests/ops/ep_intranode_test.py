@@ -900,7 +900,12 @@ def case_split_phase_combine(env):
 
 def _dispatch_state(env, op, outs):
     """Clones of the valid rows of every dispatch output, the source positions and the
-    per-expert counts (what a split dispatch must reproduce bit for bit)."""
+    per-expert counts (what a split dispatch must reproduce bit for bit). Under the RDMA emulator
+    the host synchronises before it reads the count: a read of device memory into pageable host
+    memory queued behind an unfinished receive holds up the emulator's copies (docs/rdma.md,
+    "Host run-ahead")."""
+    if env.emulated_rdma:
+        env.torch.cuda.synchronize()
     n = int(outs[4].item())
     got = [None if t is None else t[:n].clone().view(env.torch.uint8) for t in outs[:4]]
     return got + [outs[4].clone(), op.get_dispatch_src_token_pos().clone(), op.get_local_expert_count().clone()]
