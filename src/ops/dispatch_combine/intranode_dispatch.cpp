@@ -318,10 +318,10 @@ __global__ void __launch_bounds__(kThreads, 1) EpDispatchKernel(const EpDispatch
 
   // ---- 1. membership of destination `dest` ------------------------------------------------
   // A warp takes words (32 tokens, a lane each) nWarps apart. The first kDispatchScanBatch ids of
-  // the next word are loaded before this word is processed, so the loads' latency overlaps the
-  // work. The test of an id is two compares in the index type against dest's expert range (ids
-  // outside [0, numExperts) fall outside it too), never a division: the scan is instruction-bound
-  // (every block tests all T x K ids; docs/performance.md, "Dispatch block split and scan").
+  // the next two words are in flight while a word is processed, so the loads' latency overlaps
+  // the work. The test of an id is two compares in the index type against dest's expert range
+  // (ids outside [0, numExperts) fall outside it too), never a division: every block tests all
+  // T x K ids (docs/performance.md, "Dispatch block split and scan" and session 14).
   // Block 0 also checks every id against [-1, numExperts) when asked (a.badExpertId): the first
   // offender is recorded for the host, which raises at this PE's next call; the kernels treat it
   // as -1 either way, so the ranks stay in step.
@@ -374,7 +374,6 @@ __global__ void __launch_bounds__(kThreads, 1) EpDispatchKernel(const EpDispatch
     }
   };
   {
-    // The first batches of the next two words are in flight while a word is processed.
     IndexT cur[kDispatchScanBatch], next[kDispatchScanBatch];
     loadIds(warp, 0, cur);  // a word past the last one loads as -1 ids
     loadIds(warp + nWarps, 0, next);
