@@ -7,9 +7,9 @@
 #
 # Starts a private MPS control daemon (its pipe and log directories in a fresh temporary
 # directory, so it neither meets nor disturbs another MPS on the machine), runs the command with
-# CUDA_MPS_PIPE_DIRECTORY, CUDA_MPS_LOG_DIRECTORY and CUDA_MPS_ACTIVE_THREAD_PERCENTAGE in its
-# environment (every rank process it starts inherits them), and stops the daemon when the command
-# ends, fails or is interrupted. Exit status: the command's; 2 when MPS could not be started.
+# CUDA_MPS_PIPE_DIRECTORY, CUDA_MPS_LOG_DIRECTORY, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE and (unless
+# set) CUDA_DEVICE_MAX_CONNECTIONS in its environment (every rank process inherits them), and stops
+# the daemon when the command ends. Exit status: the command's; 2 when MPS could not be started.
 #
 # Sourced (as tools/run_gpu_tests.sh does), it defines mps_start N and mps_stop instead.
 
@@ -38,8 +38,21 @@ mps_start() {
   for ((i = 0; i < 100; i++)); do
     if echo get_server_list | timeout 5 nvidia-cuda-mps-control >/dev/null 2>&1; then
       export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / n))
+      # Hardware work queues: under MPS the clients share one pool, and a client that sets no
+      # CUDA_DEVICE_MAX_CONNECTIONS gets few, so its streams alias onto the same queues. The RDMA
+      # emulator's copies then wait behind a stream whose next work waits for those copies
+      # (docs/rdma.md, "Hardware work queues"). 64 in all fit 4 clients of 16 on an H200 (4 of 32
+      # do not: a client's context creation then fails with "out of memory").
+      if [[ -z ${CUDA_DEVICE_MAX_CONNECTIONS:-} ]]; then
+        local conn=$((64 / n))
+        ((conn > 32)) && conn=32
+        ((conn < 2)) && conn=2
+        export CUDA_DEVICE_MAX_CONNECTIONS=$conn
+        MORI_MPS_SET_CONNECTIONS=1
+      fi
       echo "== CUDA MPS on (control daemon in $MORI_MPS_DIR): $n rank(s) per GPU, each" \
-        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" \
+        "CUDA_DEVICE_MAX_CONNECTIONS=$CUDA_DEVICE_MAX_CONNECTIONS"
       return 0
     fi
     sleep 0.1
@@ -77,6 +90,8 @@ mps_stop() {
     rm -rf "$MORI_MPS_DIR"
   fi
   unset MORI_MPS_DIR CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY CUDA_MPS_ACTIVE_THREAD_PERCENTAGE
+  [[ -n ${MORI_MPS_SET_CONNECTIONS:-} ]] && unset CUDA_DEVICE_MAX_CONNECTIONS
+  unset MORI_MPS_SET_CONNECTIONS
 }
 
 if [[ ${BASH_SOURCE[0]} == "$0" ]]; then

@@ -41,6 +41,10 @@ __global__ void EmuAtomicKernel(uint64_t* target, uint64_t swapAdd, uint64_t com
 // every SM: tools/bench/copy_beside_spin_probe.cu, so the EP launches leave SMs free), 8-byte
 // atomics through a one-thread kernel (system-scope atomics, as the GPUs' own). Flush() waits for
 // the stream, bounded by MORI_HOST_TIMEOUT_MS, before the emulator publishes a completion.
+// The driver maps streams onto CUDA_DEVICE_MAX_CONNECTIONS hardware work queues, and work in one
+// queue starts in order: a stream of the same queue whose next work waits for this stream's copies
+// (a receive behind an event of an unfinished send) holds them until the device timeout. Enough
+// queues keep that unlikely; nothing here can choose the queue.
 class GpuMemoryAccessor : public EmuMemoryAccessor {
  public:
   explicit GpuMemoryAccessor(int device) : device(device), timeoutMs(core::Env().hostTimeoutMs) {
@@ -147,14 +151,21 @@ class GpuMemoryAccessor : public EmuMemoryAccessor {
     const bool done = core::PollGpuReady(
         [&] { return gpuStreamQuery(stream); }, timeoutMs, kSlowCallMs,
         [&] {
+          const char* conn = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
           if (copy) {
             MORI_WARN(kLogRdma,
                       "RDMA emulator: %s on device %d pending for over %d ms (the newest: %zu "
-                      "bytes from device %d to device %d)",
-                      what, device, kSlowCallMs, lastBytes, DeviceOf(lastSrc), DeviceOf(lastDst));
+                      "bytes from device %d to device %d). Causes: kernels holding every SM of "
+                      "this process's share, or this stream sharing a hardware work queue with a "
+                      "stream whose next work waits for RDMA (CUDA_DEVICE_MAX_CONNECTIONS=%s; "
+                      "docs/rdma.md, \"Hardware work queues\")",
+                      what, device, kSlowCallMs, lastBytes, DeviceOf(lastSrc), DeviceOf(lastDst),
+                      conn != nullptr ? conn : "unset");
           } else {
-            MORI_WARN(kLogRdma, "RDMA emulator: %s on device %d pending for over %d ms", what,
-                      device, kSlowCallMs);
+            MORI_WARN(kLogRdma,
+                      "RDMA emulator: %s on device %d pending for over %d ms "
+                      "(CUDA_DEVICE_MAX_CONNECTIONS=%s; docs/rdma.md, \"Hardware work queues\")",
+                      what, device, kSlowCallMs, conn != nullptr ? conn : "unset");
           }
         });
     MORI_ENSURE(done, TimeoutError,
