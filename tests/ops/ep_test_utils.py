@@ -54,8 +54,7 @@ def launch(worker, nproc, args):
     procs = [ctx.Process(target=_spawned, args=(worker, r, nproc, args, q)) for r in range(nproc)]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join()
+    _join_or_stop(procs)
     codes = [p.exitcode for p in procs]
     rcs = []
     while not q.empty():
@@ -63,6 +62,34 @@ def launch(worker, nproc, args):
     if any(c != 0 for c in codes):
         return 1
     return max(rcs) if rcs else 0
+
+
+def _join_or_stop(procs, grace_s=10.0):
+    """Waits for every rank process. A rank that dies (exit code != 0: a crash, or an error before
+    or outside the cases) leaves the others waiting for it in a collective; they are stopped
+    `grace_s` seconds later, so that a failed start ends the run promptly."""
+    import time
+
+    dead_since = None
+    while any(p.is_alive() for p in procs):
+        dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+        if dead and dead_since is None:
+            dead_since = time.monotonic()
+            print(f"rank {dead[0][0]} exited with code {dead[0][1]}: stopping the other ranks in "
+                  f"{grace_s:.0f} s unless they end", flush=True)
+        if dead_since is not None and time.monotonic() - dead_since > grace_s:
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+            for p in procs:
+                p.join(5)
+                if p.is_alive():
+                    p.kill()
+            break
+        for p in procs:
+            p.join(0.2)
+    for p in procs:
+        p.join()
 
 
 def _spawned(worker, rank, world, args, q):
