@@ -171,6 +171,10 @@ else
   run ep_intranode "$py" tests/ops/ep_intranode_test.py --nproc "$ranks"
   # AsyncLL (ROCm/mori's name) runs as IntraNode on one node.
   run ep_intranode_AsyncLL "$py" tests/ops/ep_intranode_test.py --nproc "$ranks" --kernel-type AsyncLL
+  # Cases that need a GPU to themselves skip while ranks share GPUs: run them with one rank.
+  if [[ $ranks -gt $ngpu ]]; then
+    run ep_intranode_1rank "$py" tests/ops/ep_intranode_test.py --nproc 1 -k push_combine_beside_full_gpu
+  fi
 fi
 if [[ -f tests/ops/ep_internode_test.py ]]; then
   # Two or more emulated nodes: half the ranks per node (one per node for an odd count).

@@ -10,8 +10,10 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <chrono>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -61,6 +63,95 @@ __global__ void PackKernel(const float* x, uint4* out, size_t n) {
 
 // The benchmark's launch-cost baseline.
 __global__ void BaselineEmptyKernel() {}
+
+// SmOccupier's kernel: each block (1024 threads, all the shared memory a block may have) holds its
+// SM, so no block of another kernel fits beside it. Thread 0 counts the block in *started, spins
+// until *release is nonzero or maxNs passed, and counts it in *finished.
+__global__ void OccupySmsKernel(uint64_t* release, uint64_t* started, uint64_t* finished,
+                                uint64_t maxNs) {
+  extern __shared__ uint8_t held[];
+  if (threadIdx.x == 0) {
+    held[0] = 0;
+    core::AtomicFetchAddSystem(started, uint64_t{1});
+    const uint64_t t0 = core::WallClockNs();
+    while (core::AtomicLoadRelaxedSystem(release) == 0 && core::WallClockNs() - t0 < maxNs) {
+    }
+    core::AtomicFetchAddSystem(finished, uint64_t{1});
+  }
+  __syncthreads();
+}
+
+// Holds `blocks` SMs of the current device until release() (or maxMs): the constructor launches
+// OccupySmsKernel on `stream` and returns once every block is resident (bounded by maxMs; a
+// TimeoutError otherwise). For tests of kernels that must finish with fewer SMs than blocks.
+class SmOccupier {
+ public:
+  SmOccupier(int blocks, double maxMs, uintptr_t stream) : blocks(blocks), maxMs(maxMs) {
+    Require(blocks >= 1 && maxMs > 0, "need blocks >= 1 and max_ms > 0");
+    void* p = nullptr;
+    MORI_CHECK_GPU(gpuHostAlloc(&p, 3 * sizeof(uint64_t), gpuHostAllocMapped));
+    words = static_cast<volatile uint64_t*>(p);
+    words[0] = words[1] = words[2] = 0;
+    void* d = nullptr;
+    MORI_CHECK_GPU(gpuHostGetDevicePointer(&d, p, 0));
+    uint64_t* dw = static_cast<uint64_t*>(d);
+    int dev = 0;
+    MORI_CHECK_GPU(gpuGetDevice(&dev));
+    gpuDeviceProp_t prop{};
+    MORI_CHECK_GPU(gpuGetDeviceProperties(&prop, dev));
+    const size_t smem = core::GpuMaxSharedMemPerBlock(prop);
+    MORI_CHECK_GPU(gpuFuncSetAttribute(reinterpret_cast<const void*>(OccupySmsKernel),
+                                       gpuFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(smem)));
+    MORI_CHECK_GPU(core::GpuLaunchKernel(OccupySmsKernel, dim3(blocks), dim3(1024), smem,
+                                         reinterpret_cast<gpuStream_t>(stream), false, dw, dw + 1,
+                                         dw + 2, static_cast<uint64_t>(maxMs * 1e6)));
+    launched = true;
+    if (!WaitFor(1, maxMs)) {
+      const uint64_t seen = words[1];
+      Release();
+      MORI_THROW(TimeoutError, "SmOccupier: %llu of %d blocks resident after %.0f ms",
+                 static_cast<unsigned long long>(seen), blocks, maxMs);
+    }
+  }
+  SmOccupier(const SmOccupier&) = delete;
+  SmOccupier& operator=(const SmOccupier&) = delete;
+  ~SmOccupier() {
+    try {
+      Release();
+    } catch (...) {
+    }
+    // A block still running reads the words: they are left allocated then.
+    if (!launched || words[2] == static_cast<uint64_t>(blocks))
+      (void)gpuFreeHost(const_cast<uint64_t*>(words));
+  }
+  // Lets the blocks end and waits (bounded) until they have.
+  void Release() {
+    if (!launched || released) return;
+    released = true;
+    words[0] = 1;
+    MORI_ENSURE(WaitFor(2, maxMs + 1000), TimeoutError,
+                "SmOccupier: %llu of %d blocks ended after release",
+                static_cast<unsigned long long>(words[2]), blocks);
+  }
+  uint64_t Started() const { return words[1]; }
+
+ private:
+  bool WaitFor(int word, double ms) const {
+    const auto end = std::chrono::steady_clock::now() +
+                     std::chrono::microseconds(static_cast<int64_t>(ms * 1000));
+    while (words[word] < static_cast<uint64_t>(blocks)) {
+      if (std::chrono::steady_clock::now() > end) return false;
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+    return true;
+  }
+  int blocks;
+  double maxMs;
+  volatile uint64_t* words = nullptr;  // release, started, finished (mapped host memory)
+  bool launched = false;
+  bool released = false;
+};
 
 void LaunchBaseline(bool copy, uintptr_t dst, uintptr_t src, size_t bytes, int blocks, int threads,
                     uintptr_t stream) {
@@ -244,6 +335,14 @@ void RegisterEpTestBindings(py::module_& m) {
       },
       py::arg("blocks") = 1, py::arg("threads") = 32, py::arg("stream") = 0,
       "Launches an empty kernel (asynchronous on `stream`)");
+  py::class_<SmOccupier>(t, "SmOccupier",
+                         "Holds `blocks` SMs of the current device (a kernel of 1024-thread blocks "
+                         "with all the shared memory a block may have, launched on `stream`) until "
+                         "release() or max_ms; returns once every block is resident")
+      .def(py::init<int, double, uintptr_t>(), py::arg("blocks"), py::arg("max_ms"),
+           py::arg("stream") = 0)
+      .def("release", &SmOccupier::Release, "Lets the blocks end; returns once they have")
+      .def_property_readonly("started", &SmOccupier::Started, "blocks that became resident");
   t.def(
       "ep_combine_pack",
       [](int32_t dtype, uintptr_t x, uintptr_t out, size_t n, uintptr_t stream) {

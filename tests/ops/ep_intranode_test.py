@@ -750,6 +750,52 @@ def combine_inputs_of_one_dispatch(env, seed, cquant=None):
     return op, spec, data, sel, inputs
 
 
+def case_push_combine_beside_full_gpu(env):
+    """A push combine finishes while another kernel holds every SM of the GPU but one
+    (mori._C._testing.SmOccupier): blocks claim the push work, so the block that is resident pushes
+    all of it before it waits (docs/ep.md "Residency"). quant_type fp8_direct_cast, so that a PE
+    also waits for the rows it pushes to itself (one rank included). The outputs equal bitwise the
+    same combine on a free GPU."""
+    torch = env.torch
+    if env.W > torch.cuda.device_count():
+        raise SkipCase("ranks share a GPU: the other ranks' kernels hold SMs too (one rank per GPU, "
+                       "e.g. --nproc 1)")
+    if env.emulated_rdma:
+        raise SkipCase("the RDMA emulator's copies need free SMs")
+    op, spec, data, sel, inputs = combine_inputs_of_one_dispatch(env, 81, cquant="fp8_direct_cast")
+    x, w = inputs[0]
+    ref = kept(env, op.combine(x, w, sel))
+    torch.cuda.synchronize()
+    sms = torch.cuda.get_device_properties(env.dev).multi_processor_count
+    side = torch.cuda.Stream(device=env.dev)
+    done = torch.cuda.Event()
+    env.barrier()
+    occupier = env.mori._C._testing.SmOccupier(sms - 1, 10000.0, side.cuda_stream)
+    # Every rank's GPU is held before any rank combines. A host-only barrier: env.barrier()
+    # synchronises the device, which would wait for the occupier.
+    env.dist.barrier()
+    try:
+        got = op.combine(x, w, sel)
+        done.record()
+        t0 = time.monotonic()
+        while not done.query() and time.monotonic() - t0 < 5.0:
+            time.sleep(0.001)
+        finished = done.query()
+        took = time.monotonic() - t0
+    finally:
+        occupier.release()
+    torch.cuda.synchronize()
+    errors = []
+    if not finished:
+        errors.append(f"the combine did not finish in {took:.1f} s beside a kernel holding {sms - 1} of {sms} SMs")
+    elif not all(torch.equal(a.view(torch.int16 if a.dtype == torch.bfloat16 else torch.int32),
+                             b.view(torch.int16 if b.dtype == torch.bfloat16 else torch.int32))
+                 for a, b in zip(ref, got)):
+        errors.append("the combine beside the held SMs differs from the same combine on a free GPU")
+    if errors:
+        raise CaseFailure("; ".join(errors))
+
+
 def case_combine_back_to_back(env):
     """40 combines of one dispatch's rows, launched back to back (no host sync, no other work
     between them), alternating the input x and 2x (the sums scale exactly): a PE may run one call
@@ -2383,6 +2429,7 @@ CASES = [
     ("launch_shapes", case_launch_shapes),
     ("dispatch_only_and_combine_only_loops", case_dispatch_only_loop),
     ("combine_back_to_back", case_combine_back_to_back),
+    ("push_combine_beside_full_gpu", case_push_combine_beside_full_gpu),
     ("ranks_skewed_by_sleeps", case_skewed_ranks),
     ("split_phase_combine", case_split_phase_combine),
     ("split_phase_dispatch", case_split_phase_dispatch),
@@ -2411,6 +2458,8 @@ CASES = [
 # others are not run and are listed as such.
 APPLIES = {
     "bad_rdma_key_remote_error": lambda args: args.kernel_type != "IntraNode",  # IntraNode: no RDMA
+    # InterNodeV1/V1LL have no push combine
+    "push_combine_beside_full_gpu": lambda args: args.kernel_type not in ("InterNodeV1", "InterNodeV1LL"),
 }
 
 

@@ -192,13 +192,22 @@ inline bool GpuIsNvidiaSm90OrLater(const gpuDeviceProp_t& p) {
   return !kPlatformHip && p.major >= 9;
 }
 
+// The most shared memory one block may have (CUDA: with the opt-in attribute set).
+inline size_t GpuMaxSharedMemPerBlock(const gpuDeviceProp_t& p) {
+#if MORI_HIP
+  return p.sharedMemPerBlock;
+#else
+  return p.sharedMemPerBlockOptin;
+#endif
+}
+
 // Whether kernels on this device can use the bulk copies of kHasBulkAsyncCopy.
 // *smemOptinBytes: the dynamic shared memory a block may opt in to (0 where unused).
 inline bool GpuHasBulkAsyncCopy(const gpuDeviceProp_t& p, size_t* smemOptinBytes) {
 #if MORI_HIP
   *smemOptinBytes = 0;
 #else
-  *smemOptinBytes = p.sharedMemPerBlockOptin;
+  *smemOptinBytes = GpuMaxSharedMemPerBlock(p);
 #endif
   return GpuIsNvidiaSm90OrLater(p);
 }

@@ -13,7 +13,8 @@
 //      output is ordered by source PE, so they are one range; rows from ourselves stay where they
 //      are) are stored, from the combine input (registered buffer, dispatch output or the caller's
 //      tensor: no copy), into slot [parity][token][our local index] of the source PE's
-//      pushRecvTokens, weights alike. Each block then fences once and adds the 16-byte vectors it
+//      pushRecvTokens, weights alike. The work is cut into shares that blocks claim (so resident
+//      blocks do all of it); after each share a block fences once and adds the 16-byte vectors it
 //      stored for each PE to that PE's pushArrived[parity][our PE].
 //   2'. InterNode: the rows we received from each PE s of another node (one contiguous range each)
 //      go back by RDMA WRITE into s's pushLandTokens[parity] at InterLandingBase(s) (weights
@@ -22,7 +23,7 @@
 //      every PE of another node, also with no rows: a PE waits for every PE's tail or signal. The
 //      WRITEs read registered memory: the blocks first cast those rows to e4m3 into combineInFp8
 //      (fp8_direct_cast) or copy them from the caller's tensor into the registered buffer; the
-//      last block to finish posts. Nothing waits for their completion until step 5.
+//      block completing the last share posts. Nothing waits for their completion until step 5.
 //   3. Every block waits until pushArrived[d] reaches sendCount[d] x vectors per row for every PE
 //      d of our node, and for every other node's PE's tail of this parity.
 //   4. Each token's rows are summed in fp32 in ascending PE order, exactly as the pull combine:
@@ -106,6 +107,7 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
   __shared__ unsigned long long sPushed[kEpMaxWorldSize];  // vectors this block stored per PE
   __shared__ uint32_t sLandOff[kEpMaxWorldSize];  // InterNode: landing row of PE p's first row
   __shared__ int sFailed;
+  __shared__ unsigned sShare;  // the push share this block claimed (step 2); >= nShares: none
 
   const EpKernelCommon& c = a.c;
   const EpKernelStart start = EpBeginKernel(c, EpTraceKind::kCombine, a.partsPerToken);
@@ -118,6 +120,9 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
   const int K = c.topK;
   const int G = c.localSize;      // W on one node (IntraNode family)
   constexpr bool inter = kInter;  // PEs of other nodes get their rows by RDMA (step 2')
+  // 512-thread blocks have 128 registers per thread: half the loads in flight per lane (twice the
+  // warps) keep step 2 out of local memory.
+  constexpr int kUnroll = kThreads > 256 ? kPushUnroll / 2 : kPushUnroll;
   const int node0 = me - me % G;  // our node's first PE
   const int tid = static_cast<int>(threadIdx.x);
   const int nThreads = static_cast<int>(blockDim.x);
@@ -126,6 +131,7 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
   const int nWarps = core::WarpsPerBlock();
   const int totalWarps = static_cast<int>(gridDim.x) * nWarps;
   const int gWarp = static_cast<int>(blockIdx.x) * nWarps + warp;
+  const unsigned nShares = gridDim.x;  // step 2's work, in shares of nWarps warps' items
   const uint64_t epoch = start.epoch;
   const int parity = start.parity;
   const bool fp8 = a.wireFp8 != 0;
@@ -157,6 +163,8 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
   const bool doRecv = a.phase != EpCombinePhase::kSend;     // steps 3-5
   if (tid == 0) {
     sFailed = 0;
+    // The first claim of step 2 (its latency overlaps the loads above).
+    if (doSend) sShare = atomicAdd(&c.state->pushNextShare, 1u);
     // Same verdict in every block; block 0 records it.
     if (R > a.inRows || (a.inWeights != nullptr && R > a.inWeightRows)) {
       if (blockIdx.x == 0)
@@ -210,147 +218,175 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
     }
   }
 
-  // ---- 2. push the rows we hold to their tokens' PEs on our node ------------------------------
-  if (doSend && sFailed == 0) {
-    // fp8: our own rows are pushed too (into our own slots).
-    const int selfCount = fp8 ? 0 : c.state->recvCount[me];
-    const int nPush = localEnd - localBegin - selfCount;
-    // As the reduce: several warps per row when rows are fewer than warps, one item per warp.
-    const int parts = EpPartsPerRow(nPush, totalWarps, vecs);
-    const int items = nPush * parts;
-    for (int item = gWarp; item < items; item += totalWarps) {
-      const int q = localBegin + item / parts;
-      const int part = item % parts;
-      const int r = q < selfBegin ? q : q + selfCount;
-      const int vb = EpShareBegin(vecs, part, parts);
-      const int ve = EpShareBegin(vecs, part + 1, parts);
-      // The row's first kPushUnroll vectors per lane (all of them for small batches) and its
-      // weights are loaded before the source position, on which only the destination depends:
-      // the two latencies overlap.
-      const uint4* src =
-          reinterpret_cast<const uint4*>(a.inTokens + static_cast<size_t>(r) * a.rowBytes);
-      uint4 head[kPushUnroll];
-#pragma unroll
-      for (int u = 0; u < kPushUnroll; u++) {
-        const int v = vb + lane + u * kWarpSize;
-        if (v < ve) head[u] = src[v];
-      }
-      float w = 0.0f;
-      const bool doW = part == 0 && a.inWeights != nullptr;
-      if (doW && lane < K) w = a.inWeights[static_cast<size_t>(r) * K + lane];
-      const int pos = At<const int32_t>(L, c.symm.dispatchOutSrcPos)[r];
-      const int s = pos / M;
-      const int t = pos - s * M;
-      // Dispatch wrote these; never expected: a source outside our node's PEs (or ourselves).
-      if (s < node0 || s >= node0 + G || (s == me && !fp8)) {
-        // The record names the source PE the row's position word decodes to, and what it must be.
-        if (lane == 0)
-          ReportError(wait, s, "EP combine: source PE of a received row (out of step)",
-                      s == me ? CmpOp::kNe : CmpOp::kLt,
-                      static_cast<uint64_t>(s == me ? me : node0 + G),
-                      static_cast<uint64_t>(static_cast<uint32_t>(s)));
-        sFailed = 1;
-        break;
-      }
-      const size_t slot = EpPushSlot(parity, t, me - node0, M, G);
-      uint8_t* const pb = PeerBlock(c, s);
-      uint8_t* const dstRow = pb + c.symm.pushRecvTokens + slot * wireRow;
-      if (fp8) {
-#pragma unroll
-        for (int u = 0; u < kPushUnroll; u++) {
-          const int v = vb + lane + u * kWarpSize;
-          if (v < ve) EpStoreFp8<Elem>(dstRow, v, EpEncodeFp8<Elem>(head[u], fp8Format));
-        }
-        for (int v = vb + lane + kPushUnroll * kWarpSize; v < ve; v += kWarpSize)
-          EpStoreFp8<Elem>(dstRow, v, EpEncodeFp8<Elem>(src[v], fp8Format));
-      } else {
-        uint4* dst = reinterpret_cast<uint4*>(dstRow);
-#pragma unroll
-        for (int u = 0; u < kPushUnroll; u++) {
-          const int v = vb + lane + u * kWarpSize;
-          if (v < ve) dst[v] = head[u];
-        }
-        if (vb + kPushUnroll * kWarpSize < ve)
-          WarpCopyVectors<kPushUnroll>(dst, src, vb + kPushUnroll * kWarpSize, ve);
-      }
-      if (doW) {
-        float* dw = At<float>(pb, c.symm.pushRecvWeights) + slot * K;
-        if (lane < K) dw[lane] = w;
-        for (int k = lane + kWarpSize; k < K; k += kWarpSize)
-          dw[k] = a.inWeights[static_cast<size_t>(r) * K + k];
-      }
-      if (lane == 0) atomicAdd(&sPushed[s], static_cast<unsigned long long>(ve - vb));
-    }
-  }
+  // Steps 2 and 2' are cut into nShares shares (share i: the items of warps i * nWarps ... of a
+  // grid-strided loop), which blocks claim from c.state->pushNextShare, not shares by block index:
+  // a block claims again after each share while shares are unclaimed, so the blocks that are
+  // resident push everything before any of them waits in step 3. A PE whose grid is not all
+  // resident (ranks sharing a GPU under MPS: other clients' blocks hold SMs of its share) would
+  // otherwise wait for rows its own unplaced blocks hold back, while its peers wait for those rows
+  // too (docs/ep.md "Residency").
+  while (doSend) {
+    __syncthreads();  // sShare (and the last share's bookkeeping) is visible
+    if (sShare >= nShares) break;
+    const int sWarp = static_cast<int>(sShare) * nWarps + warp;
 
-  // ---- 2'. InterNode: the rows for other nodes' PEs into registered memory -------------------
-  // (fp8: cast to codes; the caller's tensor: copied; the registered buffer or the dispatch
-  // output: already there.)
-  const bool copyTok = !fp8 && a.inTokens != wireTok;
-  const bool copyW = wireW != nullptr && a.inWeights != wireW;
-  if (inter && doSend && sFailed == 0 && (fp8 || copyTok || copyW)) {
-    const int nLocal = localEnd - localBegin;
-    const int nPrep = R - nLocal;
-    const int parts = EpPartsPerRow(nPrep, totalWarps, vecs);
-    for (int item = gWarp; item < nPrep * parts; item += totalWarps) {
-      const int q = item / parts;
-      const int part = item % parts;
-      const int r = q < localBegin ? q : q + nLocal;
-      const int vb = EpShareBegin(vecs, part, parts);
-      const int ve = EpShareBegin(vecs, part + 1, parts);
-      const uint4* src =
-          reinterpret_cast<const uint4*>(a.inTokens + static_cast<size_t>(r) * a.rowBytes);
-      if (fp8) {
-        uint8_t* dstRow = L + c.symm.combineInFp8 + static_cast<size_t>(r) * wireRow;
-        for (int v = vb + lane; v < ve; v += kWarpSize)
-          EpStoreFp8<Elem>(dstRow, v, EpEncodeFp8<Elem>(src[v], fp8Format));
-      } else if (copyTok) {
-        WarpCopyVectors<kPushUnroll>(reinterpret_cast<uint4*>(L + c.symm.combineInTokens +
-                                                              static_cast<size_t>(r) * a.rowBytes),
-                                     src, vb, ve);
-      }
-      if (copyW && part == 0) {
-        float* dw = At<float>(L, c.symm.combineInWeights) + static_cast<size_t>(r) * K;
-        for (int k = lane; k < K; k += kWarpSize)
-          dw[k] = a.inWeights[static_cast<size_t>(r) * K + k];
-      }
-    }
-  }
-
-  // One release fence per block (as dispatch): the barrier orders every thread's stores before
-  // thread 0's cumulative fence; the counter adds after it publish them.
-  __syncthreads();
-  if (doSend && tid == 0) {
-    bool any = false;
-    for (int p = 0; p < W; p++) any = any || sPushed[p] != 0;
-    if (any || inter) {
-      core::FenceAcqRelSystem();
-      for (int p = 0; p < W; p++) {
-        if (sPushed[p] != 0)
-          core::AtomicFetchAddSystem(
-              At<uint64_t>(PeerBlock(c, p), c.symm.pushArrived) + EpPushArrivedIndex(parity, me, W),
-              static_cast<uint64_t>(sPushed[p]));
-      }
-    }
-    if constexpr (inter) {
-      // The last block to get here acquires every block's prepared rows (through the counter;
-      // its fence also orders them before the NIC reads them) and posts.
-      const unsigned old = atomicAdd(&c.state->pushPrepared, 1u);
-      if (old == gridDim.x - 1) {
-        c.state->pushPrepared = 0;
-        core::FenceAcqRelSystem();
-        if (sFailed == 0 && !core::DeviceAborted(wait) &&
-            !PushPostRemote(a, wait, epoch, parity, format, wireRow, wireTok,
-                            reinterpret_cast<const uint8_t*>(wireW)))
+    // ---- 2. push the rows we hold to their tokens' PEs on our node ------------------------------
+    if (sFailed == 0) {
+      // fp8: our own rows are pushed too (into our own slots).
+      const int selfCount = fp8 ? 0 : c.state->recvCount[me];
+      const int nPush = localEnd - localBegin - selfCount;
+      // As the reduce: several warps per row when rows are fewer than warps, one item per warp.
+      const int parts = EpPartsPerRow(nPush, totalWarps, vecs);
+      const int items = nPush * parts;
+      for (int item = sWarp; item < items; item += totalWarps) {
+        const int q = localBegin + item / parts;
+        const int part = item % parts;
+        const int r = q < selfBegin ? q : q + selfCount;
+        const int vb = EpShareBegin(vecs, part, parts);
+        const int ve = EpShareBegin(vecs, part + 1, parts);
+        // The row's first kUnroll vectors per lane (all of them for small batches) and its
+        // weights are loaded before the source position, on which only the destination depends:
+        // the two latencies overlap.
+        const uint4* src =
+            reinterpret_cast<const uint4*>(a.inTokens + static_cast<size_t>(r) * a.rowBytes);
+        uint4 head[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; u++) {
+          const int v = vb + lane + u * kWarpSize;
+          if (v < ve) head[u] = src[v];
+        }
+        float w = 0.0f;
+        const bool doW = part == 0 && a.inWeights != nullptr;
+        if (doW && lane < K) w = a.inWeights[static_cast<size_t>(r) * K + lane];
+        const int pos = At<const int32_t>(L, c.symm.dispatchOutSrcPos)[r];
+        const int s = pos / M;
+        const int t = pos - s * M;
+        // Dispatch wrote these; never expected: a source outside our node's PEs (or ourselves).
+        if (s < node0 || s >= node0 + G || (s == me && !fp8)) {
+          // The record names the source PE the row's position word decodes to, and what it must be.
+          if (lane == 0)
+            ReportError(wait, s, "EP combine: source PE of a received row (out of step)",
+                        s == me ? CmpOp::kNe : CmpOp::kLt,
+                        static_cast<uint64_t>(s == me ? me : node0 + G),
+                        static_cast<uint64_t>(static_cast<uint32_t>(s)));
           sFailed = 1;
+          break;
+        }
+        const size_t slot = EpPushSlot(parity, t, me - node0, M, G);
+        uint8_t* const pb = PeerBlock(c, s);
+        uint8_t* const dstRow = pb + c.symm.pushRecvTokens + slot * wireRow;
+        if (fp8) {
+#pragma unroll
+          for (int u = 0; u < kUnroll; u++) {
+            const int v = vb + lane + u * kWarpSize;
+            if (v < ve) EpStoreFp8<Elem>(dstRow, v, EpEncodeFp8<Elem>(head[u], fp8Format));
+          }
+          for (int v = vb + lane + kUnroll * kWarpSize; v < ve; v += kWarpSize)
+            EpStoreFp8<Elem>(dstRow, v, EpEncodeFp8<Elem>(src[v], fp8Format));
+        } else {
+          uint4* dst = reinterpret_cast<uint4*>(dstRow);
+#pragma unroll
+          for (int u = 0; u < kUnroll; u++) {
+            const int v = vb + lane + u * kWarpSize;
+            if (v < ve) dst[v] = head[u];
+          }
+          if (vb + kUnroll * kWarpSize < ve)
+            WarpCopyVectors<kUnroll>(dst, src, vb + kUnroll * kWarpSize, ve);
+        }
+        if (doW) {
+          float* dw = At<float>(pb, c.symm.pushRecvWeights) + slot * K;
+          if (lane < K) dw[lane] = w;
+          for (int k = lane + kWarpSize; k < K; k += kWarpSize)
+            dw[k] = a.inWeights[static_cast<size_t>(r) * K + k];
+        }
+        if (lane == 0) atomicAdd(&sPushed[s], static_cast<unsigned long long>(ve - vb));
       }
     }
-    EpTraceStamp(tr, kEpCombineSent);
-  }
+
+    // ---- 2'. InterNode: the rows for other nodes' PEs into registered memory -------------------
+    // (fp8: cast to codes; the caller's tensor: copied; the registered buffer or the dispatch
+    // output: already there.)
+    const bool copyTok = !fp8 && a.inTokens != wireTok;
+    const bool copyW = wireW != nullptr && a.inWeights != wireW;
+    if (inter && sFailed == 0 && (fp8 || copyTok || copyW)) {
+      const int nLocal = localEnd - localBegin;
+      const int nPrep = R - nLocal;
+      const int parts = EpPartsPerRow(nPrep, totalWarps, vecs);
+      for (int item = sWarp; item < nPrep * parts; item += totalWarps) {
+        const int q = item / parts;
+        const int part = item % parts;
+        const int r = q < localBegin ? q : q + nLocal;
+        const int vb = EpShareBegin(vecs, part, parts);
+        const int ve = EpShareBegin(vecs, part + 1, parts);
+        const uint4* src =
+            reinterpret_cast<const uint4*>(a.inTokens + static_cast<size_t>(r) * a.rowBytes);
+        if (fp8) {
+          uint8_t* dstRow = L + c.symm.combineInFp8 + static_cast<size_t>(r) * wireRow;
+          for (int v = vb + lane; v < ve; v += kWarpSize)
+            EpStoreFp8<Elem>(dstRow, v, EpEncodeFp8<Elem>(src[v], fp8Format));
+        } else if (copyTok) {
+          WarpCopyVectors<kUnroll>(reinterpret_cast<uint4*>(L + c.symm.combineInTokens +
+                                                            static_cast<size_t>(r) * a.rowBytes),
+                                   src, vb, ve);
+        }
+        if (copyW && part == 0) {
+          float* dw = At<float>(L, c.symm.combineInWeights) + static_cast<size_t>(r) * K;
+          for (int k = lane; k < K; k += kWarpSize)
+            dw[k] = a.inWeights[static_cast<size_t>(r) * K + k];
+        }
+      }
+    }
+
+    // Claims so far, read before the barrier and the fence below (their waits hide its latency).
+    const uint32_t claimed =
+        tid == 0 ? core::AtomicLoadRelaxedSystem(&c.state->pushNextShare) : nShares;
+    // One release fence per share (as dispatch): the barrier orders every thread's stores before
+    // thread 0's cumulative fence; the counter adds after it publish them.
+    __syncthreads();
+    if (tid == 0) {
+      bool any = false;
+      for (int p = 0; p < W; p++) any = any || sPushed[p] != 0;
+      if (any || inter) {
+        core::FenceAcqRelSystem();
+        for (int p = 0; p < W; p++) {
+          if (sPushed[p] != 0)
+            core::AtomicFetchAddSystem(At<uint64_t>(PeerBlock(c, p), c.symm.pushArrived) +
+                                           EpPushArrivedIndex(parity, me, W),
+                                       static_cast<uint64_t>(sPushed[p]));
+          sPushed[p] = 0;
+        }
+      }
+      if constexpr (inter) {
+        // The block completing the last share acquires every share's prepared rows (through the
+        // counter; its fence also orders them before the NIC reads them) and posts. Every share is
+        // counted, also after a failure, so the counter always returns to 0.
+        const unsigned old = atomicAdd(&c.state->pushSharesDone, 1u);
+        if (old == nShares - 1) {
+          c.state->pushSharesDone = 0;
+          core::FenceAcqRelSystem();
+          if (sFailed == 0 && !core::DeviceAborted(wait) &&
+              !PushPostRemote(a, wait, epoch, parity, format, wireRow, wireTok,
+                              reinterpret_cast<const uint8_t*>(wireW)))
+            sFailed = 1;
+        }
+      }
+      // Claim again only while some share is unclaimed.
+      sShare = claimed >= nShares ? nShares : atomicAdd(&c.state->pushNextShare, 1u);
+    }
+  }  // shares
+  if (doSend && tid == 0) EpTraceStamp(tr, kEpCombineSent);
 
   if (!doRecv) {
     // Send only: a failure here fails the receive half (which checks combineFailed at its end).
-    if (tid == 0 && sFailed != 0) atomicOr(&c.state->combineFailed, 1u);
+    // The grid's last block resets the share queue (every block has stopped claiming).
+    if (tid == 0) {
+      if (sFailed != 0) atomicOr(&c.state->combineFailed, 1u);
+      const unsigned old = atomicAdd(&c.state->combineBlocksDone, 1u);
+      if (old == gridDim.x - 1) {
+        c.state->combineBlocksDone = 0;
+        c.state->pushNextShare = 0;
+      }
+    }
     return;
   }
 
@@ -477,6 +513,7 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
       __threadfence();
       const bool failed = atomicExch(&c.state->combineFailed, 0u) != 0;
       c.state->combineBlocksDone = 0;
+      c.state->pushNextShare = 0;  // every block has stopped claiming push shares
       // Our WRITEs of step 2' read our input until they complete (the caller may reuse it next).
       if constexpr (inter) {
         if (!core::DeviceAborted(wait)) shmem::ShmemQuietThread(c.shmem);

@@ -71,8 +71,10 @@ struct EpDeviceState {
   uint32_t combineFailed;          // push combine: a block failed (the last block then does not
                                    // judge the arrival counts); last block resets it
   uint32_t dispatchFailed;         // split dispatch receive: a block failed (as combineFailed)
-  uint32_t pushPrepared;  // InterNode push combine: blocks done preparing the rows for other
-                          // nodes; the last one posts their WRITEs and resets it
+  uint32_t pushNextShare;          // push combine: step 2's shares claimed (tickets; claims past
+                                   // the last share fail); the last block of the grid resets it
+  uint32_t pushSharesDone;  // push combine: shares pushed (and, InterNode, prepared for other
+                            // nodes); the block completing the last posts the WRITEs, resets it
   // Written by dispatch for the push and InterNode combines: sendCount[d] = our tokens routed to
   // PE d, recvCount[s] = rows received from PE s (last dispatch).
   int32_t sendCount[kEpMaxWorldSize];
