@@ -755,13 +755,10 @@ def case_push_combine_beside_full_gpu(env):
     (mori._C._testing.SmOccupier): blocks claim the push work, so the block that is resident pushes
     all of it before it waits (docs/ep.md "Residency"). quant_type fp8_direct_cast, so that a PE
     also waits for the rows it pushes to itself (one rank included). The outputs equal bitwise the
-    same combine on a free GPU."""
+    same combine on a free GPU. Not run where ranks share a GPU or the RDMA emulator serves
+    peers (NOT_APPLICABLE); tools/run_gpu_tests.sh and tests/python/test_ep_gpu.py run it with one
+    rank."""
     torch = env.torch
-    if env.W > torch.cuda.device_count():
-        raise SkipCase("ranks share a GPU: the other ranks' kernels hold SMs too (one rank per GPU, "
-                       "e.g. --nproc 1)")
-    if env.emulated_rdma:
-        raise SkipCase("the RDMA emulator's copies need free SMs")
     op, spec, data, sel, inputs = combine_inputs_of_one_dispatch(env, 81, cquant="fp8_direct_cast")
     x, w = inputs[0]
     ref = kept(env, op.combine(x, w, sel))
@@ -1846,7 +1843,7 @@ def case_bad_rdma_key(env):
     W, r = env.W, env.rank
     culprit = 0
     victims = [p for p in range(W) if mori.shmem.shmem_node_of(p) != mori.shmem.shmem_node_of(culprit)]
-    if not victims:  # APPLIES keeps this case to the InterNode family, which has several nodes
+    if not victims:  # NOT_APPLICABLE keeps this case to the InterNode family, which has several nodes
         raise CaseFailure(f"{env.args.kernel_type} with one node: no peer is reached by RDMA")
     victim = victims[0]
     spec = Spec(H=2048, M=128, t_mode="max", routing="random", seed=94, poison=False)
@@ -2454,12 +2451,15 @@ CASES = [
 ]
 
 
-# Cases that apply only to some kernel types (args.kernel_type: what the config runs as); the
-# others are not run and are listed as such.
-APPLIES = {
-    "bad_rdma_key_remote_error": lambda args: args.kernel_type != "IntraNode",  # IntraNode: no RDMA
-    # InterNodeV1/V1LL have no push combine
-    "push_combine_beside_full_gpu": lambda args: args.kernel_type not in ("InterNodeV1", "InterNodeV1LL"),
+# Cases that apply only to some runs (args.kernel_type: what the config runs as): where a case's
+# function gives a reason, the case is not run, and the run lists it with the reason.
+NOT_APPLICABLE = {
+    "bad_rdma_key_remote_error": lambda args, env: "IntraNode has no RDMA" if args.kernel_type == "IntraNode" else None,
+    "push_combine_beside_full_gpu": lambda args, env: (
+        f"{args.kernel_type} has no push combine" if args.kernel_type in ("InterNodeV1", "InterNodeV1LL")
+        else "ranks share a GPU, so other ranks' kernels hold SMs too (run it with --nproc 1)"
+        if env.W > env.torch.cuda.device_count()
+        else "the RDMA emulator's copies need free SMs" if env.emulated_rdma else None),
 }
 
 
@@ -2500,10 +2500,12 @@ def worker(rank, world, local_rank, args):
             print(line, flush=True)
 
     selected = [(n, f) for n, f in CASES if not args.k or any(k in n for k in args.k)]
-    inapplicable = [n for n, _ in selected if not APPLIES.get(n, lambda a: True)(args)]
+    reasons = {n: NOT_APPLICABLE[n](args, env) for n, _ in selected if n in NOT_APPLICABLE}
+    inapplicable = [n for n, r_ in reasons.items() if r_ is not None]
     selected = [(n, f) for n, f in selected if n not in inapplicable]
     if inapplicable and rank == 0:
-        print(f"(not applicable to {args.kernel_type}, not run: {', '.join(inapplicable)})", flush=True)
+        print("(not applicable here, not run: " + "; ".join(f"{n}: {reasons[n]}" for n in inapplicable) + ")",
+              flush=True)
 
     # --- use before shmem init (local) ---
     if not args.k or any(k in "use_before_shmem_init" for k in args.k):

@@ -4,6 +4,9 @@ tests/ops/ep_internode_test.py with 4 ranks as 2 emulated nodes of 2 GPUs where 
 InterNode, InterNodeV1 and InterNodeV1LL; AsyncLL (which runs as IntraNode on one node, as InterNode
 across nodes) with 4 ranks both ways.
 
+Cases that need a GPU per rank (push_combine_beside_full_gpu) run once more with one rank
+(test_ep_one_rank_cases): the suites do not run them where ranks share a GPU.
+
 Short form: every case, the randomized stress with SHORT_ITERS iterations and SHORT_ITERS
 back-to-back iterations. A case the suite skips fails the test, as does a skip of the test itself
 while a GPU is visible (conftest.needs_gpu); without a GPU it skips with the reason."""
@@ -61,3 +64,20 @@ def test_ep_suite_short(run, subprocess_env):
     assert not skipped, "cases skipped on a GPU machine:\n" + "\n".join(skipped)
     assert int(m.group(2)) == 0 and proc.returncode == 0, tail
     assert int(m.group(1)) > 10, tail
+
+
+@needs_gpu
+def test_ep_one_rank_cases(subprocess_env):
+    """The cases the suites leave out where ranks share a GPU, with one rank (which has its GPU)."""
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("NEEDS TORCH: torch is not installed for " + sys.executable)
+    env = dict(subprocess_env)
+    env["MORI_BUILD_DIR"] = os.environ.get("MORI_BUILD_DIR", "")
+    for kernel_type in (None, "AsyncLL"):
+        cmd = [sys.executable, INTRANODE, "--nproc", "1", "-k", "push_combine_beside_full_gpu"]
+        if kernel_type is not None:
+            cmd += ["--kernel-type", kernel_type]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        tail = f"$ {' '.join(cmd)}\n" + (proc.stdout + proc.stderr)[-4000:]
+        assert re.search(r"^1 passed, 0 failed$", proc.stdout, re.M) and proc.returncode == 0, tail
+        assert "not applicable here" not in proc.stdout, tail
