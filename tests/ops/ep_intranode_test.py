@@ -653,15 +653,22 @@ def case_fp8_direct_cast(env):
         fused = kept(env, op.combine(x, w, sel))
         op.combine_send(x, w, sel)
         split = kept(env, op.combine_recv())
-        if not all(torch.equal(a.view(torch.int16 if a.dtype == torch.bfloat16 else torch.int32),
-                               b.view(torch.int16 if b.dtype == torch.bfloat16 else torch.int32))
-                   for a, b in zip(fused, split)):
+        if not same_bits(torch, fused, split):
             errors.append(f"input {i}: combine_send/combine_recv differ from combine")
         if i == 0:
             verify_combine(env, spec, op, fused[0], fused[1], data, cnt, False, 0, torch.bfloat16)
     _raise_on_counters(env, spec, op, cnt, None, "fp8 split phase", upto=1)
     if errors:
         raise CaseFailure("; ".join(errors))
+
+
+def same_bits(torch, xs, ys):
+    """Whether the combine outputs xs and ys (tokens in a 16-bit or fp32 dtype, fp32 weights) are
+    bitwise equal, NaN payloads and signed zeros included."""
+    def bits(t):
+        return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+    return all(torch.equal(bits(a), bits(b)) for a, b in zip(xs, ys))
 
 
 def max_warps(env):
@@ -785,9 +792,7 @@ def case_push_combine_beside_full_gpu(env):
     errors = []
     if not finished:
         errors.append(f"the combine did not finish in {took:.1f} s beside a kernel holding {sms - 1} of {sms} SMs")
-    elif not all(torch.equal(a.view(torch.int16 if a.dtype == torch.bfloat16 else torch.int32),
-                             b.view(torch.int16 if b.dtype == torch.bfloat16 else torch.int32))
-                 for a, b in zip(ref, got)):
+    elif not same_bits(torch, ref, got):
         errors.append("the combine beside the held SMs differs from the same combine on a free GPU")
     if errors:
         raise CaseFailure("; ".join(errors))

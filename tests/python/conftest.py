@@ -55,15 +55,24 @@ def subprocess_env():
 
 
 @pytest.fixture
-def run_case_script(subprocess_env):
+def suite_env(subprocess_env):
+    """Environment for a child running a GPU suite (tests/ops): subprocess_env with this run's
+    MORI_BUILD_DIR. Skips the test where torch is missing."""
+    why = _torch_missing_reason()
+    if why is not None:
+        pytest.skip(why)
+    env = dict(subprocess_env)
+    env["MORI_BUILD_DIR"] = os.environ.get("MORI_BUILD_DIR", "")
+    return env
+
+
+@pytest.fixture
+def run_case_script(suite_env):
     """run_case_script(script, nranks, ncases): runs the GPU worker of test file `script` on
     `nranks` ranks (tests/ops/ep_test_utils.run_case_script); skipped where torch is missing."""
 
     def run(script, nranks, ncases):
-        if importlib.util.find_spec("torch") is None:
-            pytest.skip("NEEDS TORCH: torch is not installed for " + sys.executable)
-        env = dict(subprocess_env)
-        env["MORI_BUILD_DIR"] = os.environ.get("MORI_BUILD_DIR", "")
+        env = dict(suite_env)
         sys.path.insert(0, os.path.join(REPO_ROOT, "tests", "ops"))
         import ep_test_utils as U
 

@@ -11,7 +11,6 @@ Short form: every case, the randomized stress with SHORT_ITERS iterations and SH
 back-to-back iterations. A case the suite skips fails the test, as does a skip of the test itself
 while a GPU is visible (conftest.needs_gpu); without a GPU it skips with the reason."""
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -41,12 +40,9 @@ def _run_id(run):
 
 @needs_gpu
 @pytest.mark.parametrize("run", RUNS, ids=[_run_id(r) for r in RUNS])
-def test_ep_suite_short(run, subprocess_env):
+def test_ep_suite_short(run, suite_env):
     suite, nranks, per_node, kernel_type = run
-    if importlib.util.find_spec("torch") is None:
-        pytest.skip("NEEDS TORCH: torch is not installed for " + sys.executable)
-    env = dict(subprocess_env)
-    env["MORI_BUILD_DIR"] = os.environ.get("MORI_BUILD_DIR", "")
+    env = dict(suite_env)
     env["MORI_EP_STRESS_ITERS"] = str(SHORT_ITERS)
     cmd = [sys.executable, suite, "--nproc", str(nranks), "--b2b-iters", str(SHORT_ITERS)]
     if per_node is not None:
@@ -67,12 +63,9 @@ def test_ep_suite_short(run, subprocess_env):
 
 
 @needs_gpu
-def test_ep_one_rank_cases(subprocess_env):
+def test_ep_one_rank_cases(suite_env):
     """The cases the suites leave out where ranks share a GPU, with one rank (which has its GPU)."""
-    if importlib.util.find_spec("torch") is None:
-        pytest.skip("NEEDS TORCH: torch is not installed for " + sys.executable)
-    env = dict(subprocess_env)
-    env["MORI_BUILD_DIR"] = os.environ.get("MORI_BUILD_DIR", "")
+    env = dict(suite_env)
     for kernel_type in (None, "AsyncLL"):
         cmd = [sys.executable, INTRANODE, "--nproc", "1", "-k", "push_combine_beside_full_gpu"]
         if kernel_type is not None:

@@ -6,7 +6,6 @@ clock alignment, launch selection, slot wrap-around, missing stamps, merging, ar
 GPU part: the suite case tests/ops/ep_intranode_test.py -k phase_trace (enable_trace, checked
 round trips, dumps, JSON checks on every rank) on 2 ranks, sharing a GPU where there is one."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -442,11 +441,8 @@ def test_op_has_the_switch():
 
 # --- GPU: the suite case on 2 ranks ------------------------------------------------------------
 @needs_gpu
-def test_phase_trace_on_gpu(subprocess_env):
-    if importlib.util.find_spec("torch") is None:
-        pytest.skip("NEEDS TORCH: torch is not installed for " + sys.executable)
-    env = dict(subprocess_env)
-    env["MORI_BUILD_DIR"] = os.environ.get("MORI_BUILD_DIR", "")
+def test_phase_trace_on_gpu(suite_env):
+    env = dict(suite_env)
     cmd = [sys.executable, os.path.join(REPO, "tests", "ops", "ep_intranode_test.py"), "--nproc", "2",
            "-k", "phase_trace"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)

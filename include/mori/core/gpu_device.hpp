@@ -1,8 +1,8 @@
 // Device side of the portability layer: function qualifiers, warp geometry (32 lanes on NVIDIA,
 // 64 on AMD) and lane masks, shuffles and ballots, system-scope atomics and fences, bulk copies
 // into shared memory, packing fp32 pairs into 16-bit floats, the grid-dependency wait, clocks and
-// the spin pause. Kernels include
-// core/gpu.hpp, which includes this header; they never test the platform themselves.
+// the spin pause. Kernels include core/gpu.hpp, which includes this header; they never test the
+// platform themselves.
 #pragma once
 
 #include <cstdint>
