@@ -154,10 +154,10 @@ $py -c 'import torch, mori' >/dev/null 2>&1 && pyOk=1
 if [[ -f examples/python/put_get.py ]]; then
   if ! command -v torchrun >/dev/null 2>&1 || [[ $pyOk == 0 ]]; then
     add_row put_get_python SKIPPED "torch/torchrun or mori missing" 0
-  elif [[ $ngpu -lt 2 ]]; then
-    add_row put_get_python SKIPPED "fewer than 2 GPUs" 0
+  elif [[ $ranks -lt 2 ]]; then
+    add_row put_get_python SKIPPED "needs 2 ranks (MORI_TEST_NPES=2 shares a GPU)" 0
   else
-    run put_get_python torchrun --nproc-per-node="$ngpu" examples/python/put_get.py
+    run put_get_python torchrun --nproc-per-node="$ranks" examples/python/put_get.py
   fi
 fi
 

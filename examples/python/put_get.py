@@ -3,6 +3,9 @@ buffer, then reads it back from the previous rank.
 
     torchrun --nproc-per-node=4 examples/python/put_get.py
 
+More ranks than GPUs share them (rank r on GPU r mod count, the process group over gloo, since
+NCCL wants a GPU per rank); peers on the same GPU are mapped as plain device memory.
+
 Shows: shmem init over a torch process group, a symmetric allocation viewed as a torch tensor,
 and peer access through shmem_ptr_p2p (a tensor over the peer's buffer as mapped here; plain
 torch copies then move data over NVLink/xGMI).
@@ -21,8 +24,14 @@ N = 1 << 20  # float32 elements per rank
 
 def main():
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    gpus = torch.cuda.device_count()
+    device = torch.device("cuda", local_rank % gpus)
+    torch.cuda.set_device(device)
+    if local_ranks <= gpus:
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
     # shmem binds to the current GPU and uses the group's collectives for its bootstrap.
     shmem.shmem_torch_process_group_init("default")
     me, npes = shmem.shmem_mype(), shmem.shmem_npes()
