@@ -354,15 +354,18 @@ def verify_combine(env, spec, op, out, out_w, data, cnt, poisoned, it, cdt):
     ref = acc.to(cdt)
     if env.v1 and T > 0:
         # InterNodeV1/V1LL: per node the ascending fp32 sum rounded to the dtype, then the nodes
-        # in ascending order (docs/ep.md); weights the same in fp32.
-        ref = U.v1_combine_reference(torch, rows, masks, env.v1_nodes, cdt)
+        # in ascending order (docs/ep.md); weights the same in fp32. fp8_direct_cast: the nodes
+        # sum the rows' decoded codes.
+        summed = [U.fp8_direct_cast_reference(torch, y, f8) for y in rows] if fp8 else rows
+        ref = U.v1_combine_reference(torch, summed, masks, env.v1_nodes, cdt)
         accw = U.v1_combine_reference(torch, wrows, masks, env.v1_nodes, torch.float32)
     iview = torch.int32 if cdt == torch.float32 else torch.int16
     cnt[C_COMB] += (out.view(iview) != ref.view(iview)).any(1).sum()
     rtol = {torch.float32: 1e-5, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}[cdt]
     if fp8:
         # docs/ep.md's bound against the exact sum of the unquantised rows, where none saturated
-        bound = U.fp8_direct_cast_error_bound(torch, absum, f8, cdt, W)
+        bound = U.fp8_direct_cast_error_bound(torch, absum, f8, cdt, W,
+                                              partials=W // env.v1_nodes if env.v1 else 0)
         cnt[C_COMB64] += ((out.double() - acc64).abs().gt(bound) & ~sat).any(1).sum()
     else:
         cnt[C_COMB64] += (~torch.isclose(out.double(), acc64, rtol=rtol, atol=1e-3)).any(1).sum()
@@ -615,14 +618,6 @@ def case_fp8_direct_cast(env):
     torch = env.torch
     mw = max_warps(env)
     F = "fp8_direct_cast"
-    if env.v1:
-        # InterNodeV1/V1LL combine in the input dtype: the config refuses the quant type on every rank.
-        errors = []
-        expect_usage_error(env.mori, errors, "quant_type fp8_direct_cast on InterNodeV1/V1LL",
-                           lambda: env.new_op(small_cfg(env, quant_type=F)), "fp8_direct_cast is built for")
-        if errors:
-            raise CaseFailure("; ".join(errors))
-        return
     cases = [
         ("bf16 zero-copy (M 512: pull)", Spec(H=7168, M=512, cquant=F, wmode="registered", seed=70)),
         ("bf16 external, gain 200 (saturates), 512-thread blocks",
@@ -643,6 +638,8 @@ def case_fp8_direct_cast(env):
     for label, spec in cases:
         roundtrip(env, spec, label=label)
         env.close_ops()
+    if env.v1:
+        return  # InterNodeV1/V1LL have no split-phase combine (case split_phase_combine)
     # split phase (push combine; InterNode: rows for other nodes by RDMA into the parity's
     # landing): the halves give the fused combine's outputs bit-exactly
     cnt = torch.zeros(len(C_NAMES), dtype=torch.int64, device=env.dev)
@@ -1365,13 +1362,8 @@ def case_config_mismatch_across_ranks(env):
            "PE 1 has num_experts_per_token = 4 but PE 0 has 8")
     expect("max tokens differ on rank 0", small_cfg(env, max_num_inp_token_per_rank=64 if r == 0 else 128),
            "has max_num_inp_token_per_rank = 128 but PE 0 has 64")
-    if env.v1:
-        # InterNodeV1/V1LL refuse fp8_direct_cast: rank 1's own config is invalid
-        expect("quant_type fp8_direct_cast on rank 1 only", small_cfg(env, quant_type="fp8_direct_cast" if r == 1 else "none"),
-               "fp8_direct_cast" if r == 1 else "PE 1 cannot create the EP op")
-    else:
-        expect("quant_type differs on rank 1", small_cfg(env, quant_type="fp8_direct_cast" if r == 1 else "none"),
-               "PE 1 has quant_type = 1 but PE 0 has 0")
+    expect("quant_type differs on rank 1", small_cfg(env, quant_type="fp8_direct_cast" if r == 1 else "none"),
+           "PE 1 has quant_type = 1 but PE 0 has 0")
     # rank 1's own config is invalid: it raises its own error, the others name it
     expect("invalid config on rank 1", small_cfg(env, num_experts_per_token=0 if r == 1 else 8),
            "num_experts_per_token" if r == 1 else "PE 1 cannot create the EP op")

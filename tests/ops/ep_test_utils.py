@@ -487,17 +487,27 @@ def fp8_direct_cast_combine_reference(torch, rows, fp8_dtype, out_dtype):
     return acc.to(out_dtype)
 
 
-def fp8_direct_cast_error_bound(torch, absum, fp8_dtype, out_dtype, n_rows):
+def fp8_direct_cast_bound(absum, fmt, out, n_rows, partials=0):
     """Bound on |combine result - exact sum of the unquantised rows| per element (docs/ep.md) for
-    rows within +-fp8max: absum = sum of |row| over the n_rows summed rows (float64 tensor)."""
-    fnuz = fp8_dtype == getattr(torch, "float8_e4m3fnuz", None)
-    bias = FP8_FORMATS["e4m3fnuz" if fnuz else "e4m3fn"][0]
-    u_out = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}[out_dtype]
-    tiny = 2.0**-25 if out_dtype == torch.float16 else 0.0  # half of fp16's subnormal step
+    rows within +-fp8max: absum = sum of |row| over the n_rows summed rows (a float, or a float64
+    tensor), fmt "e4m3fn" / "e4m3fnuz", out "bf16" / "fp16" / "fp32". partials: sums rounded to
+    `out` before the result (InterNodeV1/V1LL: one per node)."""
+    bias = FP8_FORMATS[fmt][0]
+    u_out = {"bf16": 2.0**-8, "fp16": 2.0**-11, "fp32": 2.0**-24}[out]
+    tiny = 2.0**-25 if out == "fp16" else 0.0  # half of fp16's subnormal step
     # cast: half an e4m3 step (2^-4 relative; 2^(-3-bias) absolute below the smallest normal);
-    # the fp32 sum (n_rows roundings of at most 2^-24 relative); one rounding to out_dtype
-    rel = (2.0**-4 + n_rows * 2.0**-23) * (1 + 2.0**-4) + u_out * (1 + 2.0**-3)
-    return absum * rel + n_rows * 2.0 ** (-3 - bias) + tiny
+    # the fp32 sums (n_rows + partials roundings of at most 2^-24 relative); the partials'
+    # roundings to `out` (together at most u_out of the rows' |sum|), the result's rounding
+    rel = ((2.0**-4 + (n_rows + partials) * 2.0**-23) * (1 + 2.0**-4) +
+           (2 if partials else 1) * u_out * (1 + 2.0**-3))
+    return absum * rel + n_rows * 2.0 ** (-3 - bias) + (1 + partials) * tiny
+
+
+def fp8_direct_cast_error_bound(torch, absum, fp8_dtype, out_dtype, n_rows, partials=0):
+    """fp8_direct_cast_bound for torch dtypes (the GPU suites)."""
+    fnuz = fp8_dtype == getattr(torch, "float8_e4m3fnuz", None)
+    out = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[out_dtype]
+    return fp8_direct_cast_bound(absum, "e4m3fnuz" if fnuz else "e4m3fn", out, n_rows, partials)
 
 
 # --- case tables run by spawned ranks (tests/python/test_engine_call_sequences.py, test_compat_deep_ep.py)

@@ -182,11 +182,6 @@ void EpDispatchCombineConfig::Validate() const {
                 "EpDispatchCombineConfig: quant_type fp8_direct_cast needs hidden_dim to be a "
                 "multiple of %d (combine rows move as %d-byte vectors of e4m3 codes), got %d",
                 kEpFp8CombineAlign, kEpFp8CombineAlign, hiddenDim);
-    // The V1/V1LL combine sums partials in the input dtype: no e4m3 wire (not built).
-    MORI_ENSURE(!IsV1(), InvalidUsageError,
-                "EpDispatchCombineConfig: quant_type fp8_direct_cast is built for kernel_type "
-                "IntraNode and InterNode; %s combines in the input dtype (use quant_type none)",
-                EpKernelTypeName(kernelType));
   }
   for (int ws : {32, 64}) {
     size_t smem = EpDispatchSmemBytes(*this, ws);

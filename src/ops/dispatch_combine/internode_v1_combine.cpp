@@ -1,5 +1,9 @@
 // InterNodeV1 / InterNodeV1LL combine: two-level and deterministic. One kernel; every block takes
 // its share of each phase in order (docs/ep_internode_v1.md §5-7):
+// quant_type fp8_direct_cast: the rows are e4m3 codes in combineInFp8 (EpCombineCastKernel ran
+// first), read over P2P; steps 3 and 4 sum their decoded values in fp32 and round the partials to
+// the combine dtype, which cross the network as without it (docs/ep_internode_v1.md, "FP8
+// combine").
 //   1. Input in place: block 0 signals "ready" to the local PEs. External input: every block waits
 //      until the local PEs finished reading our registered buffer (last combine); the resident
 //      blocks copy the input into it in chunks they claim, and the block that completes the last
@@ -39,7 +43,21 @@ MORI_DEVICE_INLINE int WarpMemberRows(int slot, const uint8_t* const* tok, uint3
   return core::PopCount(members);
 }
 
-template <typename Elem>
+// round(sum of the local PEs' rows[0..n), ascending) over vectors [vb, ve) of a row: rows of the
+// combine dtype, or (kFp8) e4m3 codes of core::Fp8Format fp8Format.
+template <typename Elem, int kThreads, bool kFp8>
+MORI_DEVICE_INLINE void ReduceLocalRows(uint4* out, const uint8_t* const* rows, int n, int vb,
+                                        int ve, int32_t fp8Format) {
+  if constexpr (kFp8) {
+    WarpReduceFp8<Elem, kThreads>(out, rows, n, vb, ve, static_cast<core::Fp8Format>(fp8Format));
+  } else {
+    (void)fp8Format;
+    WarpReduceRows<Elem, kThreads>(out, rows, n, vb, ve);
+  }
+}
+
+// kFp8: a.wireFp8 (a build of its own: the plain build's registers stay those of one reduction).
+template <typename Elem, bool kFp8>
 __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
     EpV1CombineKernel(const EpCombineKernelArgs a) {
   __shared__ const uint8_t* sTok[kEpMaxWorldSize];  // local PE g's combine rows
@@ -72,7 +90,10 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
   const int par = tp.ll ? parity : 0;  // landing set of this call
   uint64_t* const tr = start.trace;
   uint8_t* const L0 = c.symmLocal;
-  const uint64_t ready = EpPackReady(a.tokenSource, a.weightSource, a.dataType, a.rowBytes);
+  const uint32_t wireRow = kFp8 ? a.rowBytes / (16 / Elem::kPerVec) : a.rowBytes;
+  const uint64_t ready =
+      EpPackReady(a.tokenSource, a.weightSource, a.dataType, a.rowBytes,
+                  kFp8 ? static_cast<EpCombineWire>(a.fp8Format + 1) : EpCombineWire::kInput);
   const uint32_t partBytes = EpV1PartialBytes(a.rowBytes, K);
   const int vecs = static_cast<int>(a.rowBytes / 16);
   const int P = a.partsPerToken;
@@ -115,7 +136,6 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
   // Items (record or token x part) are dealt to the grid's warps round robin.
   const int stride = nb * nWarps;
   const int gwarp = b * nWarps + warp;
-
   // ---- 3. proxy: partial sums of our rail peers' tokens --------------------------------------
   for (int m = 0; m < R && sFailed == 0; m++) {
     const int cnt = c.state->v1InRecords[m];
@@ -125,10 +145,11 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
       const int i = item / P;
       const int part = item - i * P;
       const int n = WarpMemberRows(lane < G ? route[static_cast<size_t>(i) * G + lane] : -1, sTok,
-                                   a.rowBytes, sRows[warp]);
+                                   wireRow, sRows[warp]);
       uint8_t* prow = out + static_cast<size_t>(i) * partBytes;
-      WarpReduceRows<Elem, kThreads>(reinterpret_cast<uint4*>(prow), sRows[warp], n,
-                                     EpShareBegin(vecs, part, P), EpShareBegin(vecs, part + 1, P));
+      ReduceLocalRows<Elem, kThreads, kFp8>(reinterpret_cast<uint4*>(prow), sRows[warp], n,
+                                            EpShareBegin(vecs, part, P),
+                                            EpShareBegin(vecs, part + 1, P), a.fp8Format);
       if (part == 0) {
         bool noW = false;
         for (int k = lane; k < K; k += kWarpSize) {
@@ -193,11 +214,12 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
       const int part = item - t * P;
       const int nLocal =
           WarpMemberRows(lane < G ? c.tokenSlot[static_cast<size_t>(t) * W + tp.LocalPe(lane)] : -1,
-                         sTok, a.rowBytes, sRows[warp]);
+                         sTok, wireRow, sRows[warp]);
       if (nLocal > 0)
-        WarpReduceRows<Elem, kThreads>(
+        ReduceLocalRows<Elem, kThreads, kFp8>(
             reinterpret_cast<uint4*>(a.outTokens + static_cast<size_t>(t) * a.rowBytes),
-            sRows[warp], nLocal, EpShareBegin(vecs, part, P), EpShareBegin(vecs, part + 1, P));
+            sRows[warp], nLocal, EpShareBegin(vecs, part, P), EpShareBegin(vecs, part + 1, P),
+            a.fp8Format);
       core::WarpSync();  // the next item rewrites this warp's row list
     }
   }
@@ -325,12 +347,20 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
 
 }  // namespace detail
 
-// One instantiation per element type combine sums (V1 and V1LL are one kernel).
-void LaunchEpV1Combine(const EpCombineKernelArgs& args, EpDataType dataType, int blocks,
-                       int threads, gpuStream_t stream) {
+// Two instantiations per element type combine sums, without and with quant_type fp8_direct_cast
+// (V1 and V1LL are one kernel). fp8_direct_cast: the cast kernel first; this node's PEs read the
+// codes.
+void LaunchEpV1Combine(const EpCombineKernelArgs& in, EpDataType dataType, int blocks, int threads,
+                       gpuStream_t stream) {
+  const int p0 = in.c.rank / in.c.localSize * in.c.localSize;
+  const EpCombineKernelArgs args =
+      LaunchEpCombineCast(in, dataType, p0, p0 + in.c.localSize, blocks, threads, stream);
   detail::WithCombineElem(dataType, [&](auto elem) {
-    MORI_CHECK_GPU(core::GpuLaunchKernel(detail::EpV1CombineKernel<decltype(elem)>, blocks, threads,
-                                         0, stream, args.c.programmatic != 0, args));
+    using Elem = decltype(elem);
+    auto kernel = args.wireFp8 != 0 ? detail::EpV1CombineKernel<Elem, true>
+                                    : detail::EpV1CombineKernel<Elem, false>;
+    MORI_CHECK_GPU(
+        core::GpuLaunchKernel(kernel, blocks, threads, 0, stream, args.c.programmatic != 0, args));
   });
 }
 

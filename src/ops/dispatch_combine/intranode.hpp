@@ -123,7 +123,7 @@ struct EpCombineKernelArgs {
   int32_t staged;         // 1: peer rows arrive by bulk copies into shared memory
   EpCombinePhase phase;   // push combine only: both halves, or one of a split-phase call
   // 1: quant_type fp8_direct_cast. Rows travel as e4m3 codes (fp8Format, a core::Fp8Format) of
-  // rowBytes / element size bytes. Pull and InterNode: every block first casts the input (the
+  // rowBytes / element size bytes. Pull, InterNode and V1: a kernel first casts the input (the
   // copy source, or the buffer tokenSource names) into combineInFp8, which peers read (never
   // staged). Push: rows are cast while pushed, this PE's own rows into its own slots too.
   int32_t wireFp8;
@@ -169,6 +169,13 @@ void LaunchEpDispatch(const EpDispatchKernelArgs& args, EpFamily family, EpIndex
 void PrepareEpCombineStaged();
 void LaunchEpCombine(const EpCombineKernelArgs& args, EpFamily family, EpDataType dataType,
                      int blocks, int threads, gpuStream_t stream);
+// quant_type fp8_direct_cast (args.wireFp8): launches the cast of this PE's combine rows into
+// combineInFp8 (after PEs p0 to p1 - 1, its readers, finished reading the last combine's codes)
+// and returns the arguments of the combine kernel that follows (tokenSource kFp8Wire, no token
+// copy). Otherwise launches nothing and returns args. LaunchEpCombine does this itself.
+EpCombineKernelArgs LaunchEpCombineCast(const EpCombineKernelArgs& args, EpDataType dataType,
+                                        int p0, int p1, int blocks, int threads,
+                                        gpuStream_t stream);
 // Whether the kernels' code for this device waits in EpKernelEnter (then they may be launched
 // programmatically: EpKernelCommon::programmatic).
 bool EpKernelsHaveGridDependency();

@@ -424,15 +424,15 @@ __global__ void __launch_bounds__(kThreads) EpCombineKernel(const EpCombineKerne
   }
 }
 
-// quant_type fp8_direct_cast, pull and InterNode combines: casts this PE's received rows
+// quant_type fp8_direct_cast, pull, InterNode and V1 combines: casts this PE's received rows
 // (a.inTokens, a.inRows readable) into combineInFp8, whose codes peers read in the combine kernel
 // launched right after this one on the same stream (the kernel boundary orders the codes before its
-// ready signal, as for a zero-copy input). First waits until every PE finished reading combineInFp8
-// in the last combine (done tag >= that combine's epoch). A separate kernel: the combine kernel's
-// registers are all taken by its reduction.
+// ready signal, as for a zero-copy input). First waits until the PEs that read combineInFp8, p0 to
+// p1 - 1, finished reading it in the last combine (done tag >= that combine's epoch). A separate
+// kernel: the combine kernel's registers are all taken by its reduction.
 template <typename Elem>
 __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
-    EpCombineCastKernel(const EpCombineKernelArgs a) {
+    EpCombineCastKernel(const EpCombineKernelArgs a, int p0, int p1) {
   __shared__ int sFailed;
   const EpKernelCommon& c = a.c;
   const core::WaitContext wait = c.shmem.wait;
@@ -442,7 +442,7 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
   if (tid == 0) sFailed = 0;
   __syncthreads();
   EpSignal* done = At<EpSignal>(c.symmLocal, c.symm.doneInbox);
-  for (int p = tid; p < c.worldSize; p += static_cast<int>(blockDim.x)) {
+  for (int p = p0 + tid; p < p1; p += static_cast<int>(blockDim.x)) {
     if (!core::WaitUntil(wait, &done[p].tag, CmpOp::kGe, last, p,
                          "EP combine: peer done reading (last combine)"))
       sFailed = 1;
@@ -460,27 +460,36 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
                       static_cast<core::Fp8Format>(a.fp8Format));
 }
 
+// quant_type fp8_direct_cast (in.wireFp8): launches EpCombineCastKernel (readers p0 to p1 - 1)
+// and returns the combine kernel's arguments, which read the codes in place (never staged);
+// otherwise returns `in`.
+template <typename Elem>
+EpCombineKernelArgs CastCombineInput(const EpCombineKernelArgs& in, int p0, int p1, int blocks,
+                                     int threads, gpuStream_t stream) {
+  EpCombineKernelArgs args = in;
+  if (args.wireFp8 == 0) return args;
+  EpCombineKernelArgs cast = args;
+  if (args.copyTokens == 0) {
+    cast.inTokens = args.c.symmLocal + (args.tokenSource == EpCombineSource::kDispatchOut
+                                            ? args.c.symm.dispatchOutTokens
+                                            : args.c.symm.combineInTokens);
+    cast.inRows = args.c.maxRecvRows;
+  }
+  MORI_CHECK_GPU(core::GpuLaunchKernel(EpCombineCastKernel<Elem>, blocks, threads, 0, stream, false,
+                                       cast, p0, p1));
+  args.copyTokens = 0;
+  args.tokenSource = EpCombineSource::kFp8Wire;
+  args.staged = 0;
+  return args;
+}
+
 template <typename Elem>
 void LaunchCombineKernel(const EpCombineKernelArgs& in, EpFamily family, int blocks, int threads,
                          gpuStream_t stream) {
   constexpr int kMaxT = kEpMaxThreadsPerBlock;
   constexpr EpFamily kIntra = EpFamily::kIntraNode;
-  EpCombineKernelArgs args = in;
-  if (args.wireFp8 != 0) {
-    // Cast first; the combine kernel then reads the codes in place (never staged).
-    EpCombineKernelArgs cast = args;
-    if (args.copyTokens == 0) {
-      cast.inTokens = args.c.symmLocal + (args.tokenSource == EpCombineSource::kDispatchOut
-                                              ? args.c.symm.dispatchOutTokens
-                                              : args.c.symm.combineInTokens);
-      cast.inRows = args.c.maxRecvRows;
-    }
-    MORI_CHECK_GPU(
-        core::GpuLaunchKernel(EpCombineCastKernel<Elem>, blocks, threads, 0, stream, false, cast));
-    args.copyTokens = 0;
-    args.tokenSource = EpCombineSource::kFp8Wire;
-    args.staged = 0;
-  }
+  const EpCombineKernelArgs args =
+      CastCombineInput<Elem>(in, 0, in.c.worldSize, blocks, threads, stream);
   auto kernel = family == EpFamily::kInterNode
                     ? EpCombineKernel<Elem, kMaxT, false, EpFamily::kInterNode>
                 : args.staged != 0 ? EpCombineKernel<Elem, kMaxT, true, kIntra>
@@ -514,6 +523,16 @@ void LaunchEpCombine(const EpCombineKernelArgs& args, EpFamily family, EpDataTyp
   detail::WithCombineElem(dataType, [&](auto elem) {
     detail::LaunchCombineKernel<decltype(elem)>(args, family, blocks, threads, stream);
   });
+}
+
+EpCombineKernelArgs LaunchEpCombineCast(const EpCombineKernelArgs& args, EpDataType dataType,
+                                        int p0, int p1, int blocks, int threads,
+                                        gpuStream_t stream) {
+  EpCombineKernelArgs out = args;
+  detail::WithCombineElem(dataType, [&](auto elem) {
+    out = detail::CastCombineInput<decltype(elem)>(args, p0, p1, blocks, threads, stream);
+  });
+  return out;
 }
 
 }  // namespace mori::ops
