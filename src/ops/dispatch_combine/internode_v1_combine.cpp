@@ -57,15 +57,16 @@ MORI_DEVICE_INLINE void ReduceLocalRows(uint4* out, const uint8_t* const* rows, 
 }
 
 // kFp8: a.wireFp8 (a build of its own: the plain build's registers stay those of one reduction).
-template <typename Elem, bool kFp8>
-__global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
-    EpV1CombineKernel(const EpCombineKernelArgs a) {
+// kThreads: the most threads per block the build serves. The plain kernel has a build for <= 256
+// (launches of <= 8 warps, the default), whose 255 registers per thread hold its reductions with
+// next to no spills (the 512-thread build's 128 spill about 2 KB per thread).
+template <typename Elem, bool kFp8, int kThreads>
+__global__ void __launch_bounds__(kThreads) EpV1CombineKernel(const EpCombineKernelArgs a) {
   __shared__ const uint8_t* sTok[kEpMaxWorldSize];  // local PE g's combine rows
   __shared__ const float* sW[kEpMaxWorldSize];      // its weights (nullptr: none)
   __shared__ const uint8_t* sRows[kCombineMaxWarps][kEpMaxWorldSize];
   __shared__ int sFailed;
   __shared__ unsigned sClaim;  // external input: the block's copy chunk (EpCombineCopyInput)
-  constexpr int kThreads = kEpMaxThreadsPerBlock;
 
   const EpKernelCommon& c = a.c;
   const EpKernelStart start = EpBeginKernel(c, EpTraceKind::kCombine, a.partsPerToken);
@@ -347,9 +348,9 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
 
 }  // namespace detail
 
-// Two instantiations per element type combine sums, without and with quant_type fp8_direct_cast
-// (V1 and V1LL are one kernel). fp8_direct_cast: the cast kernel first; this node's PEs read the
-// codes.
+// Three instantiations per element type combine sums (V1 and V1LL are one kernel): plain for
+// blocks of <= 256 threads and of <= kEpMaxThreadsPerBlock, and quant_type fp8_direct_cast (any
+// block size; the cast kernel first, and this node's PEs read the codes).
 void LaunchEpV1Combine(const EpCombineKernelArgs& in, EpDataType dataType, int blocks, int threads,
                        gpuStream_t stream) {
   const int p0 = in.c.rank / in.c.localSize * in.c.localSize;
@@ -357,8 +358,9 @@ void LaunchEpV1Combine(const EpCombineKernelArgs& in, EpDataType dataType, int b
       LaunchEpCombineCast(in, dataType, p0, p0 + in.c.localSize, blocks, threads, stream);
   detail::WithCombineElem(dataType, [&](auto elem) {
     using Elem = decltype(elem);
-    auto kernel = args.wireFp8 != 0 ? detail::EpV1CombineKernel<Elem, true>
-                                    : detail::EpV1CombineKernel<Elem, false>;
+    auto kernel = args.wireFp8 != 0 ? detail::EpV1CombineKernel<Elem, true, kEpMaxThreadsPerBlock>
+                  : threads <= 256  ? detail::EpV1CombineKernel<Elem, false, 256>
+                                    : detail::EpV1CombineKernel<Elem, false, kEpMaxThreadsPerBlock>;
     MORI_CHECK_GPU(
         core::GpuLaunchKernel(kernel, blocks, threads, 0, stream, args.c.programmatic != 0, args));
   });
