@@ -147,9 +147,10 @@ MORI_DEVICE_INLINE void EpV1PublishRows(const EpKernelCommon& c, const EpV1Topo&
   }
 }
 
-template <typename IndexT>
-__global__ void __launch_bounds__(kEpMaxThreadsPerBlock, 1)
-    EpV1DispatchKernel(const EpDispatchKernelArgs a) {
+// kThreads: the most threads per block the build serves. Blocks of <= 256 threads (the default
+// launch) take a build with 255 registers per thread; the 512-thread build's 128 spill.
+template <typename IndexT, int kThreads>
+__global__ void __launch_bounds__(kThreads, 1) EpV1DispatchKernel(const EpDispatchKernelArgs a) {
   extern __shared__ __align__(16) uint8_t smemDyn[];
   __shared__ int sFailed;
   __shared__ int sTotal;
@@ -540,11 +541,17 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock, 1)
 
 }  // namespace detail
 
-// One instantiation per index type (V1 and V1LL are one kernel: args.c.lowLatency).
+// Two instantiations per index type, for blocks of <= 256 threads and of more (V1 and V1LL are
+// one kernel: args.c.lowLatency).
 void LaunchEpV1Dispatch(const EpDispatchKernelArgs& args, EpIndexType indexType, int blocks,
                         int threads, size_t smemBytes, gpuStream_t stream) {
-  auto kernel = indexType == EpIndexType::kInt32 ? detail::EpV1DispatchKernel<int32_t>
-                                                 : detail::EpV1DispatchKernel<int64_t>;
+  constexpr int kMaxT = kEpMaxThreadsPerBlock;
+  const bool narrow = threads <= 256;
+  auto kernel = indexType == EpIndexType::kInt32
+                    ? (narrow ? detail::EpV1DispatchKernel<int32_t, 256>
+                              : detail::EpV1DispatchKernel<int32_t, kMaxT>)
+                    : (narrow ? detail::EpV1DispatchKernel<int64_t, 256>
+                              : detail::EpV1DispatchKernel<int64_t, kMaxT>);
   MORI_CHECK_GPU(core::GpuLaunchKernel(kernel, blocks, threads, smemBytes, stream,
                                        args.c.programmatic != 0, args));
 }

@@ -779,8 +779,9 @@ __global__ void __launch_bounds__(kThreads, 1) EpDispatchKernel(const EpDispatch
 
 }  // namespace detail
 
-// The kernel's instantiations: IntraNode per index type, for blocks of up to 256 threads and of up
-// to kEpMaxThreadsPerBlock; InterNode per index type, one build for any block size.
+// The kernel's instantiations: per family and index type, for blocks of up to 256 threads (255
+// registers per thread: no spills) and of up to kEpMaxThreadsPerBlock (128: the InterNode build
+// spills).
 void LaunchEpDispatch(const EpDispatchKernelArgs& args, EpFamily family, EpIndexType indexType,
                       int blocks, int threads, size_t smemBytes, gpuStream_t stream) {
   using detail::EpDispatchKernel;
@@ -788,8 +789,10 @@ void LaunchEpDispatch(const EpDispatchKernelArgs& args, EpFamily family, EpIndex
   constexpr EpFamily kIntra = EpFamily::kIntraNode, kInter = EpFamily::kInterNode;
   const bool small = threads <= 256;
   const bool i32 = indexType == EpIndexType::kInt32;
-  auto kernel = family == kInter ? (i32 ? EpDispatchKernel<int32_t, kMaxT, kInter>
-                                        : EpDispatchKernel<int64_t, kMaxT, kInter>)
+  auto kernel = family == kInter ? (i32 ? (small ? EpDispatchKernel<int32_t, 256, kInter>
+                                                 : EpDispatchKernel<int32_t, kMaxT, kInter>)
+                                        : (small ? EpDispatchKernel<int64_t, 256, kInter>
+                                                 : EpDispatchKernel<int64_t, kMaxT, kInter>))
                 : i32            ? (small ? EpDispatchKernel<int32_t, 256, kIntra>
                                           : EpDispatchKernel<int32_t, kMaxT, kIntra>)
                                  : (small ? EpDispatchKernel<int64_t, 256, kIntra>
