@@ -1,9 +1,5 @@
 // InterNodeV1 / InterNodeV1LL combine: two-level and deterministic. One kernel; every block takes
 // its share of each phase in order (docs/ep_internode_v1.md §5-7):
-// quant_type fp8_direct_cast: the rows are e4m3 codes in combineInFp8 (EpCombineCastKernel ran
-// first), read over P2P; steps 3 and 4 sum their decoded values in fp32 and round the partials to
-// the combine dtype, which cross the network as without it (docs/ep_internode_v1.md, "FP8
-// combine").
 //   1. Input in place: block 0 signals "ready" to the local PEs. External input: every block waits
 //      until the local PEs finished reading our registered buffer (last combine); the resident
 //      blocks copy the input into it in chunks they claim, and the block that completes the last
@@ -20,6 +16,10 @@
 //   5. The last block completes our WRITEs (quiet: v1PartialOut is rewritten by the next combine),
 //      posts landFree {e} to every rail peer (V1), signals "done reading" to the local PEs and
 //      bumps the epoch.
+// quant_type fp8_direct_cast: the rows are e4m3 codes in combineInFp8 (EpCombineCastKernel ran
+// first), read over P2P; steps 3 and 4 sum their decoded values in fp32 and round the partials to
+// the combine dtype, which cross the network as without it (docs/ep_internode_v1.md, "FP8
+// combine").
 #include "combine_reduce.hpp"
 #include "internode_v1_device.hpp"
 #include "intranode.hpp"
@@ -137,6 +137,7 @@ __global__ void __launch_bounds__(kThreads) EpV1CombineKernel(const EpCombineKer
   // Items (record or token x part) are dealt to the grid's warps round robin.
   const int stride = nb * nWarps;
   const int gwarp = b * nWarps + warp;
+
   // ---- 3. proxy: partial sums of our rail peers' tokens --------------------------------------
   for (int m = 0; m < R && sFailed == 0; m++) {
     const int cnt = c.state->v1InRecords[m];
