@@ -170,9 +170,7 @@ void BuildState(ShmemState& s) {
   s.boot->Allgather(&myRdmaPeers, rdmaPeerCounts.data(), sizeof(int32_t));
   bool anyRdma = false;
   for (int32_t n : rdmaPeerCounts) anyRdma = anyRdma || n > 0;
-  const bool emulate = core::Env().rdmaEmulate;
-  s.heap = std::make_unique<application::SymmetricHeap>(*s.boot, *s.context, core::Env().heapSize,
-                                                        anyRdma && emulate);
+  s.heap = std::make_unique<application::SymmetricHeap>(*s.boot, *s.context, core::Env().heapSize);
   // The internal sync area is the heap's first allocation: offset 0 on every PE, zeroed.
   s.syncAreaOffset = s.heap->Allocator().Allocate(kSyncAreaWords * sizeof(uint64_t), 256);
 

@@ -54,18 +54,14 @@ namespace mori::core {
     "GID table index used for RoCE addressing; -1 = choose automatically (RoCE v2, "              \
     "IPv4-mapped preferred).")                                                                  \
   X(rdmaEmulate, MORI_RDMA_EMULATE, Bool, "0",                                                    \
-    "Execute RDMA work requests with the software queue emulator (test/bring-up mode).")          \
+    "Execute RDMA work requests with the software queue emulator, one NIC process per PE "       \
+    "(test/bring-up mode; every PE on one host).")                                                \
   X(rdmaEmulateChaos, MORI_RDMA_EMULATE_CHAOS, Int, "0",                                          \
     "Emulator chaos mode seed (0 = off): random delays, late completions and queue pairs served " \
     "out of order with each other; order within one QP is kept.")                                 \
   X(rdmaEmulateTrace, MORI_RDMA_EMULATE_TRACE, Int, "0",                                          \
     "Entries of the emulator's trace ring of executed work requests (0 = no trace); the newest "  \
     "are kept, see mori.shmem.rdma_stats().")                                                     \
-  X(rdmaEmulateRunahead, MORI_RDMA_EMULATE_RUNAHEAD, Int, "4",                                   \
-    "With the emulator, EP dispatch/combine calls a PE may have queued on the GPU beyond its "    \
-    "oldest unfinished one before the next call waits on the host (0 = no bound; not applied "    \
-    "during graph capture). The emulator's copies are runtime calls, which a launch into a full " \
-    "queue blocks.")                                                                              \
   X(rdmaDoorbell, MORI_RDMA_DOORBELL, String, "auto",                                             \
     "How GPU threads ring the NIC doorbell (verbs transport): auto = the UAR page mapped for the " \
     "GPU when the driver allows it, else a CPU proxy thread; uar = mapped UAR or fail; cpu = "     \

@@ -171,20 +171,6 @@ inline std::string GpuVersionText(int v) {
 #endif
 }
 
-// Whether kernels' modules are loaded when the process starts using the GPU (true on HIP). CUDA
-// loads lazily unless CUDA_MODULE_LOADING=EAGER; a lazy load may synchronise the context.
-// *setting: the variable's value ("" when unset, "n/a" on HIP).
-inline bool GpuModuleLoadingIsEager(std::string* setting) {
-#if MORI_HIP
-  if (setting != nullptr) *setting = "n/a";
-  return true;
-#else
-  const char* v = std::getenv("CUDA_MODULE_LOADING");
-  if (setting != nullptr) *setting = v != nullptr ? v : "";
-  return v != nullptr && std::strcmp(v, "EAGER") == 0;
-#endif
-}
-
 // NVIDIA sm_90 (Hopper) or later: the devices with bulk asynchronous copies (kHasBulkAsyncCopy)
 // and programmatic dependent launches (GpuLaunchKernel). A kernel must also have been built for
 // sm_90+ to use them (kHasBulkAsyncCopy, GpuKernelHasGridDependency).

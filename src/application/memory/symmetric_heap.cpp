@@ -7,8 +7,10 @@
 
 namespace mori::application {
 
-SymmetricHeap::SymmetricHeap(BootstrapNetwork& boot, const Context& context, uint64_t bytes,
-                             bool mapRdmaPeers)
+static_assert(sizeof(gpuIpcMemHandle_t) == SymmetricHeap::kIpcHandleBytes,
+              "SymmetricHeap keeps IPC handles as kIpcHandleBytes raw bytes");
+
+SymmetricHeap::SymmetricHeap(BootstrapNetwork& boot, const Context& context, uint64_t bytes)
     : size(bytes), allocator(bytes) {
   const int worldSize = boot.WorldSize();
   MORI_ENSURE(bytes >= 4096, InvalidUsageError,
@@ -40,26 +42,20 @@ SymmetricHeap::SymmetricHeap(BootstrapNetwork& boot, const Context& context, uin
     MORI_CHECK_GPU(gpuIpcGetMemHandle(&mine, base));
     std::vector<gpuIpcMemHandle_t> handles(worldSize);
     boot.Allgather(&mine, handles.data(), sizeof(gpuIpcMemHandle_t));
+    ipcHandles.resize(static_cast<size_t>(worldSize) * kIpcHandleBytes);
+    std::memcpy(ipcHandles.data(), handles.data(), ipcHandles.size());
 
     peerBases.assign(worldSize, 0);
-    hostAccessBases.assign(worldSize, 0);
-    const char* myNode = context.Peer(boot.Rank()).nodeId;
     for (int pe = 0; pe < worldSize; pe++) {
       if (pe == boot.Rank()) {
         peerBases[pe] = reinterpret_cast<uintptr_t>(base);
-        hostAccessBases[pe] = peerBases[pe];
         continue;
       }
-      const bool p2p = context.Transport(pe) == TransportType::kP2P;
-      const bool emulatedRdma =
-          mapRdmaPeers && context.Transport(pe) == TransportType::kRdma &&
-          std::strncmp(context.Peer(pe).nodeId, myNode, sizeof(PeerRecord::nodeId)) == 0;
-      if (!p2p && !emulatedRdma) continue;
+      if (context.Transport(pe) != TransportType::kP2P) continue;
       void* mapped = nullptr;
       MORI_CHECK_GPU(gpuIpcOpenMemHandle(&mapped, handles[pe], gpuIpcMemLazyEnablePeerAccess));
       openedHandles.push_back(mapped);
-      hostAccessBases[pe] = reinterpret_cast<uintptr_t>(mapped);
-      if (p2p) peerBases[pe] = hostAccessBases[pe];
+      peerBases[pe] = reinterpret_cast<uintptr_t>(mapped);
     }
     MORI_CHECK_GPU(gpuDeviceSynchronize());
   } catch (...) {
@@ -79,7 +75,6 @@ void SymmetricHeap::CloseMappings() {
   openedHandles.clear();
   for (size_t pe = 0; pe < peerBases.size(); pe++) {
     if (peerBases[pe] != reinterpret_cast<uintptr_t>(base)) peerBases[pe] = 0;
-    if (hostAccessBases[pe] != reinterpret_cast<uintptr_t>(base)) hostAccessBases[pe] = 0;
   }
 }
 

@@ -1,198 +1,43 @@
 // The emulated RDMA transport (MORI_RDMA_EMULATE=1): real mlx5 rings posted by GPU threads,
-// executed by this process's QueueEmulator thread against the peers' heaps through IPC mappings.
+// executed by this PE's emulated NIC, a process of its own (emulated_nic.hpp, mori-emulated-nic).
 //
-// Per RDMA peer and QP, one block of mapped pinned host memory holds the SQ ring, the CQ ring and
-// the QpCounters (doorbell records, mailbox, counters): the GPU writes WQEs and doorbell records
-// there over PCIe, the emulator reads them with host loads and writes CQEs back. Keys are exchanged
-// like real rkeys: every PE registers its own heap with its emulator and publishes {key, base}
-// through the bootstrap; each emulator then registers the peers' heaps under those keys, addressed
-// by the peers' own heap addresses (iova) and touched through this process's IPC mappings.
+// Per RDMA peer and QP, one page-aligned block of shared host memory (a memfd mapped here and in
+// the NIC process, registered here for the GPU) holds the SQ ring, the CQ ring and the QpCounters
+// (doorbell records, mailbox, counters): the GPU writes WQEs and doorbell records there over PCIe,
+// the NIC reads them with host loads and writes CQEs back. Keys are exchanged like real rkeys:
+// every PE's NIC registers that PE's heap and the PE publishes {key, base} through the bootstrap;
+// each NIC then registers the peers' heaps under those keys, addressed by the peers' own heap
+// addresses (iova) and touched through the NIC's IPC mappings of them.
+#include <dlfcn.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <chrono>
-#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <string>
 #include <thread>
 
-#include "mori/application/rdma/queue_emulator.hpp"
+#include "mori/application/rdma/emulated_nic.hpp"
 #include "mori/application/rdma/rdma_transport.hpp"
 #include "mori/core/env.hpp"
 #include "mori/core/gpu_check.hpp"
 #include "mori/core/logging.hpp"
+
+extern char** environ;
 
 namespace mori::application {
 
 namespace {
 
 namespace rdma = core::rdma;
-
-enum EmuAtomicOp : int { kEmuFetchAdd = 0, kEmuCompareSwap = 1 };
-
-__global__ void EmuAtomicKernel(uint64_t* target, uint64_t swapAdd, uint64_t compare, int op,
-                                uint64_t* old) {
-  const uint64_t v = op == kEmuFetchAdd ? core::AtomicFetchAddSystem(target, swapAdd)
-                                        : core::AtomicCasSystem(target, compare, swapAdd);
-  core::AtomicStoreRelaxedSystem(old, v);
-}
-
-// Touches GPU memory (this PE's heap and the peers' heaps through IPC mappings) for the emulator:
-// copies on a high-priority stream of this PE's device (between two GPUs a copy engine moves them;
-// within one GPU CUDA runs a copy kernel, which waits for a free SM while resident kernels hold
-// every SM: tools/bench/copy_beside_spin_probe.cu, so the EP launches leave SMs free), 8-byte
-// atomics through a one-thread kernel (system-scope atomics, as the GPUs' own). Flush() waits for
-// the stream, bounded by MORI_HOST_TIMEOUT_MS, before the emulator publishes a completion.
-// The driver maps streams onto CUDA_DEVICE_MAX_CONNECTIONS hardware work queues, and work in one
-// queue starts in order: a stream of the same queue whose next work waits for this stream's copies
-// (a receive behind an event of an unfinished send) holds them until the device timeout. Enough
-// queues keep that unlikely; nothing here can choose the queue.
-class GpuMemoryAccessor : public EmuMemoryAccessor {
- public:
-  explicit GpuMemoryAccessor(int device) : device(device), timeoutMs(core::Env().hostTimeoutMs) {
-    MORI_CHECK_GPU(gpuSetDevice(device));
-    int least = 0, greatest = 0;
-    MORI_CHECK_GPU(gpuDeviceGetStreamPriorityRange(&least, &greatest));
-    MORI_CHECK_GPU(gpuStreamCreateWithPriority(&stream, gpuStreamNonBlocking, greatest));
-    void* p = nullptr;
-    MORI_CHECK_GPU(gpuHostAlloc(&p, sizeof(uint64_t), gpuHostAllocMapped));
-    oldHost = static_cast<uint64_t*>(p);
-    void* d = nullptr;
-    MORI_CHECK_GPU(gpuHostGetDevicePointer(&d, p, 0));
-    oldDev = static_cast<uint64_t*>(d);
-    // No warm-up launch is needed for the atomic kernel: CreateEmulatedRdmaTransport requires
-    // eager module loading, so it is loaded before any user kernel can be waiting on it.
-  }
-  ~GpuMemoryAccessor() override {
-    (void)gpuSetDevice(device);
-    try {
-      Wait("the last copies and atomics");
-    } catch (const std::exception& e) {
-      // The stream is stuck (a kernel holds every SM): destroying it would block, so leave it.
-      MORI_WARN(kLogRdma, "RDMA emulator: %s; its stream is not destroyed", e.what());
-      return;
-    }
-    (void)gpuStreamDestroy(stream);
-    (void)gpuFreeHost(oldHost);
-  }
-
-  void Copy(void* dst, const void* src, size_t bytes) override {
-    Bind();
-    lastDst = dst;
-    lastSrc = src;
-    lastBytes = bytes;
-    const auto t0 = std::chrono::steady_clock::now();
-    MORI_CHECK_GPU(gpuMemcpyAsync(dst, src, bytes, gpuMemcpyDefault, stream));
-    // Enqueuing must not wait for the GPU. It does while another thread of this process is in a
-    // runtime call that waits for the GPU (a launch waiting for room in a full queue, a device
-    // allocation with peer access on, a synchronous copy to pageable memory: each holds the
-    // runtime's calls from other threads), and every QP of this PE stalls meanwhile: say so, once.
-    const auto ms =
-        std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0)
-            .count();
-    if (ms >= kSlowCallMs && !warnedSlowEnqueue) {
-      warnedSlowEnqueue = true;
-      MORI_WARN(
-          kLogRdma,
-          "RDMA emulator: enqueuing a %zu-byte copy on device %d took %lld ms: another "
-          "thread's runtime call (a launch waiting for room in a full queue, a device "
-          "allocation, a synchronous copy) waited behind kernels that wait for the emulator "
-          "(queue less work behind unfinished RDMA kernels; docs/rdma.md, \"Host run-ahead\")",
-          bytes, device, static_cast<long long>(ms));
-    }
-  }
-  uint64_t FetchAdd64(void* target, uint64_t add) override {
-    return Atomic(target, add, 0, kEmuFetchAdd);
-  }
-  uint64_t CompareSwap64(void* target, uint64_t expected, uint64_t desired) override {
-    return Atomic(target, desired, expected, kEmuCompareSwap);
-  }
-  void Flush() override {
-    Bind();
-    Wait("a copy", true);
-  }
-
- private:
-  void Bind() {
-    // The worker thread is not the thread that created the accessor.
-    thread_local int bound = -1;
-    if (bound != device) {
-      MORI_CHECK_GPU(gpuSetDevice(device));
-      // Another thread may capture a graph in global mode (PyTorch's default) while kernels of
-      // earlier calls wait for this thread's copies; relaxed mode keeps this thread's stream
-      // queries and launches (its own stream, never captured) legal meanwhile.
-      gpuStreamCaptureMode mode = gpuStreamCaptureModeRelaxed;
-      MORI_CHECK_GPU(gpuThreadExchangeStreamCaptureMode(&mode));
-      bound = device;
-    }
-  }
-  uint64_t Atomic(void* target, uint64_t swapAdd, uint64_t compare, int op) {
-    Bind();
-    *reinterpret_cast<volatile uint64_t*>(oldHost) = ~0ull;
-    EmuAtomicKernel<<<1, 1, 0, stream>>>(static_cast<uint64_t*>(target), swapAdd, compare, op,
-                                         oldDev);
-    MORI_CHECK_LAUNCH();
-    Wait("an atomic (needs one free SM on the initiator's GPU)");
-    return *reinterpret_cast<volatile uint64_t*>(oldHost);
-  }
-  // The device holding `p` (-1: unknown).
-  static int DeviceOf(const void* p) {
-    gpuPointerAttributes_t attr{};
-    if (gpuPointerGetAttributes(&attr, p) != gpuSuccess) {
-      (void)gpuGetLastError();
-      return -1;
-    }
-    return attr.device;
-  }
-  // Bounded stream wait: a kernel occupying every SM would keep the atomic kernel from running.
-  // `copy`: the stream's newest work is the copy of Copy()'s last call, named in the warning (a
-  // copy within one GPU runs as a kernel and needs a free SM; between GPUs it does not).
-  void Wait(const char* what, bool copy = false) {
-    // Copies of a few MB take microseconds: one pending for a second is not being served (SMs
-    // or the stream's hardware queue held by other work), and every QP of this PE waits with it.
-    const bool done = core::PollGpuReady(
-        [&] { return gpuStreamQuery(stream); }, timeoutMs, kSlowCallMs,
-        [&] {
-          const char* conn = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
-          if (copy) {
-            MORI_WARN(kLogRdma,
-                      "RDMA emulator: %s on device %d pending for over %d ms (the newest: %zu "
-                      "bytes from device %d to device %d). Causes: kernels holding every SM of "
-                      "this process's share, or this stream sharing a hardware work queue with a "
-                      "stream whose next work waits for RDMA (CUDA_DEVICE_MAX_CONNECTIONS=%s; "
-                      "docs/rdma.md, \"Hardware work queues\")",
-                      what, device, kSlowCallMs, lastBytes, DeviceOf(lastSrc), DeviceOf(lastDst),
-                      conn != nullptr ? conn : "unset");
-          } else {
-            MORI_WARN(kLogRdma,
-                      "RDMA emulator: %s on device %d pending for over %d ms "
-                      "(CUDA_DEVICE_MAX_CONNECTIONS=%s; docs/rdma.md, \"Hardware work queues\")",
-                      what, device, kSlowCallMs, conn != nullptr ? conn : "unset");
-          }
-        });
-    MORI_ENSURE(done, TimeoutError,
-                "RDMA emulator: %s on device %d did not finish within MORI_HOST_TIMEOUT_MS=%lld ms",
-                what, device, static_cast<long long>(timeoutMs));
-  }
-
-  static constexpr int kSlowCallMs = 1000;
-  int device;
-  int64_t timeoutMs;
-  bool warnedSlowEnqueue = false;
-  void* lastDst = nullptr;  // Copy()'s last call, for Wait's warning
-  const void* lastSrc = nullptr;
-  size_t lastBytes = 0;
-  gpuStream_t stream = nullptr;
-  uint64_t* oldHost = nullptr;
-  uint64_t* oldDev = nullptr;
-};
-
-// Published by every PE through the bootstrap.
-struct EmuHeapKey {
-  uint64_t base;
-  uint32_t key;
-  uint32_t pad;
-};
-
-constexpr size_t kPage = 4096;
 
 EmuOptions EmulatorOptionsFromEnv() {
   const core::EnvValues env = core::Env();
@@ -209,133 +54,347 @@ EmuOptions EmulatorOptionsFromEnv() {
   return o;
 }
 
+constexpr size_t kPage = 4096;
 size_t RoundUp(size_t v, size_t to) { return (v + to - 1) / to * to; }
 
-// Mapped pinned host memory, freed on destruction.
-struct PinnedBlock {
+// Host memory shared with the NIC process and mapped for this PE's GPU.
+class SharedRings {
+ public:
+  explicit SharedRings(size_t bytes) : bytes(bytes) {
+    fd = memfd_create("mori-emulated-nic-rings", MFD_CLOEXEC);
+    MORI_CHECK_SYS(fd);
+    try {
+      MORI_CHECK_SYS(ftruncate(fd, static_cast<off_t>(bytes)));
+      void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      MORI_ENSURE(p != MAP_FAILED, SystemError, "mapping %zu bytes of ring memory failed: %s",
+                  bytes, std::strerror(errno));
+      host = static_cast<uint8_t*>(p);
+      MORI_CHECK_GPU(gpuHostRegister(host, bytes, gpuHostRegisterMapped));
+      registered = true;
+      void* d = nullptr;
+      MORI_CHECK_GPU(gpuHostGetDevicePointer(&d, host, 0));
+      dev = static_cast<uint8_t*>(d);
+    } catch (...) {
+      Release();
+      throw;
+    }
+  }
+  ~SharedRings() { Release(); }
+  SharedRings(const SharedRings&) = delete;
+  SharedRings& operator=(const SharedRings&) = delete;
+
+  int fd = -1;
+  size_t bytes;
   uint8_t* host = nullptr;
   uint8_t* dev = nullptr;
-  ~PinnedBlock() {
-    if (host != nullptr) (void)gpuFreeHost(host);
+
+ private:
+  void Release() {
+    if (registered) (void)gpuHostUnregister(host);
+    registered = false;
+    if (host != nullptr) munmap(host, bytes);
+    host = nullptr;
+    if (fd >= 0) close(fd);
+    fd = -1;
   }
+  bool registered = false;
 };
+
+// Where the NIC program is: next to the library holding this code (libmori).
+std::string NicProgramPath() {
+  Dl_info info{};
+  MORI_ENSURE(dladdr(reinterpret_cast<void*>(&CreateEmulatedRdmaTransport), &info) != 0 &&
+                  info.dli_fname != nullptr,
+              SystemError, "MORI_RDMA_EMULATE: cannot tell where libmori is loaded from");
+  std::string dir = info.dli_fname;
+  const size_t slash = dir.rfind('/');
+  dir = slash == std::string::npos ? "." : dir.substr(0, slash);
+  const std::string path = dir + "/" + kEmuNicProgram;
+  MORI_ENSURE(access(path.c_str(), X_OK) == 0, InvalidUsageError,
+              "MORI_RDMA_EMULATE: the emulated NIC program %s is missing or not executable (%s); "
+              "it is built and installed next to libmori",
+              path.c_str(), std::strerror(errno));
+  return path;
+}
+
+// The NIC process: started with the connection and the ring memory, reaped on destruction.
+class NicProcess {
+ public:
+  NicProcess(int ringFd, size_t ringBytes) {
+    const std::string path = NicProgramPath();
+    int sv[2];
+    MORI_CHECK_SYS(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv));
+    // Above the target numbers, so that each dup2 below moves a descriptor (and clears its
+    // close-on-exec flag) instead of meeting itself.
+    const int childConn = fcntl(sv[1], F_DUPFD_CLOEXEC, 16);
+    const int childRing = fcntl(ringFd, F_DUPFD_CLOEXEC, 16);
+    close(sv[1]);
+    auto cleanup = [&] {
+      if (childConn >= 0) close(childConn);
+      if (childRing >= 0) close(childRing);
+    };
+    if (childConn < 0 || childRing < 0) {
+      cleanup();
+      close(sv[0]);
+      MORI_THROW(SystemError, "MORI_RDMA_EMULATE: duplicating descriptors failed: %s",
+                 std::strerror(errno));
+    }
+    posix_spawn_file_actions_t fa;
+    posix_spawnattr_t attr;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_adddup2(&fa, childConn, kEmuNicConnFd);
+    posix_spawn_file_actions_adddup2(&fa, childRing, kEmuNicRingFd);
+    posix_spawnattr_init(&attr);
+    // Signals blocked or handled by this process's threads are not the NIC's.
+    sigset_t none, all;
+    sigemptyset(&none);
+    sigfillset(&all);
+    posix_spawnattr_setsigmask(&attr, &none);
+    posix_spawnattr_setsigdefault(&attr, &all);
+    posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
+    const std::string parent = std::to_string(getpid()), bytes = std::to_string(ringBytes);
+    char* argv[] = {const_cast<char*>(path.c_str()), const_cast<char*>(parent.c_str()),
+                    const_cast<char*>(bytes.c_str()), nullptr};
+    const int rc = posix_spawn(&pid, path.c_str(), &fa, &attr, argv, environ);
+    posix_spawn_file_actions_destroy(&fa);
+    posix_spawnattr_destroy(&attr);
+    cleanup();
+    if (rc != 0) {
+      close(sv[0]);
+      MORI_THROW(SystemError, "MORI_RDMA_EMULATE: starting %s failed: %s", path.c_str(),
+                 std::strerror(rc));
+    }
+    conn = sv[0];
+  }
+  ~NicProcess() {
+    if (conn >= 0) close(conn);
+    // The NIC ends when its connection closes; a bound, then a kill, keep this from hanging.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (!Reaped() && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    if (!Reaped()) {
+      MORI_WARN(kLogRdma, "the emulated NIC process %d did not exit; killing it",
+                static_cast<int>(pid));
+      kill(pid, SIGKILL);
+      while (!Reaped() && std::chrono::steady_clock::now() < deadline + std::chrono::seconds(5))
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  }
+  NicProcess(const NicProcess&) = delete;
+  NicProcess& operator=(const NicProcess&) = delete;
+
+  // The connection, handed to the client (which closes it).
+  int TakeConnection() {
+    const int fd = conn;
+    conn = -1;
+    return fd;
+  }
+  static std::string DescribeExit(void* self) {
+    auto* p = static_cast<NicProcess*>(self);
+    std::lock_guard<std::mutex> lock(p->mu);
+    p->ReapLocked();
+    if (!p->exited) return core::StrFormat("the NIC process %d is still running", (int)p->pid);
+    if (p->status < 0) return core::StrFormat("the NIC process %d has ended", (int)p->pid);
+    if (WIFSIGNALED(p->status))
+      return core::StrFormat("the NIC process %d was killed by signal %d", (int)p->pid,
+                             WTERMSIG(p->status));
+    return core::StrFormat("the NIC process %d exited with status %d", (int)p->pid,
+                           WEXITSTATUS(p->status));
+  }
+
+ private:
+  bool Reaped() {
+    std::lock_guard<std::mutex> lock(mu);
+    ReapLocked();
+    return exited;
+  }
+  void ReapLocked() {
+    if (exited) return;
+    int st = 0;
+    const pid_t r = waitpid(pid, &st, WNOHANG);
+    if (r == pid) {
+      exited = true;
+      status = st;
+    } else if (r < 0 && errno == ECHILD) {
+      exited = true;  // reaped elsewhere (SIGCHLD ignored): the status is unknown
+      status = -1;
+    }
+  }
+  pid_t pid = -1;
+  int conn = -1;
+  std::mutex mu;
+  bool exited = false;
+  int status = 0;
+};
+
+// Published by every PE through the bootstrap: its heap's key, or why its set-up failed.
+struct EmuPeRecord {
+  uint64_t base;
+  uint32_t key;
+  int32_t status;  // kOk, kNoRdma, kFailed
+  char error[240];
+};
+enum : int32_t { kStatusOk = 0, kStatusNoRdma = 1, kStatusFailed = 2 };
+
+void SetError(EmuPeRecord* r, const std::exception& e) {
+  r->status = kStatusFailed;
+  std::snprintf(r->error, sizeof(r->error), "%s", e.what());
+}
+
+// Raises on every PE when any PE failed; this PE's own error first.
+void AgreeOnOutcome(BootstrapNetwork& boot, EmuPeRecord& mine, std::exception_ptr local,
+                    std::vector<EmuPeRecord>& all, const char* step) {
+  boot.Allgather(&mine, all.data(), sizeof(EmuPeRecord));
+  if (local) std::rethrow_exception(local);
+  for (size_t p = 0; p < all.size(); p++) {
+    if (all[p].status == kStatusFailed) {
+      all[p].error[sizeof(all[p].error) - 1] = '\0';
+      MORI_THROW(RemoteError, "PE %zu could not %s: %s", p, step, all[p].error);
+    }
+  }
+}
 
 class EmulatedRdmaTransport : public RdmaTransport {
  public:
   EmulatedRdmaTransport(BootstrapNetwork& boot, const Context& context, const SymmetricHeap& heap,
-                        const RdmaTransportConfig& config) {
+                        const RdmaTransportConfig& config)
+      : heapSize(heap.Size()) {
     rank = boot.Rank();
     const int worldSize = boot.WorldSize();
-    MORI_ENSURE(config.numQpPerPe >= 1 && config.numQpPerPe <= 64, InvalidUsageError,
-                "MORI_NUM_QP_PER_PE=%d is out of range [1, 64]", config.numQpPerPe);
-    MORI_ENSURE(config.sqBlocks >= 4 && config.sqBlocks <= 32768 &&
-                    (config.sqBlocks & (config.sqBlocks - 1)) == 0,
-                InvalidUsageError, "RDMA SQ size %u must be a power of two in [4, 32768]",
-                config.sqBlocks);
-    int device = 0;
-    MORI_CHECK_GPU(gpuGetDevice(&device));
-    const EmuOptions options = EmulatorOptionsFromEnv();
-    emulator =
-        std::make_unique<QueueEmulator>(std::make_unique<GpuMemoryAccessor>(device), options);
-
-    // Keys: our own heap, then everyone's {base, key}.
-    const EmuMemoryRegion mine =
-        emulator->RegisterMemory(rank, heap.Base(), heap.Size(), kEmuAllAccess);
-    lkey = mine.lkey;
-    EmuHeapKey me{reinterpret_cast<uint64_t>(heap.Base()), mine.rkey, 0};
-    std::vector<EmuHeapKey> keys(worldSize);
-    boot.Allgather(&me, keys.data(), sizeof(EmuHeapKey));
-
+    const int64_t timeoutMs = core::Env().hostTimeoutMs;
+    std::vector<int> rdmaPeers;
+    for (int pe = 0; pe < worldSize; pe++)
+      if (context.Transport(pe) == TransportType::kRdma) rdmaPeers.push_back(pe);
     peers.resize(worldSize);
     const uint32_t numCqes = config.sqBlocks;
     const size_t sqBytes = static_cast<size_t>(config.sqBlocks) * 64;
     const size_t cqBytes = static_cast<size_t>(numCqes) * 64;
-    perQp = RoundUp(sqBytes + cqBytes + sizeof(rdma::QpCounters), kPage);
-    int rdmaPeers = 0;
-    for (int pe = 0; pe < worldSize; pe++)
-      rdmaPeers += context.Transport(pe) == TransportType::kRdma;
-    if (rdmaPeers > 0) {
-      const size_t total = perQp * rdmaPeers * config.numQpPerPe;
-      void* p = nullptr;
-      MORI_CHECK_GPU(gpuHostAlloc(&p, total, gpuHostAllocMapped));
-      block.host = static_cast<uint8_t*>(p);
-      std::memset(block.host, 0, total);
-      void* d = nullptr;
-      MORI_CHECK_GPU(gpuHostGetDevicePointer(&d, p, 0));
-      block.dev = static_cast<uint8_t*>(d);
-    }
-    uint32_t nextQpn = 0x100;
-    size_t slot = 0;
-    for (int pe = 0; pe < worldSize; pe++) {
-      if (context.Transport(pe) != TransportType::kRdma) continue;
-      const uintptr_t mapped = heap.HostAccessBase(pe);
-      MORI_ENSURE(mapped != 0, InvalidUsageError,
-                  "MORI_RDMA_EMULATE: rank %d cannot map the heap of PE %d (the emulator needs "
-                  "every PE on this host)",
-                  rank, pe);
-      emulator->RegisterMemoryAs(pe, keys[pe].key, keys[pe].base, reinterpret_cast<void*>(mapped),
-                                 heap.Size(), kEmuAllAccess);
-      RdmaPeerEndpoints& out = peers[pe];
-      out.rkey = keys[pe].key;
-      out.remoteHeapBase = keys[pe].base;
-      for (int q = 0; q < config.numQpPerPe; q++, slot++) {
-        uint8_t* h = block.host + slot * perQp;
-        const uintptr_t shift =
-            reinterpret_cast<uintptr_t>(block.dev) - reinterpret_cast<uintptr_t>(block.host);
-        auto dev = [&](void* hp) {
-          return reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(hp) + shift);
-        };
-        void* sqHost = h;
-        void* cqHost = h + sqBytes;
-        auto* ctrHost = reinterpret_cast<rdma::QpCounters*>(h + sqBytes + cqBytes);
-        EmuInitCqRing(cqHost, numCqes);
-        const uint32_t qpn = nextQpn++;
-        // The endpoint the GPU uses: the same memory through device pointers.
-        rdma::QpEndpoint ep =
-            rdma::MakeEndpoint(dev(sqHost), config.sqBlocks, qpn, dev(cqHost), numCqes,
-                               static_cast<rdma::QpCounters*>(dev(ctrHost)));
-        out.qps.push_back(ep);
-        // The emulator's view: host pointers.
-        const rdma::QpEndpoint hostEp =
-            rdma::MakeEndpoint(sqHost, config.sqBlocks, qpn, cqHost, numCqes, ctrHost);
-        emulator->AddQp(EmuQpFromEndpoint(hostEp, rank, pe));
+    const size_t perQp = RoundUp(sqBytes + cqBytes + sizeof(rdma::QpCounters), kPage);
+    EmuOptions options;
+
+    // Local set-up: the NIC process and this PE's heap registered with it.
+    EmuPeRecord mine{};
+    mine.status = rdmaPeers.empty() ? kStatusNoRdma : kStatusOk;
+    mine.base = reinterpret_cast<uint64_t>(heap.Base());
+    std::exception_ptr localError;
+    if (!rdmaPeers.empty()) {
+      try {
+        MORI_ENSURE(config.numQpPerPe >= 1 && config.numQpPerPe <= 64, InvalidUsageError,
+                    "MORI_NUM_QP_PER_PE=%d is out of range [1, 64]", config.numQpPerPe);
+        MORI_ENSURE(config.sqBlocks >= 4 && config.sqBlocks <= 32768 &&
+                        (config.sqBlocks & (config.sqBlocks - 1)) == 0,
+                    InvalidUsageError, "RDMA SQ size %u must be a power of two in [4, 32768]",
+                    config.sqBlocks);
+        for (int pe : rdmaPeers)
+          MORI_ENSURE(std::strncmp(context.Peer(pe).nodeId, context.Peer(rank).nodeId,
+                                   sizeof(PeerRecord::nodeId)) == 0,
+                      InvalidUsageError,
+                      "MORI_RDMA_EMULATE: rank %d cannot reach PE %d, which runs on another host "
+                      "(the emulated NIC needs every PE on this host)",
+                      rank, pe);
+        options = EmulatorOptionsFromEnv();
+        rings = std::make_unique<SharedRings>(perQp * rdmaPeers.size() * config.numQpPerPe);
+        nic = std::make_unique<NicProcess>(rings->fd, rings->bytes);
+        client = std::make_unique<EmulatedNicClient>(nic->TakeConnection(), timeoutMs,
+                                                     &NicProcess::DescribeExit, nic.get());
+        int device = 0;
+        MORI_CHECK_GPU(gpuGetDevice(&device));
+        char busId[32] = {};
+        MORI_CHECK_GPU(gpuDeviceGetPCIBusId(busId, sizeof(busId), device));
+        client->Init(EmuNicInit{rank, busId, options, timeoutMs});
+        lkey = client->Register(HeapMemory(heap, rank, mine.base));
+        mine.key = lkey;
+      } catch (const std::exception& e) {
+        SetError(&mine, e);
+        localError = std::current_exception();
       }
     }
+    std::vector<EmuPeRecord> all(worldSize);
+    AgreeOnOutcome(boot, mine, localError, all, "start its emulated NIC");
+    if (rdmaPeers.empty()) return;
+
+    // The peers' heaps under their keys, then the queue pairs; agreed again.
+    EmuPeRecord outcome{};
+    try {
+      size_t slot = 0;
+      for (int pe : rdmaPeers) {
+        MORI_ENSURE(all[pe].status == kStatusOk, RemoteError,
+                    "PE %d reaches PE %d through RDMA, but PE %d has no RDMA peers", rank, pe, pe);
+        client->Register(HeapMemory(heap, pe, all[pe].base), all[pe].key);
+        RdmaPeerEndpoints& out = peers[pe];
+        out.rkey = all[pe].key;
+        out.remoteHeapBase = all[pe].base;
+        for (int q = 0; q < config.numQpPerPe; q++, slot++) {
+          EmuNicQp qp;
+          qp.sqOffset = slot * perQp;
+          qp.cqOffset = qp.sqOffset + sqBytes;
+          qp.countersOffset = qp.cqOffset + cqBytes;
+          qp.sqBlocks = config.sqBlocks;
+          qp.numCqes = numCqes;
+          qp.qpn = nextQpn++;
+          qp.pe = rank;
+          qp.remotePe = pe;
+          client->AddQp(qp);  // initialises the CQ ring before any GPU thread sees it
+          out.qps.push_back(rdma::MakeEndpoint(
+              rings->dev + qp.sqOffset, config.sqBlocks, qp.qpn, rings->dev + qp.cqOffset, numCqes,
+              reinterpret_cast<rdma::QpCounters*>(rings->dev + qp.countersOffset)));
+        }
+      }
+      client->Start();
+    } catch (const std::exception& e) {
+      SetError(&outcome, e);
+      localError = std::current_exception();
+    }
+    AgreeOnOutcome(boot, outcome, localError, all, "connect its emulated queue pairs");
     describe =
-        "emulated (QueueEmulator thread, " + std::to_string(config.numQpPerPe) +
-        " QP per peer, SQ " + std::to_string(config.sqBlocks) + " blocks" +
+        "emulated (NIC process, " + std::to_string(config.numQpPerPe) + " QP per peer, SQ " +
+        std::to_string(config.sqBlocks) + " blocks" +
         (options.chaosSeed != 0 ? ", chaos seed " + std::to_string(options.chaosSeed) : "") +
         (options.traceEntries != 0 ? ", trace " + std::to_string(options.traceEntries) : "") + ")";
-    if (rdmaPeers > 0) emulator->Start();
-    MORI_INFO(kLogRdma, "rank %d: RDMA transport %s to %d peers", rank, describe.c_str(),
-              rdmaPeers);
+    MORI_INFO(kLogRdma, "rank %d: RDMA transport %s to %zu peers", rank, describe.c_str(),
+              rdmaPeers.size());
   }
 
   ~EmulatedRdmaTransport() override {
     try {
       Stop();
     } catch (const std::exception& e) {
-      MORI_WARN(kLogRdma, "stopping the RDMA emulator: %s", e.what());
+      MORI_WARN(kLogRdma, "stopping the emulated NIC: %s", e.what());
     }
-    emulator.reset();  // joins the worker (if Stop could not) before the rings go
+    client.reset();  // closes the connection: the NIC process ends
+    nic.reset();     // reaped (bounded) before the ring memory goes
+    rings.reset();
   }
 
   std::string Describe() const override { return describe; }
   uint32_t HeapLkey() const override { return lkey; }
   const std::vector<RdmaPeerEndpoints>& Peers() const override { return peers; }
   void Stop() override {
-    if (emulator && emulator->Running())
-      emulator->Stop(static_cast<int>(core::Env().hostTimeoutMs));
+    if (client && client->Connected() && !stopped) {
+      stopped = true;
+      client->Stop(core::Env().hostTimeoutMs);
+    }
   }
-  std::string FatalError() const override { return emulator ? emulator->FatalError() : ""; }
-  RdmaWireStats WireStats(bool reset) override { return emulator->WireStats(reset); }
+  std::string FatalError() const override { return client ? client->FatalError() : ""; }
+  RdmaWireStats WireStats(bool reset) override {
+    if (client) return client->WireStats(reset);
+    RdmaWireStats none;
+    none.available = true;
+    none.source = "emulated NIC (this PE has no RDMA peers: nothing on the wire)";
+    return none;
+  }
   uint32_t RegisterLocal(void* ptr, size_t bytes) override {
     MORI_ENSURE(ptr != nullptr && bytes > 0, InvalidUsageError,
                 "RDMA buffer registration: empty range (%p, %zu bytes)", ptr, bytes);
     std::lock_guard<std::mutex> lock(userMu);
     MORI_ENSURE(userKeys.count(ptr) == 0, InvalidUsageError,
                 "RDMA buffer registration: %p is already registered", ptr);
-    const uint32_t key = emulator->RegisterMemory(rank, ptr, bytes, kEmuAllAccess).lkey;
+    uint32_t key = 0;
+    if (client) {
+      key = client->Register(BufferMemory(ptr, bytes));
+    } else {
+      key = nextLocalKey++;  // no RDMA peer: no work request will name it
+    }
     userKeys[ptr] = key;
     return key;
   }
@@ -344,20 +403,71 @@ class EmulatedRdmaTransport : public RdmaTransport {
     auto it = userKeys.find(ptr);
     MORI_ENSURE(it != userKeys.end(), InvalidUsageError,
                 "RDMA buffer deregistration: %p is not registered", ptr);
-    emulator->DeregisterMemory(it->second);
+    if (client) client->Deregister(it->second);
     userKeys.erase(it);
   }
 
  private:
+  EmuNicMemory HeapMemory(const SymmetricHeap& heap, int pe, uint64_t base) const {
+    EmuNicMemory m;
+    m.pe = pe;
+    std::memcpy(m.handle, heap.IpcHandle(pe), kEmuNicHandleBytes);
+    m.allocBase = base;
+    m.allocBytes = heapSize;
+    m.base = base;
+    m.length = heapSize;
+    return m;
+  }
+  // A buffer of this PE: the NIC maps the whole allocation holding it through its IPC handle.
+  EmuNicMemory BufferMemory(void* ptr, size_t bytes) const {
+    void* allocBase = ptr;
+    size_t allocBytes = bytes;
+    const gpuError_t rangeErr = core::GpuMemGetAllocationRange(ptr, &allocBase, &allocBytes);
+    if (rangeErr != gpuSuccess) {
+      (void)gpuGetLastError();
+      MORI_ENSURE(rangeErr == gpuErrorNotSupported, InvalidUsageError,
+                  "RDMA buffer registration: %p is not device memory of this process (the "
+                  "emulated NIC reaches device allocations only): %s",
+                  ptr, gpuGetErrorString(rangeErr));
+      allocBase = ptr;  // this runtime cannot tell the allocation: the handle covers it
+      allocBytes = bytes;
+    }
+    gpuIpcMemHandle_t h;
+    std::memset(&h, 0, sizeof(h));
+    const gpuError_t e = gpuIpcGetMemHandle(&h, allocBase);
+    if (e != gpuSuccess) {
+      (void)gpuGetLastError();
+      MORI_THROW(InvalidUsageError,
+                 "RDMA buffer registration: the emulated NIC reaches device memory through IPC "
+                 "handles, and the allocation holding %p has none (%s; e.g. memory from "
+                 "virtual-memory APIs or PyTorch's expandable segments)",
+                 ptr, gpuGetErrorString(e));
+    }
+    static_assert(sizeof(h) == kEmuNicHandleBytes, "an IPC handle is kEmuNicHandleBytes bytes");
+    EmuNicMemory m;
+    m.pe = rank;
+    std::memcpy(m.handle, &h, sizeof(h));
+    m.allocBase = reinterpret_cast<uint64_t>(allocBase);
+    m.allocBytes = allocBytes;
+    m.base = reinterpret_cast<uint64_t>(ptr);
+    m.length = bytes;
+    return m;
+  }
+
   int rank = 0;
+  uint64_t heapSize;
+  uint32_t nextQpn = 0x100;
+  uint32_t nextLocalKey = 0x1000a5;
   std::mutex userMu;
   std::map<void*, uint32_t> userKeys;  // RegisterLocal: buffer -> its key
-  PinnedBlock block;                   // declared before the emulator: destroyed after it
-  std::unique_ptr<QueueEmulator> emulator;
+  // Destroyed in reverse: the client (connection) before the process before the rings.
+  std::unique_ptr<SharedRings> rings;
+  std::unique_ptr<NicProcess> nic;
+  std::unique_ptr<EmulatedNicClient> client;
+  bool stopped = false;
   uint32_t lkey = 0;
   std::vector<RdmaPeerEndpoints> peers;
-  size_t perQp = 0;
-  std::string describe;
+  std::string describe = "emulated (no RDMA peers)";
 };
 
 }  // namespace
@@ -366,16 +476,6 @@ std::unique_ptr<RdmaTransport> CreateEmulatedRdmaTransport(BootstrapNetwork& boo
                                                            const Context& context,
                                                            const SymmetricHeap& heap,
                                                            const RdmaTransportConfig& config) {
-  // CUDA loads a kernel's module at its first launch by default, and a load may synchronise the
-  // context: a launch issued while a kernel spins on RDMA completions would then wait for that
-  // kernel, which waits for the emulator, whose copies wait for the load. Real NICs need no
-  // runtime calls, so only the emulator requires eager loading.
-  std::string loading;
-  MORI_ENSURE(core::GpuModuleLoadingIsEager(&loading), InvalidUsageError,
-              "MORI_RDMA_EMULATE=1 on CUDA needs CUDA_MODULE_LOADING=EAGER in the environment of "
-              "the process before it starts using the GPU (found '%s'): with lazy loading, "
-              "launching a kernel while another waits for emulated RDMA completions can stall both",
-              loading.c_str());
   return std::make_unique<EmulatedRdmaTransport>(boot, context, heap, config);
 }
 

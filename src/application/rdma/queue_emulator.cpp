@@ -122,13 +122,18 @@ QueueEmulator::~QueueEmulator() {
 }
 
 EmuMemoryRegion QueueEmulator::RegisterMemory(int pe, void* base, size_t length, uint32_t access) {
-  MORI_ENSURE(base != nullptr && length > 0, InvalidUsageError,
-              "RegisterMemory: empty region (base %p, length %zu)", base, length);
+  return RegisterMemoryAt(pe, reinterpret_cast<uint64_t>(base), base, length, access);
+}
+
+EmuMemoryRegion QueueEmulator::RegisterMemoryAt(int pe, uint64_t iova, void* access, size_t length,
+                                                uint32_t accessFlags) {
+  MORI_ENSURE(access != nullptr && length > 0, InvalidUsageError,
+              "RegisterMemory: empty region (base %p, length %zu)", access, length);
   std::lock_guard<std::mutex> lock(mu);
   // Keys: index in the upper bits, a constant tag in the low byte (0 is never a key).
   const uint32_t key = (static_cast<uint32_t>(regions.size() + 1) << 8) | 0xa5u;
-  regions.push_back(Region{pe, static_cast<uint8_t*>(base), reinterpret_cast<uint64_t>(base),
-                           length, access, key, true});
+  regions.push_back(
+      Region{pe, static_cast<uint8_t*>(access), iova, length, accessFlags, key, true});
   return EmuMemoryRegion{key, key};
 }
 

@@ -30,52 +30,6 @@ gpuDeviceProp_t DeviceProperties(int device) {
   return prop;
 }
 
-// Bounds how far the host runs ahead of the GPU: before a launch, once `depth` launches recorded
-// here are unfinished, waits (on the host, bounded by MORI_HOST_TIMEOUT_MS) for the oldest. Under
-// graph capture nothing is recorded or waited for (the graph's replays are the caller's to pace).
-class RunAheadBound {
- public:
-  RunAheadBound(int depth, int pe) : events(static_cast<size_t>(depth), nullptr), pe(pe) {
-    for (gpuEvent_t& e : events) MORI_CHECK_GPU(gpuEventCreateWithFlags(&e, gpuEventDisableTiming));
-  }
-  ~RunAheadBound() {
-    for (gpuEvent_t e : events) (void)gpuEventDestroy(e);
-  }
-  RunAheadBound(const RunAheadBound&) = delete;
-  RunAheadBound& operator=(const RunAheadBound&) = delete;
-
-  // Call before a launch on `stream`; returns whether AfterLaunch must record it.
-  bool BeforeLaunch(gpuStream_t stream, const char* what) {
-    if (events.empty()) return false;
-    gpuStreamCaptureStatus capture = gpuStreamCaptureStatusNone;
-    MORI_CHECK_GPU(gpuStreamIsCapturing(stream, &capture));
-    if (capture != gpuStreamCaptureStatusNone) return false;
-    if (recorded < events.size()) return true;
-    gpuEvent_t oldest = events[next];
-    const int64_t timeoutMs = core::Env().hostTimeoutMs;
-    if (core::PollGpuReady([&] { return gpuEventQuery(oldest); }, timeoutMs)) return true;
-    // As every host wait on expiry: make the device waits give up, so the stream drains.
-    shmem::ShmemAbortDeviceWaits();
-    MORI_THROW(TimeoutError,
-               "EP %s on PE %d: the call queued %zu calls earlier did not finish within "
-               "MORI_HOST_TIMEOUT_MS=%lld ms (MORI_RDMA_EMULATE_RUNAHEAD=%zu bounds the calls "
-               "queued ahead); a peer may not have made the matching call; device waits were "
-               "told to abort",
-               what, pe, events.size(), static_cast<long long>(timeoutMs), events.size());
-  }
-  void AfterLaunch(gpuStream_t stream) {
-    MORI_CHECK_GPU(gpuEventRecord(events[next], stream));
-    next = (next + 1) % events.size();
-    recorded = std::min(recorded + 1, events.size());
-  }
-
- private:
-  std::vector<gpuEvent_t> events;
-  int pe;
-  size_t next = 0;      // the slot of the oldest recorded launch once all are in use
-  size_t recorded = 0;  // slots in use
-};
-
 // The push combine reads every input in place, the caller's tensors included (no copy; InterNode
 // copies only the rows it WRITEs to other nodes into registered memory, in the kernel).
 void LaunchPushCombine(EpCombineKernelArgs& k, EpFamily family, const EpCombineArgs& args,
@@ -172,17 +126,11 @@ class InterNodeBackend final : public EpBackend {
                   shmem::TransportTypeName(t));
       emulated = emulated || (t == shmem::TransportType::kRdma && core::Env().rdmaEmulate);
     }
-    // The emulated NIC (MORI_RDMA_EMULATE) moves data with this GPU (a memcpy on one of this
-    // process's streams) while the kernels wait for it: launches leave it half the SMs and are not
-    // programmatic (a kernel launched early holds SMs with waiting blocks).
+    // The emulated NIC (MORI_RDMA_EMULATE) executes atomics, and copies within one GPU, as
+    // kernels of its own process on the GPUs the kernels wait on: launches leave it half the SMs
+    // (which MPS clients share) and are not programmatic (a kernel launched early holds SMs with
+    // waiting blocks).
     programmatic = ProgrammaticAllowed(DeviceProperties(device)) && !emulated;
-    // Its copies are runtime calls from the emulator's thread, and a launch waiting for room in a
-    // full queue holds them up: the launch waits for kernels that wait for those copies.
-    const int64_t depth = core::Env().rdmaEmulateRunahead;
-    MORI_ENSURE(depth >= 0 && depth <= 4096, InvalidUsageError,
-                "MORI_RDMA_EMULATE_RUNAHEAD=%lld is out of range [0, 4096]",
-                static_cast<long long>(depth));
-    if (emulated) runAhead = std::make_unique<RunAheadBound>(static_cast<int>(depth), pe);
     push = EpPushCombineFits(c) && core::Env().epCombinePush;
     // One channel (QP 0 of shmem's QPs to each peer) whatever num_qp_per_pe says: spreading the
     // posts over several QPs (RdmaWrite) has not been run on a GPU yet.
@@ -201,19 +149,16 @@ class InterNodeBackend final : public EpBackend {
 
   void LaunchDispatch(const EpDispatchKernelArgs& k, EpIndexType indexType, int blocks, int threads,
                       size_t smemBytes, gpuStream_t stream) override {
-    const bool record = runAhead && runAhead->BeforeLaunch(stream, "dispatch");
     if (v1) {
       LaunchEpV1Dispatch(k, indexType, blocks, threads, smemBytes, stream);
     } else {
       LaunchEpDispatch(k, EpFamily::kInterNode, indexType, blocks, threads, smemBytes, stream);
     }
-    if (record) runAhead->AfterLaunch(stream);
   }
 
   void LaunchCombine(EpCombineKernelArgs& k, const EpCombineArgs& args, int64_t bufferRows,
                      int blocks, int threads, gpuStream_t stream) override {
     k.staged = 0;
-    const bool record = runAhead && runAhead->BeforeLaunch(stream, "combine");
     if (push) {
       LaunchPushCombine(k, EpFamily::kInterNode, args, bufferRows, blocks, threads, stream);
     } else if (v1) {
@@ -221,7 +166,6 @@ class InterNodeBackend final : public EpBackend {
     } else {
       LaunchEpCombine(k, EpFamily::kInterNode, args.dataType, blocks, threads, stream);
     }
-    if (record) runAhead->AfterLaunch(stream);
   }
 
  private:
@@ -229,7 +173,6 @@ class InterNodeBackend final : public EpBackend {
   bool v1;                // InterNodeV1/V1LL kernels (node-deduplicated), else InterNode's
   bool push = false;      // small-batch InterNode config: combine pushes rows (EpPushCombineFits)
   bool emulated = false;  // some PE is reached through the RDMA emulator
-  std::unique_ptr<RunAheadBound> runAhead;  // emulated only
 };
 
 // The e4m3 encoding of the device's FP8 hardware and frameworks: e4m3fnuz on AMD gfx94x (MI300),

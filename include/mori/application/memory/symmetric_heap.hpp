@@ -15,12 +15,12 @@ namespace mori::application {
 
 class SymmetricHeap {
  public:
+  static constexpr size_t kIpcHandleBytes = 64;
+
   // Collective. Allocates `bytes` on the current GPU (zeroed), exchanges IPC handles and opens
-  // them for every P2P peer. With `mapRdmaPeers` (the RDMA emulator), also for the RDMA peers that
-  // run on this host: those mappings serve host-side access only (HostAccessBase), never kernels'
-  // loads and stores (PeerBase stays 0 for them).
-  SymmetricHeap(BootstrapNetwork& boot, const Context& context, uint64_t bytes,
-                bool mapRdmaPeers = false);
+  // them for every P2P peer. Every PE's handle is kept (IpcHandle): the RDMA emulator's NIC
+  // process opens the heaps of the PEs it serves with them.
+  SymmetricHeap(BootstrapNetwork& boot, const Context& context, uint64_t bytes);
   // Not collective by itself: callers barrier before destroying (peers may still access it).
   ~SymmetricHeap();
   SymmetricHeap(const SymmetricHeap&) = delete;
@@ -43,9 +43,8 @@ class SymmetricHeap {
   // Base of PE pe's heap as mapped in this process; 0 when not load/store reachable.
   uintptr_t PeerBase(int pe) const { return peerBases[pe]; }
   const std::vector<uintptr_t>& PeerBases() const { return peerBases; }
-  // Base of PE pe's heap as mapped in this process for copies issued by the host (P2P peers, and
-  // RDMA peers on this host when constructed with mapRdmaPeers); 0 when not mapped.
-  uintptr_t HostAccessBase(int pe) const { return hostAccessBases[pe]; }
+  // PE pe's IPC handle of its heap (kIpcHandleBytes bytes, the GPU runtime's IpcMemHandle).
+  const uint8_t* IpcHandle(int pe) const { return ipcHandles.data() + pe * kIpcHandleBytes; }
   HeapAllocator& Allocator() { return allocator; }
   const HeapAllocator& Allocator() const { return allocator; }
 
@@ -55,7 +54,7 @@ class SymmetricHeap {
   void* base = nullptr;
   uint64_t size = 0;
   std::vector<uintptr_t> peerBases;
-  std::vector<uintptr_t> hostAccessBases;
+  std::vector<uint8_t> ipcHandles;   // kIpcHandleBytes per PE
   std::vector<void*> openedHandles;  // IPC mappings to close
   HeapAllocator allocator;
 };

@@ -115,6 +115,10 @@ class QueueEmulator {
   // Registers [base, base+length) of PE `pe`; keys are unique per emulator. WQEs address the
   // region by `base` itself.
   EmuMemoryRegion RegisterMemory(int pe, void* base, size_t length, uint32_t access);
+  // The same, for memory WQEs address as `iova` and the emulator touches at `access` (e.g. the
+  // emulator's IPC mapping of memory another process registered at `iova`).
+  EmuMemoryRegion RegisterMemoryAt(int pe, uint64_t iova, void* access, size_t length,
+                                   uint32_t accessFlags);
   // Registers a region of PE `pe` under a key chosen elsewhere (the key that PE's own registration
   // produced, exchanged as a real rkey would be). WQEs address it by `iova` (the address PE `pe`
   // registered, e.g. its heap base in its own process); the emulator touches it at `access`
