@@ -143,7 +143,7 @@ for t in "${tests[@]}"; do
 done
 run put_get_cpp "$build/examples/put_get" ${MORI_TEST_NPES:-}
 # P2P and emulated RDMA peers in one run: 4 PEs in 2 virtual nodes (ranks share GPUs when fewer).
-run shmem_rdma_mixed env MORI_RDMA_EMULATE=1 CUDA_MODULE_LOADING=EAGER \
+run shmem_rdma_mixed env MORI_RDMA_EMULATE=1 \
   "$build/tests/shmem/shmem_rdma_test" --gpu-per-node 2 --npes 4
 
 # The build tree holds the whole package (sources mirrored next to _C); the source tree has no _C.
@@ -184,12 +184,12 @@ if [[ -f tests/ops/ep_internode_test.py ]]; then
   elif [[ $pyOk == 0 ]]; then
     fail_row ep_internode "FAIL" "torch or mori ($build/python) missing"
   else
-    run ep_internode env MORI_RDMA_EMULATE=1 CUDA_MODULE_LOADING=EAGER \
+    run ep_internode env MORI_RDMA_EMULATE=1 \
       "$py" tests/ops/ep_internode_test.py --nproc "$ranks" --gpu-per-node "$perNode"
     # The node-deduplicated kernel types, same suite (combine checked by the two-level formula),
     # and AsyncLL (runs as InterNode across nodes).
     for kt in InterNodeV1 InterNodeV1LL AsyncLL; do
-      run "ep_internode_$kt" env MORI_RDMA_EMULATE=1 CUDA_MODULE_LOADING=EAGER \
+      run "ep_internode_$kt" env MORI_RDMA_EMULATE=1 \
         "$py" tests/ops/ep_internode_test.py --nproc "$ranks" --gpu-per-node "$perNode" \
         --kernel-type "$kt"
     done

@@ -539,7 +539,7 @@ TEST(RdmaEmulator, WaitsAreBoundedWithoutEmulator) {
 }
 
 // The host accessor, whose copies of at least `gateBytes` wait until Release(): an emulator whose
-// enqueue is held up by another thread's runtime call (docs/rdma.md, "Host run-ahead").
+// copies are held up.
 class GatedAccessor : public application::EmuMemoryAccessor {
  public:
   explicit GatedAccessor(size_t gateBytes) : gateBytes(gateBytes) {}

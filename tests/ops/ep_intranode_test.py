@@ -445,10 +445,6 @@ def roundtrip(env, spec, op=None, label="", before_call=None):
             del mm, mm_out
         else:
             outs = op.dispatch(x, w, None if qkw else sc, idx, block_num=db, warp_per_block=dw, **qkw)
-        if env.emulated_rdma:
-            # verify_dispatch's first allocations (cudaMalloc with peer access on) can hold up the
-            # emulator's copies this dispatch waits for (docs/rdma.md, "Host run-ahead").
-            torch.cuda.synchronize()
         verify_dispatch(env, spec, op, outs, data, cnt, poisoned, it)
         # "experts" on this rank
         cdt = env.dt(spec.combine_dtype(it))
@@ -486,10 +482,6 @@ def roundtrip(env, spec, op=None, label="", before_call=None):
         if before_call is not None:
             before_call()
         out, out_w2 = op.combine(cin, cw, idx, block_num=cb, warp_per_block=cwp)
-        if env.emulated_rdma:
-            # verify_combine's allocations can hold up the emulator's copies (the other node's
-            # rows) this combine waits for, as verify_dispatch's above.
-            torch.cuda.synchronize()
         verify_combine(env, spec, op, out, out_w2, data, cnt, poisoned, it, cdt)
         last = (outs, data, it)
         if spec.check_every and (it + 1) % spec.check_every == 0:
@@ -724,11 +716,6 @@ def case_dispatch_only_loop(env):
     cw = out_w * float(r + 1)
     for _ in range(30):
         out, ow = op.combine(outs_tok, cw, IDX[r, : data[4][r]].contiguous())
-        if env.emulated_rdma:
-            # As roundtrip: verify_combine's kernels (a loop over the W ranks) and allocations
-            # queued behind unfinished combines must not hold up the emulator's copies they wait
-            # for (docs/rdma.md, "Host run-ahead").
-            torch.cuda.synchronize()
         verify_combine(env, spec2, op, out, ow, data, cnt, False, 0, cdt)
     _raise_on_counters(env, spec2, op, cnt, None, "combine loop", 30)
 
@@ -809,10 +796,6 @@ def case_combine_back_to_back(env):
         x, w = inputs[i % 2]
         out, ow = op.combine(x, w, sel)
         results.append((out.clone(), ow.clone()))
-    # The checks queue about a thousand small kernels; behind unfinished combines they could fill
-    # the launch queue, and under the RDMA emulator a launch waiting for room blocks the emulator's
-    # copies those combines wait for (docs/rdma.md, MORI_RDMA_EMULATE_RUNAHEAD).
-    torch.cuda.synchronize()
     for i, (out, ow) in enumerate(results):
         scale = 1.0 if i % 2 == 0 else 0.5
         verify_combine(env, spec, op, out * scale, ow * scale, data, cnt, False, 0, cdt)
@@ -820,11 +803,7 @@ def case_combine_back_to_back(env):
 
 
 def kept(env, outs):
-    """Clones of a combine's outputs. Under the RDMA emulator the host synchronises first: an
-    allocation while a combine waits for rows from another node holds up the emulator's copies
-    (docs/rdma.md, "Host run-ahead")."""
-    if env.emulated_rdma:
-        env.torch.cuda.synchronize()
+    """Clones of a combine's outputs."""
     return tuple(t.clone() for t in outs)
 
 
@@ -876,13 +855,6 @@ def case_split_phase_combine(env):
         if errors:
             raise CaseFailure("; ".join(errors))
         return
-    # Under the RDMA emulator no runtime call that holds up its copies (a device allocation that
-    # misses the cache, cuBLAS's first call) may run while a combine waits for rows from another
-    # node (docs/rdma.md, "Host run-ahead"): the matmul is warmed up and writes into `b`, and the
-    # host synchronises before it clones a receive's outputs (and before the warm-up, which would
-    # otherwise run beside the unfinished dispatch above).
-    if env.emulated_rdma:
-        torch.cuda.synchronize()
     a = torch.randn((1024, 1024), device=env.dev)
     b = a @ a
 
@@ -945,12 +917,7 @@ def case_split_phase_combine(env):
 
 def _dispatch_state(env, op, outs):
     """Clones of the valid rows of every dispatch output, the source positions and the
-    per-expert counts (what a split dispatch must reproduce bit for bit). Under the RDMA emulator
-    the host synchronises before it reads the count: a read of device memory into pageable host
-    memory queued behind an unfinished receive holds up the emulator's copies (docs/rdma.md,
-    "Host run-ahead")."""
-    if env.emulated_rdma:
-        env.torch.cuda.synchronize()
+    per-expert counts (what a split dispatch must reproduce bit for bit)."""
     n = int(outs[4].item())
     got = [None if t is None else t[:n].clone().view(env.torch.uint8) for t in outs[:4]]
     return got + [outs[4].clone(), op.get_dispatch_src_token_pos().clone(), op.get_local_expert_count().clone()]
@@ -1020,19 +987,12 @@ def case_split_phase_dispatch(env):
     x, idx, w, sc = (X[r, : Ts[r]].contiguous(), IDX[r, : Ts[r]].contiguous(), WT[r, : Ts[r]].contiguous(),
                      SC[r, : Ts[r]].contiguous())
     cdt = torch.bfloat16
-    # Under the RDMA emulator no runtime call that holds up its copies (a device allocation that
-    # misses the cache, a new stream) may run while a call of this op is unfinished: the combine's
-    # rows from the other node, or the send's own WRITEs, would wait for them until the device
-    # timeout (docs/rdma.md, "Host run-ahead"). So the work between the halves allocates nothing,
-    # and the host synchronises before it allocates behind a combine.
     a = torch.randn((1024, 1024), device=env.dev)
     bm = a @ a
 
     def combined(outs):
         y = expert_fn(outs[0], r, cdt)
         got = op.combine(y, outs[1] * float(r + 1), idx)
-        if env.emulated_rdma:
-            torch.cuda.synchronize()
         return [t.clone() for t in got]
 
     step = host_steps(env)
@@ -2022,10 +1982,6 @@ def standard_moe_roundtrip(env, spec, op=None, label="", external_weights=False)
         else:
             em = op.dispatch_standard_moe(x, w, sc, idx, block_num=db, warp_per_block=dw)
             outs = dispatch_views(env, op, x, w, sc, idx)
-        if env.emulated_rdma:
-            # As roundtrip: the checks' kernels and allocations must not hold up the emulator's
-            # copies this call waits for (docs/rdma.md, "Host run-ahead").
-            torch.cuda.synchronize()
         verify_dispatch(env, spec, op, outs, data, cnt, poisoned, it)
         ids, row_slot = verify_expert_major(env, op, em, outs, cnt_em, em_poisoned)
         cdt = env.dt(spec.combine_dtype(it))
@@ -2038,13 +1994,6 @@ def standard_moe_roundtrip(env, spec, op=None, label="", external_weights=False)
         else:
             out, out_w = op.combine_standard_moe(y, wts, idx, block_num=cb, warp_per_block=cw)
             buf = op.get_registered_combine_input_buffer(cdt, spec.H(it))
-        if env.emulated_rdma:
-            # The references below queue W * K * ~12 small kernels (about 800 at 8 ranks) and
-            # allocate behind the combine: a launch waiting for room in a full queue (or an
-            # allocation) blocks the emulator's copies the combine waits for. Seen with 8 ranks as
-            # 2 x 4 on one H100 (InterNodeV1): every rank's emulator held up until the device
-            # timeout, quiets 3 WQEs short (partials WRITE, landing tail, landFree).
-            torch.cuda.synchronize()
         iview = torch.int32 if cdt == torch.float32 else torch.int16
         ref_in = U.expert_major_combine_input_torch(torch, y, ids, outs[1] * wscale, row_slot, r, Epr)
         valid_row = torch.arange(ids.shape[0], device=env.dev) < outs[4][0]
@@ -2216,9 +2165,6 @@ def case_standard_moe_bad_inputs(env):
     op.dispatch(x, w, None, idx)
     expect("a dispatch since the conversion", lambda: op.convert_combine_input(y), "was not converted")
     op.convert_dispatch_output()
-    # Under the RDMA emulator, a synchronous copy (y.cpu() below) made while kernels wait for the
-    # emulator's copies holds those copies up (docs/rdma.md, "Host run-ahead"): finish first.
-    torch.cuda.synchronize()
     expect("expert_out 2-D", lambda: op.convert_combine_input(y[0]))
     expect("expert_out experts", lambda: op.convert_combine_input(y[:1].contiguous()), "must have shape")
     expect("expert_out rows < max_num_tokens_to_recv", lambda: op.convert_combine_input(y[:, : R - 1].contiguous()), "must have shape")
@@ -2621,7 +2567,7 @@ def main(argv=None, default_kernel_type="IntraNode"):
                    help="kernel family under test (default %(default)s)")
     p.add_argument("--gpu-per-node", type=int, default=0,
                    help="PEs per (virtual) node; InterNode with fewer than the ranks emulates RDMA between "
-                        "nodes (MORI_GPU_PER_NODE, MORI_RDMA_EMULATE=1, CUDA_MODULE_LOADING=EAGER)")
+                        "nodes (MORI_GPU_PER_NODE, MORI_RDMA_EMULATE=1)")
     p.add_argument("--num-qp-per-pe", type=int, default=1,
                    help="config num_qp_per_pe, and shmem's QPs per RDMA peer (MORI_NUM_QP_PER_PE) unless set")
     p.add_argument("--list", action="store_true")
@@ -2634,7 +2580,6 @@ def main(argv=None, default_kernel_type="IntraNode"):
         # set before any rank initialises CUDA.
         os.environ["MORI_GPU_PER_NODE"] = str(args.gpu_per_node)
         os.environ.setdefault("MORI_RDMA_EMULATE", "1")
-        os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
     if args.list:
         for n, _ in CASES:
             print(n)

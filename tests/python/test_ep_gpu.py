@@ -48,7 +48,7 @@ def test_ep_suite_short(run, suite_env):
     if per_node is not None:
         # The inter-node path runs between emulated nodes through the RDMA queue emulator.
         cmd += ["--gpu-per-node", str(per_node)]
-        env.update(MORI_RDMA_EMULATE="1", CUDA_MODULE_LOADING="EAGER")
+        env.update(MORI_RDMA_EMULATE="1")
     if kernel_type is not None:
         cmd += ["--kernel-type", kernel_type]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)

@@ -434,7 +434,7 @@ def test_rdma_stats_count_device_barriers_between_emulated_nodes(chaos, subproce
     import sys
 
     env = dict(subprocess_env)
-    env.update(MORI_GPU_PER_NODE="1", MORI_RDMA_EMULATE="1", CUDA_MODULE_LOADING="EAGER",
+    env.update(MORI_GPU_PER_NODE="1", MORI_RDMA_EMULATE="1",
                MORI_RDMA_EMULATE_TRACE="4", MORI_RDMA_EMULATE_CHAOS=str(chaos),
                MORI_BOOTSTRAP_TIMEOUT="60")
 

@@ -1194,8 +1194,7 @@ int main(int argc, char** argv) {
   }
   setenv("MORI_GPU_PER_NODE", std::to_string(gGpuPerNode).c_str(), 1);
   setenv("MORI_RDMA_EMULATE", "1", 1);
-  setenv("CUDA_MODULE_LOADING", "EAGER", 1);  // the emulator requires it (see docs/rdma.md)
-  setenv("MORI_NUM_QP_PER_PE", "2", 0);       // explicit channels need more than one QP
+  setenv("MORI_NUM_QP_PER_PE", "2", 0);  // explicit channels need more than one QP
   Options opt;
   opt.minPes = gGpuPerNode + 1;  // at least two nodes
   return RunOnAllGpus(

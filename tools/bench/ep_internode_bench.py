@@ -567,7 +567,6 @@ def main():
     if args.num_qp_per_pe != 1:
         os.environ.setdefault("MORI_NUM_QP_PER_PE", str(args.num_qp_per_pe))
     os.environ.setdefault("MORI_RDMA_EMULATE", "1")
-    os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
     return U.launch(worker, args.nproc, args)
 
 

@@ -4,7 +4,7 @@
     python3 tools/bench/ep_split_bench.py                  # one rank (the default)
     python3 tools/bench/ep_split_bench.py --nproc 2        # ranks share the GPUs when fewer
     python3 tools/bench/ep_split_bench.py --tokens 128 --gemm 2048,4096 --fp8
-    MORI_RDMA_EMULATE=1 CUDA_MODULE_LOADING=EAGER MORI_GPU_PER_NODE=1 \
+    MORI_RDMA_EMULATE=1 MORI_GPU_PER_NODE=1 \
         python3 tools/bench/ep_split_bench.py --nproc 2 --kernel-type InterNode --gpu-per-node 1
 
 LL shape (IntraNode, tokens per rank <= 256: what split phase serves): hidden 7168, top-8 of 256
