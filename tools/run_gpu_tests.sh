@@ -46,7 +46,7 @@ trap 'exit 143' TERM
 py=${PYTHON:-python3}
 jobs=$(nproc 2>/dev/null || echo 4)
 tests=(shmem_put_get_test shmem_atomic_test shmem_barrier_test shmem_timeout_test shmem_init_finalize_test shmem_rdma_test)
-targets=("${tests[@]}" put_get shmem_put_bench)
+targets=("${tests[@]}" mori-emulated-nic put_get shmem_put_bench)
 
 # ---- build ----------------------------------------------------------------------------------
 : >"$buildLog"
