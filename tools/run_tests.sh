@@ -69,7 +69,7 @@ if [[ ${gpus:-0} -gt 0 ]]; then
 fi
 
 rc=0
-"$PYTHON" -m pytest -q tests/python tests/ops/test_ep_block_roles.py || rc=$?
+"$PYTHON" -m pytest -q tests/python || rc=$?
 if [[ $rc -eq 5 ]]; then
   echo "run_tests.sh: pytest collected no tests in tests/python" >&2
   exit 1

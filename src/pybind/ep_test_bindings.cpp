@@ -1,12 +1,11 @@
 // mori._C._testing: the host-callable work splits of the EP kernels (src/ops/dispatch_combine),
 // bound so that tests check the functions the kernels call rather than copies of them
-// (tests/python/test_ep_kernel_model.py, tests/python/test_ep_v1_layout.py,
-// tests/ops/test_ep_block_roles.py), the combine's pack of fp32 sums and the software bf16
-// rounding (tests/python/test_ep_combine_pack.py), the two reference kernels of the one-rank
-// benchmark (tools/bench/ep_bench.py --kernel-baselines), and the fault-injection hooks of the GPU
-// suite's failure-mode cases (tests/ops/ep_intranode_test.py: a short device timeout for one op, a
-// wrong RDMA key for one peer). Not an API. Compiled by the GPU compiler: the helpers live in the
-// kernels' device headers.
+// (tests/python/test_ep_kernel_model.py, tests/python/test_ep_v1_layout.py), the combine's pack
+// of fp32 sums and the software bf16 rounding (tests/python/test_ep_combine_pack.py), the two
+// reference kernels of the one-rank benchmark (tools/bench/ep_bench.py --kernel-baselines), and the
+// fault-injection hooks of the GPU suite's failure-mode cases (tests/ops/ep_intranode_test.py: a
+// short device timeout for one op, a wrong RDMA key for one peer). Not an API. Compiled by the GPU
+// compiler: the helpers live in the kernels' device headers.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 

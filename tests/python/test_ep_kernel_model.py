@@ -74,15 +74,52 @@ def share(n, i, parts):
 
 
 def test_block_roles_cover_every_destination():
-    for W in range(1, 9):
+    for W in range(1, 33):
         for nb in range(W, 140):
-            for me in range(W):
+            for me in range(W) if W <= 8 else {0, W // 2, W - 1}:
                 roles = _testing().ep_dispatch_block_roles(nb, W, me)
+                assert len(roles) == nb
                 assert roles[0][0] == me and roles[0][1] == 0  # block 0 leads the local destination
                 for d in range(W):
                     gs = sorted(g for dest, g, _ in roles if dest == d)
                     assert gs == list(range(len(gs))) and len(gs) >= 1, (W, nb, me, d)
                     assert all(G == len(gs) for dest, _, G in roles if dest == d)
+
+
+def _group_sizes(nb, W, me):
+    """{dest: number of dispatch blocks serving it} on PE me."""
+    sizes = {}
+    for d, _, _ in _testing().ep_dispatch_block_roles(nb, W, me):
+        sizes[d] = sizes.get(d, 0) + 1
+    return sizes
+
+
+def test_peer_groups_are_about_twice_the_local_group():
+    # From 3 blocks per destination on, a peer's group is about twice the local one: a block copies
+    # local rows about twice as fast as it streams rows to a peer.
+    for W in range(2, 17):
+        for nb in range(3 * W, 200):
+            for me in {0, W - 1}:
+                sizes = _group_sizes(nb, W, me)
+                local = sizes[me]
+                for d, n in sizes.items():
+                    if d != me:
+                        assert 2 * local <= n <= 2 * local + 2, (W, nb, me, d, local, n)
+
+
+def test_block_roles_round_robin_below_three_blocks_per_destination():
+    for W in range(1, 17):
+        for nb in range(W, 3 * W):
+            sizes = sorted(_group_sizes(nb, W, 0).values())
+            assert sizes[-1] - sizes[0] <= 1, (W, nb, sizes)
+
+
+def test_block_role_arguments_out_of_range_raise():
+    import pytest
+
+    for args in ((0, 0, 1, 0), (4, 4, 2, 0), (0, 4, 2, 2), (0, 4, 0, 0)):
+        with pytest.raises(ValueError):
+            _testing().ep_dispatch_block_role(*args)
 
 
 def simulate(W, epr, routing, grid, warp, n_warps):
