@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -561,11 +562,52 @@ INSTANTIATE_TEST_SUITE_P(WorldSizes, SocketWorldTest, ::testing::Values(2, 3, 4,
                            return "N" + std::to_string(i.param);
                          });
 
+// A port on `ipv4` held for the test without a listener: bound (the kernel picks the port) with
+// SO_REUSEADDR and never listening. No other socket gets the port (binds to port 0 and outgoing
+// connections skip it), while a listener that also sets SO_REUSEADDR, as the bootstrap's root
+// does, may still bind and listen on it. Closes on destruction.
+class HeldPort {
+ public:
+  explicit HeldPort(uint32_t ipv4) {
+    fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd_ < 0) return;
+    int one = 1;
+    sockaddr_in sa{};
+    sa.sin_family = AF_INET;
+    sa.sin_addr.s_addr = ipv4;
+    sa.sin_port = 0;
+    socklen_t len = sizeof(sa);
+    if (setsockopt(fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) != 0 ||
+        bind(fd_, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0 ||
+        getsockname(fd_, reinterpret_cast<sockaddr*>(&sa), &len) != 0) {
+      close(fd_);
+      fd_ = -1;
+      return;
+    }
+    port_ = sa.sin_port;
+  }
+  ~HeldPort() {
+    if (fd_ >= 0) close(fd_);
+  }
+  HeldPort(const HeldPort&) = delete;
+  HeldPort& operator=(const HeldPort&) = delete;
+  bool Ok() const { return fd_ >= 0; }
+  uint16_t Port() const { return port_; }  // network byte order
+
+ private:
+  int fd_ = -1;
+  uint16_t port_ = 0;
+};
+
 TEST(SocketBootstrapTest, RootBindsIdAddressWhenNotRegistered) {
-  // The id's listener is closed here, as if the id came from another process: rank 0 must bind
-  // the id's address itself.
+  // An id whose listener is not registered in this process, as if it came from another process:
+  // rank 0 must bind the id's address itself. The id's own listener is released, and the id then
+  // names a port this test holds (HeldPort), so that nothing else can take it before rank 0 binds.
   SocketUniqueId id = SocketBootstrapNetwork::CreateUniqueId();
   SocketBootstrapNetwork::ReleaseUniqueId(id);
+  HeldPort held(id.ipv4);
+  ASSERT_TRUE(held.Ok()) << "binding a port on the id's address failed: " << std::strerror(errno);
+  id.port = held.Port();
   auto outs = RunProcesses(3, [&](int rank) -> std::string {
     // Rank 0 comes late: the others retry their connection to the root until it has bound.
     if (rank == 0) std::this_thread::sleep_for(std::chrono::milliseconds(300));

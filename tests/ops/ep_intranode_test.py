@@ -2420,7 +2420,7 @@ def worker(rank, world, local_rank, args):
     # take turns on the GPU (time slices), so it is slow.
     local_rank %= max(1, torch.cuda.device_count())
     torch.cuda.set_device(local_rank)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    U.init_process_group(dist, "gloo", rank, world)
     env = Env(rank, world, local_rank, args)
     if args.kernel_type in LL_MAX_TOKENS:
         Spec.max_tokens_cap = LL_MAX_TOKENS[args.kernel_type]

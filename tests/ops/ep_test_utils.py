@@ -4,7 +4,6 @@ deterministic "global" test data (every rank generates every rank's inputs, so r
 no communication)."""
 
 import os
-import socket
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -31,12 +30,19 @@ def import_mori():
     return sys.modules["mori"]
 
 
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
+# Spawned ranks meet through a file store in a fresh temporary folder (launch() sets its path):
+# no TCP port is chosen for them, so nothing else on the machine can take it first.
+STORE_FILE_ENV = "MORI_TEST_STORE_FILE"
+
+
+def init_process_group(dist, backend, rank, world):
+    """The ranks' process group: the file store of launch() for spawned ranks, else torchrun's
+    env:// rendezvous."""
+    path = os.environ.get(STORE_FILE_ENV)
+    if path:
+        dist.init_process_group(backend, init_method="file://" + path, rank=rank, world_size=world)
+    else:
+        dist.init_process_group(backend, rank=rank, world_size=world)
 
 
 def launch(worker, nproc, args):
@@ -45,16 +51,23 @@ def launch(worker, nproc, args):
     if "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ:
         rc = worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"]), args)
         return rc or 0
+    import shutil
+    import tempfile
+
     import torch.multiprocessing as mp
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    ctx = mp.get_context("spawn")
-    q = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_spawned, args=(worker, r, nproc, args, q)) for r in range(nproc)]
-    for p in procs:
-        p.start()
-    _join_or_stop(procs)
+    store_dir = tempfile.mkdtemp(prefix="mori-ranks-")
+    os.environ[STORE_FILE_ENV] = os.path.join(store_dir, "store")  # the spawned ranks inherit it
+    try:
+        ctx = mp.get_context("spawn")
+        q = ctx.SimpleQueue()
+        procs = [ctx.Process(target=_spawned, args=(worker, r, nproc, args, q)) for r in range(nproc)]
+        for p in procs:
+            p.start()
+        _join_or_stop(procs)
+    finally:
+        os.environ.pop(STORE_FILE_ENV, None)
+        shutil.rmtree(store_dir, ignore_errors=True)
     codes = [p.exitcode for p in procs]
     rcs = []
     while not q.empty():
@@ -566,7 +579,7 @@ def setup_case_rank(rank, world, local_rank):
     import torch.distributed as dist
 
     torch.cuda.set_device(local_rank % max(1, torch.cuda.device_count()))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_process_group(dist, "gloo", rank, world)
     return torch, dist, import_mori()
 
 

@@ -1,4 +1,4 @@
-"""Engine shutdown (issue 15): serving engines exit with shmem and their EP ops still alive (vLLM
+"""Engine shutdown: serving engines exit with shmem and their EP ops still alive (vLLM
 never closes its ops), often after destroying the torch process group the bootstrap runs on, and
 ranks exit at their own pace. Every such exit must end promptly, with status 0 and no crash.
 
@@ -7,7 +7,6 @@ then leave in one of the ways below; the test bounds each rank's whole life and 
 for the markers of a crash."""
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -22,9 +21,9 @@ import torch
 import torch.distributed as dist
 import mori
 
-rank, world, mode, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+rank, world, mode, store = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 torch.cuda.set_device(rank % torch.cuda.device_count())
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
 if mode == "socket_bootstrap":
     # shmem on its own socket bootstrap; the process group is gone before the op is created
     ids = [mori.shmem.shmem_get_unique_id() if rank == 0 else None]
@@ -73,22 +72,16 @@ CRASH_MARKERS = ("Segmentation fault", "Fatal Python error", "terminate called",
                  "Aborted", "Traceback")
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @needs_gpu
 @needs_torch
 @pytest.mark.parametrize("mode", MODES)
-def test_ranks_exit_without_closing(mode, subprocess_env):
+def test_ranks_exit_without_closing(mode, subprocess_env, tmp_path):
     world = 2
     env = dict(subprocess_env)
     env.update(MORI_HOST_TIMEOUT_MS="20000", MORI_DEVICE_TIMEOUT_MS="10000", MORI_BOOTSTRAP_TIMEOUT="20")
-    port = str(_free_port())
+    store = str(tmp_path / "store")  # the ranks meet through a file store: no TCP port to pick
     t0 = time.monotonic()
-    procs = [subprocess.Popen([sys.executable, "-c", _RANK, str(r), str(world), mode, port], env=env,
+    procs = [subprocess.Popen([sys.executable, "-c", _RANK, str(r), str(world), mode, store], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(world)]
     outs = []

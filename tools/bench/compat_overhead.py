@@ -92,7 +92,7 @@ class Runner:
         import torch.distributed as dist
 
         torch.cuda.set_device(local_rank % max(1, torch.cuda.device_count()))
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        U.init_process_group(dist, "gloo", rank, world)
         self.U, self.torch, self.dist, self.mori = U, torch, dist, U.import_mori()
         from mori.compat import deep_ep
 

@@ -388,7 +388,7 @@ def worker(rank, world, local_rank, args):
 
     local_rank %= max(1, torch.cuda.device_count())
     torch.cuda.set_device(local_rank)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    U.init_process_group(dist, "gloo", rank, world)
     mori = U.import_mori()
     mori.shmem.shmem_torch_process_group_init("default")
     dev = torch.device("cuda", local_rank)

@@ -394,7 +394,7 @@ def worker(rank, world, local_rank, args):
     import torch.distributed as dist
 
     torch.cuda.set_device(local_rank)
-    dist.init_process_group(backend="cpu:gloo,cuda:nccl", rank=rank, world_size=world)
+    U.init_process_group(dist, "cpu:gloo,cuda:nccl", rank, world)
     tr = mori = None
     try:
         mori = U.import_mori()
