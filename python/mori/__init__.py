@@ -13,6 +13,8 @@ Errors raised by the library are ``mori.MoriError`` subclasses (see ``help(mori.
 InvalidUsageError (also a ValueError), TimeoutError (also the builtin TimeoutError), SystemError
 (an OSError, not the builtin SystemError), GpuRuntimeError, RemoteError, InternalError. Each
 carries ``kind``, ``file``, ``line`` and ``detail``; ``str(e)`` is "file:line: kind: detail".
+``from mori import *`` leaves TimeoutError and SystemError out, so that it does not shadow the
+builtins of those names: write ``mori.TimeoutError`` and ``mori.SystemError``.
 """
 
 import importlib as _importlib
@@ -44,12 +46,11 @@ __version__ = _C.version()
 
 _SUBMODULES = ("shmem", "ops", "info", "compat")
 
+# Not TimeoutError and SystemError: a star import would shadow the builtins of those names.
 __all__ = [
     "__version__",
     "MoriError",
     "InvalidUsageError",
-    "TimeoutError",
-    "SystemError",
     "GpuRuntimeError",
     "RemoteError",
     "InternalError",

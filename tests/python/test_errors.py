@@ -31,6 +31,28 @@ def test_hierarchy():
         assert cls.__module__ == "mori"
 
 
+def test_star_import_keeps_the_builtins():
+    # `from mori import *` must not rebind TimeoutError / SystemError to mori's classes, which
+    # stay reachable as attributes; every other name of __all__ resolves.
+    ns = {}
+    exec("from mori import *", ns)
+    assert "TimeoutError" not in ns and "SystemError" not in ns
+    exec("t, s = TimeoutError, SystemError", ns)
+    assert ns["t"] is builtins.TimeoutError and ns["s"] is builtins.SystemError
+    assert ns["MoriError"] is mori.MoriError and ns["RemoteError"] is mori.RemoteError
+    assert not {"TimeoutError", "SystemError"} & set(mori.__all__)
+    for name in mori.__all__:
+        assert getattr(mori, name) is not None, name
+    assert mori.TimeoutError.__name__ == "TimeoutError" and mori.SystemError.__name__ == "SystemError"
+
+
+def test_package_is_typed():
+    # PEP 561 marker, mirrored into the build tree and packed into the wheel with the sources.
+    import os
+
+    assert os.path.isfile(os.path.join(os.path.dirname(mori.__file__), "py.typed"))
+
+
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_translation_keeps_message(kind):
     with pytest.raises(KINDS[kind]) as info:
