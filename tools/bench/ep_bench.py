@@ -20,6 +20,11 @@ baseline too (NCCL takes one GPU per rank). A block/warp sweep keeps the
 fastest setting per phase; "SMs" = blocks (one block per SM). The baseline is what users write
 without us: count exchange, permutation, all_to_all_single of rows, and back with index_add_.
 The result table is printed last.
+
+--json FILE also writes every figure of the table with its settings (tools/bench/bench_json.py:
+kernel type, ranks, shape, dtype, blocks x warps, µs, GB/s, the baselines of the same run, GPU,
+commit, command line); tools/bench/report.py turns such files into the tables of
+docs/performance.md, tools/bench/plot.py into charts.
 """
 
 import argparse
@@ -29,6 +34,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tests", "ops"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_json as BJ  # noqa: E402
 import ep_test_utils as U  # noqa: E402
 
 HIDDEN, TOPK, EXPERTS, SCALE_DIM = 7168, 8, 256, 56
@@ -50,7 +57,8 @@ class Bench:
         self.dev = torch.device("cuda", local_rank)
         self.mori = U.import_mori()
         self.fp8 = U.fp8_dtype(torch)
-        self.rows = []  # result table
+        self.rows = []  # result table (row())
+        self.settings = {}  # facts of the run for --json
 
     # --- timing ---------------------------------------------------------------------------------
     def time_calls(self, fn, n_inner, n_rep):
@@ -148,9 +156,11 @@ class Bench:
         x, x8, scales, idx, w = self.make_inputs(T, seed=1)
         recv, recv_remote, mask = self.row_counts(idx)
         n_inner, n_rep = (5, 3) if self.args.quick else ((10, 5) if T > 1024 else (50, 5))
+        pdl = getattr(op._handle, "programmatic_launch", "n/a")
+        self.settings.update({f"{name} symmetric MiB per rank": round(symm_mib, 1), "programmatic launch": str(pdl)})
         log(self.rank, f"== {name}: {T} tokens/rank, hidden {HIDDEN}, top-{TOPK} of {EXPERTS}, {self.W} ranks; "
                        f"symmetric memory {symm_mib:.1f} MiB/rank, local {op.local_bytes / 2**20:.1f} MiB/rank; "
-                       f"programmatic launch {getattr(op._handle, 'programmatic_launch', 'n/a')} (MORI_EP_PDL)")
+                       f"programmatic launch {pdl} (MORI_EP_PDL)")
         row_bf16 = HIDDEN * 2
         row_fp8 = HIDDEN + SCALE_DIM * 4
         for kind in dispatch_kinds:
@@ -163,8 +173,9 @@ class Bench:
                 return lambda: op.dispatch(inp, w, sc, idx, block_num=b, warp_per_block=wp)
 
             secs, lw, _ = self.sweep(f"dispatch {kind}", T, launches, fac, n_inner, n_rep)
-            self.record(f"{name} dispatch {kind}", secs, recv * rb, recv_remote * rb, lw)
-            self.kernel_baselines(f"{name} dispatch {kind}", recv * rb, lw, n_inner, n_rep)
+            key = dict(config=name, tokens=T, phase="dispatch", dtype=kind)
+            self.record(key, secs, recv * rb, recv_remote * rb, lw)
+            self.kernel_baselines(key, recv * rb, lw, n_inner, n_rep)
         # combine (BF16, zero-copy): expert output = the dispatched BF16 rows
         outs = op.dispatch(x, w, None, idx)
         buf = op.get_registered_combine_input_buffer(torch.bfloat16, HIDDEN)
@@ -178,8 +189,9 @@ class Bench:
             return lambda: op.combine(buf, wbuf, idx, block_num=b, warp_per_block=wp)
 
         secs, lw, _ = self.sweep("combine BF16", T, launches, cfac, n_inner, n_rep)
-        self.record(f"{name} combine BF16", secs, recv * row_bf16, recv_remote * row_bf16, lw)
-        self.kernel_baselines(f"{name} combine BF16", recv * row_bf16, lw, n_inner, n_rep)
+        key = dict(config=name, tokens=T, phase="combine", dtype="BF16")
+        self.record(key, secs, recv * row_bf16, recv_remote * row_bf16, lw)
+        self.kernel_baselines(key, recv * row_bf16, lw, n_inner, n_rep)
         # correctness spot check: combine of unchanged rows = x * (number of destination ranks)
         out, _ = op.combine(buf, wbuf, idx)
         ndest = mask.sum(1, keepdim=True).float()
@@ -190,13 +202,13 @@ class Bench:
         ext = outs[0][:recv].clone() if recv > 0 else outs[0][:1].clone()
         secs_ext = self.time_calls(lambda: op.combine(ext, None, idx, block_num=lw[0], warp_per_block=lw[1]), n_inner, n_rep)
         secs_ext = max(self.allgather(secs_ext))
-        self.record(f"{name} combine BF16 (external input)", secs_ext, recv * row_bf16, recv_remote * row_bf16, lw)
+        self.record(dict(key, variant="external input"), secs_ext, recv * row_bf16, recv_remote * row_bf16, lw)
         if not self.args.no_baseline and not self.shared:
             self.baseline(name, x, x8, scales, idx, w, recv, recv_remote, dispatch_kinds)
         op.close()
         return symm_mib
 
-    def kernel_baselines(self, label, nbytes, launch, n_inner, n_rep):
+    def kernel_baselines(self, key, nbytes, launch, n_inner, n_rep):
         """--kernel-baselines: in the same run, the library's plain grid copy of the phase's logical
         bytes (read once, written once) on the phase's best blocks x warps, and an empty kernel,
         both replayed in CUDA graphs like the phase. The copy sets what one rank's kernel could
@@ -218,15 +230,16 @@ class Bench:
         if not torch.equal(dst, src):
             raise RuntimeError("kernel baseline: the grid copy did not copy")
         secs = max(self.allgather(secs))
-        self.record(f"{label} [copy kernel]", secs, nbytes, 0, launch)
+        self.record(dict(key, impl="copy kernel"), secs, nbytes, 0, launch)
         secs = self.time_calls(lambda: t.empty_kernel(1, 32, torch.cuda.current_stream().cuda_stream), 50, n_rep)
-        self.record(f"{label} [empty kernel]", max(self.allgather(secs)), 0, 0, (1, 1))
+        self.record(dict(key, impl="empty kernel"), max(self.allgather(secs)), 0, 0, (1, 1))
 
-    def record(self, label, secs, logical, physical, launch):
+    def record(self, key, secs, logical, physical, launch):
+        """One figure: `key` = config, tokens, phase, dtype (+ variant, impl); every rank calls it
+        (the GB/s gather the ranks' byte counts)."""
         gl = [b / secs / 1e9 for b in self.allgather(logical)]
         gp = [b / secs / 1e9 for b in self.allgather(physical)]
-        self.rows.append(dict(label=label, us=secs * 1e6, gl_mean=statistics.mean(gl), gl_min=min(gl),
-                              gp_mean=statistics.mean(gp), launch=launch))
+        self.rows.append(row(key, secs * 1e6, statistics.mean(gl), min(gl), statistics.mean(gp), launch))
 
     # --- torch baseline -------------------------------------------------------------------------
     def baseline(self, name, x, x8, scales, idx, w, recv, recv_remote, kinds):
@@ -271,19 +284,13 @@ class Bench:
                 fn = lambda xs=xs: dispatch(xs)  # noqa: E731
                 rb = HIDDEN + SCALE_DIM * 4
             secs = max(self.allgather(self.time_eager(fn, n_inner, n_rep)))
-            self.rows.append(dict(label=f"{name} dispatch {kind} [torch]", us=secs * 1e6,
-                                  gl_mean=statistics.mean(b / secs / 1e9 for b in self.allgather(recv * rb)),
-                                  gl_min=min(b / secs / 1e9 for b in self.allgather(recv * rb)),
-                                  gp_mean=statistics.mean(b / secs / 1e9 for b in self.allgather(recv_remote * rb)),
-                                  launch=None))
+            key = dict(config=name, tokens=x.shape[0], phase="dispatch", dtype=kind, impl="torch")
+            self.record(key, secs, recv * rb, recv_remote * rb, None)
         state = dispatch(x)
         secs = max(self.allgather(self.time_eager(lambda: combine(state), n_inner, n_rep)))
         rb = HIDDEN * 2
-        self.rows.append(dict(label=f"{name} combine BF16 [torch]", us=secs * 1e6,
-                              gl_mean=statistics.mean(b / secs / 1e9 for b in self.allgather(recv * rb)),
-                              gl_min=min(b / secs / 1e9 for b in self.allgather(recv * rb)),
-                              gp_mean=statistics.mean(b / secs / 1e9 for b in self.allgather(recv_remote * rb)),
-                              launch=None))
+        key = dict(config=name, tokens=x.shape[0], phase="combine", dtype="BF16", impl="torch")
+        self.record(key, secs, recv * rb, recv_remote * rb, None)
 
     def time_eager(self, fn, n_inner, n_rep):
         torch, dist = self.torch, self.dist
@@ -298,6 +305,65 @@ class Bench:
             torch.cuda.synchronize()
             times.append((time.perf_counter() - t0) / n_inner)
         return statistics.median(times)
+
+
+def row_label(key):
+    """The table's phase label: "HT dispatch BF16", "HT combine BF16 (external input)",
+    "HT dispatch FP8 [copy kernel]"."""
+    label = f"{key['config']} {key['phase']} {key['dtype']}"
+    if key.get("variant"):
+        label += f" ({key['variant']})"
+    if key.get("impl", "mori") != "mori":
+        label += f" [{key['impl']}]"
+    return label
+
+
+def row(key, us, gl_mean, gl_min, gp_mean, launch):
+    """One printed figure (a dict: the key's fields, label, us, GB/s, launch)."""
+    r = dict(variant="", impl="mori")
+    r.update(key)
+    r.update(label=row_label(r), us=us, gl_mean=gl_mean, gl_min=gl_min, gp_mean=gp_mean,
+             launch=tuple(launch) if launch else None)
+    return r
+
+
+def records(rows, ranks, linked, shared, kernel_type="IntraNode"):
+    """The rows as bench_json records: every figure with its settings; a mori row carries the
+    baselines of the same run and phase ({impl: us}). `linked`: rows crossed a link (physical GB/s
+    means something)."""
+    base = {}
+    for r in rows:
+        if r["impl"] != "mori":
+            base.setdefault((r["config"], r["phase"], r["dtype"]), {})[r["impl"]] = r["us"]
+    out = []
+    for r in rows:
+        baselines = {}
+        if r["impl"] == "mori":
+            baselines = dict(base.get((r["config"], r["phase"], r["dtype"]), {}))
+            if r["variant"]:  # the kernel baselines time the zero-copy phase's bytes and launch
+                baselines = {k: v for k, v in baselines.items() if k == "torch"}
+        launch = r["launch"]
+        out.append(BJ.make_record(
+            impl=r["impl"], kernel_type=kernel_type, config=r["config"], phase=r["phase"], variant=r["variant"],
+            dtype=r["dtype"].lower(), ranks=ranks, nodes=1, gpus_per_node=ranks, ranks_share_gpus=bool(shared),
+            tokens=int(r["tokens"]), hidden=HIDDEN, topk=TOPK, experts=EXPERTS,
+            blocks=int(launch[0]) if launch and r["impl"] != "empty kernel" else None,
+            warps=int(launch[1]) if launch and r["impl"] != "empty kernel" else None,
+            us=round(float(r["us"]), 3), logical_gbps=round(float(r["gl_mean"]), 2) if r["gl_mean"] else None,
+            logical_gbps_min=round(float(r["gl_min"]), 2) if r["gl_min"] else None,
+            physical_gbps=round(float(r["gp_mean"]), 2) if linked and r["impl"] in ("mori", "torch") else None,
+            baselines=baselines))
+    return out
+
+
+def json_document(rows, *, ranks, linked, shared, gpu, gpus, sm_count, settings, argv=None, launcher="python3",
+                  kernel_type="IntraNode"):
+    """The --json document of one run (bench_json schema)."""
+    run = BJ.make_run(tool="tools/bench/ep_bench.py", command=BJ.command_line(argv, launcher), commit=BJ.git_commit(),
+                      machine=BJ.machine_kind(gpu, gpus), gpu=gpu, gpus=gpus, sm_count=sm_count,
+                      settings=settings, date=BJ.utc_now(),
+                      records=records(rows, ranks, linked, shared, kernel_type))
+    return BJ.document([run])
 
 
 def print_results(rows, symm, setup, linked, four_gpus):
@@ -372,7 +438,7 @@ def worker(rank, world, local_rank, args):
     shared = world > ngpus
     local_rank %= max(1, ngpus)
     torch.cuda.set_device(local_rank)
-    dist.init_process_group(backend="gloo" if shared else "cpu:gloo,cuda:nccl", rank=rank, world_size=world)
+    U.init_process_group(dist, "gloo" if shared else "cpu:gloo,cuda:nccl", rank, world)
     b = Bench(rank, world, local_rank, args, shared)
     mori = b.mori
     mori.shmem.shmem_torch_process_group_init("default")
@@ -395,7 +461,15 @@ def worker(rank, world, local_rank, args):
                                   launch_grid("ll", world, args.max_sms, sm_count, max_warps, args.ll_grid))
     mori.shmem.shmem_finalize()
     if rank == 0:
-        print_results(b.rows, symm, setup, linked=world > 1 and not shared, four_gpus=world == 4 and not shared)
+        linked = world > 1 and not shared
+        print_results(b.rows, symm, setup, linked=linked, four_gpus=world == 4 and not shared)
+        if args.json:
+            settings = dict(b.settings, torch=torch.__version__, mori=getattr(mori, "__version__", "?"),
+                            gpus_used=n_used, ht_sm_cap=args.max_sms, quick=bool(args.quick))
+            doc = json_document(b.rows, ranks=world, linked=linked, shared=shared, gpu=gpu_name, gpus=n_used,
+                                sm_count=sm_count, settings=settings, argv=args.argv, launcher=args.launcher)
+            BJ.write(args.json, doc)
+            print(f"wrote {sum(len(r['records']) for r in doc['runs'])} records to {args.json}")
     dist.barrier()
     dist.destroy_process_group()
     return 0
@@ -410,11 +484,19 @@ def main():
     p.add_argument("--ht-grid", default="", help='HT sweep "blocks,...:warps,..." (e.g. "20,24:16")')
     p.add_argument("--ll-grid", default="", help='LL sweep "blocks,...:warps,..." (e.g. "64,132:4,8")')
     p.add_argument("--no-baseline", action="store_true")
+    p.add_argument("--json", metavar="FILE", default="",
+                   help="also write every figure with its settings as JSON (tools/bench/bench_json.py); "
+                        "tools/bench/report.py makes markdown tables of such files, plot.py charts")
     p.add_argument("--kernel-baselines", action="store_true",
                    help="also time the library's grid copy of each phase's bytes on its best launch, and "
                         "an empty kernel (one-rank kernel efficiency; the last column of a [copy kernel] "
                         "row is copy time / phase time)")
     args = p.parse_args()
+    args.argv = list(sys.argv)  # the command line as typed, for --json
+    args.launcher = (f"torchrun --nproc-per-node={os.environ.get('LOCAL_WORLD_SIZE', os.environ['WORLD_SIZE'])}"
+                     if "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ else "python3")
+    if args.json:
+        args.json = os.path.abspath(args.json)
     nproc = args.nproc
     if nproc <= 0 and "LOCAL_RANK" not in os.environ:
         import torch
