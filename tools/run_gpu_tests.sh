@@ -2,7 +2,9 @@
 # GPU test run on all local GPUs: the shmem GPU test programs, the C++ example, the Python example
 # (when examples/python/put_get.py exists and torch imports), the EP correctness suites
 # (tests/ops/ep_intranode_test.py, and tests/ops/ep_internode_test.py between emulated nodes where
-# that file exists; every kernel type, AsyncLL included) and the put benchmark.
+# that file exists; every kernel type, AsyncLL included), the engine-loop suite
+# (tests/ops/ep_engine_loop_test.py: steps without host synchronisation, per kernel type) and the
+# put benchmark.
 #
 #   tools/run_gpu_tests.sh [--mps] [BUILD_DIR]        default BUILD_DIR: build-gpu
 #
@@ -193,6 +195,35 @@ if [[ -f tests/ops/ep_internode_test.py ]]; then
         "$py" tests/ops/ep_internode_test.py --nproc "$ranks" --gpu-per-node "$perNode" \
         --kernel-type "$kt"
     done
+  fi
+fi
+
+# The engine-loop suite, full form (300 steps without host synchronisation, a CUDA graph replayed
+# 100 times; bad_expert_id on rows of its own): IntraNode and AsyncLL on one node, the inter-node
+# kernel types and AsyncLL between emulated nodes (half the ranks per node).
+if [[ -f tests/ops/ep_engine_loop_test.py ]]; then
+  loop=(tests/ops/ep_engine_loop_test.py --nproc "$ranks")
+  emu=(env MORI_RDMA_EMULATE=1)
+  if [[ $ngpu -lt 1 ]]; then
+    add_row engine_loop SKIPPED "no GPU" 0
+  elif [[ $pyOk == 0 ]]; then
+    fail_row engine_loop "FAIL" "torch or mori ($build/python) missing"
+  else
+    for kt in IntraNode AsyncLL; do
+      run "engine_loop_$kt" "$py" "${loop[@]}" --kernel-type "$kt" -k engine_loop -k cuda_graph
+    done
+    run engine_loop_bad_id "$py" "${loop[@]}" --kernel-type IntraNode --kernel-type AsyncLL -k bad_expert_id
+    if [[ $ranks -lt 2 ]]; then
+      add_row engine_nodes SKIPPED "needs 2 ranks (MORI_TEST_NPES=4 shares a GPU)" 0
+    else
+      perNode=$((ranks % 2 == 0 ? ranks / 2 : 1))
+      for kt in InterNode InterNodeV1 InterNodeV1LL AsyncLL; do
+        run "engine_nodes_$kt" "${emu[@]}" "$py" "${loop[@]}" --gpu-per-node "$perNode" --kernel-type "$kt" \
+          -k engine_loop -k cuda_graph
+      done
+      run engine_nodes_bad_id "${emu[@]}" "$py" "${loop[@]}" --gpu-per-node "$perNode" --kernel-type InterNode \
+        --kernel-type InterNodeV1 --kernel-type InterNodeV1LL --kernel-type AsyncLL -k bad_expert_id
+    fi
   fi
 fi
 
