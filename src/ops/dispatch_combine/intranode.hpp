@@ -11,6 +11,7 @@
 #include "mori/core/gpu.hpp"
 #include "mori/ops/dispatch_combine/config.hpp"
 #include "mori/ops/dispatch_combine/layout.hpp"
+#include "mori/ops/dispatch_combine/phase.hpp"
 #include "mori/shmem/shmem_types.hpp"
 
 namespace mori::ops {
@@ -53,14 +54,14 @@ struct EpKernelCommon {
 // How a scales row is copied: 4-byte words when its size and both bases allow, else bytes.
 enum class EpScaleCopy : int32_t { kNone = 0, kWords = 1, kBytes = 2 };
 
-// Which part of the dispatch a launch runs (docs/ep_split_phase.md). kBoth: the fused dispatch.
+// Which part of the dispatch a launch runs (EpDispatchPhase, phase.hpp; docs/ep_split_phase.md).
+// kBoth: the fused dispatch.
 // kSend: announce the counts to every PE and write our rows into each destination's staging
 // slots (splitTokens etc., [parity][our PE]; InterNode: another node's PE gets them by RDMA
 // WRITEs from our stage*, then a tail word in its splitTail); no wait on any peer. kReceive (same
 // arguments, later on the stream): wait for every PE's counts and staged rows, copy them to their
 // final rows (source PE, then list order: exactly the fused output), place our tokens' slots on
 // the destinations (tokenSlot), and advance the epoch. Both halves use the same epoch.
-enum class EpDispatchPhase : int32_t { kBoth = 0, kSend = 1, kReceive = 2 };
 
 struct EpDispatchKernelArgs {
   EpKernelCommon c;
@@ -98,11 +99,10 @@ MORI_HD_INLINE void EpUnpackBadExpertId(uint64_t w, int* token, int* k, long lon
   *id = static_cast<int32_t>(static_cast<uint32_t>(w));
 }
 
-// Which part of the push combine a launch runs. kSend stores our rows into their tokens' PEs and
-// publishes them (no wait on any peer); kReceive waits for every PE's rows for our tokens and sums
-// them. A split-phase combine is a kSend launch, any work, then a kReceive launch with the same
-// arguments; both use the same epoch (only kReceive advances it).
-enum class EpCombinePhase : int32_t { kBoth = 0, kSend = 1, kReceive = 2 };
+// Which part of the push combine a launch runs (EpCombinePhase, phase.hpp). kSend stores our rows
+// into their tokens' PEs and publishes them (no wait on any peer); kReceive waits for every PE's
+// rows for our tokens and sums them. A split-phase combine is a kSend launch, any work, then a
+// kReceive launch with the same arguments; both use the same epoch (only kReceive advances it).
 
 struct EpCombineKernelArgs {
   EpKernelCommon c;
@@ -157,7 +157,8 @@ inline int EpResidentSms(int numSms, int pesOnGpu, bool mps, int mpsThreadPercen
 }
 
 // MORI_EP_COMBINE_STAGED=auto stages only ops of at most this many PEs: with 2 H200s staging was
-// faster (most rows local or on one link), with 4 it was slower (docs/performance.md, session 11).
+// faster (most rows local or on one link), with 4 it was slower (docs/performance.md, "Staged
+// combine").
 constexpr int kEpStagedAutoMaxPes = 2;
 
 // Launchers (kernel instantiations live next to the kernels).

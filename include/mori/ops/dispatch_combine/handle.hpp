@@ -33,13 +33,11 @@
 #include "mori/core/gpu.hpp"
 #include "mori/ops/dispatch_combine/config.hpp"
 #include "mori/ops/dispatch_combine/layout.hpp"
+#include "mori/ops/dispatch_combine/phase.hpp"
 #include "mori/ops/dispatch_combine/trace.hpp"
 #include "mori/shmem/shmem_types.hpp"
 
 namespace mori::ops {
-
-enum class EpCombinePhase : int32_t;   // src/ops/dispatch_combine/intranode.hpp
-enum class EpDispatchPhase : int32_t;  // src/ops/dispatch_combine/intranode.hpp
 
 struct EpDispatchArgs {
   const void* input = nullptr;  // [numTokens][hiddenDim] of dataType, 16-byte aligned
@@ -106,8 +104,10 @@ struct EpFromExpertMajorArgs {
   int warpPerBlock = -1;
 };
 
-struct EpKernelCommon;  // kernel arguments (src/ops/dispatch_combine/intranode.hpp)
-class EpBackend;        // a kernel family's requirements and launches (backend.hpp)
+// Opaque types of the library's implementation, held by pointer only: the kernels' common
+// arguments and a kernel family's requirements and launches. Users never name them.
+struct EpKernelCommon;
+class EpBackend;
 
 class EpDispatchCombineHandle {
  public:
@@ -261,7 +261,7 @@ class EpDispatchCombineHandle {
   EpLocalLayout localLayout;
   int device = -1;
   int numSms = 0;
-  std::unique_ptr<EpBackend> backend;  // the kernel family (src/ops/dispatch_combine/backend.hpp)
+  std::unique_ptr<EpBackend> backend;  // the kernel family
   uint8_t* symmBase = nullptr;         // local address of the symmetric block
   uint64_t symmHeapOffset = 0;         // its offset in every PE's heap
   uint8_t* localBase = nullptr;
