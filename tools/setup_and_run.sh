@@ -59,7 +59,7 @@ export PYTHONPATH="$PWD/$build/python${PYTHONPATH:+:$PYTHONPATH}"
 if [ "$ngpu" -lt 2 ]; then
   # One GPU: the example's two PEs share it, the benchmark runs one rank (no link: the kernels'
   # own cost, with the torch baseline beside it).
-  echo "== one GPU: the example runs 2 PEs on it, the EP benchmark 1 rank (nothing crosses a link)"
+  echo "== one GPU: the example starts 2 PEs on it, the EP benchmark 1 rank (nothing crosses a link)"
   "$build/examples/put_get" 2
   if [ -f tools/bench/ep_bench.py ]; then
     torchrun --nproc-per-node=1 tools/bench/ep_bench.py

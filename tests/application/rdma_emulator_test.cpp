@@ -565,8 +565,8 @@ class GatedAccessor : public application::EmuMemoryAccessor {
   std::atomic<bool> released{false};
 };
 
-// InterNodeV1's combine tail on one QP, with the emulator held up in the chunk's copy (the 2 x 4
-// GPU run of session 10): a signalled WRITE completes (the blocks before), then the chunk WRITE
+// InterNodeV1's combine tail on one QP, with the emulator held up in the chunk's copy (as seen on
+// a GPU at 2 x 4): a signalled WRITE completes (the blocks before), then the chunk WRITE
 // (unsignalled) + its tail in one doorbell and the inline landFree. The quiet expires exactly
 // those 3 blocks short and the tail has not landed ("saw 0" at the owner); nothing is lost: once
 // the copy goes through, every WQE completes in order and the quiet succeeds.

@@ -74,7 +74,7 @@ def test_load_names_the_file_and_the_problem(tmp_path):
     d = doc_of()
     d["runs"][0]["records"][0]["us"] = -1
     p.write_text(json.dumps(d))
-    with pytest.raises(BJ.SchemaError, match=r"bad\.json: run 0, record 0: us must be > 0"):
+    with pytest.raises(BJ.SchemaError, match=r"bad\.json: runs\[0\]\.records\[0\]: us must be > 0"):
         BJ.load([str(p)])
     p.write_text(json.dumps({"schema": "other/9", "runs": []}))
     with pytest.raises(BJ.SchemaError, match="not a mori-bench/1 document"):

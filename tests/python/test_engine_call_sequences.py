@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """The serving engines' MORI call sequences against this package: vLLM's MoriAll2AllManager with
-prepare_finalize/mori.py, moriep_ht.py and moriep_ll.py, and SGLang's token_dispatcher/moriep.py
-(see ../shared/reference/notes/engine-integration.md §1). Written here from what those files do;
-their own objects (dtypes, process groups, modes) are stand-ins.
+prepare_finalize/mori.py, moriep_ht.py and moriep_ll.py, and SGLang's token_dispatcher/moriep.py.
+Written here from what those files do; their own objects (dtypes, process groups, modes) are
+stand-ins.
 
 The argument-handling part runs everywhere (no GPU, no torch): config construction as the engines
 build it (keywords, SGLang's dataclasses.fields filter, ROCm/mori's positional order), the kernel

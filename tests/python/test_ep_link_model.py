@@ -501,7 +501,7 @@ def test_protocol_is_at_most_the_trace_order_bound_on_v1_shaped_traces(seed):
     assert pr.floor_us - 1e-9 <= pr.modelled_us <= tr.modelled_us + 1e-9
 
 
-# ---- issue 14's targets, saved runs and the command -----------------------------------------
+# ---- the design targets, saved runs and the command ----------------------------------------
 
 def _run(kernel="InterNodeV1LL", W=4, G=2, tokens=128, Epr=1):
     """A run as the bench builds it: V1LL dispatch of test_v1ll_waits_for_nothing, and a combine
@@ -518,14 +518,14 @@ def _run(kernel="InterNodeV1LL", W=4, G=2, tokens=128, Epr=1):
                                          {"name": "combine bf16 (fp8)", "kind": "combine", "entries": None}]}
 
 
-def test_issue14_targets():
+def test_design_targets():
     std = {"world_size": 16, "gpu_per_node": 8, "hidden": 7168, "topk": 8, "experts": 256}
-    assert LM.issue14_target(dict(std, kernel_type="InterNodeV1", tokens=4096), "combine") == ("ratio", 1.15)
-    assert LM.issue14_target(dict(std, kernel_type="InterNodeV1LL", tokens=128), "dispatch") == ("us", 34.0)
-    assert LM.issue14_target(dict(std, kernel_type="InterNodeV1LL", tokens=128), "combine") == ("us", 52.0)
-    assert LM.issue14_target(dict(std, kernel_type="InterNode", tokens=4096), "dispatch") is None
-    assert LM.issue14_target(dict(std, kernel_type="InterNodeV1LL", tokens=128, world_size=8), "dispatch") is None
-    assert LM.issue14_target(dict(std, kernel_type="InterNodeV1LL", tokens=256), "dispatch") is None
+    assert LM.design_target(dict(std, kernel_type="InterNodeV1", tokens=4096), "combine") == ("ratio", 1.15)
+    assert LM.design_target(dict(std, kernel_type="InterNodeV1LL", tokens=128), "dispatch") == ("us", 34.0)
+    assert LM.design_target(dict(std, kernel_type="InterNodeV1LL", tokens=128), "combine") == ("us", 52.0)
+    assert LM.design_target(dict(std, kernel_type="InterNode", tokens=4096), "dispatch") is None
+    assert LM.design_target(dict(std, kernel_type="InterNodeV1LL", tokens=128, world_size=8), "dispatch") is None
+    assert LM.design_target(dict(std, kernel_type="InterNodeV1LL", tokens=256), "dispatch") is None
 
 
 def test_run_table_puts_protocol_first_and_trace_order_second():
@@ -544,7 +544,7 @@ def test_run_table_puts_protocol_first_and_trace_order_second():
     assert row[6:8] == [f"{trace:.1f}", f"{trace / ((MB + 56) / 5e4):.3f}"]
     assert row[8:10] == ["10", "0"]  # WRs, waiting
     assert lines[5] == "combine bf16 (fp8)   modelled: n/a (trace ring overflowed)"
-    assert lines[-1].startswith("issue 14's targets at 2 x 8")
+    assert lines[-1].startswith("targets at 2 x 8")
     one = LM.run_table(run, deps="trace")
     assert "dependencies from the trace (rule 3)" in one[0]
     assert one[2].split()[:3] == ["dispatch", "fp8", f"{trace:.1f}"]

@@ -155,9 +155,9 @@ def validate(doc):
     if not isinstance(runs, list):
         raise SchemaError("document: 'runs' must be a list")
     for i, run in enumerate(runs):
-        _check(run, RUN_FIELDS, f"run {i}")
+        _check(run, RUN_FIELDS, f"runs[{i}]")
         for j, rec in enumerate(run["records"]):
-            where = f"run {i}, record {j}"
+            where = f"runs[{i}].records[{j}]"
             _check(rec, RECORD_FIELDS, where)
             _check_record_values(rec, where)
     return doc

@@ -9,7 +9,7 @@
 // GPU 0 and polled for up to 500 ms; then the spinners are released. Prints one line per case.
 // "batch+hint": the same copy through cudaMemcpyBatchAsync with
 // cudaMemcpyFlagPreferOverlapWithCompute (CUDA 12.8+; CUDA 13's signature), the documented way to
-// ask for a copy that overlaps compute. Results: docs/performance.md, session 12.
+// ask for a copy that overlaps compute. Results: docs/performance.md, "Copies beside full GPUs".
 //
 // clang-format off
 //   nvcc -O3 -std=c++17 -arch=sm_90 -o /tmp/copy_beside_spin_probe tools/bench/copy_beside_spin_probe.cu

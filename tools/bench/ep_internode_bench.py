@@ -46,7 +46,8 @@ rank (HT 4096, LL 128). The table is printed last.
 posted (tools/bench/ep_link_model.py: per PE one TX and one RX port at --link-gbps, FIFO across
 QPs, --link-latency-us, --link-per-wr-us per work request) next to the floor (max over PEs of
 max(bytes sent, received) / bandwidth), twice: with the dependencies the kernels have within the
-call (rule 3' of ep_link_model.py, the headline, checked against issue 14's targets) and with
+call (rule 3' of ep_link_model.py, the headline, checked against the design targets of
+docs/ep_internode_v1.md §8.1) and with
 every earlier delivery in the emulator's trace as a dependency (rule 3, the trace-order bound;
 ranks that share a GPU run in time slices, and this bound serialises them). It sets
 MORI_RDMA_EMULATE_TRACE=--link-model-trace (entries per rank, enough for one call of a phase)
@@ -60,7 +61,7 @@ work of packing, forwarding and the partial sums. With emulated nodes run one ra
 (--nproc <= GPUs) for these times; phases that wait for the network then show the emulator.
 For V1 it also gives each GPU-work phase's bytes read plus written (v1_work_traffic, from the
 routing) over its time, against the library's grid copy on the op's grid in the same run.
-Standard shapes at 2 x 8 (issue 14's targets):
+Standard shapes at 2 x 8 (the design targets):
 
     python3 tools/bench/ep_internode_bench.py --nproc 16 --gpu-per-node 8 --tokens 128 --dtypes fp8 \
         --kernel-type InterNodeV1LL --link-model
@@ -288,7 +289,7 @@ def link_run(phases, args, W, G, M, push_combine=False):
 
 
 def link_model_lines(run):
-    """The --link-model table: rule 3' (headline, issue 14's targets) next to rule 3."""
+    """The --link-model table: rule 3' (headline, the design targets) next to rule 3."""
     return LM.run_table(run, deps="both")
 
 

@@ -99,7 +99,7 @@ of one GPU whose time slices ran rank 0 first. Rule 3 makes 1's WRITE wait for 0
 start 22.2, head 24.4, arrive 44.4; modelled 44.4. Under deps="protocol" for InterNodeV1LL (or
 deps="none") neither waits: both start at 0 and arrive at 22.2; modelled 22.2, floor 20.
 
-Defaults are issue 14's: 50 GB/s (400 Gb/s) per port, 2 µs latency, 0.2 µs per WR.
+Defaults: 50 GB/s (400 Gb/s) per port, 2 µs latency, 0.2 µs per WR (a 400 Gb/s NIC per GPU).
 
 As a command, it re-models a trace that `ep_internode_bench.py --save-trace` wrote:
 
@@ -436,15 +436,16 @@ def format_table(results, title=""):
     return lines
 
 
-# ---- issue 14's targets and whole runs (the bench's table, saved traces) ----------------------
+# ---- the design targets and whole runs (the bench's table, saved traces) ----------------------
 
-TARGET_TEXT = ("issue 14's targets at 2 x 8 (EP16), standard shapes (hidden 7168, top-8 of 256; HT 4096, "
+TARGET_TEXT = ("targets at 2 x 8 (EP16), standard shapes (hidden 7168, top-8 of 256; HT 4096, "
                "LL 128 tokens/rank): InterNodeV1 phases modelled/floor <= 1.15; InterNodeV1LL dispatch <= 34 us "
                "and combine <= 52 us modelled")
 
 
-def issue14_target(params, phase):
-    """("ratio", 1.15) or ("us", limit) where issue 14 sets a target for this run and phase
+def design_target(params, phase):
+    """("ratio", 1.15) or ("us", limit) where the node-deduplicated kernels' design sets a target
+    for this run and phase
     ("dispatch" or "combine"), else None."""
     G, W = params.get("gpu_per_node"), params.get("world_size")
     shape = (params.get("hidden", 7168), params.get("topk", 8), params.get("experts", 256))
@@ -482,7 +483,7 @@ def run_link(params, gbps=None, latency_us=None, per_wr_us=None):
 
 def run_table(run, deps="both", gbps=None, latency_us=None, per_wr_us=None):
     """Lines of the table of a run ({"params", "phases": [{"name", "kind", "entries" or None}]}):
-    deps="both" gives the protocol figures (headline, with issue 14's targets) and the trace-order
+    deps="both" gives the protocol figures (headline, with the design targets) and the trace-order
     bound side by side; "protocol", "trace" or "none" one table of that mode."""
     params = run["params"]
     link = run_link(params, gbps, latency_us, per_wr_us)
@@ -512,7 +513,7 @@ def run_table(run, deps="both", gbps=None, latency_us=None, per_wr_us=None):
              "; ".join(sorted({run_protocol(params, ph).describe() for ph in run["phases"]})) + ")",
              "trace-order modelled us: every earlier delivery to the poster as a dependency (rule 3, the "
              "conservative bound; ranks that share a GPU are serialised by it)",
-             f"{'phase':<20} {'modelled us':>12} {'floor us':>10} {'modelled/floor':>14} {'issue 14 target':>17} "
+             f"{'phase':<20} {'modelled us':>12} {'floor us':>10} {'modelled/floor':>14} {'target':>17} "
              f"{'trace-order modelled us':>23} {'trace-order/floor':>17} {'WRs':>7} {'waiting':>7} {'bytes':>14} "
              f"{'busiest TX us':>13}"]
     notes = []
@@ -528,7 +529,7 @@ def run_table(run, deps="both", gbps=None, latency_us=None, per_wr_us=None):
             pr = None
             notes.append(f"{name:<20} protocol: n/a ({err})")
         busiest = max((p.tx_busy_us for p in tr.pes.values()), default=0.0)
-        cell = _target_cell(issue14_target(params, ph["kind"]), pr)
+        cell = _target_cell(design_target(params, ph["kind"]), pr)
         head = (f"{pr.modelled_us:>12.1f} {pr.floor_us:>10.1f} {pr.ratio:>14.3f}" if pr is not None else
                 f"{'n/a':>12} {tr.floor_us:>10.1f} {'n/a':>14}")
         lines.append(f"{name:<20} {head} {cell:>17} {tr.modelled_us:>23.1f} {tr.ratio:>17.3f} {tr.wrs:>7} "

@@ -1,5 +1,5 @@
 """How many blocks of one process are resident at once while other processes on the same GPU
-hold blocks (CUDA MPS residency probe; docs/ep.md "Residency", docs/performance.md session 10).
+hold blocks (CUDA MPS residency probe; docs/ep.md "Residency", docs/performance.md "MPS residency").
 
     tools/with_mps.sh 4 python3 tools/bench/mps_residency_probe.py 4 32   # 4 clients at 25 %
     python3 tools/bench/mps_residency_probe.py 4 132                       # no MPS: time slices

@@ -4,7 +4,7 @@
 // memory, and bulk copies (TMA, cp.async.bulk on an mbarrier) of 2-4 KB per warp. 512 threads per
 // block, 8 / 16 / 24 / 132 blocks; the copy engine (peer memcpy both ways) as the reference.
 // It only reads (a dummy checksum keeps the loads alive), so there is no result to verify.
-// Figures and their use: docs/performance.md, session 3 (run 23, 2x H200).
+// Figures (2x H200) and their use: docs/performance.md, "Combine loads in flight".
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 -o /tmp/p2p_load_probe tools/bench/p2p_load_probe.cu
 //   /tmp/p2p_load_probe            # GPUs 0 and 1

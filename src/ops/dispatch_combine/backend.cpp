@@ -87,7 +87,7 @@ class IntraNodeBackend final : public EpBackend {
     // Staged (bulk copies into shared memory) for large batches, where warps take many items and
     // the loads in flight bound the rate; small batches keep the register path (one item per warp,
     // latency-bound either way), and so does a combine that first copies an external input
-    // (docs/performance.md, session 3).
+    // (docs/performance.md, "Staged combine").
     const long long items = static_cast<long long>(k.numTokens) * k.partsPerToken;
     k.staged = staged && k.copyTokens == 0 && k.wireFp8 == 0 &&
                        items > blocks * (threads / core::kWarpSize)

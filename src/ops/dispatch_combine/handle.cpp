@@ -297,7 +297,7 @@ void EpDispatchCombineHandle::ResolveLaunch(int numTokens, int blockNum, int war
   if (blocks <= 0) {
     blocks = config.blockNum;
     // Small batches are latency-bound: both kernels spread them over up to kEpSmallBatchBlocks
-    // SMs, more than the config's default blocks (figures: docs/performance.md, session 4).
+    // SMs, more than the config's default blocks (figures: docs/performance.md, "Small batches").
     if (numTokens <= kEpSmallBatchTokens)
       blocks = std::max(blocks, std::min(numSms, kEpSmallBatchBlocks));
   }

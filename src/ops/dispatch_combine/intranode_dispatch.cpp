@@ -321,7 +321,7 @@ __global__ void __launch_bounds__(kThreads, 1) EpDispatchKernel(const EpDispatch
   // the next two words are in flight while a word is processed, so the loads' latency overlaps
   // the work. The test of an id is two compares in the index type against dest's expert range
   // (ids outside [0, numExperts) fall outside it too), never a division: every block tests all
-  // T x K ids (docs/performance.md, "Dispatch block split and scan" and session 14).
+  // T x K ids (docs/performance.md, "Dispatch block split and scan").
   // Block 0 also checks every id against [-1, numExperts) when asked (a.badExpertId): the first
   // offender is recorded for the host, which raises at this PE's next call; the kernels treat it
   // as -1 either way, so the ranks stay in step.

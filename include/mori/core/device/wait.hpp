@@ -123,8 +123,8 @@ __device__ __noinline__ void RecordUsageError(const WaitContext& ctx, int peer, 
 
 // How often a spinning wait looks at the abort flag. The flag lives in mapped host memory, so a
 // look is a PCIe read; with hundreds of threads spinning, frequent looks slow every GPU of the job
-// (measured: docs/performance.md, EP runs 8-9). Reading it on a time schedule keeps aborts prompt
-// (within 200 us) at a negligible cost.
+// (measured: docs/performance.md, "Waits and the abort flag"). Reading it on a time schedule keeps
+// aborts prompt (within 200 us) at a negligible cost.
 constexpr uint64_t kAbortCheckFirstNs = 20000;    // the first look, after 20 us of waiting
 constexpr uint64_t kAbortCheckPeriodNs = 200000;  // then every 200 us
 
