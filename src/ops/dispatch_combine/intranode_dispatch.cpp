@@ -26,7 +26,7 @@
 //      arrived[s], and writes the received total and the per-local-expert counts. The kernel ends
 //      only then, so the next kernel on the stream sees every received row.
 //   6. The last block to finish bumps the dispatch epoch and resets the grid counter.
-// Split phase (EpDispatchPhase, docs/ep_split_phase.md): a kSend launch runs 1, 2 and 4 with the
+// Split phase (EpDispatchPhase, docs/ep_split_phase.md): a kSend launch does 1, 2 and 4 with the
 // rows going to slot [parity][rank][list position] of the destination's staging (split*) and the
 // block's row count to its splitArrived[parity][rank]; it skips block 0's done wait and 3 (no
 // final position is needed, so nothing waits on a peer) and ends there. A later kReceive launch
