@@ -4,6 +4,9 @@ Init (collective, once per process, binds to the current GPU):
   shmem_torch_process_group_init(group)       over a torch.distributed group
   shmem_init_attr(MORI_SHMEM_INIT_WITH_UNIQUEID, rank, nranks, uid)   uid from shmem_get_unique_id()
   shmem_mpi_init()                            MPI_COMM_WORLD (MPI builds only)
+The calls that return a status in ROCm/mori return it here too: 0 from the init calls,
+shmem_finalize, shmem_buffer_register and shmem_buffer_deregister (a failure raises a
+mori.MoriError, never returns another code); shmem_barrier_all and shmem_free return None.
 Pointers are ints (device addresses); streams are ints, torch streams or None (the current torch
 stream when torch is loaded, else the default stream; shmem_barrier_on_stream(None) is the null
 stream, as in ROCm/mori). tensor_from_ptr() views device memory as a torch tensor;

@@ -15,6 +15,10 @@ from .._C import MORI_SHMEM_INIT_WITH_MPI_COMM, MORI_SHMEM_INIT_WITH_UNIQUEID  #
 # import still runs first, collectively.
 atexit.register(_C._shmem_prepare_process_exit)
 
+# The status MORI's init, finalize and buffer (de)registration calls return on success; every
+# failure raises a mori.MoriError instead of returning another code.
+_STATUS_OK = 0
+
 
 def _as_ptr(ptr):
     """An int device address from an int or anything with data_ptr() (a torch tensor)."""
@@ -55,38 +59,45 @@ def shmem_get_unique_id() -> bytes:
     return _C.shmem_get_unique_id()
 
 
-def shmem_init_attr(flags: int, rank: int = -1, nranks: int = -1, unique_id=None) -> None:
+def shmem_init_attr(flags: int, rank: int = -1, nranks: int = -1, unique_id=None) -> int:
     """Initialise shmem. flags=MORI_SHMEM_INIT_WITH_UNIQUEID needs rank, nranks and the unique id
-    (bytes-like or a uint8 tensor); MORI_SHMEM_INIT_WITH_MPI_COMM uses MPI_COMM_WORLD."""
+    (bytes-like or a uint8 tensor); MORI_SHMEM_INIT_WITH_MPI_COMM uses MPI_COMM_WORLD. Returns 0
+    (MORI's status; failures raise)."""
     if unique_id is not None and not isinstance(unique_id, bytes):
         if hasattr(unique_id, "cpu") and hasattr(unique_id, "tolist"):  # a torch tensor
             unique_id = bytes(unique_id.cpu().tolist())
         else:
             unique_id = bytes(unique_id)
     _C.shmem_init_attr(flags, rank, nranks, unique_id)
+    return _STATUS_OK
 
 
-def shmem_mpi_init() -> None:
+def shmem_mpi_init() -> int:
     """Initialise shmem over MPI_COMM_WORLD (needs a build with MPI)."""
     _C.shmem_init_attr(MORI_SHMEM_INIT_WITH_MPI_COMM)
+    return _STATUS_OK
 
 
-def shmem_torch_process_group_init(group_name="default") -> None:
+def shmem_torch_process_group_init(group_name="default") -> int:
     """Initialise shmem over a torch.distributed process group.
 
     group_name: "default" or "" for the default (WORLD) group unless a group was registered under
     that name; a name registered with torch._C._distributed_c10d._register_process_group or
     assigned by torch (ProcessGroup.group_name); or a ProcessGroup object. Bootstrap traffic goes
     through the group's collectives (CPU tensors on gloo, the current CUDA device on NCCL). Call
-    torch.cuda.set_device(local_rank) first: shmem binds to the current GPU.
+    torch.cuda.set_device(local_rank) first: shmem binds to the current GPU. Returns 0 (MORI's
+    status; failures raise).
     """
     from ._torch_bootstrap import init_from_process_group
 
     init_from_process_group(group_name)
+    return _STATUS_OK
 
 
-def shmem_finalize() -> None:
+def shmem_finalize() -> int:
+    """Collective. Returns 0 (MORI's status; failures raise)."""
     _C.shmem_finalize()
+    return _STATUS_OK
 
 
 def shmem_is_initialized() -> bool:
@@ -149,7 +160,7 @@ def shmem_buffer_register(ptr, size: int) -> int:
     no-op when no PE is reached by RDMA. ptr: an address or a tensor. Returns 0 (MORI's status;
     failures raise)."""
     _C.shmem_register_buffer(_as_ptr(ptr), size)
-    return 0
+    return _STATUS_OK
 
 
 def shmem_buffer_deregister(ptr, size=None) -> int:
@@ -159,7 +170,7 @@ def shmem_buffer_deregister(ptr, size=None) -> int:
     if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
         raise _C.InvalidUsageError(f"shmem_buffer_deregister: size must be a non-negative int, got {size!r}")
     _C.shmem_deregister_buffer(_as_ptr(ptr))
-    return 0
+    return _STATUS_OK
 
 
 # Earlier names of the two calls above.
