@@ -47,7 +47,7 @@ def test_valid_config_and_derived_values():
         ("warp_num_per_block", 0, "warp_num_per_block"),
         ("warp_num_per_block", 17, "warp_num_per_block"),
         ("block_num", 0, "block_num"),
-        ("num_qp_per_pe", 0, "num_qp_per_pe"),
+        ("num_qp_per_pe", -1, "num_qp_per_pe"),  # 0 is the default (ROCm/mori's one-node examples)
         ("rdma_block_num", -1, "rdma_block_num"),
         ("gpu_per_node", 0, "gpu_per_node"),
     ],

@@ -105,7 +105,7 @@ class EpDispatchCombineConfig:
     gpu_per_node >= world_size and as InterNode otherwise (`runs_as`). `quant_type`: "none" (combine
     rows travel in the input dtype) or "fp8_direct_cast" (each row travels as saturating e4m3
     codes, the token's rank sums the decoded values in fp32 and rounds once to the input dtype;
-    hidden_dim a multiple of 16; every rank must agree; docs/ep.md). `num_qp_per_pe` is range-checked; InterNode posts on one QP per peer in this build and warns
+    hidden_dim a multiple of 16; every rank must agree; docs/ep.md). `num_qp_per_pe` (0: the default, 1) is range-checked; InterNode posts on one QP per peer in this build and warns
     when it is above 1 (docs/ep.md).
     `rdma_block_num` is range-checked; InterNode has no separate RDMA blocks (each block posts
     its own destination's writes), so it has no effect in this build. `data_type` (optional) is
@@ -189,7 +189,7 @@ class EpDispatchCombineConfig:
             kernel_type=kernel_type,
             gpu_per_node=as_int("gpu_per_node"),
             rdma_block_num=as_int("rdma_block_num"),
-            num_qp_per_pe=as_int("num_qp_per_pe"),
+            num_qp_per_pe=as_int("num_qp_per_pe") or 1,  # 0 (ROCm/mori's one-node examples): the default
             max_total_recv_tokens=as_int("max_total_recv_tokens"),
             quant_type=_quant_type_code(self.quant_type),
         )
@@ -275,6 +275,9 @@ def _dispatch_quant(use_fp8, round_scale, use_ue8m0):
     if use_ue8m0:
         return codes["fp8 (use_ue8m0)"]  # UE8M0 scales are powers of two: round_scale implied
     return codes["fp8 (round_scale)"] if round_scale else codes["fp8"]
+
+
+_FP8_DTYPE_NAMES = ("float8_e4m3fn", "float8_e4m3fnuz")
 
 
 def _index_code(torch, dtype):
@@ -444,13 +447,22 @@ class EpDispatchCombineOp(ExpertMajorMixin):
         reads of the op's buffers), else None."""
         torch = _torch()
         cur = torch.cuda.current_stream(self.device)
-        handle, obj = launch
-        if handle == int(cur.cuda_stream):
+        if launch[0] == int(cur.cuda_stream):
             return None
-        if obj is None:
-            obj = torch.cuda.default_stream(self.device) if handle == 0 else torch.cuda.ExternalStream(handle, device=self.device)
+        obj = self._launch_stream(launch)
         cur.wait_stream(obj)
         return obj
+
+    def _launch_stream(self, launch):
+        """The torch stream object of `launch` ((handle, stream or None) from _stream)."""
+        torch = _torch()
+        handle, obj = launch
+        if obj is not None:
+            return obj
+        cur = torch.cuda.current_stream(self.device)
+        if handle == int(cur.cuda_stream):
+            return cur
+        return torch.cuda.default_stream(self.device) if handle == 0 else torch.cuda.ExternalStream(handle, device=self.device)
 
     def _check_indices(self, indices, num_tokens, what):
         torch = _torch()
@@ -462,6 +474,32 @@ class EpDispatchCombineOp(ExpertMajorMixin):
                 f"{what}: indices must have shape [{num_tokens}, {self._K}] (tokens, num_experts_per_token), "
                 f"got {tuple(indices.shape)}"
             )
+
+    def _check_combine_indices(self, indices, what):
+        """combine's `indices` (never read: the op keeps the last dispatch's routing). Accepted:
+        None; this rank's own [num_tokens, K] top-k ids of the last dispatch's input (checked as
+        dispatch checks them); or exactly the indices tensor the last dispatch returned, ROCm/mori's
+        usage (the [max_num_tokens_to_recv(), K] view of the op's buffer, recognised by its
+        address, shape, dtype and device). Anything else raises InvalidUsageError naming both."""
+        if indices is None:
+            return
+        torch = _torch()
+        num_tokens, index_dtype = self._last[0], self._last[3]
+        returned = (self._rmax, self._K)
+        if (isinstance(indices, torch.Tensor) and indices.device == self.device and indices.dtype == index_dtype
+                and tuple(indices.shape) == returned and indices.data_ptr() == self._h().dispatch_out_indices):
+            return
+        try:
+            self._check_indices(indices, num_tokens, what)
+        except _C.InvalidUsageError as e:
+            got = (f"shape {tuple(indices.shape)}, {indices.dtype}" if isinstance(indices, torch.Tensor)
+                   else type(indices).__name__)
+            raise _usage(
+                f"{what}: indices must be this rank's top-k ids of the last dispatch's input ([{num_tokens}, "
+                f"{self._K}] int32/int64, contiguous, on {self.device}), the indices tensor that dispatch "
+                f"returned ([{returned[0]}, {returned[1]}] {index_dtype}, the op's own buffer, not a copy), or "
+                f"None; got {got} ({e})"
+            ) from None
 
     # --- dispatch -------------------------------------------------------------------------------
     def dispatch(self, input, weights, scales, indices, block_num=-1, rdma_block_num=-1, warp_per_block=-1,
@@ -563,6 +601,8 @@ class EpDispatchCombineOp(ExpertMajorMixin):
         self._h()  # raises once the op is closed
         cfg = self.config
         self._check_tensor(f"{what}: input", input, 2)
+        if scales is not None and cfg.scale_dim == 0 and isinstance(scales, torch.Tensor) and scales.numel() == 0:
+            scales = None  # ROCm/mori's callers pass a [num_tokens, 0] tensor when the config has no scales
         quant = _dispatch_quant(use_fp8, round_scale, use_ue8m0)
         codes = _dtype_codes(torch)
         code = codes.get(input.dtype)
@@ -669,9 +709,13 @@ class EpDispatchCombineOp(ExpertMajorMixin):
                 use_external_inp_buf=-1, call_reset=False, *, copy=False, stream=None):
         """input: rows in dispatch-output order ([>= total_recv, hidden] bf16/fp16/fp32): the
         registered buffer (get_registered_combine_input_buffer: zero-copy), the dispatch output
-        itself (read in place), or any tensor (copied into the registered buffer first).
-        weights: [>= total_recv, K] float32 or None. indices: this rank's own [num_tokens, K]
-        routing of the last dispatch (checked for shape; None allowed).
+        itself (read in place), or any tensor (copied into the registered buffer first). float8
+        rows (float8_e4m3fn/fnuz) are widened to float32 on the launch stream first and the sum
+        is rounded once to their dtype (a fresh tensor; bfloat16 is the wide type where float32
+        rows do not fit hidden_dim * max_token_type_size). weights: [>= total_recv, K] float32 or
+        None. indices: never read (the op keeps the last dispatch's routing); None, this rank's
+        own [num_tokens, K] ids of the last dispatch, or the indices tensor that dispatch
+        returned (ROCm/mori's usage); anything else raises.
         The positional arguments are ROCm/mori's: block_num, rdma_block_num (>= -1, unused),
         warp_per_block, use_external_inp_buf (-1, 0/False or 1/True: informative, the mode is
         chosen by the input's address), call_reset (reset() first: a no-op). Keyword-only: copy,
@@ -682,8 +726,10 @@ class EpDispatchCombineOp(ExpertMajorMixin):
         args = self._combine_args("combine", input, weights, indices, rdma_block_num, use_external_inp_buf,
                                   call_reset)
         launch = self._stream(stream)
+        input, args, fp8_dtype = self._widen_fp8_rows("combine", input, args, launch)
         self._h().combine(*args, int(block_num), int(warp_per_block), launch[0])
-        return self._combine_outputs(input.dtype, int(input.shape[1]), weights is not None, launch, copy)
+        outs = self._combine_outputs(input.dtype, int(input.shape[1]), weights is not None, launch, copy)
+        return self._fp8_combine_result(outs, fp8_dtype, launch)
 
     def combine_send(self, input, weights, indices, block_num=-1, rdma_block_num=-1, warp_per_block=-1,
                      use_external_inp_buf=-1, call_reset=False, *, stream=None):
@@ -697,10 +743,11 @@ class EpDispatchCombineOp(ExpertMajorMixin):
         args = self._combine_args("combine_send", input, weights, indices, rdma_block_num,
                                   use_external_inp_buf, call_reset)
         launch = self._stream(stream)
+        input, args, fp8_dtype = self._widen_fp8_rows("combine_send", input, args, launch)
         self._h().combine_send(*args, int(block_num), int(warp_per_block), launch[0])
         # The receive half reads this rank's own rows from input/weights: keep them alive (their
         # memory must not be reused by work between the halves).
-        self._pending_combine = (input.dtype, int(input.shape[1]), weights is not None, input, weights)
+        self._pending_combine = (input.dtype, int(input.shape[1]), weights is not None, input, weights, fp8_dtype)
 
     def combine_recv(self, *, copy=False, stream=None):
         """Second half of a split-phase combine: waits for every rank's rows and returns what
@@ -712,7 +759,7 @@ class EpDispatchCombineOp(ExpertMajorMixin):
         launch = self._stream(stream)
         self._pending_combine = None
         h.combine_recv(launch[0])
-        return self._combine_outputs(*pending[:3], launch, copy)
+        return self._fp8_combine_result(self._combine_outputs(*pending[:3], launch, copy), pending[5], launch)
 
     def _combine_args(self, what, input, weights, indices, rdma_block_num, use_external_inp_buf, call_reset):
         """The checks only a tensor can answer, then the native combine's leading arguments."""
@@ -726,13 +773,12 @@ class EpDispatchCombineOp(ExpertMajorMixin):
         h = self._h()
         if self._last is None:
             raise _usage(f"{what}: no dispatch yet (combine returns the tokens of the last dispatch)")
-        num_tokens = self._last[0]
         self._check_tensor(f"{what}: input", input, 2)
         # Which dtypes combine sums, sizes and alignment: checked by the native handle.
         if input.dtype not in _dtype_codes(torch):
             raise _usage(
                 f"{what}: input dtype {input.dtype} is not supported; combine sums bfloat16, float16 or "
-                "float32 rows"
+                "float32 rows (float8 rows are widened to float32 first)"
             )
         rows, hidden = int(input.shape[0]), int(input.shape[1])
         weight_rows = 0
@@ -743,8 +789,7 @@ class EpDispatchCombineOp(ExpertMajorMixin):
             if int(weights.shape[1]) != self._K:
                 raise _usage(f"{what}: weights must have {self._K} columns, got shape {tuple(weights.shape)}")
             weight_rows = int(weights.shape[0])
-        if indices is not None:
-            self._check_indices(indices, num_tokens, what)
+        self._check_combine_indices(indices, what)
         if call_reset:
             self.reset()
         # An empty tensor may have no address: pass any other valid one (the kernel copies 0 rows,
@@ -754,6 +799,39 @@ class EpDispatchCombineOp(ExpertMajorMixin):
         if weights is not None:
             weights_ptr = weights.data_ptr() if weight_rows > 0 else h.combine_out_weights
         return input_ptr, _dtype_codes(torch)[input.dtype], hidden, rows, weights_ptr, weight_rows
+
+    def _widen_fp8_rows(self, what, input, args, launch):
+        """Combine of float8 rows (ROCm/mori's callers combine fp8 tokens): combine sums rows in
+        float32, so float8 rows are widened first, on the launch stream, to float32 (bfloat16 where
+        float32 rows exceed hidden_dim * max_token_type_size bytes; then each sum is rounded to
+        bfloat16 before float8), and _fp8_combine_result rounds the sum to the float8 dtype.
+        Returns (the rows the op reads, _combine_args' tuple for them, the float8 dtype or None)."""
+        torch = _torch()
+        if input.dtype not in [getattr(torch, n, None) for n in _FP8_DTYPE_NAMES]:
+            return input, args, None
+        hidden, room = int(input.shape[1]), self.config.hidden_dim * self.config.max_token_type_size
+        if hidden * 4 <= room:
+            wide = torch.float32
+        elif hidden * 2 <= room:
+            wide = torch.bfloat16
+        else:
+            raise _usage(
+                f"{what}: {input.dtype} rows are summed in float32 (or bfloat16), which needs hidden * 4 (or * 2) "
+                f"<= hidden_dim * max_token_type_size = {room} bytes; got hidden {hidden} (raise max_token_type_size)"
+            )
+        with torch.cuda.stream(self._launch_stream(launch)):
+            rows = input.to(wide)
+        ptr = rows.data_ptr() if int(rows.shape[0]) > 0 else args[0]
+        return rows, (ptr, _dtype_codes(torch)[wide]) + tuple(args[2:]), input.dtype
+
+    def _fp8_combine_result(self, outs, fp8_dtype, launch):
+        """combine's (out, out_weights) with out rounded to fp8_dtype (a fresh tensor, made on the
+        launch stream) when the input rows were float8 (_widen_fp8_rows); unchanged otherwise."""
+        if fp8_dtype is None:
+            return outs
+        torch = _torch()
+        with torch.cuda.stream(self._launch_stream(launch)):
+            return outs[0].to(fp8_dtype), outs[1]
 
     def _combine_outputs(self, dtype, hidden, has_weights, launch, copy):
         torch = _torch()
@@ -782,7 +860,7 @@ class EpDispatchCombineOp(ExpertMajorMixin):
         combine. Valid while the op lives."""
         torch = _torch()
         hidden = self.config.hidden_dim if hidden_dim is None or hidden_dim < 0 else int(hidden_dim)
-        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        if dtype not in _dtype_codes(torch):  # float8 rows are widened by combine (_widen_fp8_rows)
             raise _usage(f"get_registered_combine_input_buffer: dtype {dtype} cannot be combined")
         esize = torch.empty((), dtype=dtype).element_size()
         if hidden > self.config.hidden_dim or esize > self.config.max_token_type_size:

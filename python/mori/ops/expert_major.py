@@ -41,7 +41,7 @@ def ep_expert_major_bytes(config):
 
 class ExpertMajorMixin:
     """The expert-major calls of EpDispatchCombineOp (which provides _h, _last, _stream, _view,
-    _check_tensor, _check_indices, dispatch and combine)."""
+    _check_tensor, _check_combine_indices, dispatch and combine)."""
 
     def convert_dispatch_output(self, block_num=-1, warp_per_block=-1, *, stream=None, column_major_scales=False):
         """The last dispatch's received rows grouped by local expert: an ExpertMajorOutput. Runs
@@ -143,7 +143,7 @@ class ExpertMajorMixin:
         None)."""
         dc = _dc()
         dc._check_rdma_block_num(rdma_block_num)
-        if indices is not None and self._last is not None:
-            self._check_indices(indices, self._last[0], "combine_standard_moe")
+        if self._last is not None:
+            self._check_combine_indices(indices, "combine_standard_moe")
         buf = self.convert_combine_input(expert_out, weights, block_num, warp_per_block, stream=stream)
         return self.combine(buf, None, indices, block_num, rdma_block_num, warp_per_block, copy=copy, stream=stream)
