@@ -9,7 +9,8 @@ stand-in op) what dispatch and combine return from the op's outputs.
 On a GPU machine the test at the end runs the worker below on 2 and 4 ranks sharing the GPUs
 (`python3 tests/python/test_compat_deep_ep.py --nproc 2`): layout counts, received data and
 metadata, the capacity from the Buffer's bytes with token counts differing by rank and its
-refusal, combine against the reference sum, cached-handle replay, low-latency FP8 codes and
+refusal, combine against the reference sum, cached-handle replay, DeepEP's handle entries and
+dispatch by is_token_in_rank, a num_worst_tokens CUDA graph, low-latency FP8 codes and
 scales, the weighted low-latency combine, hook and non-hook, two dispatches in flight, CUDA graph.
 """
 
@@ -186,7 +187,7 @@ if UNDER_PYTEST:
         b = deep_ep.Buffer.__new__(deep_ep.Buffer)
         b._destroyed, b.low_latency_mode, b.group_size, b.rank = False, low_latency_mode, world, 0
         b._ops_by_key, b._slots, b.explicitly_destroy = {}, [], False
-        b._ll_idx_bad = None
+        b._ll_idx_bad, b._comm_stream = None, _FakeCuda.Stream(None, "comm")
         return b
 
     def test_calls_refuse_before_touching_tensors():
@@ -235,6 +236,8 @@ if UNDER_PYTEST:
             self.current = self.compute
 
         class Stream:
+            cuda_stream = 0
+
             def __init__(self, cuda, name):
                 self.cuda, self.name = cuda, name
 
@@ -313,24 +316,46 @@ if UNDER_PYTEST:
         # the call returns, which orders any later free of these tensors; nothing is recorded.
         assert not any(entry[1] == "record_stream" for entry in cuda.log)
 
+    # The other rank's notify row in _FakeNormalOp (rank 0 of 2, 2 experts per rank): 5 tokens for
+    # rank 0, 2 for rank 1; num_tokens_per_expert [3, 2, 1, 1]; then padding.
+    PEER_NOTIFY_ROW = [5, 2, 3, 2, 1, 1, 0, 0]
+
     class _FakeNormalOp:
         """An op stand-in on the CPU: its dispatch outputs are preset rows as if received (rank 1
-        of 2, 2 experts per rank: local experts 2 and 3), combine returns preset sums."""
+        of 2, 2 experts per rank: local experts 2 and 3), combine returns preset sums. The notify
+        op (one token, one expert per rank) returns this rank's row and PEER_NOTIFY_ROW."""
 
         def __init__(self, torch, config):
             R, K, H = config.world_size * config.max_num_inp_token_per_rank, config.num_experts_per_token, 8
             if config.max_total_recv_tokens:
                 R = min(R, config.max_total_recv_tokens)
-            self.config, self.calls = config, []
+            self.torch, self.config, self.calls, self.idx = torch, config, [], []
+            self.notify = config.max_num_inp_token_per_rank == 1 and config.num_experts_per_rank == 1
             self.out = torch.arange(R * H, dtype=torch.float32).view(R, H).to(torch.bfloat16)
             self.out_w = torch.arange(1, R * K + 1, dtype=torch.float32).view(R, K)
             self.out_i = torch.tensor([[2, 3, 0], [1, -1, 3], [7, 9, 2]] * R)[:R]  # 7, 9: stale rows
             self.total = torch.tensor([2], dtype=torch.int32)
             self.counts = torch.tensor([2, 1], dtype=torch.int32)
+            self._input_errors_after_calls = True
+
+        def _h(self):
+            return self
+
+        def take_expert_id_error(self, *args):
+            pass
+
+        def input_error_pending(self, *args):
+            return False
 
         def dispatch(self, x, w, s, idx, block_num=-1):
             self.calls.append(("dispatch", int(x.shape[0]), int(x.shape[1])))
+            self.idx.append(idx.clone())
             self.tokens = int(x.shape[0])
+            if self.notify:  # every rank's row, in rank order
+                torch = self.torch
+                rows = torch.tensor([PEER_NOTIFY_ROW, PEER_NOTIFY_ROW], dtype=torch.int32)
+                rows[self.config.rank] = x[0].view(torch.int32)
+                return rows.view(torch.float32), None, None, None, torch.tensor([2], dtype=torch.int32)
             return self.out, (None if w is None else self.out_w), None, self.out_i.to(idx.dtype), self.total
 
         def get_local_expert_count(self):
@@ -376,16 +401,23 @@ if UNDER_PYTEST:
             return b.dispatch(x, topk_idx=ids, topk_weights=torch.ones((T, 3)), num_tokens_per_expert=per_expert, **kw)
 
         rx, ridx, rw, counts, h, ev = dispatch(5, expert_alignment=4)
-        op = made[0]
-        assert len(made) == 1 and op.config.max_num_inp_token_per_rank == M and ev.event is None
+        op, notify = made
+        assert op.config.max_num_inp_token_per_rank == M and ev.event is None
         assert torch.equal(rx, op.out[:2]) and rx.data_ptr() != op.out.data_ptr()
         assert ridx.tolist() == [[0, 1, -1], [-1, -1, 1]]
         assert rw.tolist() == [[1, 2, 0], [0, 0, 6]]
         assert counts == [4, 4] and h.num_recv_tokens == 2 and h.num_tokens == 5
-        assert dispatch(M - 1, expert_alignment=1)[3] == [2, 1] and len(made) == 1  # same op
+        # The notify step: this rank's row is its 5 tokens (every id 0: rank 0) and its
+        # num_tokens_per_expert, sent to every rank; the handle's prefix matrix sums the rows.
+        assert notify.config.num_experts_per_token == 2 and notify.idx[-1].tolist() == [[0, 1]]
+        assert notify.calls[-1] == ("dispatch", 1, 8)  # W + E = 6 ints, in rows of 4 words
+        assert h.rank_prefix_matrix.tolist() == [[5, 2], [10, 2]] and h[0] is h.rank_prefix_matrix
+        assert len(h) == 6 and h[1] is None and h[4].tolist() == [[True, False]] * 5
+        assert h.recv_gbl_rank_prefix_sum.tolist() == [2, 2]
+        assert dispatch(M - 1, expert_alignment=1)[3] == [2, 1] and len(made) == 2  # same ops
         wx, widx, ww, wcounts, wh, _ = dispatch(3, num_worst_tokens=5)
         assert wcounts == [] and wx.shape == (5, 8) and wh.num_recv_tokens == 5
-        assert made[-1].config.max_total_recv_tokens == 5  # 5 < W * M: the receive cap
+        assert len(made) == 3 and made[-1].config.max_total_recv_tokens == 5  # 5 < W * M: the receive cap
         assert torch.equal(wx[:2], made[-1].out[:2])
         assert widx.tolist() == [[0, 1, -1], [-1, -1, 1]] + [[-1] * 3] * 3
         assert ww.tolist() == [[1, 2, 0], [0, 0, 6]] + [[0] * 3] * 3
@@ -394,6 +426,23 @@ if UNDER_PYTEST:
         assert y.data_ptr() != op.out.data_ptr()
         assert op.calls[-2:] == [("dispatch", 5, deep_ep._DUMMY_HIDDEN), ("combine", 2)]  # h was not the last dispatch
         assert not any(entry[1] == "record_stream" for entry in cuda.log)
+        # DeepEP's dispatch without top-k, by is_token_in_rank: the routing is each marked rank's
+        # first expert, top-8 (max(W, 8)); no received ids or weights; the counts are the
+        # notified num_tokens_per_expert of this rank's experts (2 and 3), summed over ranks.
+        in_rank = torch.tensor([[True, False], [True, True], [False, False]])
+        bx, bidx, bw, bcounts, bh, _ = b.dispatch(torch.ones((3, 8), dtype=torch.bfloat16), is_token_in_rank=in_rank,
+                                                  num_tokens_per_expert=torch.tensor([0, 0, 3, 4], dtype=torch.int32))
+        by_rank = made[-1]
+        assert len(made) == 4 and by_rank.config.num_experts_per_token == 8
+        assert by_rank.idx[-1].tolist() == [[0] + [-1] * 7, [0, 2] + [-1] * 6, [-1] * 8]
+        assert bidx is None and bw is None and bcounts == [1 + 3, 1 + 4] and bx.shape == (2, 8)
+        assert notify.idx[-1].tolist() == [[0, 1]] and bh.rank_prefix_matrix.tolist() == [[5, 2], [7, 3]]
+        assert bh[4].tolist() == in_rank.tolist()
+        with pytest.raises(mori.InvalidUsageError, match="without topk_idx, is_token_in_rank is required"):
+            b.dispatch(torch.ones((3, 8), dtype=torch.bfloat16), num_tokens_per_expert=per_expert)
+        with pytest.raises(mori.InvalidUsageError, match="is_token_in_rank must be torch.bool"):
+            b.dispatch(torch.ones((3, 8), dtype=torch.bfloat16), is_token_in_rank=in_rank.int(),
+                       num_tokens_per_expert=per_expert)
         with pytest.raises(mori.InvalidUsageError, match=f"{M + 1} tokens exceed"):
             dispatch(M + 1)
         ids = torch.tensor([[0, 3, -1], [2, 3, 1], [-1, -1, -1]])
@@ -527,6 +576,81 @@ if UNDER_PYTEST:
         idx = torch.empty((3, 3), dtype=torch.int64)
         deep_ep._local_routing(idx, None, out_i, None, 3, 0, 2)  # rank 0: experts 0 and 1
         assert idx.tolist() == [[-1, -1, -1], [0, -1, -1], [-1, -1, -1]]
+
+    def test_static_calls_deep_ep_s_tests_make():
+        """Buffer.is_sm90_compiled() (DeepEP's tests gate their FP8 cases on it: every mori build
+        has FP8 dispatch) and Buffer.capture() are static, as DeepEP's."""
+        assert deep_ep.Buffer.is_sm90_compiled() is True
+        for name in ("is_sm90_compiled", "capture", "set_num_sms", "get_dispatch_config", "get_combine_config",
+                     "get_low_latency_rdma_size_hint"):
+            assert isinstance(inspect.getattr_static(deep_ep.Buffer, name), staticmethod), name
+
+    def test_handles_index_like_deep_ep_s_tuples():
+        """(no torch) A normal-mode handle is DeepEP's 6-tuple on one node (rank_prefix_matrix at
+        [0], is_token_in_rank at [4]) and its 10-tuple across nodes (is_token_in_rank at [0],
+        recv_gbl_rank_prefix_sum at [6] = [-4]); entries of DeepEP's own kernel bookkeeping are
+        None. A low-latency handle is (src_info, layout_range, M, hidden, num_experts)."""
+        import types
+
+        class Column:
+            def __init__(self, key):
+                self.key = key
+
+            def contiguous(self):
+                return self
+
+        class Matrix:  # a [W, W] tensor's indexing
+            def __getitem__(self, key):
+                return Column(key)
+
+        m, routing = Matrix(), deep_ep._Routing("ids", 7)
+        h = deep_ep.DispatchHandle(types.SimpleNamespace(_num_nodes=1, rank=3), "slot", routing, 11, 64, m)
+        assert len(h) == 6 and h[0] is m and h[-6] is m and h.rank_prefix_matrix is m
+        assert [h[i] for i in (1, 2, 3, 5)] == [None] * 4 and h[1:4] == (None, None, None)
+        assert (h.num_tokens, h.num_recv_tokens, h.hidden, h.topk_idx) == (7, 11, 64, "ids")
+        with pytest.raises(IndexError):
+            h[6]
+        h = deep_ep.DispatchHandle(types.SimpleNamespace(_num_nodes=2, rank=3), "slot", routing, 11, 64, m)
+        assert len(h) == 10 and h[-4] is h[6] and h[6].key == (slice(None), 3)  # column 3 of the matrix
+        assert [h[i] for i in range(1, 10) if i != 6] == [None] * 8
+        ll = deep_ep.LowLatencyHandle("buffer", "slot", routing, 128, 7168, 288, "pos", "counts")
+        ll._made.update(src_info="src info", layout_range="layout range")  # as made on first access
+        src_info, layout_range, M, hidden, num_experts = ll
+        assert (src_info, layout_range, M, hidden, num_experts) == ("src info", "layout range", 128, 7168, 288)
+        assert len(ll) == 5 and ll[0] == "src info" and ll[-1] == 288 and ll.src_pos == "pos"
+
+    @needs_torch
+    def test_low_latency_handle_tensors_from_slot_positions():
+        """src_info (the source token of each slot) and layout_range ((begin << 32) | count of each
+        source rank's slots per local expert) from the slot positions src_rank * M + src_token, in
+        source-rank order; slots past recv_count are ignored whatever they hold."""
+        import torch
+
+        M, W = 4, 3
+        junk = [99, -7, 5, 11, 2, 0, 1, 3]
+        pos = torch.tensor([[0 * M + 1, 0 * M + 3, 2 * M + 0, 6] + junk,  # expert 0: rank 0 (2), rank 2 (1)
+                            [1 * M + 2, 9, 9, 9] + junk,  # expert 1: rank 1 (1)
+                            [5, 5, 5, 5] + junk], dtype=torch.int32)  # expert 2: nothing
+        counts = torch.tensor([3, 1, 0], dtype=torch.int32)
+        src_info = deep_ep._ll_src_info(pos, M)
+        assert src_info.dtype == torch.int32 and src_info[0, :3].tolist() == [1, 3, 0] and src_info[1, 0] == 2
+        lr = deep_ep._ll_layout_range(pos, counts, M, W)
+        assert lr.dtype == torch.int64 and lr.shape == (3, W)
+        assert lr.tolist() == [[(0 << 32) | 2, (2 << 32) | 0, (2 << 32) | 1],
+                               [(0 << 32) | 0, (0 << 32) | 1, (1 << 32) | 0],
+                               [0, 0, 0]]
+        assert ((lr & 0xFFFFFFFF).sum(1) == counts).all()
+
+    @needs_torch
+    def test_rank_mask_and_notify_helpers():
+        """is_token_in_rank from a routing (ids outside [0, E) count nowhere); the scale columns a
+        normal op reserves; the routing width of a dispatch by rank."""
+        import torch
+
+        ids = torch.tensor([[0, 5, -1], [7, 6, 1], [-1, -1, -1], [3, 2, 9]])  # E 8, W 4
+        assert deep_ep._rank_mask(ids, 8, 4).tolist() == layout_reference(ids.tolist(), 8, 4, 4)[3]
+        assert deep_ep._reserved_scale_columns(7168) == 56 and deep_ep._reserved_scale_columns(100) == 0
+        assert deep_ep._by_rank_width(2) == 8 and deep_ep._by_rank_width(16) == 16
 
     def test_event_overlap_without_event():
         ev = deep_ep.EventOverlap()
@@ -704,7 +828,7 @@ def case_normal_capacity(env):
     _check(refused(none, 4, "hold no normal-mode op"), "no bytes, no num_max_tokens_per_rank: refused")
     fixed = env["new_buffer"](env["group"], 0, 0, explicitly_destroy=True, num_max_tokens_per_rank=128)
     round_trip(fixed, 17, lambda r: 100 + 9 * r, "num_max_tokens_per_rank=128")
-    _check([s.key[5] for s in fixed._slots] == [128], "the explicit capacity is the op's")
+    _check([s.key[5] for s in fixed._slots if s.key[0] == "normal"] == [128], "the explicit capacity is the op's")
     _check(refused(fixed, 129, "exceed the Buffer's num_max_tokens_per_rank (128)"), "over the explicit capacity")
 
 
@@ -839,6 +963,75 @@ def case_low_latency_two_in_flight(env):
         ref = U.standard_moe_combine_torch(torch, x.cpu(), ids.cpu(), w.cpu(), world, EPR, _expert_fn(torch),
                                            torch.bfloat16)
         _check(torch.equal(y.cpu(), ref), "two dispatches in flight")
+
+
+def _prefix_reference(torch, world, seed, n_of, neg=True):
+    """DeepEP's rank_prefix_matrix of a dispatch of every rank's _inputs: entry [i][j] counts the
+    tokens of ranks 0..i with an expert on rank j."""
+    m = torch.zeros((world, world), dtype=torch.int32)
+    for s in range(world):
+        _, ids, _ = _inputs(torch, s, world, seed, n_of(s), "cpu", neg)
+        for d in range(world):
+            m[s, d] = int(((ids >= d * EPR) & (ids < (d + 1) * EPR)).any(1).sum())
+    return m.cumsum(0, dtype=torch.int32)
+
+
+def case_normal_handle_and_dispatch_by_rank(env):
+    """DeepEP's handle entries (rank_prefix_matrix at [0], is_token_in_rank at [4]) against every
+    rank's routing, and DeepEP's dispatch without top-k (routed by is_token_in_rank alone): the
+    same received rows, the count list from every rank's num_tokens_per_expert, combine alike."""
+    torch, buf, rank, world = env["torch"], env["buf"], env["rank"], env["world"]
+
+    def n_of(r):
+        return 25 + 5 * r
+
+    (x, ids, w), (rx, _, _, counts, h, _) = _normal_dispatch(env, 21, n_of)
+    ref = _prefix_reference(torch, world, 21, n_of)
+    _check(len(h) == 6 and torch.equal(h[0].cpu(), ref), "rank_prefix_matrix")
+    _check(int(h[0][world - 1][rank]) == int(rx.shape[0]), "the matrix's last row counts the received rows")
+    in_rank_ref = torch.stack([((ids.cpu() >= d * EPR) & (ids.cpu() < (d + 1) * EPR)).any(1) for d in range(world)], 1)
+    _check(torch.equal(h[4].cpu(), in_rank_ref), "is_token_in_rank")
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(ids, world * EPR)
+    bx, bidx, bw, bcounts, bh, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                num_tokens_per_expert=per_expert)
+    _check(bidx is None and bw is None, "by rank: no received ids or weights")
+    _check(torch.equal(bx, rx), "by rank: the same received rows")
+    _check(bcounts == counts, f"by rank: per-expert counts {bcounts} vs {counts}")
+    _check(torch.equal(bh[0].cpu(), ref), "by rank: rank_prefix_matrix")
+    y, yw, _ = buf.combine(bx, bh)
+    _check(yw is None and torch.equal(y.cpu(), _times_dest(torch, x.cpu(), ids.cpu())), "by rank: combine")
+
+
+def case_normal_worst_cuda_graph(env):
+    """num_worst_tokens: a dispatch (its notify step included) and a combine captured in one CUDA
+    graph after a first call of the shape; every replay gives the combine's reference and the
+    rank_prefix_matrix of every rank's routing."""
+    torch, buf, rank, world = env["torch"], env["buf"], env["rank"], env["world"]
+    n = 30
+    x, ids, w = _inputs(torch, rank, world, 22, n, env["dev"], neg=True)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(ids, world * EPR)
+
+    def step():
+        rx, _, _, _, h, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                         num_tokens_per_expert=per_expert, topk_idx=ids, topk_weights=w,
+                                         num_worst_tokens=world * n)
+        return buf.combine(rx, h)[0], h
+
+    step()  # creates the ops of the shape outside the capture
+    torch.cuda.synchronize()
+    env["barrier"]()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y, h = step()
+    ref = _times_dest(torch, x.cpu(), ids.cpu())
+    prefix = _prefix_reference(torch, world, 22, lambda r: n)
+    for it in range(3):
+        y.zero_()
+        h[0].zero_()
+        g.replay()
+        torch.cuda.synchronize()
+        _check(torch.equal(y.cpu(), ref), f"graph replay {it}: combine")
+        _check(torch.equal(h[0].cpu(), prefix), f"graph replay {it}: rank_prefix_matrix")
 
 
 def case_low_latency_cuda_graph(env):
@@ -1017,6 +1210,8 @@ GPU_CASES = [
     ("normal_capacity", case_normal_capacity),
     ("cached_handle_replay", case_cached_handle_replay),
     ("async_and_num_worst_tokens", case_async_and_worst),
+    ("normal_handle_and_dispatch_by_rank", case_normal_handle_and_dispatch_by_rank),
+    ("normal_num_worst_tokens_cuda_graph", case_normal_worst_cuda_graph),
     ("low_latency_fp8", case_low_latency_fp8),
     ("low_latency_combine", case_low_latency_combine),
     ("low_latency_two_in_flight", case_low_latency_two_in_flight),

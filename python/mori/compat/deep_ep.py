@@ -16,7 +16,9 @@ silently). How the calls map onto mori:
   each shape must happen on every rank and outside CUDA-graph capture (checked: a first call
   during capture raises).
 * Normal mode: one op per (hidden, element size, top-k, experts per rank, tokens per rank,
-  scales, receive cap). Tokens per rank (the op's capacity) comes from the Buffer's construction
+  scales, receive cap); an op reserves DeepEP's FP8 scale columns (hidden / 128) so that bf16 and
+  FP8 calls share it, and a dispatch by is_token_in_rank alone (no topk_idx) routes with one id
+  per destination rank, top-max(W, 8), sharing top-8's op on up to 8 ranks. Tokens per rank (the op's capacity) comes from the Buffer's construction
   arguments and the row size only, never from a call's token count, so every rank picks the same
   op with no communication whatever its own count: the Buffer's num_max_tokens_per_rank (a mori
   keyword) when given, else the most tokens per rank whose op, as Config's size hints count it
@@ -30,6 +32,10 @@ silently). How the calls map onto mori:
 * Every op runs on the Buffer's communication stream, ordered after the caller's stream or
   previous_event, as DeepEP's kernels are; async_finish returns an EventOverlap instead of making
   the caller's stream wait.
+* A normal dispatch first runs DeepEP's notify step: every rank's per-rank counts and
+  num_tokens_per_expert are gathered by a one-row dispatch on a small op of their own, giving
+  the handle's rank_prefix_matrix (and, by rank, the per-expert counts). Handles index like
+  DeepEP's tuples (DispatchHandle, LowLatencyHandle).
 * Handles keep the routing (the sender's topk_idx). An op's buffers hold its last dispatch only;
   combine(handle) of an older dispatch, and dispatch(x, handle=...), first re-establish that
   routing with a dispatch of 16-byte dummy rows (same routing gives the same received-row order),
@@ -55,6 +61,7 @@ _MAX_WORLD = 32
 _DUMMY_HIDDEN = 8  # bf16 elements of the routing-only dispatches (16-byte rows, the minimum)
 _NOMINAL_TOPK = 8  # top-k the size hints assume (DeepEP's hints do not take one)
 _NOMINAL_TOKENS_PER_RANK = 4096  # Config's default capacity for the normal-mode size hints
+_NOTIFY_ROW_WORDS = 4  # int32 words of 16 bytes, the unit of the notify op's rows
 
 
 def _usage(msg):
@@ -103,6 +110,24 @@ def _op_config(rank, world, hidden, token_bytes, max_tokens, experts_per_rank, t
 
 def _symmetric_bytes(**kw):
     return int(_ops().ep_symmetric_bytes(_op_config(rank=0, **kw)))
+
+
+def _reserved_scale_columns(hidden):
+    """Scale columns a normal-mode op reserves whatever the call: DeepEP's FP8 scales (one float32
+    per 128 elements) where hidden is a multiple of 128, so that bf16 and FP8 calls of one hidden
+    size share an op (its rows are 1.6 % larger than without)."""
+    return hidden // _QUANT_GROUP if hidden % _QUANT_GROUP == 0 else 0
+
+
+def _by_rank_width(world):
+    """Top-k width of the routing a dispatch by is_token_in_rank alone is given: one id per rank
+    (at most W), at least the nominal top-8, so that on up to 8 ranks it shares the op of top-8
+    dispatches."""
+    return max(world, _NOMINAL_TOPK)
+
+
+def _int_types(torch):
+    return (torch.int32, torch.int64)
 
 
 def _hidden_of_bytes(hidden_bytes):
@@ -254,31 +279,95 @@ class _OpSlot:
         self.dummy = None  # rows of the routing-only dispatches (Buffer._dummy_rows)
 
 
-class DispatchHandle:
-    """Normal-mode handle (DeepEP's is a tuple of layout tensors; engines only pass it back).
-    Attributes: num_tokens (this rank's tokens), num_recv_tokens (rows received; the padded count
-    with num_worst_tokens), topk_idx (a copy of the routing), the op it used. combine() and
-    dispatch(handle=...) accept it at any later time while the Buffer lives."""
+class _HandleTuple:
+    """Indexing, length and iteration like DeepEP's handle tuples: _FIELDS names the attribute at
+    each position (None: an entry of DeepEP's own kernel bookkeeping that mori does not have,
+    read as None). Attributes are made on first access."""
 
-    def __init__(self, buffer, slot, routing, num_recv_rows, hidden):
+    _FIELDS = ()
+
+    def __len__(self):
+        return len(self._FIELDS)
+
+    def __getitem__(self, i):
+        names = self._FIELDS[i]  # an int (negative too) or a slice, as for a tuple
+        if isinstance(i, slice):
+            return tuple(None if n is None else getattr(self, n) for n in names)
+        return None if names is None else getattr(self, names)
+
+    def __iter__(self):
+        return iter(self[:])
+
+
+class DispatchHandle(_HandleTuple):
+    """Normal-mode handle. combine() and dispatch(handle=...) accept it at any later time while
+    the Buffer lives. Attributes: num_tokens (this rank's tokens), num_recv_tokens (rows received;
+    the padded count with num_worst_tokens), hidden, topk_idx (a copy of the routing: the
+    dispatch's topk_idx, or for a dispatch by is_token_in_rank alone one id of each rank the
+    token goes to), and DeepEP's layout tensors:
+      rank_prefix_matrix [W, W] int32: entry [i][j] counts the tokens ranks 0..i sent to rank j
+        (so rows [m[i-1][r], m[i][r]) of this rank r's received rows came from rank i);
+      recv_gbl_rank_prefix_sum [W] int32: column r of it, the received rows from ranks 0..i;
+      is_token_in_rank [T, W] bool: where this rank's tokens went.
+    It indexes like DeepEP's handle tuple: on one node (6 entries) [0] is rank_prefix_matrix and
+    [4] is_token_in_rank; across nodes (10 entries) [0] is is_token_in_rank and [6] (= [-4])
+    recv_gbl_rank_prefix_sum. The other entries (DeepEP's per-channel prefix matrices, source
+    indices and send heads, bookkeeping of its own kernels) are None."""
+
+    _ONE_NODE = ("rank_prefix_matrix", None, None, None, "is_token_in_rank", None)
+    _NODES = ("is_token_in_rank", None, None, None, None, None, "recv_gbl_rank_prefix_sum", None, None, None)
+
+    def __init__(self, buffer, slot, routing, num_recv_rows, hidden, rank_prefix_matrix):
         self._buffer = buffer
         self._slot = slot
         self._routing = routing
         self.num_tokens = routing.num_tokens
         self.num_recv_tokens = num_recv_rows
         self.hidden = hidden
+        self.rank_prefix_matrix = rank_prefix_matrix
+        self._FIELDS = self._NODES if buffer._num_nodes > 1 else self._ONE_NODE
+        self._made = {}
 
     @property
     def topk_idx(self):
         return self._routing.topk_idx
 
+    @property
+    def recv_gbl_rank_prefix_sum(self):
+        t = self._made.get("recv_gbl_rank_prefix_sum")
+        if t is None:
+            t = self._made["recv_gbl_rank_prefix_sum"] = self.rank_prefix_matrix[:, self._buffer.rank].contiguous()
+        return t
 
-class LowLatencyHandle:
-    """Low-latency handle: the op slot, routing, num_max_dispatch_tokens_per_rank, hidden and
-    num_experts of the dispatch (DeepEP's holds src_info/layout_range tensors; engines only pass
-    it back). src_pos: [num_local_experts, W*M] int32, src_rank * M + src_token of each slot."""
+    @property
+    def is_token_in_rank(self):
+        t = self._made.get("is_token_in_rank")
+        if t is None:
+            torch, buf = _torch(), self._buffer
+            # The routing copy was made on the comm stream by the dispatch.
+            torch.cuda.current_stream(buf._device).wait_stream(buf._comm_stream)
+            cfg = self._slot.op.config
+            t = _rank_mask(self._routing.topk_idx, cfg.num_experts_per_rank * buf.group_size, buf.group_size)
+            self._made["is_token_in_rank"] = t
+        return t
 
-    def __init__(self, buffer, slot, routing, num_max_dispatch_tokens_per_rank, hidden, num_experts, src_pos):
+
+class LowLatencyHandle(_HandleTuple):
+    """Low-latency handle: the op slot, routing, num_max_dispatch_tokens_per_rank (M), hidden and
+    num_experts of the dispatch, src_pos [num_local_experts, W*M] int32 (src_rank * M +
+    src_token of each slot), and, as DeepEP's handle tuple (src_info, layout_range, M, hidden,
+    num_experts) indexes them:
+      src_info [num_local_experts, W*M] int32: the source token index (on its rank) of each slot;
+      layout_range [num_local_experts, W] int64: for local expert e and source rank j,
+        (begin << 32) | count, the slots [begin, begin + count) of e that hold rank j's tokens.
+    Slots past recv_count[e] are unspecified. Both are made on first access, on the current
+    stream, from the dispatch's outputs: read them while those are valid (until the second next
+    dispatch of the shape), after the call's event or hook, as its other outputs."""
+
+    _FIELDS = ("src_info", "layout_range", "num_max_dispatch_tokens_per_rank", "hidden", "num_experts")
+
+    def __init__(self, buffer, slot, routing, num_max_dispatch_tokens_per_rank, hidden, num_experts, src_pos,
+                 recv_count=None):
         self._buffer = buffer
         self._slot = slot
         self._routing = routing
@@ -286,6 +375,44 @@ class LowLatencyHandle:
         self.hidden = hidden
         self.num_experts = num_experts
         self.src_pos = src_pos
+        self._recv_count = recv_count
+        self._made = {}
+
+    @property
+    def src_info(self):
+        t = self._made.get("src_info")
+        if t is None:
+            t = self._made["src_info"] = _ll_src_info(self.src_pos, self.num_max_dispatch_tokens_per_rank)
+        return t
+
+    @property
+    def layout_range(self):
+        t = self._made.get("layout_range")
+        if t is None:
+            t = _ll_layout_range(self.src_pos, self._recv_count, self.num_max_dispatch_tokens_per_rank,
+                                 self._buffer.group_size)
+            self._made["layout_range"] = t
+        return t
+
+
+def _ll_src_info(src_pos, M):
+    """DeepEP's src_info from mori's slot positions (src_rank * M + src_token): the source token."""
+    return src_pos.remainder(M).to(_torch().int32)
+
+
+def _ll_layout_range(src_pos, recv_count, M, W):
+    """DeepEP's layout_range [E_local, W] int64: (begin << 32) | count of each source rank's slots
+    of each local expert, from the slot positions (src_rank * M + src_token; slots are in source
+    rank order) and the per-expert counts; slots at or past recv_count[e] count nowhere."""
+    torch = _torch()
+    E, R = int(src_pos.shape[0]), int(src_pos.shape[1])
+    valid = torch.arange(R, device=src_pos.device).view(1, R) < recv_count.view(E, 1)
+    rank = torch.where(valid, src_pos.div(M, rounding_mode="floor").to(torch.int64), W)
+    count = torch.zeros((E, W + 1), dtype=torch.int64, device=src_pos.device)
+    count.scatter_add_(1, rank, torch.ones_like(rank))
+    count = count[:, :W]
+    begin = count.cumsum(1) - count
+    return (begin << 32) | count
 
 
 class _OnComm:
@@ -411,7 +538,6 @@ def _layout(topk_idx, num_experts, num_ranks, gpu_per_node, empties):
     results are those tensors, or views of them); the work runs on the current stream."""
     torch = _torch()
     W, E = num_ranks, num_experts
-    epr = E // W
     T = int(topk_idx.shape[0])
     nodes = 0
     if gpu_per_node < W:
@@ -422,17 +548,32 @@ def _layout(topk_idx, num_experts, num_ranks, gpu_per_node, empties):
     per_rank, per_rdma, per_expert, in_rank = empties(((W,), i32), ((nodes,), i32) if nodes else None,
                                                       ((E + 1,), i32), ((T, W), torch.bool))
     dev = topk_idx.device
-    idx = topk_idx.long()
-    slot = idx.masked_fill((idx < 0) | (idx >= E), E)  # expert E, of rank W: nowhere
+    slot = _expert_slots(topk_idx, E)
     per_expert.zero_()
     per_expert.scatter_add_(0, slot.reshape(-1), torch.ones(slot.numel(), dtype=i32, device=dev))
-    hit = torch.zeros((T, W + 1), dtype=torch.bool, device=dev)
-    hit.scatter_(1, slot.div(epr, rounding_mode="floor"), True)
-    in_rank.copy_(hit[:, :W])
+    in_rank.copy_(_rank_mask(topk_idx, E, W, slot))
     torch.sum(in_rank, 0, dtype=i32, out=per_rank)
     if nodes:
         torch.sum(in_rank.view(T, nodes, gpu_per_node).any(2), 0, dtype=i32, out=per_rdma)
     return per_rank, per_rdma, per_expert[:E], in_rank
+
+
+def _expert_slots(topk_idx, num_experts):
+    """topk_idx as int64 with every id outside [0, num_experts) (-1: no expert) replaced by
+    num_experts, an expert of no rank."""
+    idx = topk_idx.long()
+    return idx.masked_fill((idx < 0) | (idx >= num_experts), num_experts)
+
+
+def _rank_mask(topk_idx, num_experts, num_ranks, slot=None):
+    """[T, num_ranks] bool: token t has an expert on rank r (ids outside [0, num_experts) count
+    nowhere). slot: _expert_slots(topk_idx, num_experts) when the caller has it."""
+    torch = _torch()
+    if slot is None:
+        slot = _expert_slots(topk_idx, num_experts)
+    hit = torch.zeros((int(topk_idx.shape[0]), num_ranks + 1), dtype=torch.bool, device=topk_idx.device)
+    hit.scatter_(1, slot.div(num_experts // num_ranks, rounding_mode="floor"), True)
+    return hit[:, :num_ranks]
 
 
 def _local_routing(recv_idx, recv_w, out_i, out_w, rows, first, epr, pad=None):
@@ -540,13 +681,20 @@ class Buffer:
         self._device = torch.device("cuda", torch.cuda.current_device())
         self._comm_stream = torch.cuda.Stream(self._device)
         self._capacities = {}  # row bytes -> normal-mode tokens per rank (_normal_capacity)
-        self._row_ids = {}  # n -> arange(n) int32 on the device (_rows_at_or_after)
+        self._row_ids = {}  # n -> arange(n) int32 on the device (_arange)
         self._ll_turn = {}
         self._ll_combine_inputs = {}
         self._ll_idx_bad = None  # (device flag, pinned copy) of the low-latency topk_idx check
         self._destroyed = False
 
     # --- static / class-level API ---------------------------------------------------------------
+    @staticmethod
+    def is_sm90_compiled():
+        """True: DeepEP's flag for builds with its FP8 (SM90) paths. Every mori build has FP8
+        normal-mode dispatch (float8 rows with [T, hidden / 128] float32 scales) and FP8
+        low-latency dispatch, on every GPU it builds for."""
+        return True
+
     @staticmethod
     def set_num_sms(new_num_sms):
         """Blocks (SMs) of the normal-mode kernels when no Config is given. Even, as DeepEP's."""
@@ -611,12 +759,10 @@ class Buffer:
         """The stream every op of this Buffer runs on."""
         return self._comm_stream
 
-    def capture(self):
-        """An EventOverlap of an event recorded on the current stream now."""
-        torch = _torch()
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(self._device))
-        return EventOverlap(ev)
+    @staticmethod
+    def capture():
+        """An EventOverlap of an event recorded on the current stream now (static, as DeepEP's)."""
+        return EventOverlap(EventHandle())
 
     def get_local_buffer_tensor(self, dtype, size=None, offset=0, use_rdma_buffer=False):
         """Refused: mori has no single NVL/RDMA buffer to view (each op owns its regions)."""
@@ -722,16 +868,49 @@ class Buffer:
                 slot.dummy = d
         return d[:n]
 
+    def _routing_by_rank(self, is_token_in_rank, epr, K):
+        """[T, K] int32 routing for a dispatch by is_token_in_rank alone: the first expert of
+        every rank the token goes to, in rank order, then -1. On the current stream."""
+        torch = _torch()
+        T, W = int(is_token_in_rank.shape[0]), self.group_size
+        ids = torch.full((T, K), -1, dtype=torch.int32, device=self._device)
+        first = self._arange(W) * epr + 1  # rank r's first expert, + 1
+        torch.mul(is_token_in_rank, first, out=ids[:, :W])
+        ids[:, :W] -= 1  # in rank r: r * epr; else 0 - 1 = -1
+        return ids
+
+    def _notify(self, topk_idx, num_tokens_per_expert, num_experts):
+        """DeepEP's notify step, on the current (comm) stream: every rank's count of tokens for each
+        rank (from its routing) and its num_tokens_per_expert reach every rank, as one row per rank
+        dispatched to all ranks on a small op of its own (one row per rank, no host sync, CUDA-graph
+        capturable). Returns [W, W + E] int32, row s from rank s: its counts for ranks 0..W-1,
+        then its num_tokens_per_expert; a view of the op's output, valid until the next notify."""
+        torch = _torch()
+        W = self.group_size
+        n = W + num_experts
+        cols = -(-n // _NOTIFY_ROW_WORDS) * _NOTIFY_ROW_WORDS
+        slot = self._slot(("notify", cols), hidden=cols, token_bytes=4, max_tokens=1, experts_per_rank=1, topk=W)
+        row = torch.zeros((1, cols), dtype=torch.int32, device=self._device)
+        torch.sum(_rank_mask(topk_idx, num_experts, W), 0, dtype=torch.int32, out=row[0, :W])
+        row[0, W:n].copy_(num_tokens_per_expert)
+        every_rank = self._arange(W).view(1, W)  # one expert per rank: expert r is rank r's
+        out = slot.op.dispatch(row.view(torch.float32), None, None, every_rank)[0]
+        slot.current = None
+        return out[:W].view(torch.int32)
+
     def _rows_at_or_after(self, n, total):
-        """[n] bool on the device: row i >= total (a [1] device count). arange(n) is kept per n
-        (outside capture, as _dummy_rows)."""
+        """[n] bool on the device: row i >= total (a [1] device count)."""
+        return self._arange(n) >= total
+
+    def _arange(self, n):
+        """arange(n) int32 on the device, kept per n (outside capture, as _dummy_rows)."""
         torch = _torch()
         ids = self._row_ids.get(n)
         if ids is None:
             ids = torch.arange(n, dtype=torch.int32, device=self._device)
             if not torch.cuda.is_current_stream_capturing():
                 self._row_ids[n] = ids
-        return ids >= total
+        return ids
 
     # --- checks -----------------------------------------------------------------------------------
     def _tensor(self, what, t, ndim, dtypes=None):
@@ -790,10 +969,15 @@ class Buffer:
         InvalidUsageError naming it.
         handle given (cached layout): x goes where that dispatch's tokens went; returns
         (recv_x, None, None, None, None, event).
-        topk_idx and num_tokens_per_expert are required without a handle (mori routes by expert id;
-        the expert count is num_tokens_per_expert's length). num_tokens_per_rank,
-        num_tokens_per_rdma_rank and is_token_in_rank are shape-checked only: the routing is
-        derived from topk_idx on the GPU."""
+        Without a handle, num_tokens_per_expert is required (its length is the expert count) and
+        the routing is topk_idx, or without topk_idx is_token_in_rank (DeepEP's dispatch without
+        top-k: each token goes to the ranks it marks; recv_topk_idx and recv_topk_weights are
+        None and the count list is the sum of every rank's num_tokens_per_expert for this rank's
+        experts). num_tokens_per_rank and num_tokens_per_rdma_rank are shape-checked only (mori
+        counts from the routing), as is is_token_in_rank when topk_idx is given.
+        Before the dispatch a notify step (one small dispatch of its own) gathers every rank's
+        per-rank counts, and num_tokens_per_expert, for the handle's rank_prefix_matrix
+        (DispatchHandle)."""
         self._alive("dispatch")
         _check_events(previous_event, async_finish, allocate_on_comm_stream, "dispatch")
         _check_int("dispatch: expert_alignment", expert_alignment, 1)
@@ -810,22 +994,28 @@ class Buffer:
         if handle is not None:
             return self._cached_dispatch(x, x_scales, handle, topk_idx, topk_weights, num_worst_tokens, blocks,
                                          previous_event, async_finish, allocate_on_comm_stream)
-        _refuse_if(topk_idx is None, "dispatch: topk_idx is required (mori routes tokens by expert id; dispatch by "
-                                     "is_token_in_rank alone is not supported)")
         _refuse_if(num_tokens_per_expert is None, "dispatch: num_tokens_per_expert is required (its length is the "
                                                   "number of experts)")
-        self._tensor("dispatch: topk_idx", topk_idx, 2, (torch.int64, torch.int32))
-        K = int(topk_idx.shape[1])
-        _refuse_if(int(topk_idx.shape[0]) != T, f"dispatch: topk_idx must have {T} rows, got {tuple(topk_idx.shape)}")
-        self._tensor("dispatch: num_tokens_per_expert", num_tokens_per_expert, 1)
+        W = self.group_size
+        by_rank = topk_idx is None  # DeepEP's dispatch without top-k: routed by is_token_in_rank
+        if by_rank:
+            _refuse_if(is_token_in_rank is None, "dispatch: without topk_idx, is_token_in_rank is required (it is "
+                                                 "the routing)")
+            _refuse_if(topk_weights is not None, "dispatch: topk_weights needs topk_idx")
+            K = _by_rank_width(W)
+        else:
+            self._tensor("dispatch: topk_idx", topk_idx, 2, (torch.int64, torch.int32))
+            K = int(topk_idx.shape[1])
+            _refuse_if(int(topk_idx.shape[0]) != T, f"dispatch: topk_idx must have {T} rows, got "
+                                                    f"{tuple(topk_idx.shape)}")
+        self._tensor("dispatch: num_tokens_per_expert", num_tokens_per_expert, 1, _int_types(torch))
         E = int(num_tokens_per_expert.shape[0])
         epr = self._num_experts(E, "dispatch")
-        W = self.group_size
         if num_tokens_per_rank is not None:
             self._tensor("dispatch: num_tokens_per_rank", num_tokens_per_rank, 1)
             _refuse_if(tuple(num_tokens_per_rank.shape) != (W,), f"dispatch: num_tokens_per_rank must have shape [{W}]")
         if is_token_in_rank is not None:
-            self._tensor("dispatch: is_token_in_rank", is_token_in_rank, 2)
+            self._tensor("dispatch: is_token_in_rank", is_token_in_rank, 2, (torch.bool,) if by_rank else None)
             _refuse_if(tuple(is_token_in_rank.shape) != (T, W), f"dispatch: is_token_in_rank must have shape [{T}, {W}]")
         if num_tokens_per_rdma_rank is not None:
             self._tensor("dispatch: num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, 1)
@@ -840,13 +1030,21 @@ class Buffer:
                    "dispatch: without num_worst_tokens the received count is read on the host, which cannot be "
                    "captured in a CUDA graph (pass num_worst_tokens)")
         cap = num_worst_tokens if 0 < num_worst_tokens < W * M else 0
-        sd = 0 if x_scales is None else int(x_scales.shape[1])
+        # One op serves rows with and without scales: it reserves DeepEP's FP8 scale columns
+        # (hidden / 128 float32 words) unless the call's scales have another width.
+        sd = _reserved_scale_columns(H) if x_scales is None else int(x_scales.shape[1])
         key = ("normal", H, tb, K, epr, M, sd, cap)
         with _OnComm(self, previous_event, async_finish, allocate_on_comm_stream) as ctx:
-            x, x_scales, topk_idx, topk_weights = (ctx.stage(t) for t in (x, x_scales, topk_idx, topk_weights))
+            x, x_scales, topk_idx, topk_weights, is_token_in_rank, per_expert = (
+                ctx.stage(t) for t in (x, x_scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert))
+            if by_rank:
+                topk_idx = self._routing_by_rank(is_token_in_rank, epr, K)
             slot = self._slot(key, hidden=H, token_bytes=tb, max_tokens=M, experts_per_rank=epr, topk=K,
                               scale_dim=sd, scale_type_size=4, recv_cap=cap)
             op = slot.op
+            notified = self._notify(topk_idx, per_expert, E)
+            rank_prefix_matrix = ctx.empty((W, W), torch.int32)
+            torch.cumsum(notified[:, :W], 0, dtype=torch.int32, out=rank_prefix_matrix)
             out, out_w, out_s, out_i, total = op.dispatch(x, topk_weights, x_scales, topk_idx, block_num=blocks)
             routing = _Routing(topk_idx.clone(), T)
             slot.current = routing
@@ -856,21 +1054,26 @@ class Buffer:
                 rows = min(n, int(out.shape[0]))
                 pad = self._rows_at_or_after(rows, total)
             else:
-                # One device-to-host read for both counts (it waits for the dispatch).
-                host = torch.cat((total, op.get_local_expert_count())).tolist()
+                # One device-to-host read for both counts (it waits for the dispatch). By rank, the
+                # per-expert counts are the notified num_tokens_per_expert of this rank's experts.
+                first = W + self.rank * epr
+                expert = notified[:, first:first + epr].sum(0, dtype=torch.int32) if by_rank else \
+                    op.get_local_expert_count()
+                host = torch.cat((total, expert)).tolist()
                 n = rows = host[0]
                 pad = None
                 a = expert_alignment
                 counts = [-(-c // a) * a for c in host[1:]] if a > 1 else host[1:]
             routing.num_recv = n
             recv_x, recv_s, recv_idx, recv_w = ctx.empties(
-                ((n, H), out.dtype), None if out_s is None else ((n, sd), out_s.dtype), ((n, K), topk_idx.dtype),
-                None if out_w is None else ((n, K), torch.float32))
+                ((n, H), out.dtype), None if out_s is None else ((n, int(out_s.shape[1])), out_s.dtype),
+                None if by_rank else ((n, K), topk_idx.dtype), None if out_w is None else ((n, K), torch.float32))
             recv_x[:rows].copy_(out[:rows])
             if recv_s is not None:
                 recv_s[:rows].copy_(out_s[:rows])
-            _local_routing(recv_idx, recv_w, out_i, out_w, rows, self.rank * epr, epr, pad)
-            handle = DispatchHandle(self, slot, routing, n, H)
+            if not by_rank:
+                _local_routing(recv_idx, recv_w, out_i, out_w, rows, self.rank * epr, epr, pad)
+            handle = DispatchHandle(self, slot, routing, n, H, rank_prefix_matrix)
         return ((recv_x, recv_s) if recv_s is not None else recv_x), recv_idx, recv_w, counts, handle, ctx.event
 
     def _cached_dispatch(self, x, x_scales, handle, topk_idx, topk_weights, num_worst_tokens, blocks,
@@ -909,7 +1112,7 @@ class Buffer:
         if self._ll_idx_bad is None:
             torch = _torch()
             self._ll_idx_bad = (torch.zeros(1, dtype=torch.int32, device=self._device),
-                                torch.zeros(1, dtype=torch.int32, pin_memory=True))
+                                torch.zeros(1, dtype=torch.int32, device="cpu", pin_memory=True))
         return self._ll_idx_bad
 
     def _check_ll_idx(self, topk_idx, routing, ctx):
@@ -1083,7 +1286,7 @@ class Buffer:
 
             if not split:
                 finish(em)
-            handle = LowLatencyHandle(self, slot, routing, M, H, num_experts, em.src_pos)
+            handle = LowLatencyHandle(self, slot, routing, M, H, num_experts, em.src_pos, em.counts)
         hook = None
         if split:
             hook = _ReceiveHook("low_latency_dispatch", lambda: (op.dispatch_recv(),
