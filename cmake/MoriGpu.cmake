@@ -241,11 +241,15 @@ if(MORI_GPU_LANG STREQUAL "HIP")
   endif()
 
   add_library(mori_gpu_runtime INTERFACE)
-  target_link_libraries(mori_gpu_runtime INTERFACE hip-lang::host)
+  # Installed (mori::gpu_runtime), the runtime is HIP's package target hip::host
+  # (cmake/moriConfig.cmake.in finds it): hip-lang::host exists only in projects that enable HIP.
+  target_link_libraries(mori_gpu_runtime INTERFACE $<BUILD_INTERFACE:hip-lang::host>
+                                                   $<INSTALL_INTERFACE:hip::host>)
   # hip-lang::host only carries include dirs/defines for HIP-language TUs; plain C++ TUs that
   # include <hip/hip_runtime_api.h> need the platform macro and the include dir as well.
   target_compile_definitions(mori_gpu_runtime INTERFACE MORI_BACKEND_HIP=1 __HIP_PLATFORM_AMD__=1)
-  target_include_directories(mori_gpu_runtime SYSTEM INTERFACE "${_mori_rocm_prefix}/include")
+  target_include_directories(mori_gpu_runtime SYSTEM INTERFACE
+                             $<BUILD_INTERFACE:${_mori_rocm_prefix}/include>)
   message(STATUS "mori GPU backend: HIP (${CMAKE_HIP_COMPILER} ${CMAKE_HIP_COMPILER_VERSION}), "
                  "archs: ${CMAKE_HIP_ARCHITECTURES}, flags: ${_mori_hip_flags}")
 endif()

@@ -1,4 +1,6 @@
-# Helpers shared by the src/, tests/, examples/ and tools/ CMakeLists.
+# Helpers shared by the src/, tests/, examples/ and tools/ CMakeLists; installed with mori's CMake
+# package as moriGpuSources.cmake (cmake/MoriInstall.cmake), where MORI_GPU_LANG comes from
+# moriConfig.cmake.
 
 # mori_add_gpu_sources(<target> <file>...): add .cpp files that hold device code or include the GPU
 # runtime to <target>, compiled as ${MORI_GPU_LANG} (one source for CUDA and HIP).
