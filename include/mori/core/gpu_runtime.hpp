@@ -40,6 +40,8 @@ using gpuError_t = MORI_GPU_NAME(Error_t);
 using gpuStream_t = MORI_GPU_NAME(Stream_t);
 using gpuEvent_t = MORI_GPU_NAME(Event_t);
 using gpuIpcMemHandle_t = MORI_GPU_NAME(IpcMemHandle_t);
+using gpuGraph_t = MORI_GPU_NAME(Graph_t);
+using gpuGraphExec_t = MORI_GPU_NAME(GraphExec_t);
 #if MORI_HIP
 using gpuDeviceProp_t = hipDeviceProp_t;
 using gpuPointerAttributes_t = hipPointerAttribute_t;
@@ -118,6 +120,13 @@ using gpuPointerAttributes_t = cudaPointerAttributes;
 #define gpuThreadExchangeStreamCaptureMode MORI_GPU_NAME(ThreadExchangeStreamCaptureMode)
 #define gpuStreamCaptureMode MORI_GPU_NAME(StreamCaptureMode)
 #define gpuStreamCaptureModeRelaxed MORI_GPU_NAME(StreamCaptureModeRelaxed)
+#define gpuStreamCaptureModeThreadLocal MORI_GPU_NAME(StreamCaptureModeThreadLocal)
+#define gpuStreamBeginCapture MORI_GPU_NAME(StreamBeginCapture)
+#define gpuStreamEndCapture MORI_GPU_NAME(StreamEndCapture)
+#define gpuGraphInstantiateWithFlags MORI_GPU_NAME(GraphInstantiateWithFlags)
+#define gpuGraphLaunch MORI_GPU_NAME(GraphLaunch)
+#define gpuGraphExecDestroy MORI_GPU_NAME(GraphExecDestroy)
+#define gpuGraphDestroy MORI_GPU_NAME(GraphDestroy)
 #define gpuEventCreate MORI_GPU_NAME(EventCreate)
 #define gpuEventCreateWithFlags MORI_GPU_NAME(EventCreateWithFlags)
 #define gpuEventDisableTiming MORI_GPU_NAME(EventDisableTiming)
