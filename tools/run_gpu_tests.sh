@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU test run on all local GPUs: the shmem GPU test programs, the C++ example, the Python example
+# GPU test run on all local GPUs: the shmem GPU test programs, the C++ examples (put_get; the EP
+# example for every kernel type, on emulated nodes for the inter-node ones), the Python example
 # (when examples/python/put_get.py exists and torch imports), the EP correctness suites
 # (tests/ops/ep_intranode_test.py, and tests/ops/ep_internode_test.py between emulated nodes where
 # that file exists; every kernel type, AsyncLL included), the engine-loop suite
@@ -48,7 +49,7 @@ trap 'exit 143' TERM
 py=${PYTHON:-python3}
 jobs=$(nproc 2>/dev/null || echo 4)
 tests=(shmem_put_get_test shmem_atomic_test shmem_barrier_test shmem_timeout_test shmem_init_finalize_test shmem_rdma_test)
-targets=("${tests[@]}" mori-emulated-nic put_get shmem_put_bench)
+targets=("${tests[@]}" mori-emulated-nic put_get ep_dispatch_combine shmem_put_bench)
 
 # ---- build ----------------------------------------------------------------------------------
 : >"$buildLog"
@@ -144,6 +145,20 @@ for t in "${tests[@]}"; do
   run "$t" "$build/tests/shmem/$t" "${npesArgs[@]}"
 done
 run put_get_cpp "$build/examples/put_get" ${MORI_TEST_NPES:-}
+# The C++ EP example (examples/cpp/ep_dispatch_combine.cpp) with the run's ranks, every kernel type:
+# IntraNode and AsyncLL on one node; the inter-node types and AsyncLL between emulated nodes of
+# half the ranks (one per node for an odd count; RDMA through the emulated NIC).
+for kt in IntraNode AsyncLL; do
+  run "ep_cpp_$kt" "$build/examples/ep_dispatch_combine" --npes "$ranks" "$kt"
+done
+if [[ $ranks -lt 2 ]]; then
+  add_row ep_cpp_emu SKIPPED "needs 2 ranks (MORI_TEST_NPES=4 shares a GPU)" 0
+else
+  for kt in InterNode InterNodeV1 InterNodeV1LL AsyncLL; do
+    run "ep_cpp_emu_$kt" "$build/examples/ep_dispatch_combine" --npes "$ranks" \
+      --gpu-per-node $((ranks % 2 == 0 ? ranks / 2 : 1)) "$kt"
+  done
+fi
 # P2P and emulated RDMA peers in one run: 4 PEs in 2 virtual nodes (ranks share GPUs when fewer).
 run shmem_rdma_mixed env MORI_RDMA_EMULATE=1 \
   "$build/tests/shmem/shmem_rdma_test" --gpu-per-node 2 --npes 4
