@@ -13,6 +13,8 @@
 #include "mori/core/errors.hpp"
 #include "mori/core/strings.hpp"
 
+#include "../core/error_message.hpp"
+
 namespace mori::application {
 namespace {
 
@@ -22,17 +24,7 @@ constexpr uint64_t kKiB = 1ull << 10;
 constexpr uint64_t kMiB = 1ull << 20;
 constexpr uint64_t kGiB = 1ull << 30;
 
-// Runs fn, expects InvalidUsageError, and returns its message.
-template <typename Fn>
-std::string InvalidUsageMessage(Fn&& fn) {
-  try {
-    fn();
-  } catch (const InvalidUsageError& e) {
-    return e.Message();
-  }
-  ADD_FAILURE() << "expected InvalidUsageError";
-  return "";
-}
+using core::testing::InvalidUsageMessage;
 
 TEST(FormatBytesTest, PicksUnitAndRounds) {
   EXPECT_EQ(core::FormatBytes(0), "0 B");

@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "mori/core/errors.hpp"
+#include "error_message.hpp"
 #include "scoped_env.hpp"
 
 namespace mori::core {
@@ -18,17 +19,7 @@ constexpr uint64_t kMiB = 1ull << 20;
 constexpr uint64_t kGiB = 1ull << 30;
 constexpr uint64_t kTiB = 1ull << 40;
 
-// The InvalidUsageError message of fn, or a test failure.
-template <typename Fn>
-std::string InvalidUsageMessage(Fn&& fn) {
-  try {
-    fn();
-  } catch (const InvalidUsageError& e) {
-    return e.Message();
-  }
-  ADD_FAILURE() << "expected InvalidUsageError";
-  return "";
-}
+using core::testing::InvalidUsageMessage;
 
 const EnvEntry* FindEntry(const std::vector<EnvEntry>& entries, const std::string& name) {
   for (const EnvEntry& e : entries)
