@@ -14,9 +14,7 @@
 #include "mori/core/errors.hpp"
 #include "mori/core/gpu.hpp"
 
-#ifndef MORI_VERSION_STRING
-#error "MORI_VERSION_STRING must come from the build (tools/CMakeLists.txt)"
-#endif
+#include "mori_version.hpp"  // generated: MORI_VERSION_STRING (cmake/MoriVersion.cmake)
 
 namespace {
 

@@ -9,9 +9,7 @@
 #include "mori/core/gpu_check.hpp"
 #include "pybind_common.hpp"
 
-#ifndef MORI_VERSION_STRING
-#error "MORI_VERSION_STRING must come from the build (src/pybind/CMakeLists.txt)"
-#endif
+#include "mori_version.hpp"  // generated: MORI_VERSION_STRING (cmake/MoriVersion.cmake)
 
 namespace mori::pybind {
 namespace {
@@ -220,7 +218,8 @@ py::capsule DlpackBytes(uintptr_t ptr, int64_t nbytes, int deviceId) {
 void RegisterInfo(py::module_& m) {
   m.def(
       "version", [] { return std::string(MORI_VERSION_STRING); },
-      "mori version (from the top-level CMake project).");
+      "mori version: the CMake project version, plus +g<short commit> when built from a git "
+      "checkout.");
   m.def(
       "backend", [] { return std::string(MORI_GPU_PLATFORM_NAME); },
       "GPU backend this build targets: 'CUDA' or 'HIP'.");
