@@ -17,6 +17,7 @@
 #include <utility>
 
 #include "mori/application/bootstrap/callback_bootstrap.hpp"
+#include "mori/application/bootstrap/mpi_plugin.hpp"
 #include "mori/core/env.hpp"
 #include "mori/core/errors.hpp"
 #include "mori/core/gpu_check.hpp"
@@ -300,6 +301,16 @@ void RegisterShmem(py::module_& m) {
         py::arg("allgather_fn"), py::arg("alltoall_fn"), py::arg("barrier_fn"), py::arg("send"),
         "Test hook: runs Allgather/AllToAll/Barrier of a callback bootstrap on a native thread; "
         "returns (allgather_recv, alltoall_recv).");
+  m.def(
+      "_mpi_bootstrap_plugin",
+      [] {
+        py::dict out;
+        out["built"] = application::MpiPluginBuilt();
+        out["default_path"] = application::MpiPluginDefaultPath();
+        return out;
+      },
+      "Whether this build produced the MPI bootstrap plugin and where it is looked for first "
+      "(next to libmori). Loads nothing.");
 
   m.def("shmem_finalize", [] { CallLibrary([] { shmem::ShmemFinalize(); }); });
   m.def(

@@ -11,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "mori/application/bootstrap/mpi_plugin.hpp"
 #include "mori/application/bootstrap/socket_bootstrap.hpp"
 #include "mori/application/context/context.hpp"
 #include "mori/application/memory/symmetric_heap.hpp"
@@ -21,9 +22,6 @@
 #include "mori/core/logging.hpp"
 #include "mori/shmem/device/barrier_launch.hpp"
 #include "mori/shmem/shmem_api.hpp"
-#if MORI_WITH_MPI
-#include "mori/application/bootstrap/mpi_bootstrap.hpp"
-#endif
 
 namespace mori::shmem {
 
@@ -371,14 +369,9 @@ void ShmemInitWithUniqueId(int rank, int nranks, const UniqueId& id) {
 }
 
 void ShmemMpiInit(void* mpiComm) {
-#if MORI_WITH_MPI
   ReloadSettings();
-  MPI_Comm comm = mpiComm ? *static_cast<MPI_Comm*>(mpiComm) : MPI_COMM_WORLD;
-  InitWith(std::make_unique<application::MpiBootstrapNetwork>(comm));
-#else
-  (void)mpiComm;
-  MORI_THROW(InvalidUsageError, "this build of mori has no MPI bootstrap (MPI was not found)");
-#endif
+  // The communicator's size is not known here: it is the plugin's MPI_Comm by contract.
+  InitWith(std::make_unique<application::MpiPluginBootstrapNetwork>(mpiComm, 0));
 }
 
 void ShmemFinalize() {

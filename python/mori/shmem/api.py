@@ -73,7 +73,9 @@ def shmem_init_attr(flags: int, rank: int = -1, nranks: int = -1, unique_id=None
 
 
 def shmem_mpi_init() -> int:
-    """Initialise shmem over MPI_COMM_WORLD (needs a build with MPI)."""
+    """Initialise shmem over MPI_COMM_WORLD. MPI must be initialised first (e.g. by mpi4py), with the
+    MPI that mori's plugin libmori_mpi_bootstrap.so was built with; the plugin is loaded now, not at
+    import. InvalidUsageError where this build has no plugin, SystemError where it does not load."""
     _C.shmem_init_attr(MORI_SHMEM_INIT_WITH_MPI_COMM)
     return _STATUS_OK
 

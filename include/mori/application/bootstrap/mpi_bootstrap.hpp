@@ -1,40 +1,21 @@
-// Bootstrap over an MPI communicator. Available only when the library was built with MPI
-// (MORI_WITH_MPI=1, set on the mori targets when CMake found MPI); include it only then.
+// Bootstrap over an MPI communicator, for programs that use MPI themselves (this header includes
+// <mpi.h>). libmori links no MPI: the MPI calls are made by the plugin libmori_mpi_bootstrap.so,
+// loaded on first use (mpi_plugin.hpp), which must be built with the same MPI as the caller.
+// Without the plugin the constructor raises InvalidUsageError; with a plugin that does not load
+// (its MPI library is missing, ...) SystemError.
 #pragma once
-
-#if !defined(MORI_WITH_MPI) || !MORI_WITH_MPI
-#error "mpi_bootstrap.hpp needs a mori built with MPI (MORI_WITH_MPI=1)"
-#endif
 
 #include <mpi.h>
 
-#include <cstddef>
-
-#include "mori/application/bootstrap/bootstrap.hpp"
+#include "mori/application/bootstrap/mpi_plugin.hpp"
 
 namespace mori::application {
 
-class MpiBootstrapNetwork : public BootstrapNetwork {
+class MpiBootstrapNetwork : public MpiPluginBootstrapNetwork {
  public:
   // Duplicates `comm` (collective over it); MPI must be initialised. MPI errors on the duplicate
   // are returned, not fatal, and raised as RemoteError.
-  explicit MpiBootstrapNetwork(MPI_Comm comm);
-  ~MpiBootstrapNetwork() override;
-  MpiBootstrapNetwork(const MpiBootstrapNetwork&) = delete;
-  MpiBootstrapNetwork& operator=(const MpiBootstrapNetwork&) = delete;
-
-  int Rank() const override { return rank; }
-  int WorldSize() const override { return worldSize; }
-  void Allgather(const void* send, void* recv, size_t bytesPerRank) override;
-  void AllToAll(const void* send, void* recv, size_t bytesPerPeer) override;
-  void Barrier() override;
-  // Frees the duplicate communicator (unless MPI is already finalised). Idempotent.
-  void Finalize() override;
-
- private:
-  MPI_Comm comm = MPI_COMM_NULL;
-  int rank = 0;
-  int worldSize = 1;
+  explicit MpiBootstrapNetwork(MPI_Comm comm) : MpiPluginBootstrapNetwork(&comm, sizeof(comm)) {}
 };
 
 }  // namespace mori::application
