@@ -305,6 +305,24 @@ void RegisterEpTestBindings(py::module_& m) {
   t.def("ep_v1_slot_node", &ops::EpV1SlotNode, py::arg("m"), py::arg("me"), py::arg("num_nodes"));
   t.def("ep_v1_land_value", &ops::EpV1LandValue, py::arg("count"), py::arg("no_weights"),
         py::arg("ready_format"));
+  // The dispatch format and the input-error report (layout.hpp; docs/ep.md, "Errors").
+  t.attr("EP_DISPATCH_FORMAT_SPLIT") = ops::kEpDispatchFormatSplit;
+  t.attr("EP_DISPATCH_FORMAT_INPUT_ERROR") = ops::kEpDispatchFormatInputError;
+  t.def("ep_dispatch_format", &ops::EpDispatchFormat, py::arg("row_bytes"), py::arg("data_type"),
+        py::arg("index_type"), py::arg("quant"));
+  t.def("ep_call_format", &ops::EpCallFormat, py::arg("format"),
+        "EpCallFormat: the format PEs compare (the input-error flag masked)");
+  t.def("ep_pack_input_error", &ops::EpPackInputError, py::arg("pe"), py::arg("token"),
+        py::arg("k"), py::arg("id"));
+  t.def(
+      "ep_unpack_input_error",
+      [](uint64_t w) {
+        int pe = 0, token = 0, k = 0;
+        long long id = 0;
+        ops::EpUnpackInputError(w, &pe, &token, &k, &id);
+        return std::make_tuple(pe, token, k, id);
+      },
+      py::arg("report"), "EpUnpackInputError: (pe, token, top-k slot, id)");
   t.def(
       "fp8_encode",
       [](float x, bool fnuz) {

@@ -388,9 +388,22 @@ void RegisterOpsBindings(py::module_& m) {
       .def("release", &EpDispatchCombineHandle::Release, py::call_guard<py::gil_scoped_release>())
       .def(
           "take_expert_id_error",
-          [](EpDispatchCombineHandle& h) { h.TakeExpertIdError("check_device_error"); },
-          "Raises (InvalidUsageError) and clears the out-of-range expert id an earlier dispatch "
-          "recorded; no synchronisation")
+          [](EpDispatchCombineHandle& h, const std::string& what, bool afterLaunch) {
+            h.TakeExpertIdError(what.c_str(), afterLaunch);
+          },
+          py::arg("what") = "check_device_error", py::arg("after_launch") = false,
+          "Raises (InvalidUsageError) and clears the input-error report every rank's dispatch "
+          "agreed on; no synchronisation. after_launch: the caller's call has launched")
+      .def(
+          "input_error_pending",
+          [](const EpDispatchCombineHandle& h, uintptr_t stream) {
+            return h.InputErrorPending(reinterpret_cast<gpuStream_t>(stream));
+          },
+          py::arg("stream"),
+          "Whether an input-error report is here (False while `stream` captures a graph)")
+      .def("check_device_error", &EpDispatchCombineHandle::CheckDeviceError,
+           "shmem's device error and this op's input-error report, both read and cleared; raises "
+           "the device error (the report appended), else the report")
       .def(
           "set_trace",  // per-block phase trace (mori.ops.trace); buffer 0 turns it off
           [](EpDispatchCombineHandle& h, uintptr_t buffer, int slots, int maxBlocks,

@@ -793,10 +793,34 @@ class Buffer:
                          "rank before capturing")
         gpn = self._gpu_per_node if self._num_nodes > 1 else self.group_size
         op = _ops().EpDispatchCombineOp(_op_config(rank=self.rank, world=self.group_size, gpu_per_node=gpn, **cfg))
+        op._input_errors_after_calls = False  # a Buffer call makes several op calls: _after_call checks
         slot = _OpSlot(op, key)
         self._ops_by_key[key] = slot
         self._slots.append(slot)
         return slot
+
+    def _pending_errors(self, ll=False):
+        """Before a call launches anything: what this rank has to raise once the call's work is
+        launched (_after_call): the ops of this Buffer holding an input-error report (an expert id
+        outside [-1, E) at some rank's dispatch; every rank's op records the same report, docs/ep.md
+        "Errors"; none while the comm stream captures a graph), and (ll) whether a topk_idx
+        difference was found (_ll_idx_pending). Host reads only: what a call's own work reports is
+        raised by a later call."""
+        comm = int(self._comm_stream.cuda_stream)
+        ops = [s.op for s in self._slots if s.op._h().input_error_pending(comm)]
+        return ops, ll and self._ll_idx_pending()
+
+    def _after_call(self, what, pending):
+        """The end of a call whose work is launched (never instead of launching it: no rank skips
+        a call its peers wait for): raise what _pending_errors found, the topk_idx difference first.
+        Nothing is raised while the current stream captures a graph: it stays for a later call."""
+        ops, ll_idx_bad = pending
+        if not (ops or ll_idx_bad) or _torch().cuda.is_current_stream_capturing():
+            return
+        if ll_idx_bad and self._ll_idx_pending():  # (a call between may have raised it)
+            self._raise_ll_idx_error(what)
+        for op in ops:
+            op._h().take_expert_id_error(f"Buffer.{what}", True)
 
     def _blocks(self, config):
         if config is None:
@@ -1034,6 +1058,7 @@ class Buffer:
         # (hidden / 128 float32 words) unless the call's scales have another width.
         sd = _reserved_scale_columns(H) if x_scales is None else int(x_scales.shape[1])
         key = ("normal", H, tb, K, epr, M, sd, cap)
+        pending = self._pending_errors()
         with _OnComm(self, previous_event, async_finish, allocate_on_comm_stream) as ctx:
             x, x_scales, topk_idx, topk_weights, is_token_in_rank, per_expert = (
                 ctx.stage(t) for t in (x, x_scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert))
@@ -1074,6 +1099,7 @@ class Buffer:
             if not by_rank:
                 _local_routing(recv_idx, recv_w, out_i, out_w, rows, self.rank * epr, epr, pad)
             handle = DispatchHandle(self, slot, routing, n, H, rank_prefix_matrix)
+        self._after_call("dispatch", pending)
         return ((recv_x, recv_s) if recv_s is not None else recv_x), recv_idx, recv_w, counts, handle, ctx.event
 
     def _cached_dispatch(self, x, x_scales, handle, topk_idx, topk_weights, num_worst_tokens, blocks,
@@ -1094,6 +1120,7 @@ class Buffer:
             _refuse_if(int(x_scales.shape[1]) != cfg.scale_dim,
                        f"dispatch(handle=...): scales must have {cfg.scale_dim} columns (the handle's op)")
         n = handle.num_recv_tokens
+        pending = self._pending_errors()
         with _OnComm(self, previous_event, async_finish, allocate_on_comm_stream) as ctx:
             x, x_scales = ctx.stage(x), ctx.stage(x_scales)
             out, _, out_s, _, _ = slot.op.dispatch(x, None, x_scales, routing.topk_idx, block_num=blocks)
@@ -1104,6 +1131,7 @@ class Buffer:
             recv_x[:m].copy_(out[:m])
             if recv_s is not None:
                 recv_s[:m].copy_(out_s[:m])
+        self._after_call("dispatch", pending)
         return ((recv_x, recv_s) if recv_s is not None else recv_x), None, None, None, None, ctx.event
 
     def _ll_idx_flags(self):
@@ -1119,8 +1147,8 @@ class Buffer:
         """low_latency_combine routes by the dispatch's topk_idx (the handle's); DeepEP's combine
         reads its own topk_idx (-1: no expert). Unless it is the dispatch's own tensor, unmodified,
         compare them on the GPU (on the comm stream, no host sync): a difference sets a sticky
-        device flag that is copied to pinned memory and raised by this rank's next low-latency
-        call (_take_ll_idx_error)."""
+        device flag that is copied to pinned memory; this rank's next low-latency call finds it
+        (_ll_idx_pending) and raises it once its own work is launched (_raise_ll_idx_error)."""
         caller = routing.caller_idx
         if caller is not None and caller[0] is topk_idx and caller[1] == topk_idx._version:
             return
@@ -1131,11 +1159,14 @@ class Buffer:
         dev.bitwise_or_(differs)
         host.copy_(dev, non_blocking=True)
 
-    def _take_ll_idx_error(self, what):
-        """Raise (and clear) a topk_idx difference an earlier low_latency_combine on this rank found.
-        Reads pinned memory, no synchronisation: a combine still running may report later."""
-        if self._ll_idx_bad is None or int(self._ll_idx_bad[1][0]) == 0:
-            return
+    def _ll_idx_pending(self):
+        """Whether an earlier low_latency_combine on this rank found a topk_idx difference (reads
+        pinned memory, no synchronisation: a combine still running may report later)."""
+        return self._ll_idx_bad is not None and int(self._ll_idx_bad[1][0]) != 0
+
+    def _raise_ll_idx_error(self, what):
+        """Raise (and clear) the topk_idx difference _ll_idx_pending found; called once the call's
+        own work is launched, so no rank skips a call its peers wait for."""
         dev, host = self._ll_idx_bad
         self._comm_stream.synchronize()  # the flag's last update and copy (error path only)
         dev.zero_()
@@ -1143,8 +1174,9 @@ class Buffer:
         raise _usage(f"{what}: an earlier low_latency_combine on rank {self.rank} got a topk_idx that differs from "
                      "its dispatch's; mori combines by the dispatch's routing (the handle's), so that combine used "
                      "the dispatch's ids, not the ones passed (DeepEP reads the combine's, -1 = no expert). Pass the "
-                     "dispatch's topk_idx to low_latency_combine. This call launched nothing: ranks that launched "
-                     "theirs time out waiting for this rank")
+                     "dispatch's topk_idx to low_latency_combine. Raised after this call's work was launched: the "
+                     "call takes place on every rank (do not repeat it); the check is this rank's own, other ranks "
+                     "raise only for their own topk_idx")
 
     def _check_handle(self, handle, cls, what):
         if not isinstance(handle, cls):
@@ -1183,6 +1215,7 @@ class Buffer:
             self._tensor(f"combine: bias[{i}]", b, 2)
             _refuse_if(tuple(b.shape) != (T, H), f"combine: bias[{i}] must have shape [{T}, {H}]")
         blocks = self._blocks(config)
+        pending = self._pending_errors()
         with _OnComm(self, previous_event, async_finish, allocate_on_comm_stream, biases) as ctx:
             x, topk_weights = ctx.stage(x), ctx.stage(topk_weights)
             self._reestablish(slot, routing, blocks)
@@ -1197,6 +1230,7 @@ class Buffer:
                 combined.copy_(y)
             if y_w is not None:
                 combined_w.copy_(y_w)
+        self._after_call("combine", pending)
         return combined, combined_w, ctx.event
 
     # --- low-latency mode ---------------------------------------------------------------------------
@@ -1256,7 +1290,7 @@ class Buffer:
         base = ("ll", H, K, epr, M, sd)
         turn = self._ll_turn.get(base, 0)
         caller_idx = (topk_idx, topk_idx._version)
-        self._take_ll_idx_error("low_latency_dispatch")
+        pending = self._pending_errors(ll=True)  # raised once this call's work is launched
         with _OnComm(self, None, async_finish, False, (topk_weights,)) as ctx:
             x, topk_idx = ctx.stage(x), ctx.stage(topk_idx)
             slot = self._slot(base + (turn % 2,), hidden=H, token_bytes=2, max_tokens=M, experts_per_rank=epr, topk=K,
@@ -1288,12 +1322,14 @@ class Buffer:
                 finish(em)
             handle = LowLatencyHandle(self, slot, routing, M, H, num_experts, em.src_pos, em.counts)
         hook = None
-        if split:
-            hook = _ReceiveHook("low_latency_dispatch", lambda: (op.dispatch_recv(),
-                                                                    finish(op.convert_dispatch_output(
-                                                                        column_major_scales=bool(use_fp8)))))
-        elif return_recv_hook:
-            hook = _no_hook
+        if split:  # nothing is raised between the halves: the hook must still run on this rank
+            hook = _ReceiveHook("low_latency_dispatch", lambda: (
+                op.dispatch_recv(), finish(op.convert_dispatch_output(column_major_scales=bool(use_fp8))),
+                self._after_call("low_latency_dispatch (recv hook)", pending)))
+        else:
+            self._after_call("low_latency_dispatch", pending)
+            if return_recv_hook:
+                hook = _no_hook
         return recv_x, em.counts, handle, ctx.event, hook
 
     def get_next_low_latency_combine_buffer(self, handle):
@@ -1335,7 +1371,7 @@ class Buffer:
         _refuse_if(combine_wait_recv_cost_stats is not None,
                    "low_latency_combine: combine_wait_recv_cost_stats is not supported by mori (no per-rank wait timing)")
         self._check_handle(handle, LowLatencyHandle, "low_latency_combine")
-        self._take_ll_idx_error("low_latency_combine")
+        pending = self._pending_errors(ll=True)  # raised once this call's work is launched
         torch = _torch()
         routing, slot = handle._routing, handle._slot
         op = slot.op
@@ -1388,10 +1424,14 @@ class Buffer:
                 y, _ = op.combine_standard_moe(x, weights)
                 result.copy_(y)
         hook = None
-        if split:
-            hook = _ReceiveHook("low_latency_combine", lambda: result.copy_(op.combine_recv()[0]))
-        elif return_recv_hook:
-            hook = _no_hook
+        if split:  # nothing is raised between the halves: the hook must still run on this rank
+            hook = _ReceiveHook("low_latency_combine", lambda: (
+                result.copy_(op.combine_recv()[0]),
+                self._after_call("low_latency_combine (recv hook)", pending)))
+        else:
+            self._after_call("low_latency_combine", pending)
+            if return_recv_hook:
+                hook = _no_hook
         return result, ctx.event, hook
 
 

@@ -305,6 +305,11 @@ class EpDispatchCombineOp(ExpertMajorMixin):
 
     _pending_combine = None  # per object once set (class defaults for objects built without __init__)
     _pending_dispatch = None
+    # dispatch, dispatch_recv, combine and combine_recv raise, after they launched, an agreed
+    # input-error report that was here before they launched (_input_error_pending);
+    # mori.compat.deep_ep turns this off for its ops and does the same around its own calls, which
+    # make several op calls each.
+    _input_errors_after_calls = True
 
     def __init__(self, config, check_inputs=True):
         """Collective: every rank creates the op with the same config. The native handle checks
@@ -312,9 +317,12 @@ class EpDispatchCombineOp(ExpertMajorMixin):
         mismatched config raises mori.InvalidUsageError on every rank.
         check_inputs: the dispatch kernel checks every expert id against [-1, num_experts)
         (on the device: no synchronisation, also in CUDA graphs). An id outside is treated as -1
-        and the first one is raised as mori.InvalidUsageError, naming token, top-k slot and id,
-        by this rank's next dispatch or combine (which then launches nothing) or by
-        check_device_error()."""
+        on every rank, and every rank learns of it in the same dispatch (the rank's first
+        offender travels with its counts): every rank raises the same mori.InvalidUsageError,
+        naming the rank, token, top-k slot and id, once, at its next check: check_device_error()
+        (after synchronising with that dispatch), or the end of a dispatch, dispatch_recv, combine
+        or combine_recv that began after the report arrived; those calls launch first (no rank
+        skips a call its peers wait for). The op stays usable."""
         torch = _torch()
         if not isinstance(config, EpDispatchCombineConfig):
             raise _usage(f"EpDispatchCombineOp needs an EpDispatchCombineConfig, got {type(config).__name__}")
@@ -525,8 +533,11 @@ class EpDispatchCombineOp(ExpertMajorMixin):
         prep = self._prepare_dispatch("dispatch", input, weights, scales, indices, rdma_block_num, use_fp8,
                                       round_scale, use_ue8m0, fp8_dtype)
         launch = self._stream(stream)
+        report = self._input_error_pending(launch)
         self._h().dispatch(*prep[0][:8], int(block_num), int(warp_per_block), launch[0], *prep[0][8:])
-        return self._dispatch_outputs(prep[1], launch, copy)
+        outs = self._dispatch_outputs(prep[1], launch, copy)
+        self._raise_input_error("dispatch", report)
+        return outs
 
     def dispatch_send(self, input, weights, scales, indices, block_num=-1, rdma_block_num=-1, warp_per_block=-1,
                       call_local_expert_count=False, *, use_fp8=False, round_scale=False, use_ue8m0=False,
@@ -560,9 +571,12 @@ class EpDispatchCombineOp(ExpertMajorMixin):
             raise _usage("dispatch_recv: no dispatch_send is pending")
         h = self._h()
         launch = self._stream(stream)
+        report = self._input_error_pending(launch)
         self._pending_dispatch = None
         h.dispatch_recv(int(block_num), int(warp_per_block), launch[0])
-        return self._dispatch_outputs(pending[0], launch, copy)
+        outs = self._dispatch_outputs(pending[0], launch, copy)
+        self._raise_input_error("dispatch_recv", report)
+        return outs
 
     @property
     def split_dispatch_available(self):
@@ -727,8 +741,10 @@ class EpDispatchCombineOp(ExpertMajorMixin):
                                   call_reset)
         launch = self._stream(stream)
         input, args, fp8_dtype = self._widen_fp8_rows("combine", input, args, launch)
+        report = self._input_error_pending(launch)
         self._h().combine(*args, int(block_num), int(warp_per_block), launch[0])
         outs = self._combine_outputs(input.dtype, int(input.shape[1]), weights is not None, launch, copy)
+        self._raise_input_error("combine", report)
         return self._fp8_combine_result(outs, fp8_dtype, launch)
 
     def combine_send(self, input, weights, indices, block_num=-1, rdma_block_num=-1, warp_per_block=-1,
@@ -757,9 +773,25 @@ class EpDispatchCombineOp(ExpertMajorMixin):
             raise _usage("combine_recv: no combine_send is pending")
         h = self._h()
         launch = self._stream(stream)
+        report = self._input_error_pending(launch)
         self._pending_combine = None
         h.combine_recv(launch[0])
-        return self._fp8_combine_result(self._combine_outputs(*pending[:3], launch, copy), pending[5], launch)
+        outs = self._combine_outputs(*pending[:3], launch, copy)
+        self._raise_input_error("combine_recv", report)
+        return self._fp8_combine_result(outs, pending[5], launch)
+
+    def _input_error_pending(self, launch):
+        """Before a call launches: whether an input-error report (of an earlier dispatch, which
+        every rank recorded alike) is here, to be raised once the call has launched (False while
+        the launch stream captures a graph). No host synchronisation."""
+        return self._input_errors_after_calls and self._h().input_error_pending(launch[0])
+
+    def _raise_input_error(self, what, pending):
+        """After the call launched (never instead of launching it, so no rank skips a call its
+        peers wait for): raise, and clear, the report _input_error_pending saw, as
+        mori.InvalidUsageError."""
+        if pending:
+            self._h().take_expert_id_error(what, True)
 
     def _combine_args(self, what, input, weights, indices, rdma_block_num, use_external_inp_buf, call_reset):
         """The checks only a tensor can answer, then the native combine's leading arguments."""
@@ -973,10 +1005,12 @@ class EpDispatchCombineOp(ExpertMajorMixin):
         usage or protocol violation (e.g. combine input with fewer rows than dispatch received,
         ranks passing different dtypes), mori.RemoteError for an RDMA error completion. While
         one is pending, dispatch and combine raise mori.TimeoutError before launching anything.
-        Then the out-of-range expert id a finished dispatch recorded (check_inputs), as
-        mori.InvalidUsageError."""
-        _C.shmem_check_device_error()
-        self._h().take_expert_id_error()
+        Also the input-error report of a finished dispatch (check_inputs: an expert id outside
+        [-1, num_experts) on some rank), as mori.InvalidUsageError, the same on every rank; with
+        both, the device error's message names the report too. Both are cleared. No
+        synchronisation: after the dispatch has finished on this GPU (e.g.
+        torch.cuda.synchronize()), every rank raises the report here."""
+        self._h().check_device_error()
 
 
 __all__ = [

@@ -394,22 +394,73 @@ void EpDispatchCombineHandle::SetDeviceTimeoutForTest(int64_t ms) {
   shmemCtx.wait.timeoutNs = static_cast<uint64_t>(ms) * 1000000ull;
 }
 
-void EpDispatchCombineHandle::TakeExpertIdError(const char* what) {
-  CheckUsable(what);
-  const uint64_t seen = __atomic_load_n(badExpertIdHost, __ATOMIC_ACQUIRE);
-  if (seen == 0) return;
-  __atomic_store_n(badExpertIdHost, 0, __ATOMIC_RELEASE);
-  int token = 0, k = 0;
+namespace {
+
+// The message of an input-error report: the same on every PE of the call but for the last clause.
+std::string DescribeInputError(uint64_t report, int numExperts) {
+  int pe = 0, token = 0, k = 0;
   long long id = 0;
-  EpUnpackBadExpertId(seen, &token, &k, &id);
-  const bool call = std::strcmp(what, "check_device_error") != 0;
-  MORI_THROW(InvalidUsageError,
-             "EP %s on PE %d: an earlier dispatch on this PE got expert id %lld for token %d "
-             "(top-k slot %d), outside [-1, %d) (num_experts); it was treated as -1 (no expert)%s",
-             what, config.rank, id, token, k, config.NumExperts(),
-             call ? ". This call launched nothing: PEs that launched theirs time out waiting for "
-                    "this PE"
-                  : "");
+  EpUnpackInputError(report, &pe, &token, &k, &id);
+  return core::StrFormat(
+      "EP input error: PE %d's dispatch had expert id %lld for token %d (top-k slot %d), outside "
+      "[-1, %d) (num_experts); every PE treated it as -1 (no expert) and every PE raises this "
+      "error once; the op stays usable",
+      pe, id, token, k, numExperts);
+}
+
+// `e` with `suffix` appended to its message, same kind and file:line.
+[[noreturn]] void RethrowWithSuffix(const core::Error& e, const std::string& suffix) {
+  const std::string m = e.Message() + suffix;
+  switch (e.Kind()) {
+    case core::ErrorKind::kInvalidUsage: throw core::InvalidUsageError(e.File(), e.Line(), m);
+    case core::ErrorKind::kTimeout: throw core::TimeoutError(e.File(), e.Line(), m);
+    case core::ErrorKind::kSystem: throw core::SystemError(e.File(), e.Line(), m);
+    case core::ErrorKind::kGpuRuntime: throw core::GpuRuntimeError(e.File(), e.Line(), m);
+    case core::ErrorKind::kRemote: throw core::RemoteError(e.File(), e.Line(), m);
+    case core::ErrorKind::kInternal: break;
+  }
+  throw core::InternalError(e.File(), e.Line(), m);
+}
+
+}  // namespace
+
+uint64_t EpDispatchCombineHandle::TakeInputErrorReport() {
+  if (badExpertIdHost == nullptr) return 0;
+  if (__atomic_load_n(badExpertIdHost, __ATOMIC_ACQUIRE) == 0) return 0;
+  return __atomic_exchange_n(badExpertIdHost, 0, __ATOMIC_ACQ_REL);
+}
+
+bool EpDispatchCombineHandle::InputErrorPending(gpuStream_t stream) const {
+  if (badExpertIdHost == nullptr || __atomic_load_n(badExpertIdHost, __ATOMIC_ACQUIRE) == 0)
+    return false;
+  // Inside a capture nothing runs now: the report (of earlier work) stays for a later check.
+  gpuStreamCaptureStatus capture = gpuStreamCaptureStatusNone;
+  MORI_CHECK_GPU(gpuStreamIsCapturing(stream, &capture));
+  return capture == gpuStreamCaptureStatusNone;
+}
+
+void EpDispatchCombineHandle::TakeExpertIdError(const char* what, bool afterLaunch) {
+  const uint64_t seen = TakeInputErrorReport();
+  if (seen == 0) return;
+  MORI_THROW(
+      InvalidUsageError, "%s (raised on PE %d by %s%s)",
+      DescribeInputError(seen, config.NumExperts()).c_str(), config.rank, what,
+      afterLaunch ? ", after it launched on every PE: the call takes place, do not repeat it" : "");
+}
+
+void EpDispatchCombineHandle::CheckDeviceError() {
+  const uint64_t seen = TakeInputErrorReport();
+  std::string input;
+  if (seen != 0)
+    input = DescribeInputError(seen, config.NumExperts()) +
+            core::StrFormat(" (raised on PE %d by check_device_error)", config.rank);
+  try {
+    shmem::ShmemCheckDeviceError();
+  } catch (const core::Error& e) {
+    if (seen == 0) throw;
+    RethrowWithSuffix(e, "; and " + input);
+  }
+  if (seen != 0) MORI_THROW(InvalidUsageError, "%s", input.c_str());
 }
 
 bool EpDispatchCombineHandle::SplitDispatchAvailable() const {
@@ -485,7 +536,6 @@ void EpDispatchCombineHandle::LaunchDispatchCall(const EpDispatchArgs& args, EpD
                 "EP %s on PE %d: a combine_send is pending; call combine_recv first", what,
                 config.rank);
     CheckNoPendingDispatch(what, stream);
-    TakeExpertIdError(what);  // never between the halves: the receive half always launches
   }
   const EpDispatchCombineConfig& c = config;
   MORI_ENSURE(EpDataTypeIsValid(static_cast<int32_t>(args.dataType)), InvalidUsageError,
@@ -574,7 +624,10 @@ void EpDispatchCombineHandle::LaunchDispatchCall(const EpDispatchArgs& args, EpD
   }
   k.format = EpDispatchFormat(k.rowBytes, static_cast<int>(outType),
                               static_cast<int>(args.indexType), static_cast<int>(quantCode));
-  k.badExpertId = args.checkExpertIds && !receive ? badExpertIdDev : nullptr;
+  // The senders check the ids; the receive step (fused, or the receive half) records the report
+  // every PE of the call agrees on. A report never stops a launch (docs/ep.md, "Errors").
+  k.checkIds = args.checkExpertIds && !receive ? 1 : 0;
+  k.inputErrorRecord = badExpertIdDev;
   k.phase = phase;
   if (phase != EpDispatchPhase::kBoth) k.format |= kEpDispatchFormatSplit;
   if (phase == EpDispatchPhase::kSend) k.c.trace = nullptr;  // a trace records the receive half
@@ -632,7 +685,6 @@ void EpDispatchCombineHandle::LaunchCombineCall(const EpCombineArgs& args, EpCom
                 config.IsV1()                               ? "node-deduplicated"
                 : backend->Family() == EpFamily::kIntraNode ? "pull"
                                                             : "InterNode landing");
-    TakeExpertIdError(what);  // never between the halves: the receive half always launches
   }
   const EpDispatchCombineConfig& c = config;
   MORI_ENSURE(lastNumTokens >= 0, InvalidUsageError,

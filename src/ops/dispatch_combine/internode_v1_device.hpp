@@ -155,11 +155,12 @@ MORI_DEVICE_INLINE EpV1NodeScan EpV1ScanLayout(uint8_t* smem, int maxTokens, int
 }
 
 // Fills `s` for node n from the T x K ids (every thread of the block calls; ends with a block
-// barrier). countHist: also the expert histograms. badExpertId (not null): ids outside
-// [-1, numExperts) are recorded (they count as -1 either way).
+// barrier). countHist: also the expert histograms. inputError (a shared word, or nullptr: no
+// check): the smallest key token * K + slot of an id outside [-1, numExperts) is kept there (such
+// ids count as -1 either way; kEpNoInputError: none).
 template <typename IndexT>
 MORI_DEVICE_INLINE void EpV1ScanNode(const EpKernelCommon& c, const IndexT* idx, int T, int n,
-                                     EpV1NodeScan& s, bool countHist, uint64_t* badExpertId) {
+                                     EpV1NodeScan& s, bool countHist, int* inputError) {
   const int tid = static_cast<int>(threadIdx.x);
   const int nThreads = static_cast<int>(blockDim.x);
   const int lane = core::LaneId();
@@ -182,8 +183,7 @@ MORI_DEVICE_INLINE void EpV1ScanNode(const EpKernelCommon& c, const IndexT* idx,
       const IndexT* row = idx + static_cast<size_t>(t) * K;
       for (int k = 0; k < K; k++) {
         const IndexT e = row[k];
-        if (badExpertId != nullptr && (e < static_cast<IndexT>(-1) || e >= numE))
-          EpRecordBadExpertId(badExpertId, c.rank, t, k, static_cast<long long>(e), c.numExperts);
+        if (inputError != nullptr && EpBadExpertId(e, numE)) atomicMin(inputError, t * K + k);
         if (e < lo || e >= hi) continue;
         const int rel = static_cast<int>(e - lo);
         mask |= 1u << (rel / Epr);

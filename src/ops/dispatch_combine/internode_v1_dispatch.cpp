@@ -154,6 +154,7 @@ __global__ void __launch_bounds__(kThreads, 1) EpV1DispatchKernel(const EpDispat
   extern __shared__ __align__(16) uint8_t smemDyn[];
   __shared__ int sFailed;
   __shared__ int sTotal;
+  __shared__ int sInputError;  // smallest token * K + slot of a bad id (kEpNoInputError: none)
   __shared__ int sCnt[kEpMaxWorldSize];   // rows of the current source for each local PE
   __shared__ int sBase[kEpMaxWorldSize];  // their first row on that PE
   __shared__ int sRows[kEpMaxWorldSize];  // rows this block copied to each local PE
@@ -196,8 +197,15 @@ __global__ void __launch_bounds__(kThreads, 1) EpV1DispatchKernel(const EpDispat
   if (tid == 0) {
     sFailed = 0;
     sTotal = 0;
+    sInputError = kEpNoInputError;
   }
   __syncthreads();
+  // The scans that announce counts (group leaders, block 0 for our node) check the ids when asked:
+  // a PE with an id outside [-1, numExperts) flags every count it announces (the count record's
+  // format word, the own node's count signals) and sends its report first (docs/ep.md, "Errors").
+  int* const checkIds = a.checkIds != 0 ? &sInputError : nullptr;
+  // This PE's report slot on every PE: the RDMA source for the rail peers (registered memory).
+  uint64_t* const ownReport = EpInputErrorSlot(c, c.symmLocal, parity, me);
 
   // ---- 1. pack and post our records for each remote node ----------------------------------
   for (int m = 0; m < R; m++) {
@@ -206,15 +214,16 @@ __global__ void __launch_bounds__(kThreads, 1) EpV1DispatchKernel(const EpDispat
     const int n = EpV1SlotNode(m, tp.node, tp.N);
     const int peer = tp.RailPeer(m);
     const int slotOnPeer = tp.SlotOnPeer(m);
-    EpV1ScanNode<IndexT>(c, idx, T, n, scan, g == 0, nullptr);
+    EpV1ScanNode<IndexT>(c, idx, T, n, scan, g == 0, g == 0 ? checkIds : nullptr);
     const int cList = scan.Size(G);
     if (g == 0) {
+      const bool inputError = checkIds != nullptr && sInputError != kEpNoInputError;
       // The count record, every word tagged with this call (the relay checks each).
       uint64_t* rec = At<uint64_t>(L0, c.symm.v1CountSend) + static_cast<size_t>(m) * words;
       for (int w = tid; w < words; w += nThreads) {
         uint32_t v = 0;
         if (w == kEpV1CountFormat) {
-          v = static_cast<uint32_t>(a.format);
+          v = static_cast<uint32_t>(a.format | (inputError ? kEpDispatchFormatInputError : 0ull));
         } else if (w == kEpV1CountRecords) {
           v = static_cast<uint32_t>(cList);
         } else if (w < kEpV1CountPerPe + G) {
@@ -226,12 +235,21 @@ __global__ void __launch_bounds__(kThreads, 1) EpV1DispatchKernel(const EpDispat
       }
       __syncthreads();
       if (tid == 0) {
-        core::FenceAcqRelSystem();  // the record's words before the NIC reads them
+        if (inputError)
+          core::AtomicStoreRelaxedSystem(ownReport, EpInputErrorReport(me, sInputError, idx, K));
+        core::FenceAcqRelSystem();  // the record's words (and report) before the NIC reads them
         uint64_t* dst = At<uint64_t>(L0, c.symm.v1CountRec) +
                         (static_cast<size_t>(parity) * R + slotOnPeer) * words;
-        if (!shmem::ShmemPutMemNbiThreadQp(c.shmem, dst, rec, static_cast<size_t>(words) * 8, peer,
-                                           0))
-          sFailed = 1;
+        // The report (i = 0) lands before the record (i = 1) on QP 0 (RC order): the relay reads
+        // it once the record's flagged format word is there. One call site for both posts.
+        for (int i = inputError ? 0 : 1; i < 2; i++) {
+          if (!shmem::ShmemPutMemNbiThreadQp(
+                  c.shmem, i == 0 ? ownReport : dst, i == 0 ? ownReport : rec,
+                  i == 0 ? sizeof(uint64_t) : static_cast<size_t>(words) * 8, peer, 0)) {
+            sFailed = 1;
+            break;
+          }
+        }
         c.state->v1OutRecords[m] = cList;
       }
     }
@@ -302,6 +320,13 @@ __global__ void __launch_bounds__(kThreads, 1) EpV1DispatchKernel(const EpDispat
     __syncthreads();
     if (sFailed == 0) {
       const uint64_t fmt = EpTagValue(rec[kEpV1CountFormat]);
+      if (tid == 0 && (fmt & kEpDispatchFormatInputError) != 0) {
+        // s's report landed before its record (QP 0); the relayed counts carry the flag.
+        const uint64_t report = core::AtomicLoadRelaxedSystem(EpInputErrorSlot(c, L0, parity, s));
+        for (int q = 0; q < G; q++)
+          core::AtomicStoreRelaxedSystem(
+              EpInputErrorSlot(c, PeerBlock(c, tp.LocalPe(q)), parity, s), report);
+      }
       for (int i = tid; i < G * G; i += nThreads) {
         const int q = i / G, gg = i - q * G;
         EpSignal* slot = At<EpSignal>(PeerBlock(c, tp.LocalPe(q)), c.symm.countInbox) +
@@ -333,8 +358,10 @@ __global__ void __launch_bounds__(kThreads, 1) EpV1DispatchKernel(const EpDispat
   if (tid == 0) EpTraceStamp(tr, kEpDispatchAnnounced);
 
   // ---- 3. own node: announce (block 0), copy our rows to the local PEs -----------------------
-  EpV1ScanNode<IndexT>(c, idx, T, tp.node, scan, b == 0, b == 0 ? a.badExpertId : nullptr);
+  EpV1ScanNode<IndexT>(c, idx, T, tp.node, scan, b == 0, b == 0 ? checkIds : nullptr);
   if (b == 0) {
+    const bool inputError = checkIds != nullptr && sInputError != kEpNoInputError;
+    const uint64_t countFormat = a.format | (inputError ? kEpDispatchFormatInputError : 0ull);
     const uint64_t prevCombine = *reinterpret_cast<volatile uint64_t*>(&c.state->combineEpoch);
     EpSignal* done = At<EpSignal>(L0, c.symm.doneInbox);
     for (int g = tid; g < G; g += nThreads) {
@@ -348,8 +375,14 @@ __global__ void __launch_bounds__(kThreads, 1) EpV1DispatchKernel(const EpDispat
         const int q = i / G, gg = i - q * G;
         EpSignal* slot = At<EpSignal>(PeerBlock(c, tp.LocalPe(q)), c.symm.countInbox) +
                          EpCountInboxIndex(parity, me, tp.LocalPe(gg), W);
-        core::AtomicStoreRelaxedSystem(&slot->value,
-                                       EpPackCount(static_cast<uint32_t>(scan.Size(gg)), a.format));
+        core::AtomicStoreRelaxedSystem(
+            &slot->value, EpPackCount(static_cast<uint32_t>(scan.Size(gg)), countFormat));
+      }
+      if (inputError && tid == 0) {
+        const uint64_t report = EpInputErrorReport(me, sInputError, idx, K);
+        for (int q = 0; q < G; q++)
+          core::AtomicStoreRelaxedSystem(
+              EpInputErrorSlot(c, PeerBlock(c, tp.LocalPe(q)), parity, me), report);
       }
       for (int i = tid; i < G * Epr; i += nThreads) {
         const int gg = i / Epr, e = i - gg * Epr;
@@ -423,12 +456,11 @@ __global__ void __launch_bounds__(kThreads, 1) EpV1DispatchKernel(const EpDispat
       uint32_t v = 0;
       if (!TagWait(wait, rec + w, epoch, s, "EP V1 dispatch: count record from rail peer", &v)) {
         sFailed = 1;
-      } else if (w == kEpV1CountFormat && v != static_cast<uint32_t>(a.format)) {
+      } else if (w == kEpV1CountFormat && EpCallFormat(v) != static_cast<uint32_t>(a.format)) {
         // Its records are laid out by its format: forwarding them under ours would misplace them.
         ReportError(wait, s, "EP dispatch: PEs passed different dtype/hidden/index type",
                     static_cast<const uint64_t*>(rec + w), CmpOp::kEq,
-                    static_cast<uint64_t>(static_cast<uint32_t>(a.format)),
-                    static_cast<uint64_t>(v));
+                    static_cast<uint64_t>(static_cast<uint32_t>(a.format)), EpCallFormat(v));
         sFailed = 1;
       } else if (w == kEpV1CountRecords) {
         sList = static_cast<int>(v);
@@ -516,7 +548,7 @@ __global__ void __launch_bounds__(kThreads, 1) EpV1DispatchKernel(const EpDispat
   // ---- 5. receive (block 0); epoch ----------------------------------------------------------
   if (b == 0)
     EpDispatchReceive<EpFamily::kIntraNode>(c, wait, parity, epoch, a.format, sTotal, sFailed,
-                                            &c.state->v1CapOverflow);
+                                            a.inputErrorRecord, &c.state->v1CapOverflow);
   if (tid == 0) EpTraceStamp(tr, kEpDispatchReceived);
   __syncthreads();
   if (tid == 0) {

@@ -80,24 +80,16 @@ struct EpDispatchKernelArgs {
   EpDispatchQuant quant;
   int32_t fp8Format;  // core::Fp8Format of the codes (quant only)
   uint64_t format;    // EpDispatchFormat(...) of this call
-  // Host-mapped word for the first expert id outside [-1, numExperts) (EpPackBadExpertId; 0:
-  // none seen), or nullptr: ids are not checked.
-  uint64_t* badExpertId;
+  // 1: the sending blocks check every expert id against [-1, numExperts) (ids outside count as
+  // -1 either way). A PE with such an id flags every count it announces this call
+  // (kEpDispatchFormatInputError) and sends its report (the first offender: lowest token, then
+  // top-k slot) with them.
+  int32_t checkIds;
+  // Host-mapped word (the handle's) where the receive step records the report of the lowest PE
+  // that flagged its count for this PE, if the word is 0 (every PE of the call records the same
+  // report). nullptr: nothing is recorded.
+  uint64_t* inputErrorRecord;
 };
-
-// The bad-id record: bit 63 set, token (bits 32..48), top-k slot (bits 49..55), the id saturated to
-// int32 (bits 0..31; its full value is printed by the device).
-MORI_HD_INLINE uint64_t EpPackBadExpertId(int token, int k, long long id) {
-  const long long clipped = id < INT32_MIN ? INT32_MIN : (id > INT32_MAX ? INT32_MAX : id);
-  return (1ull << 63) | (static_cast<uint64_t>(k & 0x7F) << 49) |
-         (static_cast<uint64_t>(token & 0x1FFFF) << 32) |
-         static_cast<uint64_t>(static_cast<uint32_t>(static_cast<int32_t>(clipped)));
-}
-MORI_HD_INLINE void EpUnpackBadExpertId(uint64_t w, int* token, int* k, long long* id) {
-  *k = static_cast<int>((w >> 49) & 0x7F);
-  *token = static_cast<int>((w >> 32) & 0x1FFFF);
-  *id = static_cast<int32_t>(static_cast<uint32_t>(w));
-}
 
 // Which part of the push combine a launch runs (EpCombinePhase, phase.hpp). kSend stores our rows
 // into their tokens' PEs and publishes them (no wait on any peer); kReceive waits for every PE's

@@ -126,17 +126,65 @@ MORI_DEVICE_INLINE void EpRecordKeptCapOverflow(const core::WaitContext& wait, u
   }
 }
 
-// Records (first offender wins) and prints one line; never raises the abort flag.
-__device__ __noinline__ inline void EpRecordBadExpertId(uint64_t* word, int rank, int token, int k,
-                                                        long long id, int numExperts) {
-  const uint64_t packed = EpPackBadExpertId(token, k, id);
-  if (core::AtomicCasSystem<unsigned long long>(reinterpret_cast<unsigned long long*>(word), 0ull,
-                                                static_cast<unsigned long long>(packed)) == 0ull)
+// ---------------------------------------------------------------------------------------------
+// Input errors every PE of a call learns (docs/ep.md, "Errors"). A sending block that checks ids
+// keeps the smallest key token * K + slot of an id outside [-1, numExperts) in a shared word
+// (EpNoInputError: none); the PE then flags every count it announces and writes its report
+// (EpPackInputError) into the receiver's inputErrorInbox before that count signal. The receive
+// step of every PE records the report of the lowest flagging PE for the host.
+// ---------------------------------------------------------------------------------------------
+constexpr int kEpNoInputError = 0x7FFFFFFF;
+static_assert(kEpMaxWorldSize <= core::kWarpSize, "warp 0 holds one lane per source PE");
+
+template <typename IndexT>
+MORI_DEVICE_INLINE bool EpBadExpertId(IndexT e, IndexT numExperts) {
+  return e < static_cast<IndexT>(-1) || e >= numExperts;
+}
+
+// The report of this PE's first bad id (key from the shared word, not kEpNoInputError).
+template <typename IndexT>
+MORI_DEVICE_INLINE uint64_t EpInputErrorReport(int rank, int key, const IndexT* idx, int K) {
+  const int t = key / K;
+  const int k = key - t * K;
+  return EpPackInputError(rank, t, k, static_cast<long long>(idx[static_cast<size_t>(t) * K + k]));
+}
+
+// This PE's inputErrorInbox slot for `src`'s report of a call of `parity`.
+MORI_DEVICE_INLINE uint64_t* EpInputErrorSlot(const EpKernelCommon& c, uint8_t* block, int parity,
+                                              int src) {
+  return At<uint64_t>(block, c.symm.inputErrorInbox) + EpPushArrivedIndex(parity, src, c.worldSize);
+}
+
+// Keeps `report` in the host-mapped record unless it holds one the host has not taken yet, and
+// prints one line on the PE the report names.
+__device__ __noinline__ inline void EpKeepInputError(uint64_t* record, int rank, uint64_t report,
+                                                     int numExperts) {
+  if (core::AtomicCasSystem<unsigned long long>(reinterpret_cast<unsigned long long*>(record), 0ull,
+                                                static_cast<unsigned long long>(report)) != 0ull)
+    return;
+  int pe = 0, token = 0, k = 0;
+  long long id = 0;
+  EpUnpackInputError(report, &pe, &token, &k, &id);
+  if (pe == rank)
     printf(
-        "[MORI device error] rank %d: EP dispatch: expert id %lld of token %d (top-k slot %d) "
-        "is outside [-1, %d); it is treated as -1 (no expert), and this PE's next call raises "
-        "InvalidUsageError\n",
+        "[MORI device error] rank %d: EP dispatch: expert id %lld of token %d (top-k slot %d) is "
+        "outside [-1, %d); every PE treated it as -1 (no expert) and raises InvalidUsageError at "
+        "its next check\n",
         rank, id, token, k, numExperts);
+}
+
+// Warp 0 of a receiving block, after lane s read PE s's count for this PE (flagged: the count
+// carried kEpDispatchFormatInputError; report: this PE's inputErrorInbox slot of s, read after
+// that count signal was acquired; lanes >= W pass false): the lowest flagging PE's report goes to
+// `record` (nullptr: none). Every lane of warp 0 calls.
+MORI_DEVICE_INLINE void EpRecordInputError(const EpKernelCommon& c, uint64_t* record, bool flagged,
+                                           uint64_t report) {
+  const LaneMask m = core::WarpBallot(flagged);
+  if (m == 0) return;
+  const int first =
+      core::PopCount((m & (~m + static_cast<LaneMask>(1))) - static_cast<LaneMask>(1));
+  const uint64_t r = core::WarpShfl(report, first);
+  if (core::LaneId() == 0 && record != nullptr) EpKeepInputError(record, c.rank, r, c.numExperts);
 }
 
 // Waits until `s` carries `epoch`; returns false on timeout/abort or if it carries a later epoch
@@ -175,48 +223,57 @@ MORI_DEVICE_INLINE bool TagWait(const core::WaitContext& wait, uint64_t* w, uint
 }
 
 // Waits for the tagged pair {count, format} of src's tokens for dst (interCount) of this call;
-// false on timeout/abort or a format other than `format` (recorded). *count: the count.
+// false on timeout/abort or a format other than `format` (recorded). *count: the count;
+// *inputError: src flagged an input error (kEpDispatchFormatInputError).
 MORI_DEVICE_INLINE bool InterCountWait(const EpKernelCommon& c, const core::WaitContext& wait,
                                        int parity, int src, int dst, uint64_t epoch,
-                                       uint64_t format, const char* label, uint32_t* count) {
+                                       uint64_t format, const char* label, uint32_t* count,
+                                       bool* inputError) {
   uint64_t* w = At<uint64_t>(c.symmLocal, c.symm.interCount) +
                 EpInterCountIndex(parity, src, dst, c.worldSize);
   uint32_t fmt = 0;
   if (!TagWait(wait, w, epoch, src, label, count) || !TagWait(wait, w + 1, epoch, src, label, &fmt))
     return false;
-  if (fmt != static_cast<uint32_t>(format)) {
+  if (EpCallFormat(fmt) != static_cast<uint32_t>(format)) {
     ReportError(wait, src, "EP dispatch: PEs passed different dtype/hidden/index type",
                 static_cast<const uint64_t*>(w + 1), core::CmpOp::kEq,
-                static_cast<uint64_t>(static_cast<uint32_t>(format)), static_cast<uint64_t>(fmt));
+                static_cast<uint64_t>(static_cast<uint32_t>(format)), EpCallFormat(fmt));
     return false;
   }
+  *inputError = (fmt & kEpDispatchFormatInputError) != 0;
   return true;
 }
 
 // This call's token count of PE `src` for PE `dst`, checked against our `format`: the count signal
 // in our countInbox (IntraNode: every PE stores its counts into every PE's inbox) or the tagged
 // {count, format} pair in our interCount (InterNode). False on timeout/abort or a format mismatch
-// (recorded); *count is set on success.
+// (recorded); *count is set on success, and *inputError (when not null) to whether src flagged an
+// input error with it.
 template <EpFamily kFamily>
 MORI_DEVICE_INLINE bool EpCountWait(const EpKernelCommon& c, const core::WaitContext& wait,
                                     int parity, int src, int dst, uint64_t epoch, uint64_t format,
-                                    const char* label, uint32_t* count) {
+                                    const char* label, uint32_t* count,
+                                    bool* inputError = nullptr) {
+  bool flagged = false;
   if constexpr (kFamily == EpFamily::kInterNode) {
-    return InterCountWait(c, wait, parity, src, dst, epoch, format, label, count);
+    if (!InterCountWait(c, wait, parity, src, dst, epoch, format, label, count, &flagged))
+      return false;
   } else {
     EpSignal* slot = At<EpSignal>(c.symmLocal, c.symm.countInbox) +
                      EpCountInboxIndex(parity, src, dst, c.worldSize);
     uint64_t v = 0;
     if (!SignalWait(wait, slot, epoch, src, label, &v)) return false;
-    if (EpFormatOf(v) != format) {
+    if (EpCallFormat(EpFormatOf(v)) != format) {
       ReportError(wait, src,
                   "EP dispatch: PEs passed different dtype/hidden/index type or split phase",
-                  &slot->value, core::CmpOp::kEq, format, EpFormatOf(v));
+                  &slot->value, core::CmpOp::kEq, format, EpCallFormat(EpFormatOf(v)));
       return false;
     }
     *count = EpCountOf(v);
-    return true;
+    flagged = (EpFormatOf(v) & kEpDispatchFormatInputError) != 0;
   }
+  if (inputError != nullptr) *inputError = flagged;
+  return true;
 }
 
 // RDMA WRITE of `bytes` from `src` (in this PE's heap, or <= 64 bytes from anywhere) to PE pe's
@@ -295,7 +352,8 @@ MORI_DEVICE_INLINE void EpSumExpertCounts(const EpKernelCommon& c, int parity) {
 template <EpFamily kFamily>
 MORI_DEVICE_INLINE void EpDispatchReceive(const EpKernelCommon& c, const core::WaitContext& wait,
                                           int parity, uint64_t epoch, uint64_t format, int& sTotal,
-                                          int& sFailed, uint64_t* capOverflow = nullptr) {
+                                          int& sFailed, uint64_t* inputErrorRecord,
+                                          uint64_t* capOverflow = nullptr) {
   using core::CmpOp;
   constexpr bool kInter = kFamily == EpFamily::kInterNode;
   const int W = c.worldSize;
@@ -303,14 +361,21 @@ MORI_DEVICE_INLINE void EpDispatchReceive(const EpKernelCommon& c, const core::W
   const int tid = static_cast<int>(threadIdx.x);
   const int nThreads = static_cast<int>(blockDim.x);
   if (sFailed == 0) {
+    bool flagged = false;  // lane s of warp 0: PE s flagged an input error (W <= warp size)
+    uint64_t report = 0;
     for (int s = tid; s < W; s += nThreads) {
       uint32_t cnt = 0;
       if (!EpCountWait<kFamily>(c, wait, parity, s, me, epoch, format,
-                                "EP dispatch: token count for this PE", &cnt))
+                                "EP dispatch: token count for this PE", &cnt, &flagged)) {
         sFailed = 1;
+        flagged = false;
+      } else if (flagged) {
+        report = core::AtomicLoadRelaxedSystem(EpInputErrorSlot(c, c.symmLocal, parity, s));
+      }
       c.state->recvCount[s] = static_cast<int32_t>(cnt);  // for the push and InterNode combines
       atomicAdd(&sTotal, static_cast<int>(cnt));
     }
+    if (tid < kWarpSize) EpRecordInputError(c, inputErrorRecord, flagged, report);
     __syncthreads();
     if (tid == 0 && sFailed == 0 && sTotal > c.maxRecvRows) {
       if (capOverflow != nullptr) {

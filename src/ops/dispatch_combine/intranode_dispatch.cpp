@@ -102,13 +102,19 @@ MORI_DEVICE_INLINE void EpDispatchReceiveHalf(const EpDispatchKernelArgs& a,
   __syncthreads();
 
   // ---- R1. counts and staged rows of every source; the counts of lower PEs for PE b --------
+  bool flagged = false;  // lane s of warp 0: PE s flagged an input error in its send
+  uint64_t report = 0;
   for (int s = tid; s < W; s += nThreads) {
     uint32_t n = 0;
     if (!EpCountWait<kFamily>(c, wait, parity, s, me, epoch, a.format,
-                              "EP dispatch_recv: token count for this PE", &n)) {
+                              "EP dispatch_recv: token count for this PE", &n, &flagged)) {
       sFailedR = 1;
       n = 0;
-    } else if (n > 0 && kInter && IsRemote(c, s)) {
+      flagged = false;
+    } else if (flagged && b == 0) {
+      report = core::AtomicLoadRelaxedSystem(EpInputErrorSlot(c, L, parity, s));
+    }
+    if (n > 0 && kInter && IsRemote(c, s)) {
       // Another node's rows: its tail word of this parity follows them on its QP.
       uint64_t* tailWord = At<uint64_t>(L, c.symm.splitTail) + EpPushArrivedIndex(parity, s, W);
       uint32_t rows = 0;
@@ -126,6 +132,7 @@ MORI_DEVICE_INLINE void EpDispatchReceiveHalf(const EpDispatchKernelArgs& a,
     }
     sCount[s] = static_cast<int>(n);
   }
+  if (b == 0 && tid < kWarpSize) EpRecordInputError(c, a.inputErrorRecord, flagged, report);
   // (InterNode: our rows for another node's PE keep their list position as slot: the landing row.)
   if (b < W && !(kInter && IsRemote(c, b))) {
     for (int p = tid; p < me; p += nThreads) {
@@ -260,6 +267,7 @@ __global__ void __launch_bounds__(kThreads, 1) EpDispatchKernel(const EpDispatch
   __shared__ int sFailed;
   __shared__ int sSendBase;
   __shared__ int sTotal;
+  __shared__ int sInputError;  // leaders: smallest token * K + slot of a bad id (EpNoInputError)
 
   const EpKernelCommon& c = a.c;
   const EpKernelStart start = EpBeginKernel(c, EpTraceKind::kDispatch, 0);
@@ -310,6 +318,7 @@ __global__ void __launch_bounds__(kThreads, 1) EpDispatchKernel(const EpDispatch
     sFailed = 0;
     sSendBase = 0;
     sTotal = 0;
+    sInputError = kEpNoInputError;
   }
   if (leader) {
     for (int e = tid; e < Epr; e += nThreads) hist[e] = 0;
@@ -322,10 +331,11 @@ __global__ void __launch_bounds__(kThreads, 1) EpDispatchKernel(const EpDispatch
   // the work. The test of an id is two compares in the index type against dest's expert range
   // (ids outside [0, numExperts) fall outside it too), never a division: every block tests all
   // T x K ids (docs/performance.md, "Dispatch block split and scan").
-  // Block 0 also checks every id against [-1, numExperts) when asked (a.badExpertId): the first
-  // offender is recorded for the host, which raises at this PE's next call; the kernels treat it
-  // as -1 either way, so the ranks stay in step.
-  const bool checkIds = b == 0 && a.badExpertId != nullptr;
+  // Leaders also check every id against [-1, numExperts) when asked (a.checkIds) and keep the
+  // first offender: every leader finds the same one, flags its count for its destination with it
+  // and sends the report (step 2), so every PE's receive step learns it in this call. The kernels
+  // treat the id as -1 either way, so the ranks stay in step.
+  const bool checkIds = leader && a.checkIds != 0;
   const IndexT numE = static_cast<IndexT>(c.numExperts);
   const IndexT lo = static_cast<IndexT>(dest) * static_cast<IndexT>(Epr);
   const IndexT hi = lo + static_cast<IndexT>(Epr);
@@ -359,8 +369,7 @@ __global__ void __launch_bounds__(kThreads, 1) EpDispatchKernel(const EpDispatch
 #pragma unroll
     for (int u = 0; u < kDispatchScanBatch; u++) {
       const IndexT e = ids[u];
-      if (checkIds && (e < static_cast<IndexT>(-1) || e >= numE))
-        EpRecordBadExpertId(a.badExpertId, me, t, k0 + u, static_cast<long long>(e), c.numExperts);
+      if (checkIds && EpBadExpertId(e, numE)) atomicMin(&sInputError, t * K + k0 + u);
       if (e < lo || e >= hi) continue;  // another PE's expert, -1 or an out-of-range id
       *member = true;
       if (leader) {
@@ -413,6 +422,10 @@ __global__ void __launch_bounds__(kThreads, 1) EpDispatchKernel(const EpDispatch
   }
   __syncthreads();
   const int countD = prefix[nWords];
+  // The format a leader announces with its count: flagged when its scan (ended before the
+  // barriers above) found a bad id.
+  const bool inputError = checkIds && sInputError != kEpNoInputError;
+  const uint64_t countFormat = a.format | (inputError ? kEpDispatchFormatInputError : 0ull);
   if (tid == 0) EpTraceStamp(tr, kEpDispatchScanned);
 
   // ---- 2. announce ------------------------------------------------------------------------
@@ -436,7 +449,7 @@ __global__ void __launch_bounds__(kThreads, 1) EpDispatchKernel(const EpDispatch
       // (Epr histogram entries, 256 with one PE) would cost one system fence each. The tag of the
       // count signal to d also publishes d's histogram. Block 0's done-waits are ordered before all
       // of it by the barrier above (causality is transitive through bar.sync).
-      const uint64_t packed = EpPackCount(static_cast<uint32_t>(countD), a.format);
+      const uint64_t packed = EpPackCount(static_cast<uint32_t>(countD), countFormat);
       const size_t countSlot = EpCountInboxIndex(parity, me, dest, W);
       for (int p = tid; p < W; p += nThreads)
         core::AtomicStoreRelaxedSystem(
@@ -444,6 +457,9 @@ __global__ void __launch_bounds__(kThreads, 1) EpDispatchKernel(const EpDispatch
       int32_t* ex = At<int32_t>(PeerBlock(c, dest), c.symm.expertInbox);
       for (int e = tid; e < Epr; e += nThreads)
         core::AtomicStoreRelaxedSystem(ex + EpExpertInboxIndex(parity, me, e, W, Epr), hist[e]);
+      if (tid == 0 && inputError)  // published by the count signal to dest, as the histogram
+        core::AtomicStoreRelaxedSystem(EpInputErrorSlot(c, PeerBlock(c, dest), parity, me),
+                                       EpInputErrorReport(me, sInputError, idx, K));
       __syncthreads();
       if (tid == 0) {
         core::FenceAcqRelSystem();
@@ -456,8 +472,8 @@ __global__ void __launch_bounds__(kThreads, 1) EpDispatchKernel(const EpDispatch
   } else if (leader && sFailed == 0) {
     // InterNode: the histogram (stores to a same-node dest, staged for a remote one), the barrier,
     // ONE release fence, then tagged {count, format} words: stores to same-node PEs, 16-byte RDMA
-    // WRITEs to the others. A remote dest gets its histogram by RDMA first, on the QP that then
-    // carries its count words (RC order: the words land after it).
+    // WRITEs to the others. A remote dest gets its histogram (and an input-error report) by RDMA
+    // first, on the QP that then carries its count words (RC order: the words land after them).
     const size_t countSlot = EpInterCountIndex(parity, me, dest, W);
     int32_t* ex = destRemote
                       ? At<int32_t>(c.symmLocal, c.symm.stageHist) + static_cast<size_t>(dest) * Epr
@@ -466,25 +482,47 @@ __global__ void __launch_bounds__(kThreads, 1) EpDispatchKernel(const EpDispatch
     for (int e = tid; e < Epr; e += nThreads) core::AtomicStoreRelaxedSystem(ex + e, hist[e]);
     __syncthreads();
     if (tid == 0) {
+      // The report goes into our own slot (our receiver reads it; the RDMA source for a remote
+      // dest: registered memory) and, for a same-node dest, into its slot.
+      uint64_t* const ownReport = EpInputErrorSlot(c, c.symmLocal, parity, me);
+      if (inputError) {
+        const uint64_t report = EpInputErrorReport(me, sInputError, idx, K);
+        core::AtomicStoreRelaxedSystem(ownReport, report);
+        if (!destRemote)
+          core::AtomicStoreRelaxedSystem(EpInputErrorSlot(c, PeerBlock(c, dest), parity, me),
+                                         report);
+      }
       core::FenceAcqRelSystem();
       const uint64_t words[2] = {EpTagWord(epoch, static_cast<uint32_t>(countD)),
-                                 EpTagWord(epoch, static_cast<uint32_t>(a.format))};
+                                 EpTagWord(epoch, static_cast<uint32_t>(countFormat))};
       uint64_t* mine = At<uint64_t>(c.symmLocal, c.symm.interCount) + countSlot;
       bool ok = true;
-      if (destRemote)
-        ok = RdmaWrite(c, dest,
-                       At<int32_t>(c.symmLocal, c.symm.expertInbox) +
-                           EpExpertInboxIndex(parity, me, 0, W, Epr),
-                       ex, static_cast<size_t>(Epr) * sizeof(int32_t));
-      for (int i = 0; i < W && ok; i++) {
-        const int p = (dest + i) % W;  // dest first: its words follow its histogram
-        if (IsRemote(c, p)) {
-          ok = RdmaWrite(c, p, mine, words, sizeof(words));
-        } else {
+      // Posts in order (one call site): a remote dest's histogram (i = -2) and report (i = -1),
+      // then the count words to every PE, dest first (its words follow what came before them).
+      for (int i = -2; i < W && ok; i++) {
+        const int p = i < 0 ? dest : (dest + i) % W;
+        if (!IsRemote(c, p)) {
+          if (i < 0) continue;
           uint64_t* w = At<uint64_t>(PeerBlock(c, p), c.symm.interCount) + countSlot;
           core::AtomicStoreRelaxedSystem(w, words[0]);
           core::AtomicStoreRelaxedSystem(w + 1, words[1]);
+          continue;
         }
+        if (i == -1 && !inputError) continue;
+        void* to = mine;
+        const void* from = words;
+        size_t bytes = sizeof(words);
+        if (i == -2) {
+          to = At<int32_t>(c.symmLocal, c.symm.expertInbox) +
+               EpExpertInboxIndex(parity, me, 0, W, Epr);
+          from = ex;
+          bytes = static_cast<size_t>(Epr) * sizeof(int32_t);
+        } else if (i == -1) {
+          to = ownReport;
+          from = ownReport;
+          bytes = sizeof(uint64_t);
+        }
+        ok = RdmaWrite(c, p, to, from, bytes);
       }
       if (!ok) sFailed = 1;
       c.state->sendCount[dest] = countD;
@@ -768,7 +806,9 @@ __global__ void __launch_bounds__(kThreads, 1) EpDispatchKernel(const EpDispatch
   if (split) return;
 
   // ---- 5. receive side (block 0) -------------------------------------------------------------
-  if (b == 0) EpDispatchReceive<kFamily>(c, wait, parity, epoch, a.format, sTotal, sFailed);
+  if (b == 0)
+    EpDispatchReceive<kFamily>(c, wait, parity, epoch, a.format, sTotal, sFailed,
+                               a.inputErrorRecord);
 
   // ---- 6. epoch ------------------------------------------------------------------------------
   if (tid == 0) EpTraceStamp(tr, kEpDispatchReceived);

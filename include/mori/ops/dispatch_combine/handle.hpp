@@ -51,8 +51,10 @@ struct EpDispatchArgs {
   int blockNum = -1;      // -1: config (or the small-batch default)
   int warpPerBlock = -1;  // -1: config (or the small-batch default)
   // The kernel checks every id against [-1, numExperts) (no host synchronisation). An id outside
-  // is treated as -1 (no expert); the first one is reported by this PE's next Dispatch, Combine
-  // or TakeExpertIdError as InvalidUsageError naming token, top-k slot and id.
+  // is treated as -1 (no expert) and every PE of the call launches and completes it; this PE's
+  // first offender is sent with its counts, so every PE's dispatch records the same report (the
+  // lowest such PE's), which TakeExpertIdError / CheckDeviceError raise as InvalidUsageError
+  // naming that PE, token, top-k slot and id. No call refuses to launch because of a report.
   bool checkExpertIds = true;
   // Fused quantisation (EpDispatchQuant, config.hpp): dataType bf16, hiddenDim a multiple of
   // kEpQuantGroup, no scales; the receivers get quantOutType codes (kFp8E4M3Fn or kFp8E4M3Fnuz)
@@ -227,10 +229,22 @@ class EpDispatchCombineHandle {
   void ResolveLaunch(int numTokens, int blockNum, int warpPerBlock, bool forDispatch,
                      int* blocksOut, int* warpsOut) const;
   int MultiProcessorCount() const { return numSms; }
-  // Raises (and clears) the out-of-range expert id recorded by an earlier dispatch on this PE, as
-  // Dispatch and Combine do before launching; reads host memory, no synchronisation (a dispatch
-  // still running may report later). `what` names the caller in the message.
-  void TakeExpertIdError(const char* what);
+  // Raises (and clears) the input-error report this PE's dispatches recorded (InvalidUsageError
+  // naming the PE whose input it was, token, top-k slot and id; every PE of that dispatch recorded
+  // the same report). Reads host memory, no synchronisation: a dispatch still running reports at
+  // a later check (after synchronising with it, every PE raises). `what` names the caller;
+  // afterLaunch: the caller's call has launched (the message says it takes place).
+  // Dispatch, Combine and the split-phase halves never raise a report themselves (a PE must not
+  // skip a launch its peers wait for): the Python calls ask InputErrorPending before they launch
+  // and raise the report it saw after they launched.
+  void TakeExpertIdError(const char* what, bool afterLaunch = false);
+  // Whether a report is here to be taken; false while `stream` captures a graph (nothing would
+  // run now, so the report stays for a later check). A report stays until it is taken.
+  bool InputErrorPending(gpuStream_t stream) const;
+  // shmem's device error record (ShmemCheckDeviceError) and this op's input-error report, both
+  // read and cleared: raises the device error (with the report appended when there is one), else
+  // the report.
+  void CheckDeviceError();
 
   // Per-block phase trace of the kernels launched (or graph-captured) from now on. `buffer` is
   // device memory of kEpTraceKinds * slots * maxBlocks * kEpTraceWords uint64 (layout:
@@ -291,9 +305,11 @@ class EpDispatchCombineHandle {
   void CheckNoPendingDispatch(const char* what, gpuStream_t stream);
   int lastNumTokens = -1;
   uint32_t lastRowBytes = 0;
-  // Mapped pinned word the dispatch kernel records the first out-of-range expert id in.
+  // Mapped pinned word the dispatch receive step records the agreed input-error report in
+  // (EpPackInputError; 0: none).
   uint64_t* badExpertIdHost = nullptr;
   uint64_t* badExpertIdDev = nullptr;
+  uint64_t TakeInputErrorReport();  // the report, cleared (0: none)
   EpIndexType lastIndexType = EpIndexType::kInt32;
   uint64_t dispatchCalls = 0;          // Dispatch calls launched
   uint64_t convertedCall = 0;          // dispatchCalls at the last ConvertDispatchOutput (0: none)

@@ -141,6 +141,10 @@ const char* EpRegionRoleName(EpRegionRole role);
   X(doneInbox, "done_inbox", d.w * sizeof(EpSignal), kControl)                                   \
   /* [src] rows src (same node) has finished writing to us */                                      \
   X(arrived, "arrived", d.w * sizeof(uint64_t), kControl)                                        \
+  /* [parity][src] src's input-error report (EpPackInputError) of the dispatch of that parity, */  \
+  /* written only when src flags its count for us (kEpDispatchFormatInputError): by src, or by */ \
+  /* the rail peer relaying src's count record (V1); published by that count signal            */ \
+  X(inputErrorInbox, "input_error_inbox", 2 * d.w * sizeof(uint64_t), kControl)                  \
   X(dispatchOutTokens, "dispatch_out_tokens", d.rmax * d.row, kOutput)                           \
   X(dispatchOutWeights, "dispatch_out_weights", d.rmax * d.k * sizeof(float), kOutput)           \
   X(dispatchOutScales, "dispatch_out_scales", d.rmax * d.scaleRow, kOutput)                      \
@@ -371,11 +375,39 @@ MORI_HD inline uint64_t EpDispatchFormat(uint32_t rowBytes, int dataType, int in
 // Set in the format of a dispatch_send (its counts announce staged rows, not final positions): a
 // PE whose call is the fused dispatch sees another format and records the mismatch.
 constexpr uint64_t kEpDispatchFormatSplit = 1ull << 27;
+// Set in the format a PE announces with its counts when its own input of the call had an error
+// (an expert id outside [-1, numExperts), treated as -1); the report is in the receiver's
+// inputErrorInbox[parity][PE], written before the count signal that publishes it. Not part of the
+// call's format: readers compare EpCallFormat. Every receiver records the report of the lowest
+// flagging PE, so every PE of the call holds the same one.
+constexpr uint64_t kEpDispatchFormatInputError = 1ull << 28;
+MORI_HD inline uint64_t EpCallFormat(uint64_t format) {
+  return format & ~kEpDispatchFormatInputError;
+}
 MORI_HD inline uint64_t EpPackCount(uint32_t count, uint64_t format) {
   return static_cast<uint64_t>(count) | (format << 32);
 }
 MORI_HD inline uint32_t EpCountOf(uint64_t packed) { return static_cast<uint32_t>(packed); }
 MORI_HD inline uint64_t EpFormatOf(uint64_t packed) { return packed >> 32; }
+
+// An input-error report (inputErrorInbox, and the handle's host-mapped record): bit 63 set, the
+// PE whose input it was (bits 56..61), top-k slot (bits 49..55), token (bits 32..48), the expert
+// id saturated to int32 (bits 0..31).
+MORI_HD inline uint64_t EpPackInputError(int pe, int token, int k, long long id) {
+  const long long lo = -2147483647ll - 1, hi = 2147483647ll;
+  const long long clipped = id < lo ? lo : (id > hi ? hi : id);
+  return (1ull << 63) | (static_cast<uint64_t>(pe & 0x3F) << 56) |
+         (static_cast<uint64_t>(k & 0x7F) << 49) | (static_cast<uint64_t>(token & 0x1FFFF) << 32) |
+         static_cast<uint64_t>(static_cast<uint32_t>(static_cast<int32_t>(clipped)));
+}
+static_assert(kEpMaxWorldSize <= 64 && kEpMaxTopK <= 128 && kEpMaxTokensPerRank <= (1 << 17),
+              "an input-error report holds any PE, top-k slot and token");
+MORI_HD inline void EpUnpackInputError(uint64_t w, int* pe, int* token, int* k, long long* id) {
+  *pe = static_cast<int>((w >> 56) & 0x3F);
+  *k = static_cast<int>((w >> 49) & 0x7F);
+  *token = static_cast<int>((w >> 32) & 0x1FFFF);
+  *id = static_cast<int32_t>(static_cast<uint32_t>(w));
+}
 
 // Where a PE's combine input rows (and weights) are, announced with its ready signal (readyInbox
 // value; the push combine sends the same value, and there only "no weights" matters).
