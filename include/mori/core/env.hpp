@@ -71,8 +71,9 @@ namespace mori::core {
     "(NVIDIA sm_90+): auto = where measured faster (at most 2 PEs in the op); 1 = always; "       \
     "0 = register loads only.")                                                                  \
   X(epCombinePush, MORI_EP_COMBINE_PUSH, Bool, "1",                                               \
-    "EP ops whose config has at most 256 tokens per rank combine by pushing each row to its "     \
-    "token's PE and summing locally; 0 = every PE pulls its tokens' rows (one extra round trip).")\
+    "AsyncLL EP ops, and others with at most 256 tokens per rank, combine by pushing each row "   \
+    "to its token's PE and summing locally; 0 = every PE pulls its tokens' rows (one extra round " \
+    "trip).")                                                                                     \
   X(epPdl, MORI_EP_PDL, Bool, "1",                                                                \
     "EP kernels are programmatic dependent launches (NVIDIA sm_90+): each may be launched while "  \
     "the kernel ahead of it on the stream completes, and waits for it on the GPU; 0 = plain "      \

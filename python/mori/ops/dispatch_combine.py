@@ -100,8 +100,8 @@ class EpDispatchCombineConfig:
     or element type); `max_num_inp_token_per_rank` bounds the tokens of one call;
     `max_total_recv_tokens` (0: no cap) caps the rows one rank receives per dispatch. `data_type`
     is accepted for MORI compatibility and ignored (the dtype comes from the tensors).
-    `kernel_type`: an EpDispatchCombineKernelType, its name or value; AsyncLL (the small-batch
-    type for the split phase, max_num_inp_token_per_rank <= 256) runs as IntraNode when
+    `kernel_type`: an EpDispatchCombineKernelType, its name or value; AsyncLL (the type for the
+    split phase, any max_num_inp_token_per_rank) runs as IntraNode when
     gpu_per_node >= world_size and as InterNode otherwise (`runs_as`). `quant_type`: "none" (combine
     rows travel in the input dtype) or "fp8_direct_cast" (each row travels as saturating e4m3
     codes, the token's rank sums the decoded values in fp32 and rounds once to the input dtype;
@@ -547,7 +547,7 @@ class EpDispatchCombineOp(ExpertMajorMixin):
         with no SM waiting for a peer; any GPU work may run before dispatch_recv(), which
         completes it. The op keeps input, weights, scales and indices alive until dispatch_recv;
         they must stay unchanged until then (the send kernel reads them). Needs kernel_type
-        IntraNode, InterNode or AsyncLL and max_num_inp_token_per_rank <= 256 (other ops raise
+        AsyncLL, or IntraNode or InterNode with max_num_inp_token_per_rank <= 256 (other ops raise
         mori.InvalidUsageError naming what works). Until dispatch_recv, dispatch, dispatch_send, combine, combine_send, the
         expert-major conversions and debug_fill_buffers raise. Every rank of a call uses the same
         form (split or fused). Returns None."""
@@ -580,7 +580,8 @@ class EpDispatchCombineOp(ExpertMajorMixin):
 
     @property
     def split_dispatch_available(self):
-        """Whether dispatch_send/dispatch_recv work on this op (<= 256 tokens per rank)."""
+        """Whether dispatch_send/dispatch_recv work on this op (AsyncLL, or IntraNode/InterNode
+        of <= 256 tokens per rank)."""
         return bool(self._h().split_dispatch_available)
 
     @property
@@ -753,7 +754,7 @@ class EpDispatchCombineOp(ExpertMajorMixin):
         tokens' ranks and the call returns without any SM waiting for a peer; any GPU work may
         run before combine_recv(), which completes it. Arguments as combine(). The input and
         weights must stay unchanged until combine_recv has run. Needs the push combine (kernel_type
-        IntraNode, or AsyncLL on one node, max_num_inp_token_per_rank <= 256); other ops raise
+        AsyncLL, or IntraNode or InterNode with max_num_inp_token_per_rank <= 256); other ops raise
         mori.InvalidUsageError.
         Until combine_recv, dispatch/combine/combine_send raise. Returns None."""
         args = self._combine_args("combine_send", input, weights, indices, rdma_block_num,

@@ -146,10 +146,6 @@ void EpDispatchCombineConfig::Validate() const {
         "this build has IntraNode, InterNode, InterNodeV1, InterNodeV1LL and AsyncLL; for "
         "small batches on one node use IntraNode, or AsyncLL for the split phase");
   }
-  if (kernelType == EpDispatchCombineKernelType::kAsyncLL)
-    CheckRange("max_num_inp_token_per_rank", maxNumInpTokenPerRank, 1, kEpSplitDispatchMaxTokens,
-               "AsyncLL is the small-batch split-phase kernel type (use IntraNode, InterNode or "
-               "InterNodeV1 above it)");
   if (RunsAs() != EpDispatchCombineKernelType::kIntraNode) {
     MORI_ENSURE(worldSize % LocalSize() == 0, InvalidUsageError,
                 "EpDispatchCombineConfig: kernel_type %s needs nodes of equal size, but "
@@ -157,9 +153,6 @@ void EpDispatchCombineConfig::Validate() const {
                 EpKernelTypeName(kernelType), worldSize, gpuPerNode);
   }
   if (IsV1()) {
-    if (RunsAs() == EpDispatchCombineKernelType::kInterNodeV1LL)
-      CheckRange("max_num_inp_token_per_rank", maxNumInpTokenPerRank, 1, kEpV1LLMaxTokens,
-                 "InterNodeV1LL is the small-batch kernel type (use InterNodeV1 above it)");
     CheckRange("num_qp_per_pe", numQpPerPe, 1, kEpV1MaxChannels,
                "InterNodeV1/V1LL: channels (QPs) per rail peer");
     for (int ws : {32, 64}) {

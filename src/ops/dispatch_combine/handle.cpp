@@ -491,9 +491,9 @@ void EpDispatchCombineHandle::Dispatch(const EpDispatchArgs& args, gpuStream_t s
 void EpDispatchCombineHandle::DispatchSend(const EpDispatchArgs& args, gpuStream_t stream) {
   CheckUsable("dispatch_send");
   MORI_ENSURE(SplitDispatchAvailable(), InvalidUsageError,
-              "EP dispatch_send: split-phase dispatch is built for kernel_type IntraNode and "
-              "InterNode with max_num_inp_token_per_rank <= %d; this op is %s with %d tokens per "
-              "rank (use dispatch)",
+              "EP dispatch_send: split-phase dispatch is built for kernel_type AsyncLL, and "
+              "IntraNode and InterNode with max_num_inp_token_per_rank <= %d; this op is %s with "
+              "%d tokens per rank (use dispatch)",
               kEpSplitDispatchMaxTokens, EpKernelTypeName(config.kernelType),
               config.maxNumInpTokenPerRank);
   if (dispatchSentEvent == nullptr)
@@ -677,7 +677,7 @@ void EpDispatchCombineHandle::LaunchCombineCall(const EpCombineArgs& args, EpCom
                 config.rank);
     MORI_ENSURE(phase == EpCombinePhase::kBoth || backend->PushCombine(), InvalidUsageError,
                 "EP combine_send: split-phase combine needs the push combine (kernel_type "
-                "IntraNode, InterNode or AsyncLL, max_num_inp_token_per_rank <= %d, "
+                "AsyncLL, or IntraNode or InterNode with max_num_inp_token_per_rank <= %d; "
                 "MORI_EP_COMBINE_PUSH on); this op (kernel_type %s, %d tokens per rank) uses the "
                 "%s combine",
                 kEpPushCombineMaxTokens, EpKernelTypeName(config.kernelType),

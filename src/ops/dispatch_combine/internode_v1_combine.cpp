@@ -8,8 +8,9 @@
 //   3. Proxy, per rail peer o: for each record o sent us in the last dispatch, the partial
 //      P = round(sum over the local PEs j it went to, ascending, of j's row) in fp32 (weights
 //      likewise, unrounded fp32), into v1PartialOut; the last block to finish a channel's share
-//      posts it (WRITE + landing tail on that QP; V1LL also for an empty share; V1 in chunks, after
-//      o freed its landing: landFree >= e - 1).
+//      posts it (WRITE + landing tail on that QP; V1LL also for an empty share, one WRITE for up
+//      to kEpV1LLMaxTokens partials; V1, and V1LL above that, in chunks; V1 after o freed its
+//      landing: landFree >= e - 1).
 //   4. Owner: waits for every channel's landing tail; for each token, the own node's partial from
 //      the local PEs (pulled, rounded), then the sum in fp32 over the nodes holding a destination,
 //      ascending, of their partials, rounded: out = round(sum_n P_n).
@@ -194,10 +195,13 @@ __global__ void __launch_bounds__(kThreads) EpV1CombineKernel(const EpCombineKer
           ok = TagWaitAtLeast(wait, At<uint64_t>(L0, c.symm.v1LandFree) + m, epoch - 1, o,
                               "EP V1 combine: landFree (rail peer read its last landing)");
         const size_t at2 = static_cast<size_t>(par) * R + tp.SlotOnPeer(m);
+        // V1LL: up to kEpV1LLMaxTokens partials as one WRITE per channel, V1's chunks above (the
+        // owner waits for the share's whole count either way).
+        const int chunk = tp.ll && cnt <= kEpV1LLMaxTokens ? (s1 > s0 ? s1 - s0 : 1)
+                                                           : EpV1ChunkRecords(partBytes);
         if (ok)
           ok = PostShare(c, o, q, L0 + c.symm.v1Landing + at2 * M * partBytes, out, partBytes, s0,
-                         s1, tp.ll ? (s1 > s0 ? s1 - s0 : 1) : EpV1ChunkRecords(partBytes),
-                         At<uint64_t>(L0, c.symm.v1LandTail) + at2 * tp.Q + q, epoch,
+                         s1, chunk, At<uint64_t>(L0, c.symm.v1LandTail) + at2 * tp.Q + q, epoch,
                          EpV1LandValue(0, noW, EpReadyFormat(ready)), tp.ll);
         if (!ok) sFailed = 1;
       }

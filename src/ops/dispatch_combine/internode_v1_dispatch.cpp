@@ -5,8 +5,9 @@
 //      token order) and idx(me -> j, t) for its G PEs; the group leader posts the count record
 //      (format, |L|, count(me -> j), the G expert histograms; every word tagged) to our rail peer
 //      there on QP 0; the blocks pack the records into v1SendStage; the group's last block posts,
-//      per channel q, the share's chunks (WRITE + tail on QP q; V1LL: one chunk, a tail also for
-//      an empty share; V1: after credit >= k - 1).
+//      per channel q, the share's chunks (WRITE + tail on QP q; V1LL: one chunk for lists of up to
+//      kEpV1LLMaxTokens records, V1's chunks above, and a tail also for an empty share; V1: after
+//      credit >= k - 1).
 //   2. Relay, per rail peer s (one block): wait s's count record of this call, store count(s -> j)
 //      into every local PE's countInbox[k % 2][s][j] and s's histogram into j's expertInbox: from
 //      then every PE of the node holds all W counts of its column, as with IntraNode.
@@ -289,7 +290,11 @@ __global__ void __launch_bounds__(kThreads, 1) EpV1DispatchKernel(const EpDispat
         if (!tp.ll)
           ok = TagWaitAtLeast(wait, At<uint64_t>(L0, c.symm.v1Credit) + m, epoch - 1, peer,
                               "EP V1 dispatch: credit (rail peer forwarded our last call)");
-        const int chunk = tp.ll ? (cList > 0 ? cList : 1) : EpV1ChunkRecords(L.bytes);
+        // V1LL: lists of up to kEpV1LLMaxTokens records as one WRITE per channel (the LL path),
+        // longer ones in V1's chunks (forwarding overlaps the transfer); the forwarders take
+        // either (tails count the share's records cumulatively).
+        const int chunk = tp.ll && cList <= kEpV1LLMaxTokens ? (cList > 0 ? cList : 1)
+                                                             : EpV1ChunkRecords(L.bytes);
         uint8_t* inbox =
             L0 + c.symm.v1Inbox + (static_cast<size_t>(par) * R + slotOnPeer) * M * L.bytes;
         uint64_t* tails =
@@ -474,14 +479,15 @@ __global__ void __launch_bounds__(kThreads, 1) EpV1DispatchKernel(const EpDispat
     const int cList = sList;
     const int i0 = EpShareBegin(cList, b, nb), i1 = EpShareBegin(cList, b + 1, nb);
     // Tails: of every channel whose share meets our range, until the chunks up to the end of our
-    // range landed (V1: tails count the share's records cumulatively, chunk by chunk; V1LL: one
-    // chunk); V1LL: an empty share's tail too (one block waits it), so that no tail of this call
-    // is left for the next call of this parity.
+    // range landed (tails count the share's records cumulatively, chunk by chunk; V1LL lists of
+    // up to kEpV1LLMaxTokens records: one chunk, waited for whole); V1LL: an empty share's tail
+    // too (one block waits it), so that no tail of this call is left for the next call of this
+    // parity.
     for (int q = tid; q < tp.Q; q += nThreads) {
       const int s0 = EpShareBegin(cList, q, tp.Q), s1 = EpShareBegin(cList, q + 1, tp.Q);
       const bool meets = s0 < s1 && s0 < i1 && i0 < s1;
       const bool empty = s0 == s1 && tp.ll && b == (m * tp.Q + q) % nb;
-      const int upTo = tp.ll ? s1 : (i1 < s1 ? i1 : s1);
+      const int upTo = tp.ll && cList <= kEpV1LLMaxTokens ? s1 : (i1 < s1 ? i1 : s1);
       uint32_t v = 0;
       if ((meets || empty) &&
           !TailWait(

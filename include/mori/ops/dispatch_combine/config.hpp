@@ -11,14 +11,16 @@ namespace mori::ops {
 // Which kernel family moves the tokens (MORI's names and numbering, so a value means the same in
 // both libraries). kIntraNode: every PE reachable by load/store over NVLink/xGMI. kInterNode: nodes
 // of gpuPerNode PEs; same-node PEs by load/store, other nodes by GPU-posted RDMA, one copy per
-// destination PE. kInterNodeV1 (high throughput: chunks, credits) and kInterNodeV1LL (small
-// batches: parity-buffered): nodes of gpuPerNode PEs, rail-aligned and node-deduplicated (a token
-// crosses the network at most once per remote node, to the PE with the sender's local index,
-// which forwards it over P2P; docs/ep_internode_v1.md). kAsyncLL (small batches, for the split
-// phase: dispatch_send/dispatch_recv, combine_send/combine_recv): at most kEpSplitDispatchMaxTokens
-// tokens per rank; it has no kernels of its own and runs as kIntraNode or kInterNode
-// (EpDispatchCombineConfig::RunsAs). kIntraNodeLL is not built: Validate rejects it, naming the
-// built ones.
+// destination PE. kInterNodeV1 (high throughput: chunks, credits) and kInterNodeV1LL (low latency:
+// parity-buffered, no credits; lists of at most kEpV1LLMaxTokens records go as one WRITE per
+// channel, longer ones in V1's chunks): nodes of gpuPerNode PEs, rail-aligned and
+// node-deduplicated (a token crosses the network at most once per remote node, to the PE with the
+// sender's local index, which forwards it over P2P; docs/ep_internode_v1.md). kAsyncLL (the split
+// phase: dispatch_send/dispatch_recv, combine_send/combine_recv, at any
+// maxNumInpTokenPerRank): it has no kernels of its own and runs as kIntraNode or kInterNode
+// (EpDispatchCombineConfig::RunsAs), with the split-phase staging and the push combine sized for
+// its tokens per rank. No type caps maxNumInpTokenPerRank below kEpMaxTokensPerRank.
+// kIntraNodeLL is not built: Validate rejects it, naming the built ones.
 enum class EpDispatchCombineKernelType : int32_t {
   kIntraNode = 0,
   kInterNode = 1,
@@ -98,8 +100,10 @@ constexpr int kEpMaxThreadsPerBlock = 512;  // kernels are compiled for at most 
 constexpr int kEpRowAlignBytes = 16;        // token rows move as 16-byte vectors
 constexpr int kEpSmallBatchTokens = 128;    // small-batch launch defaults up to this many tokens
 constexpr int kEpSmallBatchBlocks = 64;  // default blocks (at least) for small batches (measured)
-constexpr int kEpV1LLMaxTokens = 256;    // InterNodeV1LL: maxNumInpTokenPerRank at most
-constexpr int kEpV1MaxChannels = 16;     // InterNodeV1/V1LL: numQpPerPe (channels per rail peer)
+// InterNodeV1LL: a list of at most this many records (a PE's tokens for one remote node, or the
+// partials of one rail peer's records) goes as one WRITE per channel; longer lists in V1's chunks.
+constexpr int kEpV1LLMaxTokens = 256;
+constexpr int kEpV1MaxChannels = 16;  // InterNodeV1/V1LL: numQpPerPe (channels per rail peer)
 
 struct EpDispatchCombineConfig {
   int rank = 0;

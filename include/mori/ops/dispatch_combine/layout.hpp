@@ -17,12 +17,13 @@
 // Rmax = MaxNumRecvTokens() (W * M, or max_total_recv_tokens when set), rowBytes = hiddenDim *
 // maxTokenTypeSize at most (a call packs its rows with its own row size), G = gpuPerNode.
 //
-// Push combine (small-batch IntraNode and InterNode configs, EpPushCombineFits): instead of every
-// PE pulling its tokens' rows from the PEs that hold them, each PE pushes the rows it holds to
-// their tokens' PEs (pushRecvTokens, one slot per token and same-node PE; InterNode: pushLand* by
-// RDMA from another node's PEs), then sums locally. Double-buffered by the combine
-// epoch's parity, as readyInbox (which carries the push combine's format signal): combine may be
-// called several times after one dispatch, and a PE may then be one call ahead. See docs/ep.md.
+// Push combine (small-batch IntraNode and InterNode configs and every AsyncLL config,
+// EpPushCombineFits): instead of every PE pulling its tokens' rows from the PEs that hold them,
+// each PE pushes the rows it holds to their tokens' PEs (pushRecvTokens, one slot per token and
+// same-node PE; InterNode: pushLand* by RDMA from another node's PEs), then sums locally.
+// Double-buffered by the combine epoch's parity, as readyInbox (which carries the push combine's
+// format signal): combine may be called several times after one dispatch, and a PE may then be one
+// call ahead. See docs/ep.md.
 //
 // Inter-node regions (kernel type InterNode): PEs of other nodes are reached by RDMA, so every
 // signal they write is one tagged 8-byte word (EpTagWord: the call's epoch in the high half), rows
@@ -281,28 +282,31 @@ struct EpRegionInfo {
   EpRegionRole role;
 };
 
-// Push combine buffers exist (and the push combine, the one with a split phase, may run) when an
-// IntraNode or InterNode config (AsyncLL too) has at most this many tokens per rank: they cost
-// 2 x maxNumInpTokenPerRank x (PEs per node) rows per PE, and InterNode two landing sets more.
+// Push combine buffers exist (and the push combine, the one with a split phase, may run) for
+// every AsyncLL config and for IntraNode and InterNode configs of at most this many tokens per
+// rank: they cost 2 x maxNumInpTokenPerRank x (PEs per node) rows per PE, and InterNode two
+// landing sets more. (AsyncLL is the split-phase type: its buffers are sized for its tokens per
+// rank, whatever their number; each call's launch shape follows the call's tokens.)
 constexpr int kEpPushCombineMaxTokens = 256;
 inline bool EpPushCombineFits(const EpDispatchCombineConfig& config) {
   const EpDispatchCombineKernelType t = config.RunsAs();
   return (t == EpDispatchCombineKernelType::kIntraNode ||
           t == EpDispatchCombineKernelType::kInterNode) &&
-         config.maxNumInpTokenPerRank <= kEpPushCombineMaxTokens;
+         (config.kernelType == EpDispatchCombineKernelType::kAsyncLL ||
+          config.maxNumInpTokenPerRank <= kEpPushCombineMaxTokens);
 }
 
 // Split-phase dispatch (dispatch_send / dispatch_recv) needs, per PE, staging for every source's
 // rows of two calls (2 x W x M rows with their metadata: the send writes no final positions, so
-// it waits on no peer's counts; docs/ep_split_phase.md). It exists for IntraNode and InterNode
-// configs of at most kEpSplitDispatchMaxTokens tokens per rank (so for every AsyncLL config, which
-// Validate bounds by it).
+// it waits on no peer's counts; docs/ep_split_phase.md). It exists for every AsyncLL config and
+// for IntraNode and InterNode configs of at most kEpSplitDispatchMaxTokens tokens per rank.
 constexpr int kEpSplitDispatchMaxTokens = kEpPushCombineMaxTokens;
 inline bool EpSplitDispatchFits(const EpDispatchCombineConfig& config) {
   const EpDispatchCombineKernelType t = config.RunsAs();
   return (t == EpDispatchCombineKernelType::kIntraNode ||
           t == EpDispatchCombineKernelType::kInterNode) &&
-         config.maxNumInpTokenPerRank <= kEpSplitDispatchMaxTokens;
+         (config.kernelType == EpDispatchCombineKernelType::kAsyncLL ||
+          config.maxNumInpTokenPerRank <= kEpSplitDispatchMaxTokens);
 }
 
 EpLayoutDims MakeEpLayoutDims(const EpDispatchCombineConfig& config);
