@@ -5,7 +5,7 @@
     python3 tests/ops/ep_intranode_test.py --nproc 4 [-k substring] [--list]
     python3 tests/ops/ep_intranode_test.py --nproc 4      # on fewer GPUs: ranks share GPUs
     MORI_EP_STRESS_ITERS=10000 torchrun --nproc_per_node=4 tests/ops/ep_intranode_test.py -k stress
-    python3 tests/ops/ep_intranode_test.py --nproc 4 --kernel-type AsyncLL   # runs as IntraNode, <= 256 tokens
+    python3 tests/ops/ep_intranode_test.py --nproc 4 --kernel-type AsyncLL   # runs as IntraNode (ops of <= 256 tokens here)
 
 mori is imported from an installation, $MORI_BUILD_DIR/python, or <repo>/build*/python.
 
@@ -36,8 +36,10 @@ import ep_test_utils as U  # noqa: E402
 DTYPE_NAMES = ("bf16", "fp16", "fp32", "fp8")
 KERNEL_TYPES = ("IntraNode", "InterNode", "InterNodeV1", "InterNodeV1LL", "AsyncLL")
 V1_TYPES = ("InterNodeV1", "InterNodeV1LL")  # node-deduplicated: two-level combine
-V1LL_MAX_TOKENS = 256  # InterNodeV1LL's max_num_inp_token_per_rank limit (kEpV1LLMaxTokens)
-# max_num_inp_token_per_rank limits of the small-batch types (kEpV1LLMaxTokens, kEpSplitDispatchMaxTokens)
+V1LL_MAX_TOKENS = 256  # InterNodeV1LL's one-WRITE bound per list (kEpV1LLMaxTokens)
+# The suite runs the low-latency types at their small-batch sizes: specs and configs of these types
+# get at most this many tokens per rank unless a case asks for more (uncapped=True; the types
+# accept any count: case ll_types_any_max_tokens).
 LL_MAX_TOKENS = {"InterNodeV1LL": V1LL_MAX_TOKENS, "AsyncLL": 256}
 
 
@@ -75,7 +77,8 @@ class Env:
         kw.setdefault("kernel_type", getattr(self.args, "config_kernel_type", self.args.kernel_type))
         kw.setdefault("gpu_per_node", self.args.gpu_per_node or self.W)
         kw.setdefault("num_qp_per_pe", self.args.num_qp_per_pe)
-        if kw["kernel_type"] in LL_MAX_TOKENS and "max_num_inp_token_per_rank" in kw:
+        uncapped = kw.pop("uncapped", False)
+        if kw["kernel_type"] in LL_MAX_TOKENS and "max_num_inp_token_per_rank" in kw and not uncapped:
             kw["max_num_inp_token_per_rank"] = min(kw["max_num_inp_token_per_rank"], LL_MAX_TOKENS[kw["kernel_type"]])
         return self.mori.ops.EpDispatchCombineConfig(**kw)
 
@@ -136,14 +139,16 @@ class Env:
 # ---------------------------------------------------------------------------------------------
 class Spec:
     """One round-trip scenario. Fields that may vary per iteration are functions of `it`.
-    max_tokens_cap (set by the driver: InterNodeV1LL's and AsyncLL's limit) lowers every spec's M."""
+    max_tokens_cap (set by the driver for the low-latency types: LL_MAX_TOKENS) lowers every spec's M
+    unless the spec is uncapped."""
 
     max_tokens_cap = None
 
     def __init__(self, H=2048, K=8, Epr=8, M=256, dtype="bf16", cdtype=None, idx="int32", scale=None,
                  weights=True, routing="random_neg", t_mode="random", mode="zero_copy", wmode="external",
                  iters=1, seed=0, d_launch=(-1, -1), c_launch=(-1, -1), poison=True, cfg_H=None,
-                 cfg_tts=None, cfg_launch=None, check_every=0, quant=None, split=False, cquant=None, egain=1.0):
+                 cfg_tts=None, cfg_launch=None, check_every=0, quant=None, split=False, cquant=None, egain=1.0,
+                 uncapped=False):
         self.H = H if callable(H) else (lambda it, v=H: v)
         self.dtype = dtype if callable(dtype) else (lambda it, v=dtype: v)
         self.mode = mode if callable(mode) else (lambda it, v=mode: v)
@@ -151,7 +156,8 @@ class Spec:
         self.d_launch = d_launch if callable(d_launch) else (lambda it, v=d_launch: v)
         self.c_launch = c_launch if callable(c_launch) else (lambda it, v=c_launch: v)
         self.cdtype = cdtype
-        self.K, self.Epr, self.M = K, Epr, (M if Spec.max_tokens_cap is None else min(M, Spec.max_tokens_cap))
+        self.uncapped = uncapped
+        self.K, self.Epr, self.M = K, Epr, (M if Spec.max_tokens_cap is None or uncapped else min(M, Spec.max_tokens_cap))
         self.idx, self.scale, self.weights, self.t_mode = idx, scale, weights, t_mode
         self.wmode, self.iters, self.seed, self.poison = wmode, iters, seed, poison
         self.cfg_H, self.cfg_tts, self.cfg_launch = cfg_H, cfg_tts, cfg_launch
@@ -404,7 +410,7 @@ def spec_op(env, spec):
         rank=env.rank, world_size=env.W, hidden_dim=spec.cfg_H or spec.H(0), scale_dim=sdim, scale_type_size=stsz,
         max_token_type_size=tts, max_num_inp_token_per_rank=spec.M, num_experts_per_rank=spec.Epr,
         num_experts_per_token=spec.K, block_num=launch[0], warp_num_per_block=launch[1],
-        use_external_inp_buf=(spec.mode(0) != "zero_copy"), quant_type=spec.cquant or "none")
+        use_external_inp_buf=(spec.mode(0) != "zero_copy"), quant_type=spec.cquant or "none", uncapped=spec.uncapped)
     return env.new_op(cfg, check_inputs=False)
 
 
@@ -930,8 +936,8 @@ def case_split_phase_dispatch(env):
     int64 ids, scales, no weights, poisoned outputs); a temporary input whose memory is reused
     between the halves; the receive on another stream; a CUDA graph of send, matmul and receive,
     replayed; misuse raises InvalidUsageError on every rank and the op stays usable. Both kernel
-    types (InterNode: other nodes' rows by RDMA into the staging); an op of more than 256 tokens
-    per rank refuses dispatch_send."""
+    types (InterNode: other nodes' rows by RDMA into the staging); an IntraNode or InterNode op of
+    more than 256 tokens per rank refuses dispatch_send, an AsyncLL op of 512 splits."""
     torch = env.torch
     mori = env.mori
     errors = []
@@ -950,13 +956,12 @@ def case_split_phase_dispatch(env):
         if errors:
             raise CaseFailure("; ".join(errors))
         return
-    big = Spec(H=1024, M=512, iters=1, seed=51, t_mode="small")
-    if big.M < 512:  # AsyncLL: no op of more than 256 tokens per rank exists; creating one is refused
-        cfg = small_cfg(env)
-        cfg.max_num_inp_token_per_rank = 512
-        expect_usage_error(mori, errors, "an AsyncLL op of 512 tokens per rank", lambda: env.new_op(cfg),
-                           "AsyncLL is the small-batch split-phase kernel type")
+    if env.args.config_kernel_type == "AsyncLL":
+        # AsyncLL splits at any tokens per rank (its staging and push buffers are sized for them)
+        roundtrip(env, Spec(H=1024, M=512, iters=2, seed=51, split=True, uncapped=True),  # 256..512 tokens
+                  label="split, AsyncLL of 512 tokens per rank")
     else:
+        big = Spec(H=1024, M=512, iters=1, seed=51, t_mode="small")
         bop = spec_op(env, big)
         X, IDX, WT, SC, Ts = make_data(env, big, 0, 51)
         expect_usage_error(mori, errors, "dispatch_send with 512 tokens per rank",
@@ -1081,21 +1086,17 @@ def case_split_phase_dispatch(env):
         raise CaseFailure("; ".join(errors[:6]))
 
 
-def case_cuda_graph(env):
-    torch = env.torch
-    mori = env.mori
-    r, W = env.rank, env.W
-    T = 100
-    spec = Spec(H=2048, K=8, Epr=8, M=128, t_mode=T, routing="random_neg", poison=False, seed=40)
-    cfg = env.config(rank=r, world_size=W, hidden_dim=2048, scale_dim=0, scale_type_size=0,
-                                           max_token_type_size=2, max_num_inp_token_per_rank=128,
-                                           num_experts_per_rank=8, num_experts_per_token=8, use_external_inp_buf=False)
-    op = env.new_op(cfg)  # check_inputs=True: skipped automatically while capturing
-    cdt = torch.bfloat16
-    sx = torch.zeros((T, 2048), dtype=cdt, device=env.dev)
-    sidx = torch.full((T, 8), -1, dtype=torch.int32, device=env.dev)
-    sw = torch.zeros((T, 8), dtype=torch.float32, device=env.dev)
-    buf = op.get_registered_combine_input_buffer(cdt, 2048)
+def captured_round_trip(env, op, T, H, K, cdt, data):
+    """A round trip captured in a CUDA graph on static inputs of T tokens (hidden H, top-K):
+    dispatch, this rank's "experts" into the registered combine input (dtype cdt), combine. It runs
+    once outside the graph first, on the capture stream, with make_data's `data` loaded. Returns
+    (graph, (dispatch outputs, combine output, combine weights), load): load(data) copies this
+    rank's rows of a make_data result into the static inputs."""
+    torch, r = env.torch, env.rank
+    sx = torch.zeros((T, H), dtype=cdt, device=env.dev)
+    sidx = torch.full((T, K), -1, dtype=torch.int32, device=env.dev)
+    sw = torch.zeros((T, K), dtype=torch.float32, device=env.dev)
+    buf = op.get_registered_combine_input_buffer(cdt, H)
 
     def body():
         outs = op.dispatch(sx, sw, None, sidx)
@@ -1103,15 +1104,13 @@ def case_cuda_graph(env):
         out, ow = op.combine(buf, outs[1] * float(r + 1), sidx)
         return outs, out, ow
 
-    def load(it):
-        data = make_data(env, spec, it, 40)
-        X, IDX, WT, SC, Ts = data
+    def load(d):
+        X, IDX, WT, SC, Ts = d
         sx.copy_(X[r, :T])
         sidx.copy_(IDX[r, :T])
         sw.copy_(WT[r, :T])
-        return data
 
-    load(0)
+    load(data)
     s = torch.cuda.Stream(device=env.dev)
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -1120,12 +1119,27 @@ def case_cuda_graph(env):
     env.barrier()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        outs, out, ow = body()
+        captured = body()
     env.barrier()
+    return g, captured, load
+
+
+def case_cuda_graph(env):
+    torch = env.torch
+    r, W = env.rank, env.W
+    T = 100
+    spec = Spec(H=2048, K=8, Epr=8, M=128, t_mode=T, routing="random_neg", poison=False, seed=40)
+    cfg = env.config(rank=r, world_size=W, hidden_dim=2048, scale_dim=0, scale_type_size=0,
+                                           max_token_type_size=2, max_num_inp_token_per_rank=128,
+                                           num_experts_per_rank=8, num_experts_per_token=8, use_external_inp_buf=False)
+    op = env.new_op(cfg)  # check_inputs=True: nothing is read on the host while capturing
+    cdt = torch.bfloat16
+    g, (outs, out, ow), load = captured_round_trip(env, op, T, 2048, 8, cdt, make_data(env, spec, 0, 40))
     cnt = torch.zeros(len(C_NAMES), dtype=torch.int64, device=env.dev)
     last = None
     for it in range(1, 6):
-        data = load(it)
+        data = make_data(env, spec, it, 40)
+        load(data)
         env.barrier()
         g.replay()
         verify_dispatch(env, spec, op, outs, data, cnt, False, it)
@@ -1267,11 +1281,13 @@ def case_bad_inputs(env):
         ref = U.v1_combine_reference(torch, rows, masks, env.v1_nodes, torch.bfloat16)
     if not torch.equal(out.view(torch.int16), ref.view(torch.int16)):
         errors.append("round trip after bad calls: combine mismatch")
-    # The record is also raised by the next call, which launches nothing (every rank has an
-    # offender here, so every rank refuses and the ranks stay in step); the call after works.
+    # Without a check, the next call raises the report after it launched (every rank does: the
+    # report is every rank's); that call's own bad ids are reported by the next check.
     op.dispatch(x, w, None, idx)
     torch.cuda.synchronize()
     expect("dispatch after one with out-of-range ids", lambda: op.dispatch(x, w, None, idx))
+    torch.cuda.synchronize()
+    expect("check_device_error after that dispatch", op.check_device_error)
     op.dispatch(x, w, None, torch.where(where.to(dev), -1, idx))
     torch.cuda.synchronize()
     op.check_device_error()
@@ -1285,6 +1301,222 @@ def case_bad_inputs(env):
     unchecked.close()
     if errors:
         raise CaseFailure("; ".join(errors))
+
+
+def case_bad_expert_id_on_one_rank(env):
+    """One rank's expert ids outside [-1, E) are known to every rank in the same dispatch: the call
+    completes everywhere (such an id counts as -1: rows, counts and the combine are the
+    reference's), and every rank raises the same mori.InvalidUsageError, once, naming the lowest
+    offending rank and its first bad id (lowest token, then top-k slot): at check_device_error()
+    after synchronising; or, with no check, at the end of the next call, which launches first (its
+    result is right); never between the halves of a split call. The next round trip is bit-exact on
+    every rank. Forms: fused dispatch (int32 and int64 ids; every rank in turn the offender; two
+    offenders), split-phase dispatch and combine where the op splits, a CUDA graph replay (nothing is
+    read during capture), and a pending device abort with a report (one check reports and clears
+    both)."""
+    torch, mori = env.torch, env.mori
+    r, W = env.rank, env.W
+    errors = []
+    cdt = torch.bfloat16
+    E = W * 4
+
+    def checked_op(spec):  # check_inputs=True (spec_op's ops do not check)
+        return env.new_op(env.config(rank=r, world_size=W, hidden_dim=spec.H(0), scale_dim=0, scale_type_size=0,
+                                     max_token_type_size=2, max_num_inp_token_per_rank=spec.M,
+                                     num_experts_per_rank=spec.Epr, num_experts_per_token=spec.K))
+
+    def with_bad_ids(data, bad):
+        """data with the ids of `bad` ({rank: [(token, slot, id), ...]}) put in."""
+        IDX = data[1]
+        for b, entries in bad.items():
+            for t, k, v in entries:
+                IDX[b, t, k] = v
+        return data
+
+    def expected(bad):
+        """The report every rank must name: the lowest offending rank's first bad id."""
+        b = min(bad)
+        t, k, v = min(bad[b], key=lambda e: (e[0], e[1]))
+        return f"PE {b}'s dispatch had expert id {v} for token {t} (top-k slot {k})"
+
+    def same_everywhere(label, msg, bad):
+        """Every rank raised, naming the same report (the clause after it names the raising rank)."""
+        msgs = [None] * W
+        env.dist.all_gather_object(msgs, msg)
+        want = expected(bad)
+        if msg is None:
+            errors.append(f"{label}: no InvalidUsageError on rank {r}")
+        elif want not in msg:
+            errors.append(f"{label}: rank {r}'s message lacks {want!r}: {msg}")
+        cores = {m.split(" (raised on PE")[0] if m else None for m in msgs}
+        if len(cores) != 1:
+            errors.append(f"{label}: the ranks raised different errors: {msgs}")
+
+    def raised_by(fn):
+        """(result, message of the InvalidUsageError fn raised or None)."""
+        try:
+            return fn(), None
+        except mori.InvalidUsageError as e:
+            return None, str(e)
+
+    def check_cleared(label):
+        _, again = raised_by(op.check_device_error)
+        if again is not None:
+            errors.append(f"{label}: a second check_device_error raised again: {again}")
+
+    def combine_checked(op, spec, data, outs, cnt, it, split=False):
+        """Combine of this rank's received rows (zero-copy), checked; returns the message of an
+        InvalidUsageError raised after it launched (the result is then read from the op's view)."""
+        X, IDX, WT, SC, Ts = data
+        T, H = Ts[r], spec.H(it)
+        cin = op.get_registered_combine_input_buffer(cdt, H)
+        cin.copy_(expert_fn(outs[0], r, cdt))
+        cw = outs[1] * float(r + 1)
+        idx = IDX[r, :T].contiguous()
+        if split:
+            op.combine_send(cin, cw, idx)  # a send never raises: its receive half must follow
+            got, msg = raised_by(lambda: op.combine_recv())
+        else:
+            got, msg = raised_by(lambda: op.combine(cin, cw, idx))
+        if got is None:  # it launched, then raised: the result is in the op's buffers
+            got = (op._view("combine_tokens", "combine_out_tokens", (spec.M, H), cdt)[:T],
+                   op._view("combine_weights", "combine_out_weights", (spec.M, spec.K), torch.float32)[:T])
+        verify_combine(env, spec, op, got[0], got[1], data, cnt, False, it, cdt)
+        return msg
+
+    def dispatch_checked(op, spec, data, cnt, it, split=False):
+        X, IDX, WT, SC, Ts = data
+        T = Ts[r]
+        x, idx, w = X[r, :T].contiguous(), IDX[r, :T].contiguous(), WT[r, :T].contiguous()
+        if split:
+            op.dispatch_send(x, w, None, idx)
+            outs = op.dispatch_recv()
+        else:
+            outs = op.dispatch(x, w, None, idx)
+        verify_dispatch(env, spec, op, outs, data, cnt, False, it)
+        return outs
+
+    # --- check_device_error after synchronising: every rank in turn the offender ---------------
+    for idx_t in ("int32", "int64"):
+        spec = Spec(H=1024, K=4, Epr=4, M=64, t_mode="max", idx=idx_t, routing="random_neg", poison=False, seed=81)
+        op = checked_op(spec)
+        cnt = torch.zeros(len(C_NAMES), dtype=torch.int64, device=env.dev)
+        for it, b in enumerate(range(W)):
+            bad = {b: [(5 + it, 2, E + 3 + it), (9, 0, -2 - it), (5 + it, 3, E)]}
+            if it == 1 and W > 2:
+                bad[W - 1] = [(0, 0, E + 100)]  # a second offender, higher: the report names b
+            data = with_bad_ids(make_data(env, spec, it, spec.seed), bad)
+            outs = dispatch_checked(op, spec, data, cnt, it)
+            torch.cuda.synchronize()
+            _, msg = raised_by(op.check_device_error)
+            same_everywhere(f"{idx_t} ids, offender {b}", msg, bad)
+            check_cleared(f"{idx_t} ids, offender {b}")
+            if combine_checked(op, spec, data, outs, cnt, it) is not None:
+                errors.append(f"{idx_t} ids, offender {b}: the combine after the check raised")
+        _raise_on_counters(env, spec, op, cnt, None, f"{idx_t} ids with bad ids", W)
+        roundtrip(env, spec, op=op, label=f"{idx_t} ids: the round trip after the reports")
+        env.close_ops()
+        env.fail_together(errors)
+
+    # --- no check (engines): the next call launches, then raises; never between the halves -----
+    spec = Spec(H=1024, K=4, Epr=4, M=64, t_mode="max", routing="random_neg", poison=False, seed=82)
+    op = checked_op(spec)
+    cnt = torch.zeros(len(C_NAMES), dtype=torch.int64, device=env.dev)
+    b = W - 1
+    bad = {b: [(7, 1, E + 9)]}
+    data = with_bad_ids(make_data(env, spec, 0, spec.seed), bad)
+    outs = dispatch_checked(op, spec, data, cnt, 0)
+    torch.cuda.synchronize()  # the report has arrived on every rank before the combine starts
+    same_everywhere("the combine after a bad dispatch", combine_checked(op, spec, data, outs, cnt, 0), bad)
+    check_cleared("after the combine raised")
+    if op.split_dispatch_available:
+        data = with_bad_ids(make_data(env, spec, 1, spec.seed), bad)
+        outs = dispatch_checked(op, spec, data, cnt, 1, split=True)  # the receive half records it
+        torch.cuda.synchronize()
+        _, msg = raised_by(op.check_device_error)
+        same_everywhere("split-phase dispatch", msg, bad)
+        if combine_checked(op, spec, data, outs, cnt, 1) is not None:
+            errors.append("split-phase dispatch: the combine after the check raised")
+    if op.split_combine_available:
+        data = with_bad_ids(make_data(env, spec, 2, spec.seed), bad)
+        outs = dispatch_checked(op, spec, data, cnt, 2)
+        torch.cuda.synchronize()
+        same_everywhere("combine_recv after a bad dispatch", combine_checked(op, spec, data, outs, cnt, 2, split=True),
+                        bad)
+        check_cleared("after combine_recv raised")
+    _raise_on_counters(env, spec, op, cnt, None, "calls after a bad dispatch", 3)
+    roundtrip(env, Spec(H=1024, K=4, Epr=4, M=64, iters=2, routing="random_neg", poison=False, seed=83), op=op,
+              label="round trips after the reports")
+
+    # --- a device abort and a report: one check reports both and clears both --------------------
+    data = with_bad_ids(make_data(env, spec, 3, spec.seed), bad)
+    outs = dispatch_checked(op, spec, data, cnt, 3)
+    env.barrier()  # every rank's dispatch is done (and its report recorded)
+    mori.shmem.shmem_abort_device_waits()
+    try:
+        op.check_device_error()
+        errors.append("abort + report: check_device_error raised nothing")
+    except mori.TimeoutError as e:
+        if expected(bad) not in str(e):
+            errors.append(f"abort + report: the TimeoutError does not name the report: {e}")
+    except Exception as e:  # noqa: BLE001
+        errors.append(f"abort + report: raised {type(e).__name__}: {e}")
+    if mori.shmem.shmem_device_error_pending() is not None:
+        errors.append("abort + report: the abort is still pending after check_device_error")
+    check_cleared("abort + report")
+    env.barrier()
+    env.fail_together(errors)
+    roundtrip(env, Spec(H=1024, K=4, Epr=4, M=64, iters=1, routing="random_neg", poison=False, seed=84), op=op,
+              label="round trip after abort + report")
+    env.close_ops()
+
+    # --- a CUDA graph: the bad id in a replay is reported like an eager call's ------------------
+    spec = Spec(H=1024, K=4, Epr=4, M=64, t_mode="max", routing="random_neg", poison=False, seed=85)
+    op = checked_op(spec)
+    g, (gouts, gout, gow), load = captured_round_trip(env, op, spec.M, 1024, 4, cdt,
+                                                      make_data(env, spec, 0, spec.seed))
+    bad = {0: [(3, 2, E + 1)]}
+    load(with_bad_ids(make_data(env, spec, 1, spec.seed), bad))
+    g.replay()
+    torch.cuda.synchronize()
+    _, msg = raised_by(op.check_device_error)
+    same_everywhere("CUDA graph replay", msg, bad)
+    cnt = torch.zeros(len(C_NAMES), dtype=torch.int64, device=env.dev)
+    for it in (2, 3):  # clean replays after the report: exact
+        data = make_data(env, spec, it, spec.seed)
+        load(data)
+        env.barrier()
+        g.replay()
+        verify_dispatch(env, spec, op, gouts, data, cnt, False, it)
+        verify_combine(env, spec, op, gout, gow, data, cnt, False, it, cdt)
+    _raise_on_counters(env, spec, op, cnt, None, "graph replays after the report", 2)
+    check_cleared("graph replays")
+    del g
+    torch.cuda.synchronize()
+    env.fail_together(errors)
+
+
+def case_ll_types_any_max_tokens(env):
+    """No kernel type caps max_num_inp_token_per_rank: an op of 4096 tokens per rank (SGLang's and
+    vLLM's default) of the run's type (InterNodeV1LL: its LL path for lists of up to 256 records,
+    V1's chunks above; AsyncLL: split-phase dispatch and combine at any size) round-trips calls of
+    0, 1, 128, 256, 257 and 4096 tokens per rank bit-exact, fused and, where the op splits, split."""
+    M = 4096
+    spec0 = Spec(H=1024, K=4, Epr=4, M=M, uncapped=True, seed=86)
+    op = spec_op(env, spec0)
+    if op.config.max_num_inp_token_per_rank != M:
+        raise CaseFailure(f"the op has {op.config.max_num_inp_token_per_rank} tokens per rank, not {M}")
+    if env.args.config_kernel_type == "AsyncLL" and not op.split_dispatch_available:
+        raise CaseFailure("an AsyncLL op of 4096 tokens per rank has no dispatch_send")
+    for i, T in enumerate((0, 1, 128, 256, 257, M)):
+        for split in ((False, True) if op.split_dispatch_available else (False,)):
+            roundtrip(env, Spec(H=1024, K=4, Epr=4, M=M, uncapped=True, t_mode=T, iters=1, poison=False,
+                                routing="random_neg", split=split, seed=87 + i),
+                      op=op, label=f"{T} tokens per rank{' (split)' if split else ''}")
+    # mixed counts in one call: some ranks above the LL bound, some below, one with none
+    roundtrip(env, Spec(H=1024, K=4, Epr=4, M=M, uncapped=True, t_mode="vary", iters=4, poison=False, seed=95),
+              op=op, label="mixed token counts")
+    env.close_ops()
 
 
 def small_cfg(env, **kw):
@@ -2375,6 +2607,8 @@ CASES = [
     ("split_phase_dispatch", case_split_phase_dispatch),
     ("cuda_graph_replay", case_cuda_graph),
     ("bad_inputs", case_bad_inputs),
+    ("bad_expert_id_on_one_rank", case_bad_expert_id_on_one_rank),
+    ("ll_types_any_max_tokens", case_ll_types_any_max_tokens),
     ("config_mismatch_across_ranks", case_config_mismatch_across_ranks),
     ("fp8_direct_cast_combine", case_fp8_direct_cast),
     ("copy_on_side_stream", case_copy_on_side_stream),
@@ -2474,9 +2708,9 @@ def worker(rank, world, local_rank, args):
         print(f"mori EP {args.config_kernel_type}{runs_as} suite: {world} ranks, gpu_per_node {args.gpu_per_node or world}, {torch.cuda.get_device_name(local_rank)}, "
               f"backend {mori.backend() if callable(getattr(mori, 'backend', None)) else '?'}", flush=True)
         if args.config_kernel_type in LL_MAX_TOKENS:
-            print(f"note: {args.config_kernel_type} ops have at most {LL_MAX_TOKENS[args.config_kernel_type]} tokens "
-                  "per rank: the cases written for larger ops (max tokens, the pull combine, traces) run at that "
-                  "size", flush=True)
+            print(f"note: the suite runs {args.config_kernel_type} ops at up to {LL_MAX_TOKENS[args.config_kernel_type]} "
+                  "tokens per rank (the cases written for larger ops run at that size; ll_types_any_max_tokens "
+                  "runs 4096)", flush=True)
         if world > torch.cuda.device_count():
             print(f"note: {world} ranks share {torch.cuda.device_count()} GPU(s): the protocol runs between "
                   "processes, but no row crosses a link (peers on one GPU are plain device memory)", flush=True)

@@ -178,23 +178,27 @@ if UNDER_PYTEST:
             c.validate()
 
     @pytest.mark.parametrize("world,runs_as", [(8, "IntraNode"), (16, "InterNode")])
-    def test_sglang_low_latency_mode(world, runs_as):
-        # AsyncLL: up to 256 tokens per rank, run as IntraNode on one node (SGLang's gpu_per_node
-        # is 8 from 8 ranks on) and as InterNode across nodes; read back as AsyncLL.
+    @pytest.mark.parametrize("max_tokens", [256, 4096])  # 4096: SGLang's default
+    def test_sglang_low_latency_mode(world, runs_as, max_tokens):
+        # AsyncLL, any tokens per rank: run as IntraNode on one node (SGLang's gpu_per_node is 8
+        # from 8 ranks on) and as InterNode across nodes; read back as AsyncLL; its split-phase
+        # staging and push-combine buffers are sized for max_tokens.
         kt = ops.EpDispatchCombineKernelType
-        kwargs, _ = sglang_config_kwargs(ops, 0, world, mode="low_latency", max_tokens=256)
+        kwargs, _ = sglang_config_kwargs(ops, 0, world, mode="low_latency", max_tokens=max_tokens)
         c = ops.EpDispatchCombineConfig(**kwargs)
         c.validate()
         assert c.kernel_type is kt.AsyncLL  # SGLang's LL dispatcher asserts on identity
         assert c.runs_as is kt[runs_as]
+        size = {name: nbytes for _b, name, _o, nbytes, _r in ops.ep_layout(c)["regions"]}
+        assert size["split_tokens"] == 2 * world * max_tokens * 7168 * 2
+        assert size["push_recv_tokens"] > 0
 
-    def test_sglang_low_latency_mode_above_256_tokens_is_refused_naming_what_works():
-        kwargs, _ = sglang_config_kwargs(ops, 0, 8, mode="low_latency")  # SGLang's default 4096 tokens
-        c = ops.EpDispatchCombineConfig(**kwargs)
-        assert c.kernel_type is ops.EpDispatchCombineKernelType.AsyncLL
-        with pytest.raises(mori.InvalidUsageError, match=r"max_num_inp_token_per_rank = 4096 is out of range \[1, 256\]: "
-                                                         r"AsyncLL .*use IntraNode, InterNode or InterNodeV1 above it"):
-            c.validate()
+    def test_vllm_low_latency_mode_above_256_tokens():
+        # vLLM's mori_low_latency backend across nodes: InterNodeV1LL, any tokens per rank.
+        kw = vllm_all2all_kwargs(ops, 0, 16, internode=True, backend="mori_low_latency", max_tokens=4096)
+        c = ops.EpDispatchCombineConfig(**kw)
+        assert c.kernel_type is ops.EpDispatchCombineKernelType.InterNodeV1LL
+        c.validate()
 
     def test_sglang_inter_node_mode():
         kwargs, _ = sglang_config_kwargs(ops, 0, 16, mode="inter_node")
@@ -406,14 +410,33 @@ def seq_rocm_positional(env):
     _check(torch.equal(res.cpu(), _expected_combine(torch, x, ids)), "positional combine")
 
 
+def seq_sglang_low_latency(env):
+    """SGLang's low-latency mode: an AsyncLL op of more than 256 tokens per rank (SGLang's default is
+    4096; 512 keeps the heap small), split-phase dispatch and combine with calls of more and fewer
+    than 256 tokens, exact against the reference."""
+    torch, mori, rank, world = env["torch"], env["mori"], env["rank"], env["world"]
+    kwargs, _ = sglang_config_kwargs(mori.ops, rank, world, mode="low_latency", params_dtype=torch.bfloat16, hidden=H,
+                                     max_tokens=512, num_local_experts=EPR, topk=K)
+    op = env["new_op"](mori.ops.EpDispatchCombineConfig(**kwargs))
+    _check(op.split_dispatch_available, "AsyncLL of 512 tokens per rank has dispatch_send")
+    for it, n in enumerate((300, 5 + rank, 512, 0 if rank == 0 else 256)):
+        x, w, ids = _inputs(torch, rank, world, 40 + it, n, env["dev"])
+        op.dispatch_send(x, w, None, ids)
+        a1 = op.dispatch_recv()[0]
+        if op.split_combine_available:  # the push combine (unless MORI_EP_COMBINE_PUSH=0)
+            op.combine_send(a1, None, ids)
+            result = op.combine_recv()[0]
+        else:
+            result = op.combine(a1, None, ids)[0]
+        _check(torch.equal(result[:n].cpu(), _expected_combine(torch, x, ids)), f"iteration {it} ({n} tokens)")
+
+
 def seq_not_built_refused(env):
-    """What the engines pick that this build refuses (SGLang's low-latency mode, AsyncLL, above 256
-    tokens per rank; its blockwise combine quant types) is refused on every rank at op creation,
-    naming what works; the next op is fine."""
+    """What the engines pick that this build refuses (SGLang's blockwise combine quant types) is
+    refused on every rank at op creation, naming what works; the next op is fine."""
     torch, mori, rank, world = env["torch"], env["mori"], env["rank"], env["world"]
     for mode, quant, tokens, needle in (
-            ("low_latency", "none", 257, "AsyncLL is the small-batch split-phase kernel type"),
-            ("intra_node", "fp8_blockwise", M, "'fp8_blockwise' is not a quant type of this build")):
+            ("intra_node", "fp8_blockwise", M, "'fp8_blockwise' is not a quant type of this build"),):
         kwargs, _ = sglang_config_kwargs(mori.ops, rank, world, mode=mode, params_dtype=torch.bfloat16, hidden=H,
                                          max_tokens=tokens, num_local_experts=EPR, topk=K, combine_quant_type=quant)
         try:
@@ -430,6 +453,7 @@ GPU_SEQUENCES = [
     ("vllm_moriep_ht", seq_vllm_moriep_ht),
     ("sglang_moriep_normal", seq_sglang_normal),
     ("rocm_positional", seq_rocm_positional),
+    ("sglang_low_latency", seq_sglang_low_latency),
     ("not_built_refused", seq_not_built_refused),
 ]
 

@@ -89,7 +89,7 @@ def test_intranode_ll_not_built_names_what_works():
         make(kernel_type=int(ops.EpDispatchCombineKernelType[kt])).validate()  # and values
 
 
-# AsyncLL: the small-batch type for the split phase, run as IntraNode on one node, else InterNode.
+# AsyncLL: the split-phase type, run as IntraNode on one node, else InterNode.
 @pytest.mark.parametrize("world,gpn,runs_as", [(4, 8, "IntraNode"), (4, 4, "IntraNode"), (8, 8, "IntraNode"),
                                                (4, 2, "InterNode"), (16, 8, "InterNode"), (4, 1, "InterNode")])
 def test_async_ll_runs_as_intranode_on_one_node_else_internode(world, gpn, runs_as):
@@ -103,23 +103,32 @@ def test_async_ll_runs_as_intranode_on_one_node_else_internode(world, gpn, runs_
         assert make(kernel_type=other, world_size=world, gpu_per_node=gpn).runs_as is kt[other]
 
 
-@pytest.mark.parametrize("m", [1, 128, 256])
-def test_async_ll_validates_up_to_256_tokens(m):
+@pytest.mark.parametrize("m", [1, 128, 256, 257, 4096, 65536])
+def test_async_ll_validates_any_token_count(m):
+    # No kernel type caps max_num_inp_token_per_rank below the implementation's limit (65536).
     for kt in ("AsyncLL", ops.EpDispatchCombineKernelType.AsyncLL, 4):  # member, name, value
         make(kernel_type=kt, max_num_inp_token_per_rank=m).validate()
         make(kernel_type=kt, max_num_inp_token_per_rank=m, world_size=16, gpu_per_node=8).validate()
+    with pytest.raises(mori.InvalidUsageError, match=r"max_num_inp_token_per_rank = 65537 is out of range"):
+        make(kernel_type="AsyncLL", max_num_inp_token_per_rank=65537).validate()
 
 
 @pytest.mark.parametrize("world,gpn", [(4, 8), (16, 8)])
-def test_async_ll_refuses_more_than_256_tokens(world, gpn):
-    assert _C.ops.SPLIT_DISPATCH_MAX_TOKENS == 256
-    needle = (r"max_num_inp_token_per_rank = 257 is out of range \[1, 256\]: AsyncLL is the small-batch "
-              r"split-phase kernel type \(use IntraNode, InterNode or InterNodeV1 above it\)")
-    with pytest.raises(mori.InvalidUsageError, match=needle):
-        make(kernel_type="AsyncLL", world_size=world, gpu_per_node=gpn, max_num_inp_token_per_rank=257).validate()
-    with pytest.raises(mori.InvalidUsageError, match=needle):  # the size hints validate too
-        ops.ep_symmetric_bytes(make(kernel_type="AsyncLL", world_size=world, gpu_per_node=gpn,
-                                    max_num_inp_token_per_rank=257))
+def test_async_ll_above_256_tokens_keeps_its_split_phase_buffers(world, gpn):
+    # SGLang's low-latency mode: AsyncLL with 4096 tokens per rank. The split-phase staging and the
+    # push combine's buffers are sized for M (what makes dispatch_send/combine_send work at any M);
+    # IntraNode/InterNode ops of that size have neither (they split up to 256 tokens per rank).
+    assert _C.ops.SPLIT_DISPATCH_MAX_TOKENS == _C.ops.PUSH_COMBINE_MAX_TOKENS == 256
+    M, H = 4096, 7168
+    a = make(kernel_type="AsyncLL", world_size=world, gpu_per_node=gpn, max_num_inp_token_per_rank=M)
+    plain = make(kernel_type=a.runs_as.name, world_size=world, gpu_per_node=gpn, max_num_inp_token_per_rank=M)
+    size = {name: nbytes for _b, name, _o, nbytes, _r in ops.ep_layout(a)["regions"]}
+    other = {name: nbytes for _b, name, _o, nbytes, _r in ops.ep_layout(plain)["regions"]}
+    G = min(gpn, world) if a.runs_as.name == "InterNode" else world
+    assert size["split_tokens"] == 2 * world * M * H * 2  # [parity][src][M] rows of 7168 bf16
+    assert size["push_recv_tokens"] == 2 * M * G * H * 2  # [parity][M][ranks of the node]
+    assert other["split_tokens"] == 0 and other["push_recv_tokens"] == 0
+    assert ops.ep_symmetric_bytes(a) > ops.ep_symmetric_bytes(plain)
 
 
 def test_async_ll_other_rules_are_those_of_the_type_it_runs_as():
@@ -157,12 +166,11 @@ def test_agreement_compares_the_kernel_type_given():
 
 
 def test_v1ll_validation():
-    """InterNodeV1LL: nodes of equal size, at most 256 tokens per rank, at most 16 channels (QPs per
-    rail peer); its regions are in the layout table (InterNode's are not)."""
+    """InterNodeV1LL: nodes of equal size, any tokens per rank the shared-memory bound allows (two
+    inbox and landing sets sized for them), at most 16 channels (QPs per rail peer); its regions are
+    in the layout table (InterNode's are not)."""
     kw = dict(world_size=16, gpu_per_node=8, max_num_inp_token_per_rank=128, kernel_type="InterNodeV1LL")
     make(**kw).validate()
-    with pytest.raises(mori.InvalidUsageError, match=r"max_num_inp_token_per_rank = 257 .*InterNodeV1LL"):
-        make(**dict(kw, max_num_inp_token_per_rank=257)).validate()
     with pytest.raises(mori.InvalidUsageError, match=r"num_qp_per_pe = 17 .*channels"):
         make(**dict(kw, num_qp_per_pe=17)).validate()
     with pytest.raises(mori.InvalidUsageError, match=r"InterNodeV1LL needs nodes of equal size"):
@@ -181,6 +189,16 @@ def test_v1ll_validation():
     assert size["v1_credit"] == 8 and size["v1_land_free"] == 8 and size["v1_tail"] == 8
     with pytest.raises(mori.InvalidUsageError, match=r"InterNodeV1 dispatch kernel would need"):
         make(**dict(ht, max_num_inp_token_per_rank=65536)).validate()
+    # InterNodeV1LL above 256 tokens per rank (vLLM's and SGLang's 4096): the LL protocol (two
+    # parity sets, no credits), its buffers sized for M; lists above 256 records move in V1's chunks.
+    for m in (257, 4096):
+        ll = dict(kw, max_num_inp_token_per_rank=m)
+        make(**ll).validate()
+        size = {name: nbytes for _block, name, _off, nbytes, _role in ops.ep_layout(make(**ll))["regions"]}
+        assert size["v1_inbox"] == 2 * 1 * m * rec and size["v1_landing"] == 2 * 1 * m * (7168 * 2 + 4 * 8)
+        assert size["v1_credit"] == 0 and size["v1_land_free"] == 0
+    with pytest.raises(mori.InvalidUsageError, match=r"InterNodeV1LL dispatch kernel would need"):
+        make(**dict(kw, max_num_inp_token_per_rank=65536)).validate()
 
 
 def test_unknown_kernel_type_value():

@@ -364,3 +364,89 @@ def test_copy_chunks_cover_the_copy_in_aligned_pieces():
                 assert (chunks - 1) * c < n <= chunks * c or n == 0
                 if n >= 2 * blocks * 4096 * align:  # large copies: about two chunks per block
                     assert 2 * blocks - 1 <= chunks <= 2 * blocks, (n, blocks, chunks)
+
+
+# --- input errors (docs/ep.md, "Errors"): the count's flag, the report and the receiver's choice ---
+
+def _bad_id(e, num_experts):
+    """EpBadExpertId: outside [-1, num_experts) (-1 is "no expert", any other id outside counts too)."""
+    return e < -1 or e >= num_experts
+
+
+def test_input_error_flag_is_not_part_of_any_call_format():
+    """The flag a rank with bad ids sets in the format of every count it announces is a bit no
+    format uses (row size, dtype, index type, quantisation, split), it fits the 32-bit format word
+    of the InterNode and V1 count signals, and EpCallFormat (what readers compare) drops only it."""
+    t = _testing()
+    flag, split = t.EP_DISPATCH_FORMAT_INPUT_ERROR, t.EP_DISPATCH_FORMAT_SPLIT
+    assert flag < 2**32 and flag & split == 0
+    for row in (16, 4096, 14336, 16 << 20):
+        for dtype in range(5):
+            for index in (0, 1):
+                for quant in range(4):
+                    f = t.ep_dispatch_format(row, dtype, index, quant)
+                    for fmt in (f, f | split):
+                        assert fmt & flag == 0 and fmt < 2**32, (row, dtype, index, quant)
+                        assert t.ep_call_format(fmt | flag) == fmt and t.ep_call_format(fmt) == fmt
+
+
+def test_input_error_report_round_trips():
+    """EpPackInputError holds any rank, token and top-k slot of a config and the id (saturated to
+    int32), with bit 63 set so that a report is never 0 (0: none)."""
+    t = _testing()
+    rnd = random.Random(5)
+    cases = [(0, 0, 0, -2), (31, 65535, 63, 2**31 - 1), (5, 17, 3, -(2**31))]
+    cases += [(rnd.randrange(32), rnd.randrange(65536), rnd.randrange(64), rnd.randrange(-2**31, 2**31))
+              for _ in range(2000)]
+    for pe, token, k, v in cases:
+        w = t.ep_pack_input_error(pe, token, k, v)
+        assert w >> 63 == 1 and t.ep_unpack_input_error(w) == (pe, token, k, v)
+    for v, clipped in ((2**40, 2**31 - 1), (-(2**40), -(2**31))):
+        assert t.ep_unpack_input_error(t.ep_pack_input_error(1, 2, 3, v)) == (1, 2, 3, clipped)
+
+
+def test_every_rank_records_the_same_report():
+    """What the kernels compute, modelled: each announcing block (every leader, each with its own
+    scan of all T x K ids) keeps the smallest key token * K + slot of a bad id, so every count a
+    rank announces carries the same report; every receiver takes the lowest flagging source of
+    its W counts (warp 0's ballot, lowest lane = popcount((m & -m) - 1)); so every rank records
+    the same report, that of the lowest rank with a bad id, its first bad id in (token, slot)
+    order."""
+    rnd = random.Random(11)
+    for _ in range(300):
+        W, K, Epr = rnd.randint(1, 32), rnd.randint(1, 9), rnd.randint(1, 4)
+        E = W * Epr
+        ids = {}
+        for s in range(W):
+            T = rnd.randint(0, 40)
+            rows = [[rnd.randint(-1, E - 1) for _ in range(K)] for _ in range(T)]
+            if T and rnd.random() < 0.3:
+                for _ in range(rnd.randint(1, 3)):
+                    rows[rnd.randrange(T)][rnd.randrange(K)] = rnd.choice([-2, -7, E, E + 5, 2**31 - 1])
+            ids[s] = rows
+        reports = {}
+        for s, rows in ids.items():
+            keys = {t * K + k for t, row in enumerate(rows) for k, e in enumerate(row) if _bad_id(e, E)}
+            leaders = {min(keys) if keys else None for _dest in range(W)}  # one scan per leader
+            assert len(leaders) == 1
+            key = leaders.pop()
+            if key is not None:
+                t, k = divmod(key, K)
+                reports[s] = (s, t, k, rows[t][k])
+        recorded = set()
+        for _dest in range(W):
+            mask = sum(1 << s for s in reports)  # the ballot of the flagged counts
+            if mask == 0:
+                recorded.add(None)
+                continue
+            first = popcount((mask & -mask) - 1)
+            recorded.add(reports[first])
+        assert len(recorded) == 1
+        want = None
+        for s in range(W):
+            bad = [(t, k, e) for t, row in enumerate(ids[s]) for k, e in enumerate(row) if _bad_id(e, E)]
+            if bad:
+                t, k, e = min(bad)
+                want = (s, t, k, e)
+                break
+        assert recorded.pop() == want

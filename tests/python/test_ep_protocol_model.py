@@ -155,11 +155,57 @@ class Rank:
         self.recv_count = [0] * W                     # EpDeviceState::recvCount, written by dispatch
         self.dispatch_epoch = 0
         self.combine_epoch = 0
+        self.flag = [[False] * W for _ in range(P)]   # the count signal's input-error flag [parity][src]
+        self.report = {}                              # inputErrorInbox (parity, src) -> [epoch, value, consumed]
+        self.agreed = {}                              # dispatch epoch -> the report this rank recorded
 
 
-def run(W, ops, seed, mode="push", bugs=(), vecs=3, G=None):
+class Reports:
+    """Input errors (docs/ep.md, "Errors"): in dispatch call k, each rank in bad(k) had an expert id
+    outside [-1, E). It flags every count it announces and writes its report, value (rank, k), into
+    the receiver's inputErrorInbox slot [parity][rank] before the count signal that publishes it;
+    every receiver reads the reports of the ranks that flagged their count for it and records the
+    lowest one's. Checked: a report slot is rewritten only after its reader read it, a reader finds
+    this call's report, and every rank records the same report in every call."""
+
+    def __init__(self, rnd, W, prob, slots):
+        self.rnd, self.W, self.prob, self.slots = rnd, W, prob, slots
+        self.bad_of = {}
+
+    def bad(self, k):
+        if k not in self.bad_of:
+            self.bad_of[k] = {s for s in range(self.W) if self.rnd.random() < self.prob}
+        return self.bad_of[k]
+
+    def write(self, slots, par, s, k, writer):
+        old = slots.get((par % self.slots, s))
+        if old is not None and not old[2]:
+            raise Violation(f"rank {writer} call {k}: report of {s} written over call {old[0]}'s, unread")
+        slots[par % self.slots, s] = [k, (s, k), False]
+
+    def read(self, slots, par, s, k, who):
+        got = slots.get((par % self.slots, s))
+        if got is None or got[0] != k or got[1] != (s, k):
+            raise Violation(f"{who}: report of {s} is {got and got[:2]}, not call {k}'s")
+        got[2] = True
+
+    def record(self, agreed, k, flagged, who):
+        if sorted(flagged) != sorted(self.bad(k)):
+            raise Violation(f"{who}: flagged counts from {sorted(flagged)}, but {sorted(self.bad(k))} had input errors")
+        agreed[k] = min(flagged) if flagged else None
+
+    def check(self, ranks, calls):
+        for k in calls:
+            got = {r: R.agreed.get(k, "missing") for r, R in enumerate(ranks)}
+            want = min(self.bad(k)) if self.bad(k) else None
+            if any(v != want for v in got.values()):
+                raise Violation(f"dispatch {k}: ranks recorded {got}, expected {want} on every rank")
+
+
+def run(W, ops, seed, mode="push", bugs=(), vecs=3, G=None, bad=0.0):
+    """bad: probability that a rank's input of a dispatch call has an input error (Reports)."""
     if mode in ("v1", "v1ll"):
-        return run_v1(W, G or W, ops, seed, ll=mode == "v1ll", bugs=bugs)
+        return run_v1(W, G or W, ops, seed, ll=mode == "v1ll", bugs=bugs, bad=bad)
     rnd = random.Random(seed)
     G = G or W
     remote = lambda a, b: mode in ("inter", "inter_push") and a // G != b // G  # noqa: E731
@@ -167,6 +213,26 @@ def run(W, ops, seed, mode="push", bugs=(), vecs=3, G=None):
     ranks = [Rank(W, P) for _ in range(W)]
     sends = {}  # dispatch epoch -> rows[src][dst]
     split_calls = set()  # dispatch epochs made by dispatch_send / dispatch_recv (their own tail slots)
+    reports = Reports(random.Random(seed * 7 + 1), W, bad, 1 if "report_one_parity" in bugs else 2)
+
+    def announce_counts(me, k, par, what):
+        # the leaders: this rank's count (and, with an input error, its report first) to every rank
+        R = ranks[me]
+        for q in range(W):
+            need_free(q, ranks[q].dispatch_epoch, k, what, me)
+            if me in reports.bad(k):
+                reports.write(ranks[q].report, par, me, k, me)
+            ranks[q].flag[par][me] = me in reports.bad(k)
+            ranks[q].count[par][me] = k
+            R.send_count[q] = rows(k)[me][q]  # the leaders' sendCount[dest]
+
+    def record_reports(me, k, par, who):
+        # the receive step: every count's flag, the flagging ranks' reports, the lowest recorded
+        R = ranks[me]
+        flagged = [s for s in range(W) if R.flag[par][s]]
+        for s in flagged:
+            reports.read(R.report, par, s, k, who)
+        reports.record(R.agreed, k, flagged, who)
 
     def rows(k):
         if k not in sends:
@@ -190,10 +256,7 @@ def run(W, ops, seed, mode="push", bugs=(), vecs=3, G=None):
         def block0():
             if "no_done_wait" not in bugs:
                 yield lambda: all(R.done[p] >= R.combine_epoch for p in range(W))
-            for q in range(W):  # count(me -> every d), to every rank
-                need_free(q, ranks[q].dispatch_epoch, k, "count signal", me)
-                ranks[q].count[par][me] = k
-                R.send_count[q] = cnt[me][q]  # the leaders' sendCount[dest]
+            announce_counts(me, k, par, "count signal")  # count(me -> every d), to every rank
             yield None
             # receive side: every count, then every row
             def arrived_all():
@@ -211,6 +274,7 @@ def run(W, ops, seed, mode="push", bugs=(), vecs=3, G=None):
                         return False
                 return True
             yield arrived_all
+            record_reports(me, k, par, f"rank {me} dispatch {k}")
             for s in range(W):
                 if remote(s, me):
                     if cnt[s][me] > 0:
@@ -252,11 +316,10 @@ def run(W, ops, seed, mode="push", bugs=(), vecs=3, G=None):
         split_calls.add(k)
 
         def announce():
-            for q in range(W):
-                need_free(q, ranks[q].dispatch_epoch, k, "count signal", me)
-                ranks[q].count[par][me] = k
-                if "split_no_send_count" not in bugs:
-                    R.send_count[q] = cnt[me][q]  # the leaders' sendCount[dest]
+            saved = list(R.send_count)
+            announce_counts(me, k, par, "count signal")
+            if "split_no_send_count" in bugs:
+                R.send_count[:] = saved
             yield None
 
         def stage(d):
@@ -300,6 +363,7 @@ def run(W, ops, seed, mode="push", bugs=(), vecs=3, G=None):
                         yield lambda s=s: R.split_tail[par][s] == k
                 else:
                     yield lambda s=s: R.split_arrived[par][s] >= cnt[s][me]
+            record_reports(me, k, par, f"rank {me} dispatch_recv {k}")
             if "no_done_wait" not in bugs:
                 yield lambda: all(R.done[p] >= R.combine_epoch for p in range(W))
             write_buffers(me, me, f"dispatch_recv {k} compaction")
@@ -597,6 +661,7 @@ def run(W, ops, seed, mode="push", bugs=(), vecs=3, G=None):
             b[1] = next(b[0])
         except StopIteration:
             b[2] = True
+    reports.check(ranks, sorted(sends))
 
 
 SEQUENCES = ["DC", "DCC", "DXXC", "DCDCCDXCC", "DXCCDCDXCC", "DDCX"]
@@ -755,6 +820,9 @@ class V1Rank:
         self.combine_epoch = 0
         self.errors = []        # receive-capacity overflows this rank found (run_v1's cap)
         self.aborted = False    # bug "cap_abort": an overflow raised this rank's abort flag
+        self.count_flag = {}    # (parity, src) -> the count's input-error flag (Reports)
+        self.report = {}        # inputErrorInbox (parity, src) -> [epoch, value, consumed]
+        self.agreed = {}        # dispatch epoch -> the report this rank recorded
 
 
 class V1Call:
@@ -805,7 +873,7 @@ def _share(n, i, parts):
 
 
 def run_v1(W, G, ops, seed, ll=False, bugs=(), Q=2, C=2, M=5, pattern="mixed", skew=0.0, fast=0,
-           slow_nic=0.0, cap=None):
+           slow_nic=0.0, cap=None, bad=0.0, ll_one_chunk=None):
     """Runs `ops` ("D" dispatch, "C" zero-copy combine, "X" external-input combine) on W ranks
     in nodes of G, V1 (ll=False) or V1LL, in a random interleaving of every block's steps and every
     WRITE's delivery; with probability `skew` a step of rank `fast` (its blocks or its WRITEs) goes
@@ -820,7 +888,14 @@ def run_v1(W, G, ops, seed, ll=False, bugs=(), Q=2, C=2, M=5, pattern="mixed", s
     errors when the kernel ends, so every other step of the call still runs (stats["errors"]).
     Bug "cap_abort" (the first build): the first overflow a rank finds raises its abort flag at
     once: from then its blocks give up at any wait that does not hold yet, and its packing blocks
-    post no chunk or tail."""
+    post no chunk or tail.
+
+    bad: probability of an input error per rank and dispatch (Reports). A rank with one sends its
+    report to each rail peer on QP 0 before the count record, whose format word carries the flag;
+    the relay copies it to the local ranks' slots before their count signals (bugs
+    "report_after_record": the report posted after the record; "report_one_parity": one slot set).
+    ll_one_chunk (V1LL): lists of more records go in chunks of C, as V1's (the kernels' one WRITE
+    per channel holds for lists of up to kEpV1LLMaxTokens records); None: one chunk always."""
     rnd = random.Random(seed)
     N = W // G
     node = lambda r: r // G  # noqa: E731
@@ -840,10 +915,13 @@ def run_v1(W, G, ops, seed, ll=False, bugs=(), Q=2, C=2, M=5, pattern="mixed", s
             calls[k] = V1Call(v1_routing(rnd, W, G, M, pattern), W, G)
         return calls[k]
 
-    def chunks(b, e):
-        if ll:
+    reports = Reports(random.Random(seed * 7 + 1), W, bad, 1 if "report_one_parity" in bugs else 2)
+
+    def chunks(b, e, n):
+        """Chunks of share [b, e) of a list of n records."""
+        if ll and (ll_one_chunk is None or n <= ll_one_chunk):
             return [(b, e)]
-        return [(i, min(i + C, e)) for i in range(b, e, C)]
+        return [(i, min(i + C, e)) for i in range(b, e, C)] or ([(b, b)] if ll else [])  # V1LL: an empty share's tail
 
     # --- NIC -----------------------------------------------------------------------------------
     def post(src, dst, qp, keys, apply, inline=None, what="", phase=None):
@@ -903,12 +981,13 @@ def run_v1(W, G, ops, seed, ll=False, bugs=(), Q=2, C=2, M=5, pattern="mixed", s
             raise Violation(f"{who}: found the signal of call {word[0]} while in call {expect}")
         return word is not None and word[0] == expect
 
-    def set_count(j, par, s, k, value, writer):
+    def set_count(j, par, s, k, value, writer, flag=False):
         J = ranks[j]
         slot = J.count_inbox.get((par, s))
         if slot is not None and not slot[2]:
             raise Violation(f"rank {writer} call {k}: count({s}->{j}) slot still holds call {slot[0]}, unread")
         J.count_inbox[par, s] = [k, value, False]
+        J.count_flag[par, s] = flag
 
     def counts_ready(j, par, k, below, who):
         """j's counts from every source < below and its own (j started call k)."""
@@ -948,15 +1027,19 @@ def run_v1(W, G, ops, seed, ll=False, bugs=(), Q=2, C=2, M=5, pattern="mixed", s
         ph = ("D", me, k)
         stats["wrs"][ph] = 0
 
+        bad_me = me in reports.bad(k)
+
         def announce():
             if "no_done_wait" not in bugs:
                 yield lambda: all(R.done[q] >= R.combine_epoch for q in local(me))
             for j in local(me):
-                set_count(j, par, me, k, d.cnt[me][j], me)
+                if bad_me:
+                    reports.write(ranks[j].report, par, me, k, me)
+                set_count(j, par, me, k, d.cnt[me][j], me, bad_me)
             yield None
             for n in remote_nodes(me):
                 p = rail(n, me)
-                payload = ({j: d.cnt[me][j] for j in range(n * G, n * G + G)}, len(d.lists[me, n]))
+                payload = ({j: d.cnt[me][j] for j in range(n * G, n * G + G)}, len(d.lists[me, n]), bad_me)
                 stage_write(me, ("countSend", n), (k, payload), f"dispatch {k} count record")
 
                 def apply(v, p=p):
@@ -965,7 +1048,14 @@ def run_v1(W, G, ops, seed, ll=False, bugs=(), Q=2, C=2, M=5, pattern="mixed", s
                     if slot is not None and not slot[2]:
                         raise Violation(f"rank {me} dispatch {k}: count record on {p} still holds call {slot[0]}, not relayed")
                     P_.count_rec[cp, nm] = [v[0][0], v[0][1], False]
+
+                def apply_report(v, p=p):
+                    reports.write(ranks[p].report, par, me, k, me)
+                if bad_me and "report_after_record" not in bugs:
+                    post(me, p, 0, [], apply_report, inline=k, phase=ph)
                 post(me, p, 0, [("countSend", n)], apply, phase=ph)
+                if bad_me and "report_after_record" in bugs:
+                    post(me, p, 0, [], apply_report, inline=k, phase=ph)
                 yield None
 
         def send(n, c):
@@ -973,7 +1063,7 @@ def run_v1(W, G, ops, seed, ll=False, bugs=(), Q=2, C=2, M=5, pattern="mixed", s
             lst = d.lists[me, n]
             b, e = _share(len(lst), c, Q)
             waited = False
-            for cb, ce in chunks(b, e) or [(b, b)]:
+            for cb, ce in chunks(b, e, len(lst)) or [(b, b)]:
                 for i in range(cb, ce):
                     t = lst[i]
                     rec = (me, t, {j: d.idx.get((me, j, t), -1) for j in range(n * G, n * G + G)})
@@ -1005,12 +1095,16 @@ def run_v1(W, G, ops, seed, ll=False, bugs=(), Q=2, C=2, M=5, pattern="mixed", s
             s = rail(m, me)
             yield lambda: tag_wait(R.count_rec.get((cp, m)), k, f"proxy {me} dispatch {k}: count record of {s}")
             slot = R.count_rec[cp, m]
-            counts, nrec = slot[1]
+            counts, nrec, flag = slot[1]
             if nrec != len(d.lists[s, nm]) or any(counts[j] != d.cnt[s][j] for j in local(me)):
                 raise Violation(f"proxy {me} dispatch {k}: count record of {s} is not call {k}'s")
             slot[2] = True
+            if flag:  # s's report landed before its record (QP 0): copied before the counts
+                reports.read(R.report, par, s, k, f"proxy {me} dispatch {k} relaying")
+                for j in local(me):
+                    reports.write(ranks[j].report, par, s, k, me)
             for j in local(me):
-                set_count(j, par, s, k, counts[j], me)
+                set_count(j, par, s, k, counts[j], me, flag)
                 yield None
             R.relayed[m] = (k, counts, nrec)
             R.route[m] = [{} for _ in range(nrec)]
@@ -1027,7 +1121,7 @@ def run_v1(W, G, ops, seed, ll=False, bugs=(), Q=2, C=2, M=5, pattern="mixed", s
             if e > b:
                 for j in sorted(over):
                     cap_error(me, f"rows of {s} for {j}: {base_of(j, par, s) + counts[j]} > {cap}")
-            for cb, ce in chunks(b, e) if (ll or e > b) else []:
+            for cb, ce in chunks(b, e, nrec) if (ll or e > b) else []:
                 yield lambda ce=ce: tag_wait(R.tail.get((ip, m, c)), k, f"proxy {me} dispatch {k}: tail {c} of {s}") \
                     and R.tail[ip, m, c][1] >= ce - b
                 added = {}
@@ -1063,6 +1157,10 @@ def run_v1(W, G, ops, seed, ll=False, bugs=(), Q=2, C=2, M=5, pattern="mixed", s
             for s in range(W):
                 if R.count_inbox[par, s][1] != d.cnt[s][me]:
                     raise Violation(f"rank {me} dispatch {k}: count from {s} is {R.count_inbox[par, s][1]}, expected {d.cnt[s][me]}")
+            flagged = [s for s in range(W) if R.count_flag.get((par, s))]
+            for s in flagged:
+                reports.read(R.report, par, s, k, f"rank {me} dispatch {k}")
+            reports.record(R.agreed, k, flagged, f"rank {me} dispatch {k}")
             total = sum(R.count_inbox[par, s][1] for s in range(W))
             if cap is not None and total > cap:
                 cap_error(me, f"received {total} > {cap}")
@@ -1138,7 +1236,7 @@ def run_v1(W, G, ops, seed, ll=False, bugs=(), Q=2, C=2, M=5, pattern="mixed", s
                 b, e_ = _share(len(recs), c, Q)
                 if e_ == b and (not ll or "ll_skip_empty_tail" in bugs):
                     continue
-                for cb, ce in chunks(b, e_):
+                for cb, ce in chunks(b, e_, len(recs)):
                     for i in range(cb, ce):
                         for j in sorted(recs[i]):
                             read_row(j, recs[i][j], (o, lst[i], k), f"proxy {me} combine {e}")
@@ -1288,6 +1386,7 @@ def run_v1(W, G, ops, seed, ll=False, bugs=(), Q=2, C=2, M=5, pattern="mixed", s
             except StopIteration:
                 b[2] = True
     stats["errors"] = {r: ranks[r].errors for r in range(W) if ranks[r].errors}
+    reports.check(ranks, sorted(calls))
     return stats
 
 
@@ -1340,14 +1439,14 @@ def test_v1_rank_runs_ahead_as_far_as_allowed():
     assert lead_ll <= 2
 
 
-def v1_catches(bug, needle, ll=False, ops="DCC", topologies=((4, 1), (4, 2)), seeds=150):
+def v1_catches(bug, needle, ll=False, ops="DCC", topologies=((4, 1), (4, 2)), seeds=150, **kw):
     """The first violation `bug` leads to (searching seeds and schedules); its message must hold
     `needle` (or one of a tuple), so it is the property the guard protects that fails."""
     needles = (needle,) if isinstance(needle, str) else needle
     for seed in range(seeds):
         for W, G in topologies:
             try:
-                run_v1(W, G, ops, seed, ll=ll, bugs=(bug,), **_schedule(seed, W))
+                run_v1(W, G, ops, seed, ll=ll, bugs=(bug,), **_schedule(seed, W), **kw)
             except Violation as e:
                 assert any(n in str(e) for n in needles), str(e)
                 return str(e)
@@ -1442,3 +1541,55 @@ def test_v1ll_model_finds_the_first_builds_cap_abort():
             assert "deadlock" in str(e), str(e)
             return
     raise AssertionError("the model did not find the stranded wait with cap_abort")
+
+
+# --- input errors every rank learns in the same call (docs/ep.md, "Errors") ----------------------
+
+def test_input_error_report_reaches_every_rank_in_the_same_call():
+    """A rank whose dispatch input has a bad expert id flags the count it announces to every rank
+    and writes its report before it; every rank's receive step (fused dispatch or dispatch_recv)
+    records the lowest flagging rank's report, in the same call, on one node and across nodes."""
+    for mode, W, G in (("push", 3, None), ("pull", 4, None), ("inter", 4, 2), ("inter_push", 4, 2)):
+        for ops in ("DCDCDD", "SCSXSC", "DSDSCC"):
+            for seed in range(30):
+                run(W, ops, seed=seed * 13 + W, mode=mode, G=G, bad=0.4)
+
+
+def test_v1_input_error_report_is_relayed_in_the_same_call():
+    """InterNodeV1/V1LL: the report goes to each rail peer on QP 0 before the flagged count record;
+    the relay copies it to its node's ranks before their count signals; every rank records the
+    same report in every call (dispatch-only loops included: slots of two parities)."""
+    for ll in (False, True):
+        for W, G in V1_TOPOLOGIES:
+            for ops in ("DCCDCC", "DDDD"):
+                for seed in range(6):
+                    run_v1(W, G, ops, seed * 41 + W, ll=ll, bad=0.5, **_schedule(seed, W))
+
+
+def test_model_finds_report_races():
+    # One report slot per source (not one per parity): a rank one call ahead writes its next
+    # report before a slow receiver read the last one.
+    n = 0
+    for seed in range(200):
+        try:
+            run(3, "DDDD", seed=seed, mode="push", bugs=("report_one_parity",), bad=0.6)
+        except Violation as e:
+            assert "report of" in str(e), str(e)
+            n += 1
+    assert n > 0
+    v1_catches("report_one_parity", "report of", ops="DDDD", bad=0.6)
+    # The report after the count record (or on another QP): the relay finds no report of the call.
+    v1_catches("report_after_record", "report of", ll=True, ops="DD", bad=0.6)
+
+
+def test_v1ll_long_lists_in_v1_chunks_hold():
+    """InterNodeV1LL with any max_num_inp_token_per_rank: lists longer than the one-WRITE bound go
+    in V1's chunks (dispatch records and combine partials) with the LL protocol (parities, no
+    credits, a tail on every channel); forwarders and owners take either."""
+    for one_chunk in (0, 2):
+        for W, G in V1_TOPOLOGIES:
+            for pattern in ("mixed", "incast"):
+                for ops in V1_SEQUENCES:
+                    for seed in range(6):
+                        run_v1(W, G, ops, seed * 41 + W, ll=True, pattern=pattern, ll_one_chunk=one_chunk,
+                               **_schedule(seed, W))
