@@ -685,7 +685,10 @@ def worker(rank, world, local_rank, args):
         except CaseFailure as e:
             msg = str(e)
         except Exception as e:  # noqa: BLE001
-            msg = f"{type(e).__name__}: {e}"
+            # Where it was raised: the innermost frames of this repository's files.
+            here = [f for f in traceback.extract_tb(e.__traceback__) if "/tests/" in f.filename or "/mori/" in f.filename]
+            where = " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(here[-3:]))
+            msg = f"{type(e).__name__}: {e}" + (f" (at {where})" if where else "")
             if args.verbose:
                 traceback.print_exc()
         hb.beat("closing the case's ops")
