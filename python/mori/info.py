@@ -4,6 +4,8 @@ Runs on machines without a GPU (it says why none is listed)."""
 
 import argparse
 import json
+import os
+import re
 import sys
 
 from . import _C
@@ -34,6 +36,35 @@ def _rdma_discovery():
         return {"devices": [], "reason": "not probed: %s" % e}
 
 
+def _loaded_libraries():
+    """Paths of the shared libraries mapped into this process (Linux: /proc/self/maps)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return sorted({line.split(None, 5)[5].strip() for line in f if len(line.split(None, 5)) == 6
+                           and ".so" in line.split(None, 5)[5]})
+    except OSError:
+        return []
+
+
+def _build():
+    """Which files this import runs: libmori, the GPU runtime library it loaded, and the two
+    programs libmori starts from its own directory on demand (the MPI bootstrap plugin, the
+    emulated NIC of MORI_RDMA_EMULATE)."""
+    libs = _loaded_libraries()
+    libmori = next((p for p in libs if os.path.basename(p).startswith("libmori.so")), None)
+    runtime = [p for p in libs if re.match(r"lib(cudart|amdhip64)\.so", os.path.basename(p))]
+    here = os.path.dirname(libmori) if libmori else None
+    nic = os.path.join(here, "mori-emulated-nic") if here else None
+    mpi = dict(_C._mpi_bootstrap_plugin())
+    return {
+        "libmori": libmori,
+        "gpu_runtime_library": runtime[0] if runtime else None,
+        "mpi_bootstrap_plugin": {"built": bool(mpi["built"]), "path": mpi["default_path"],
+                                 "present": bool(mpi["default_path"]) and os.path.exists(mpi["default_path"])},
+        "emulated_nic": {"path": nic, "present": bool(nic) and os.access(nic, os.X_OK)},
+    }
+
+
 def collect():
     """Everything the report shows, as plain data. 'env_error' is set (and 'env' empty) when a
     MORI_* value does not parse."""
@@ -41,6 +72,7 @@ def collect():
         "version": _C.version(),
         "backend": _C.backend(),
         "module": _C.__file__,
+        "build": _build(),
         "devices": _C.device_info(),
         "rdma": _rdma_discovery(),
         "env": [],
@@ -59,6 +91,14 @@ def format_report(report):
     b = report["backend"]
     lines.append(f"mori {report['version']} ({b} backend)")
     lines.append(f"  module: {report['module']}")
+    bi = report["build"]
+    lines.append(f"  libmori: {bi['libmori'] or '?'}")
+    lines.append(f"  {b} runtime library: {bi['gpu_runtime_library'] or 'not loaded'}")
+    mpi = bi["mpi_bootstrap_plugin"]
+    lines.append("  MPI bootstrap: " + (("plugin %s%s" % (mpi["path"], "" if mpi["present"] else " (missing)"))
+                                        if mpi["built"] else "not built (no MPI when this mori was built)"))
+    nic = bi["emulated_nic"]
+    lines.append(f"  emulated NIC (MORI_RDMA_EMULATE): {nic['path'] or '?'}{'' if nic['present'] else ' (missing)'}")
     lines.append(
         f"  {b} runtime {_runtime_version_text(b, d['runtime_version'])}, "
         f"driver {_runtime_version_text(b, d['driver_version'])}"

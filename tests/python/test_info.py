@@ -91,3 +91,31 @@ def test_cpp_tool(subprocess_env):
     _check_report(r.stdout, env_from_environment=["MORI_SHMEM_HEAP_SIZE"])
     if mori.device_info()["count"] == 0:
         assert "GPUs: none (" in r.stdout
+
+
+def test_report_names_the_files_this_build_runs():
+    """mori-info names libmori, the GPU runtime library loaded with it, and the two programs
+    libmori starts from its own directory (MPI bootstrap plugin, emulated NIC), present or not."""
+    import os
+
+    from mori import info
+
+    report = info.collect()
+    b = report["build"]
+    assert b["libmori"] and os.path.basename(b["libmori"]).startswith("libmori.so"), b
+    assert os.path.exists(b["libmori"])
+    runtime = b["gpu_runtime_library"]
+    assert runtime and ("libcudart" in runtime or "libamdhip64" in runtime), b
+    here = os.path.dirname(b["libmori"])
+    assert b["emulated_nic"]["path"] == os.path.join(here, "mori-emulated-nic")
+    assert b["emulated_nic"]["present"] == os.access(b["emulated_nic"]["path"], os.X_OK)
+    mpi = b["mpi_bootstrap_plugin"]
+    assert mpi["built"] == bool(mori._C._mpi_bootstrap_plugin()["built"])
+    if mpi["built"]:
+        assert mpi["present"] == os.path.exists(mpi["path"])
+    text = info.format_report(report)
+    assert f"libmori: {b['libmori']}" in text
+    assert f"runtime library: {runtime}" in text
+    assert "emulated NIC (MORI_RDMA_EMULATE): " in text
+    assert "MPI bootstrap: " in text
+    assert json.loads(json.dumps(report))["build"] == b
