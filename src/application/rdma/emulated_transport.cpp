@@ -311,9 +311,9 @@ class EmulatedRdmaTransport : public RdmaTransport {
     }
     std::vector<EmuPeRecord> all(worldSize);
     AgreeOnOutcome(boot, mine, localError, all, "start its emulated NIC");
-    if (rdmaPeers.empty()) return;
 
-    // The peers' heaps under their keys, then the queue pairs; agreed again.
+    // The peers' heaps under their keys, then the queue pairs; agreed again (every PE takes part
+    // in the exchange, a PE without RDMA peers too).
     EmuPeRecord outcome{};
     try {
       size_t slot = 0;
@@ -340,12 +340,13 @@ class EmulatedRdmaTransport : public RdmaTransport {
               reinterpret_cast<rdma::QpCounters*>(rings->dev + qp.countersOffset)));
         }
       }
-      client->Start();
+      if (client) client->Start();  // a PE without RDMA peers has no NIC
     } catch (const std::exception& e) {
       SetError(&outcome, e);
       localError = std::current_exception();
     }
     AgreeOnOutcome(boot, outcome, localError, all, "connect its emulated queue pairs");
+    if (rdmaPeers.empty()) return;
     describe =
         "emulated (NIC process, " + std::to_string(config.numQpPerPe) + " QP per peer, SQ " +
         std::to_string(config.sqBlocks) + " blocks" +
