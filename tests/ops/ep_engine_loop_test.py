@@ -770,13 +770,10 @@ def main(argv=None):
         import torch
     except ImportError as e:
         print(f"SKIPPED: needs torch ({e})")
-        return 77
-    nproc = args.nproc
-    if nproc <= 0 and "LOCAL_RANK" not in os.environ:
-        nproc = torch.cuda.device_count()
-        if nproc < 1:
-            print("SKIPPED: needs a GPU, found none")
-            return 77  # the skip exit code CTest and tools/run_gpu_tests.sh report as skipped
+        return U.SKIP_EXIT
+    nproc = U.rank_count(args.nproc)
+    if nproc is None:
+        return U.SKIP_EXIT
     world = nproc if nproc > 0 else int(os.environ["WORLD_SIZE"])
     if 0 < args.gpu_per_node < world and world % args.gpu_per_node:
         p.error(f"{world} ranks do not make nodes of --gpu-per-node {args.gpu_per_node}")

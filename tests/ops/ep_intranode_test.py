@@ -2818,17 +2818,12 @@ def main(argv=None, default_kernel_type="IntraNode"):
         for n, _ in CASES:
             print(n)
         return 0
-    nproc = args.nproc
-    if nproc <= 0 and "LOCAL_RANK" not in os.environ:
-        import torch
-
-        nproc = torch.cuda.device_count()
-        if nproc < 1:
-            print("SKIPPED: needs a GPU, found none")
-            return 77  # the skip exit code CTest and tools/run_gpu_tests.sh report as skipped
-        if nproc == 1:
-            print("note: one GPU, so one rank: the kernels run, nothing crosses a link, and the cases "
-                  "about several ranks are skipped")
+    nproc = U.rank_count(args.nproc)
+    if nproc is None:
+        return U.SKIP_EXIT
+    if args.nproc <= 0 and nproc == 1:
+        print("note: one GPU, so one rank: the kernels run, nothing crosses a link, and the cases "
+              "about several ranks are skipped")
     return U.launch(worker, nproc, args)
 
 

@@ -45,6 +45,23 @@ def init_process_group(dist, backend, rank, world):
         dist.init_process_group(backend, rank=rank, world_size=world)
 
 
+SKIP_EXIT = 77  # the skip exit code CTest and tools/run_gpu_tests.sh report as skipped
+
+
+def rank_count(nproc):
+    """The ranks a suite starts: --nproc when given, 0 under torchrun (its own ranks), else one per
+    visible GPU. None when no GPU is visible (it has printed SKIPPED; exit with SKIP_EXIT)."""
+    if nproc > 0 or "LOCAL_RANK" in os.environ:
+        return nproc
+    import torch
+
+    nproc = torch.cuda.device_count()
+    if nproc < 1:
+        print("SKIPPED: needs a GPU, found none")
+        return None
+    return nproc
+
+
 def launch(worker, nproc, args):
     """Run worker(rank, world, local_rank, args) in every rank: under torchrun (env) directly,
     else spawn `nproc` processes. Returns the exit code to use."""
