@@ -338,11 +338,13 @@ class Loop:
         X, IDX, WT, SC, _ = E.make_data(self.env, spec, it, seed)
         for s, T in enumerate(plan.Ts):
             if T < o.M:
-                IDX[s, T:] = -1
+                IDX[s, T:].fill_(-1)
         if plan.bad is not None:
+            # fill_ takes the value as a kernel argument; an indexed assignment of a Python
+            # number may stage it through host memory, a synchronising copy
             b, t, k, v = plan.bad
-            IDX[b, t] = -1
-            IDX[b, t, k] = v
+            IDX[b, t].fill_(-1)
+            IDX[b, t, k].fill_(v)
         return spec, (X, IDX, WT, SC, list(plan.Ts))
 
     def inputs_of(self, plan, data):
