@@ -23,8 +23,8 @@ IntraNode needs one node):
                      received row (new tensors, a per-local-expert gain, block matmuls) -> combine
                      (or combine_send, a matmul, combine_recv). The ops are several, as an engine's
                      are: one of 128 tokens per rank (push combine, split phase where the kernel
-                     type has it), one of 384 (pull combine; not for the <= 256-token types
-                     AsyncLL and InterNodeV1LL) and one of 64 with quant_type "fp8_direct_cast".
+                     type has it), one of 384 (pull combine; InterNodeV1LL: lists above its
+                     256-token single WRITE) and one of 64 with quant_type "fp8_direct_cast".
                      Every call's shape comes from a seeded generator all ranks agree on: the op, a
                      hidden size <= the config's, bf16/fp16/fp8 rows or the fused fp8 quantisation
                      (use_fp8, round_scale, use_ue8m0), the combine dtype, int32/int64 ids, the
@@ -96,7 +96,7 @@ MODES = ("zero_copy", "external", "direct")  # combine input: registered buffer,
 WMODES = ("external", "registered", "direct")  # combine weights likewise
 GRAPH_STEPS = 4
 # (max tokens per rank, top-k, combine quant_type) of the engine loop's ops; SMALL_OP also the
-# graph's and the bad-id loop's
+# graph's and the bad-id loop's; LARGE_OP above the LL types' 256-token single-WRITE lists
 SMALL_OP = (128, 8, None)
 LARGE_OP = (384, 6, None)
 FP8_COMBINE_OP = (64, 4, "fp8_direct_cast")
@@ -312,13 +312,14 @@ class Loop:
 
     # --- ops and data ---------------------------------------------------------------------------
     def new_ops(self, shapes):
-        """[(op, OpShape)] for (max tokens, top-k, combine quant_type) tuples; M as the config
-        caps it for the small-batch kernel types."""
+        """[(op, OpShape)] for (max tokens, top-k, combine quant_type) tuples, at M tokens per rank
+        for every kernel type."""
         out = []
         for M, K, cquant in shapes:
             cfg = self.env.config(rank=self.r, world_size=self.W, hidden_dim=HIDDEN, scale_dim=SCALE_DIM,
                                   scale_type_size=4, max_token_type_size=2, max_num_inp_token_per_rank=M,
-                                  num_experts_per_rank=EPR, num_experts_per_token=K, quant_type=cquant or "none")
+                                  num_experts_per_rank=EPR, num_experts_per_token=K, quant_type=cquant or "none",
+                                  uncapped=True)
             op = self.env.new_op(cfg)  # check_inputs=True (the default, as engines create ops)
             out.append((op, OpShape(cfg.max_num_inp_token_per_rank, K, cquant, bool(op.split_dispatch_available),
                                     bool(op.split_combine_available))))
@@ -558,7 +559,7 @@ def engine_loop(lp, hb, ops, steps, seed, bad_every=0):
 
 
 def case_engine_loop(lp, args, hb):
-    specs = [SMALL_OP] + ([LARGE_OP] if lp.kt not in E.LL_MAX_TOKENS else []) + [FP8_COMBINE_OP]
+    specs = [SMALL_OP, LARGE_OP, FP8_COMBINE_OP]  # every type: no kernel type caps the token count
     return engine_loop(lp, hb, lp.new_ops(specs), args.steps, args.seed * 10 + 1)
 
 
