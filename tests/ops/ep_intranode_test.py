@@ -1255,8 +1255,7 @@ def case_bad_inputs(env):
         if "expert id" not in msg or not any(f"expert id {v} " in msg for v in bad_ids):
             errors.append(f"out-of-range expert ids: message names no offending id: {msg}")
     op.check_device_error()  # cleared
-    if U.fp8_dtype(torch) is not None:
-        expect("fp8 combine", lambda: op.combine(torch.zeros((W * M, H), device=dev, dtype=torch.uint8).view(U.fp8_dtype(torch)), None, idx))
+    # float8 rows are a valid combine input (widened first: tests/python/test_compat_mori.py)
     expect("combine int input", lambda: op.combine(torch.zeros((W * M, H), device=dev, dtype=torch.int16), None, idx))
     expect("combine hidden too large", lambda: op.combine(torch.zeros((W * M, 2 * H), device=dev, dtype=torch.bfloat16), None, idx))
     expect("combine weights columns", lambda: op.combine(outs[0], torch.zeros((W * M, K + 1), device=dev), idx))
@@ -2514,6 +2513,64 @@ def _v1_combine_waits_for(env, s):
     return same_node or rail
 
 
+def case_profiler_kernel_names(env):
+    """What a profiler shows of a call (torch.profiler's table, which ROCm/mori's and DeepEP's own
+    tests read): for round trips of 512 tokens (pull combine; the LL types: 256) and of 128 (small
+    batches: push combine), fused and split where the op has both halves, exactly one table row names
+    EpDispatch<F>Kernel and one EpCombine<F>Kernel (F: the family the op runs as, InterNodeV1 for
+    V1LL), exactly one row holds "dispatch" and one "combine" in lower case (the kernels'
+    namespaces) and none "notify"; each row counts one launch per fused call and two per split
+    call (its halves are launches of one kernel). Names: src/ops/dispatch_combine/intranode.hpp."""
+    torch = env.torch
+    from torch.profiler import ProfilerActivity, profile
+
+    r = env.rank
+    errors = []
+    iters = 2
+    family = {"InterNodeV1LL": "InterNodeV1"}.get(env.args.kernel_type, env.args.kernel_type)
+    for M, t_mode in ((512, "max"), (128, "small")):  # the LL types: 256 and 128 (LL_MAX_TOKENS)
+        cfg = small_cfg(env, max_num_inp_token_per_rank=M)
+        M = cfg.max_num_inp_token_per_rank
+        op = env.new_op(cfg, check_inputs=False)
+        spec = Spec(H=2048, K=8, Epr=8, M=M, t_mode=t_mode, iters=1, poison=False, seed=67 + M)
+        roundtrip(env, spec, op=op, label=f"warm-up M={M}")
+        X, IDX, WT, _, Ts = make_data(env, spec, 0, spec.seed)
+        x, w, sel = (t[r, : Ts[r]].contiguous() for t in (X, WT, IDX))
+        ways = ["fused"] + (["split"] if op.split_dispatch_available and op.split_combine_available else [])
+        for way in ways:
+            torch.cuda.synchronize()
+            env.barrier()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(iters):
+                    if way == "split":
+                        op.dispatch_send(x, w, None, sel)
+                        outs = op.dispatch_recv()
+                        op.combine_send(outs[0], outs[1], sel)
+                        op.combine_recv()
+                    else:
+                        outs = op.dispatch(x, w, None, sel)
+                        op.combine(outs[0], outs[1], sel)
+                torch.cuda.synchronize()
+            rows = prof.key_averages().table(sort_by="cuda_time_total", max_name_column_width=100).split("\n")
+            counts = {e.key: e.count for e in prof.key_averages()}
+            what = f"M={M} {way} ({env.args.kernel_type})"
+            for name in (f"EpDispatch{family}Kernel", f"EpCombine{family}Kernel", "dispatch", "combine"):
+                hits = [line.strip()[:110] for line in rows if name in line]
+                if len(hits) != 1:
+                    errors.append(f"{what}: {len(hits)} profiler rows hold {name!r}: {hits}")
+                    continue
+                n = sum(c for k, c in counts.items() if name in k[:100])
+                if n != iters * (2 if way == "split" else 1):
+                    errors.append(f"{what}: the row holding {name!r} counts {n} launches for {iters} "
+                                  f"{way} round trips")
+            notify = [line.strip()[:110] for line in rows if "notify" in line]
+            if notify:
+                errors.append(f"{what}: rows hold 'notify': {notify}")
+        env.close_ops()
+    if errors:
+        raise CaseFailure("; ".join(errors))
+
+
 def case_phase_trace(env):
     """enable_trace, checked round trips (pull combine: 512 tokens; push combine: small batches),
     dump_dispatch_trace / dump_combine_trace: one track per block with the layout's phases in
@@ -2621,6 +2678,7 @@ CASES = [
     ("standard_moe_cuda_graph", case_standard_moe_graph),
     ("standard_moe_bad_inputs", case_standard_moe_bad_inputs),
     ("phase_trace", case_phase_trace),
+    ("profiler_kernel_names", case_profiler_kernel_names),
     ("back_to_back_iterations", case_back_to_back),
     ("missing_peer_times_out", case_missing_peer),
     ("bad_rdma_key_remote_error", case_bad_rdma_key),

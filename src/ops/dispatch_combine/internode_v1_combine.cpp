@@ -62,7 +62,7 @@ MORI_DEVICE_INLINE void ReduceLocalRows(uint4* out, const uint8_t* const* rows, 
 // (launches of <= 8 warps, the default), whose 255 registers per thread hold its reductions with
 // next to no spills (the 512-thread build's 128 spill about 2 KB per thread).
 template <typename Elem, bool kFp8, int kThreads>
-__global__ void __launch_bounds__(kThreads) EpV1CombineKernel(const EpCombineKernelArgs a) {
+MORI_DEVICE_INLINE void EpV1CombineBody(const EpCombineKernelArgs& a) {
   __shared__ const uint8_t* sTok[kEpMaxWorldSize];  // local PE g's combine rows
   __shared__ const float* sW[kEpMaxWorldSize];      // its weights (nullptr: none)
   __shared__ const uint8_t* sRows[kCombineMaxWarps][kEpMaxWorldSize];
@@ -353,6 +353,15 @@ __global__ void __launch_bounds__(kThreads) EpV1CombineKernel(const EpCombineKer
 
 }  // namespace detail
 
+// The entry point of the family, both modes (intranode.hpp, "Kernel names").
+namespace combine {
+template <typename Elem, bool kFp8, int kThreads>
+__global__ void __launch_bounds__(kThreads)
+    EpCombineInterNodeV1Kernel(const EpCombineKernelArgs a) {
+  detail::EpV1CombineBody<Elem, kFp8, kThreads>(a);
+}
+}  // namespace combine
+
 // Three instantiations per element type combine sums (V1 and V1LL are one kernel): plain for
 // blocks of <= 256 threads and of <= kEpMaxThreadsPerBlock, and quant_type fp8_direct_cast (any
 // block size; the cast kernel first, and this node's PEs read the codes).
@@ -363,9 +372,10 @@ void LaunchEpV1Combine(const EpCombineKernelArgs& in, EpDataType dataType, int b
       LaunchEpCombineCast(in, dataType, p0, p0 + in.c.localSize, blocks, threads, stream);
   detail::WithCombineElem(dataType, [&](auto elem) {
     using Elem = decltype(elem);
-    auto kernel = args.wireFp8 != 0 ? detail::EpV1CombineKernel<Elem, true, kEpMaxThreadsPerBlock>
-                  : threads <= 256  ? detail::EpV1CombineKernel<Elem, false, 256>
-                                    : detail::EpV1CombineKernel<Elem, false, kEpMaxThreadsPerBlock>;
+    auto kernel =
+        args.wireFp8 != 0 ? combine::EpCombineInterNodeV1Kernel<Elem, true, kEpMaxThreadsPerBlock>
+        : threads <= 256  ? combine::EpCombineInterNodeV1Kernel<Elem, false, 256>
+                          : combine::EpCombineInterNodeV1Kernel<Elem, false, kEpMaxThreadsPerBlock>;
     MORI_CHECK_GPU(
         core::GpuLaunchKernel(kernel, blocks, threads, 0, stream, args.c.programmatic != 0, args));
   });

@@ -151,7 +151,7 @@ MORI_DEVICE_INLINE void EpV1PublishRows(const EpKernelCommon& c, const EpV1Topo&
 // kThreads: the most threads per block the build serves. Blocks of <= 256 threads (the default
 // launch) take a build with 255 registers per thread; the 512-thread build's 128 spill.
 template <typename IndexT, int kThreads>
-__global__ void __launch_bounds__(kThreads, 1) EpV1DispatchKernel(const EpDispatchKernelArgs a) {
+MORI_DEVICE_INLINE void EpV1DispatchBody(const EpDispatchKernelArgs& a) {
   extern __shared__ __align__(16) uint8_t smemDyn[];
   __shared__ int sFailed;
   __shared__ int sTotal;
@@ -579,6 +579,15 @@ __global__ void __launch_bounds__(kThreads, 1) EpV1DispatchKernel(const EpDispat
 
 }  // namespace detail
 
+// The entry point of the family, both modes (intranode.hpp, "Kernel names").
+namespace dispatch {
+template <typename IndexT, int kThreads>
+__global__ void __launch_bounds__(kThreads, 1)
+    EpDispatchInterNodeV1Kernel(const EpDispatchKernelArgs a) {
+  detail::EpV1DispatchBody<IndexT, kThreads>(a);
+}
+}  // namespace dispatch
+
 // Two instantiations per index type, for blocks of <= 256 threads and of more (V1 and V1LL are
 // one kernel: args.c.lowLatency).
 void LaunchEpV1Dispatch(const EpDispatchKernelArgs& args, EpIndexType indexType, int blocks,
@@ -586,10 +595,10 @@ void LaunchEpV1Dispatch(const EpDispatchKernelArgs& args, EpIndexType indexType,
   constexpr int kMaxT = kEpMaxThreadsPerBlock;
   const bool narrow = threads <= 256;
   auto kernel = indexType == EpIndexType::kInt32
-                    ? (narrow ? detail::EpV1DispatchKernel<int32_t, 256>
-                              : detail::EpV1DispatchKernel<int32_t, kMaxT>)
-                    : (narrow ? detail::EpV1DispatchKernel<int64_t, 256>
-                              : detail::EpV1DispatchKernel<int64_t, kMaxT>);
+                    ? (narrow ? dispatch::EpDispatchInterNodeV1Kernel<int32_t, 256>
+                              : dispatch::EpDispatchInterNodeV1Kernel<int32_t, kMaxT>)
+                    : (narrow ? dispatch::EpDispatchInterNodeV1Kernel<int64_t, 256>
+                              : dispatch::EpDispatchInterNodeV1Kernel<int64_t, kMaxT>);
   MORI_CHECK_GPU(core::GpuLaunchKernel(kernel, blocks, threads, smemBytes, stream,
                                        args.c.programmatic != 0, args));
 }

@@ -1,7 +1,17 @@
 // Dispatch/combine kernels: argument structs and launchers (internal to src/ops). The IntraNode
-// and InterNode families share the kernels (intranode_dispatch.cpp, intranode_combine.cpp; the
-// family is a template parameter); the push combine (small batches) serves both. Protocol:
+// and InterNode families share the kernel bodies (intranode_dispatch.cpp, intranode_combine.cpp;
+// the family is a template parameter); the push combine (small batches) serves both. Protocol:
 // docs/ep.md.
+//
+// Kernel names. Each family has one entry point per phase, a __global__ named by family and phase
+// around the shared body; that name is what profilers show, and what ROCm/mori's and DeepEP's own
+// tests look for in a profile:
+//   mori::ops::dispatch::EpDispatch{IntraNode,InterNode,InterNodeV1}Kernel
+//   mori::ops::combine::EpCombine{IntraNode,InterNode,InterNodeV1}Kernel   (pull; V1: its combine)
+//   mori::ops::combine::push::EpCombine{IntraNode,InterNode}Kernel         (push)
+// InterNodeV1LL is a mode of the InterNodeV1 kernels. A call launches its phase's kernel once (a
+// split call's halves: once each), so a profile holds one row per family name; no other kernel's
+// name holds "dispatch", "combine" or "notify" in lower case (helpers stay in mori::ops::detail).
 #pragma once
 
 #include <climits>

@@ -161,7 +161,7 @@ MORI_DEVICE_INLINE bool InterReturnRows(const EpCombineKernelArgs& a, const core
 }
 
 template <typename Elem, int kThreads, bool kStaged, EpFamily kFamily>
-__global__ void __launch_bounds__(kThreads) EpCombineKernel(const EpCombineKernelArgs a) {
+MORI_DEVICE_INLINE void EpCombineBody(const EpCombineKernelArgs& a) {
   constexpr bool kInter = kFamily == EpFamily::kInterNode;
   __shared__ const uint8_t* sTok[kEpMaxWorldSize];
   __shared__ const float* sW[kEpMaxWorldSize];
@@ -424,6 +424,23 @@ __global__ void __launch_bounds__(kThreads) EpCombineKernel(const EpCombineKerne
   }
 }
 
+}  // namespace detail
+
+// The entry points, one per family (intranode.hpp, "Kernel names").
+namespace combine {
+template <typename Elem, int kThreads, bool kStaged>
+__global__ void __launch_bounds__(kThreads) EpCombineIntraNodeKernel(const EpCombineKernelArgs a) {
+  detail::EpCombineBody<Elem, kThreads, kStaged, EpFamily::kIntraNode>(a);
+}
+
+template <typename Elem, int kThreads>
+__global__ void __launch_bounds__(kThreads) EpCombineInterNodeKernel(const EpCombineKernelArgs a) {
+  detail::EpCombineBody<Elem, kThreads, false, EpFamily::kInterNode>(a);
+}
+}  // namespace combine
+
+namespace detail {
+
 // quant_type fp8_direct_cast, pull, InterNode and V1 combines: casts this PE's received rows
 // (a.inTokens, a.inRows readable) into combineInFp8, whose codes peers read in the combine kernel
 // launched right after this one on the same stream (the kernel boundary orders the codes before its
@@ -490,11 +507,10 @@ void LaunchCombineKernel(const EpCombineKernelArgs& in, EpFamily family, int blo
   constexpr EpFamily kIntra = EpFamily::kIntraNode;
   const EpCombineKernelArgs args =
       CastCombineInput<Elem>(in, 0, in.c.worldSize, blocks, threads, stream);
-  auto kernel = family == EpFamily::kInterNode
-                    ? EpCombineKernel<Elem, kMaxT, false, EpFamily::kInterNode>
-                : args.staged != 0 ? EpCombineKernel<Elem, kMaxT, true, kIntra>
-                : threads <= 256   ? EpCombineKernel<Elem, 256, false, kIntra>
-                                   : EpCombineKernel<Elem, kMaxT, false, kIntra>;
+  auto kernel = family == EpFamily::kInterNode ? combine::EpCombineInterNodeKernel<Elem, kMaxT>
+                : args.staged != 0 ? combine::EpCombineIntraNodeKernel<Elem, kMaxT, true>
+                : threads <= 256   ? combine::EpCombineIntraNodeKernel<Elem, 256, false>
+                                   : combine::EpCombineIntraNodeKernel<Elem, kMaxT, false>;
   const size_t smem = args.staged != 0 ? EpCombineStagedSmemBytes(threads / kWarpSize) : 0;
   MORI_CHECK_GPU(
       core::GpuLaunchKernel(kernel, blocks, threads, smem, stream, args.c.programmatic != 0, args));
@@ -504,7 +520,7 @@ template <typename Elem>
 void OptInStagedSmem() {
   MORI_CHECK_GPU(gpuFuncSetAttribute(
       reinterpret_cast<const void*>(
-          EpCombineKernel<Elem, kEpMaxThreadsPerBlock, true, EpFamily::kIntraNode>),
+          combine::EpCombineIntraNodeKernel<Elem, kEpMaxThreadsPerBlock, true>),
       gpuFuncAttributeMaxDynamicSharedMemorySize,
       static_cast<int>(EpCombineStagedSmemBytes(kEpMaxThreadsPerBlock / kWarpSize))));
 }

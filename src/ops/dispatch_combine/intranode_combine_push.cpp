@@ -101,7 +101,7 @@ MORI_DEVICE_INLINE bool PushPostRemote(const EpCombineKernelArgs& a, const core:
 // pull kernel's family: the work-request code's registers and stack would spill the IntraNode
 // build.
 template <typename Elem, int kThreads, bool kInter>
-__global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineKernelArgs a) {
+MORI_DEVICE_INLINE void EpCombinePushBody(const EpCombineKernelArgs& a) {
   __shared__ const uint8_t* sRows[kCombineMaxWarps][kEpMaxWorldSize];
   __shared__ const float* sWRows[kCombineMaxWarps][kEpMaxWorldSize];
   __shared__ unsigned long long sPushed[kEpMaxWorldSize];  // vectors this block stored per PE
@@ -535,14 +535,33 @@ __global__ void __launch_bounds__(kThreads) EpCombinePushKernel(const EpCombineK
   }
 }
 
+}  // namespace detail
+
+// The entry points, one per family (intranode.hpp, "Kernel names"): the push way of each
+// family's combine.
+namespace combine::push {
+template <typename Elem, int kThreads>
+__global__ void __launch_bounds__(kThreads) EpCombineIntraNodeKernel(const EpCombineKernelArgs a) {
+  detail::EpCombinePushBody<Elem, kThreads, false>(a);
+}
+
+template <typename Elem, int kThreads>
+__global__ void __launch_bounds__(kThreads) EpCombineInterNodeKernel(const EpCombineKernelArgs a) {
+  detail::EpCombinePushBody<Elem, kThreads, true>(a);
+}
+}  // namespace combine::push
+
+namespace detail {
+
 template <typename Elem>
 void LaunchPush(const EpCombineKernelArgs& args, EpFamily family, int blocks, int threads,
                 gpuStream_t stream) {
   // InterNode: one build of up to kEpMaxThreadsPerBlock threads (as the pull kernel's).
   auto kernel = family == EpFamily::kInterNode
-                    ? EpCombinePushKernel<Elem, kEpMaxThreadsPerBlock, true>
-                : threads <= 256 ? EpCombinePushKernel<Elem, 256, false>
-                                 : EpCombinePushKernel<Elem, kEpMaxThreadsPerBlock, false>;
+                    ? combine::push::EpCombineInterNodeKernel<Elem, kEpMaxThreadsPerBlock>
+                : threads <= 256
+                    ? combine::push::EpCombineIntraNodeKernel<Elem, 256>
+                    : combine::push::EpCombineIntraNodeKernel<Elem, kEpMaxThreadsPerBlock>;
   MORI_CHECK_GPU(
       core::GpuLaunchKernel(kernel, blocks, threads, 0, stream, args.c.programmatic != 0, args));
 }

@@ -260,7 +260,7 @@ MORI_DEVICE_INLINE void EpDispatchReceiveHalf(const EpDispatchKernelArgs& a,
 // 155 registers a thread, so one block per SM); in the 512-thread build (128 registers a thread)
 // that would spill, so it loads after the wait.
 template <typename IndexT, int kThreads, EpFamily kFamily>
-__global__ void __launch_bounds__(kThreads, 1) EpDispatchKernel(const EpDispatchKernelArgs a) {
+MORI_DEVICE_INLINE void EpDispatchBody(const EpDispatchKernelArgs& a) {
   constexpr bool kEarlyLoad = kThreads <= 256;
   constexpr bool kInter = kFamily == EpFamily::kInterNode;
   extern __shared__ __align__(16) uint8_t smemDyn[];
@@ -819,32 +819,47 @@ __global__ void __launch_bounds__(kThreads, 1) EpDispatchKernel(const EpDispatch
 
 }  // namespace detail
 
+// The entry points, one per family (intranode.hpp, "Kernel names").
+namespace dispatch {
+template <typename IndexT, int kThreads>
+__global__ void __launch_bounds__(kThreads, 1)
+    EpDispatchIntraNodeKernel(const EpDispatchKernelArgs a) {
+  detail::EpDispatchBody<IndexT, kThreads, EpFamily::kIntraNode>(a);
+}
+
+template <typename IndexT, int kThreads>
+__global__ void __launch_bounds__(kThreads, 1)
+    EpDispatchInterNodeKernel(const EpDispatchKernelArgs a) {
+  detail::EpDispatchBody<IndexT, kThreads, EpFamily::kInterNode>(a);
+}
+}  // namespace dispatch
+
 // The kernel's instantiations: per family and index type, for blocks of up to 256 threads (255
 // registers per thread: no spills) and of up to kEpMaxThreadsPerBlock (128: the InterNode build
 // spills).
 void LaunchEpDispatch(const EpDispatchKernelArgs& args, EpFamily family, EpIndexType indexType,
                       int blocks, int threads, size_t smemBytes, gpuStream_t stream) {
-  using detail::EpDispatchKernel;
+  using dispatch::EpDispatchInterNodeKernel;
+  using dispatch::EpDispatchIntraNodeKernel;
   constexpr int kMaxT = kEpMaxThreadsPerBlock;
-  constexpr EpFamily kIntra = EpFamily::kIntraNode, kInter = EpFamily::kInterNode;
   const bool small = threads <= 256;
   const bool i32 = indexType == EpIndexType::kInt32;
-  auto kernel = family == kInter ? (i32 ? (small ? EpDispatchKernel<int32_t, 256, kInter>
-                                                 : EpDispatchKernel<int32_t, kMaxT, kInter>)
-                                        : (small ? EpDispatchKernel<int64_t, 256, kInter>
-                                                 : EpDispatchKernel<int64_t, kMaxT, kInter>))
-                : i32            ? (small ? EpDispatchKernel<int32_t, 256, kIntra>
-                                          : EpDispatchKernel<int32_t, kMaxT, kIntra>)
-                                 : (small ? EpDispatchKernel<int64_t, 256, kIntra>
-                                          : EpDispatchKernel<int64_t, kMaxT, kIntra>);
+  auto kernel = family == EpFamily::kInterNode
+                    ? (i32 ? (small ? EpDispatchInterNodeKernel<int32_t, 256>
+                                    : EpDispatchInterNodeKernel<int32_t, kMaxT>)
+                           : (small ? EpDispatchInterNodeKernel<int64_t, 256>
+                                    : EpDispatchInterNodeKernel<int64_t, kMaxT>))
+                : i32 ? (small ? EpDispatchIntraNodeKernel<int32_t, 256>
+                               : EpDispatchIntraNodeKernel<int32_t, kMaxT>)
+                      : (small ? EpDispatchIntraNodeKernel<int64_t, 256>
+                               : EpDispatchIntraNodeKernel<int64_t, kMaxT>);
   MORI_CHECK_GPU(core::GpuLaunchKernel(kernel, blocks, threads, smemBytes, stream,
                                        args.c.programmatic != 0, args));
 }
 
 bool EpKernelsHaveGridDependency() {
   // Every kernel file is compiled with the same targets: one kernel answers for all.
-  return core::GpuKernelHasGridDependency(
-      detail::EpDispatchKernel<int32_t, 256, EpFamily::kIntraNode>);
+  return core::GpuKernelHasGridDependency(dispatch::EpDispatchIntraNodeKernel<int32_t, 256>);
 }
 
 }  // namespace mori::ops
