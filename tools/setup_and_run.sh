@@ -9,11 +9,16 @@ cd "$(dirname "$0")/.."
 build=${1:-build}
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 
-if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && ! [ -e /usr/include/gtest/gtest.h ]; then
-  if ! timeout 900 bash tools/install_deps.sh; then
-    echo "== installing packages failed (no package network?): going on with what is installed"
+# Packages for the chosen backend (tools/install_deps.sh --backend: AUTO follows the toolkit found).
+if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ] &&
+  { ! [ -e /usr/include/gtest/gtest.h ] || ! command -v ninja >/dev/null 2>&1; }; then
+  if ! timeout 900 bash tools/install_deps.sh --backend "${MORI_GPU_BACKEND:-auto}"; then
+    echo "== some packages were not installed (listed above): going on with what is installed"
   fi
 fi
+# Ninja when present, else CMake's default generator (an existing build keeps its own).
+generator=()
+if ! [ -f "$build/CMakeCache.txt" ] && command -v ninja >/dev/null 2>&1; then generator=(-G Ninja); fi
 
 # The interpreter the Python module is built for: the first that has pybind11.
 if [ -z "${PYTHON:-}" ]; then
@@ -23,9 +28,9 @@ if [ -z "${PYTHON:-}" ]; then
 fi
 py=${PYTHON:-python3}
 pybind_dir=$($py -m pybind11 --cmakedir 2>/dev/null || true)
-cmake -S . -B "$build" -G Ninja \
+cmake -S . -B "$build" ${generator[@]+"${generator[@]}"} \
   -DMORI_GPU_BACKEND="${MORI_GPU_BACKEND:-AUTO}" ${MORI_GPU_ARCHS:+-DMORI_GPU_ARCHS=$MORI_GPU_ARCHS} \
-  ${pybind_dir:+-Dpybind11_DIR=$pybind_dir} -DPython_EXECUTABLE="$(command -v $py)"
+  ${pybind_dir:+-Dpybind11_DIR=$pybind_dir} -DPython_EXECUTABLE="$(command -v "$py")"
 cmake --build "$build" -j "$(nproc)"
 # tests/CMakeLists.txt adds the GoogleTest host suites (tests/core, tests/application) only when
 # it finds GoogleTest; the GPU test programs and the Python tests need none.
