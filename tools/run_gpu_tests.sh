@@ -9,8 +9,12 @@
 #
 #   tools/run_gpu_tests.sh [--mps] [BUILD_DIR]        default BUILD_DIR: build-gpu
 #
-# Builds first when BUILD_DIR is not configured (CUDA, MORI_GPU_ARCHS, default 90; the Python module
-# too when pybind11 is found). Writes two files into ${OUT:-/tmp}: gpu-tests-build.log (configure
+# The backend is the build's (MORI_GPU_BACKEND in BUILD_DIR/CMakeCache.txt): CUDA counts GPUs with
+# nvidia-smi and honours CUDA_VISIBLE_DEVICES; HIP with rocm-smi (else amd-smi) and honours
+# HIP_VISIBLE_DEVICES / ROCR_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES. Builds first when BUILD_DIR
+# is not configured: backend $MORI_GPU_BACKEND, else CUDA where nvidia-smi or nvcc is found, HIP
+# where rocm-smi, amd-smi or hipcc is; MORI_GPU_ARCHS, default 90 (CUDA) or gfx942 (HIP); Ninja
+# when present; the Python module too when pybind11 is found. Writes two files into ${OUT:-/tmp}: gpu-tests-build.log (configure
 # and build) and gpu-tests.log (every program's output, one section each). The run ends with a
 # table (test | result | checks | seconds) and the failing lines of each failed program.
 # Env: BENCH=0 skips the benchmark; TEST_TIMEOUT (s, default 900) bounds each program;
@@ -18,7 +22,7 @@
 # GPUs when there are fewer (e.g. 4 on a 1-GPU machine: the protocols between processes, no link);
 # MORI_EP_STRESS_ITERS (default 500) sets the EP suites' randomized stress iterations.
 # --mps (or MORI_TEST_MPS=1): ranks sharing a GPU run at the same time under CUDA MPS, each with
-# 100/(ranks per GPU) % of the SMs (tools/with_mps.sh), instead of taking turns.
+# 100/(ranks per GPU) % of the SMs (tools/with_mps.sh), instead of taking turns (CUDA only).
 # Exit status: 0 when nothing failed (skips for lack of GPUs included), 1 otherwise.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -38,6 +42,8 @@ runLog=$out/gpu-tests.log
 tmp=$(mktemp -d "${TMPDIR:-/tmp}/mori-gpu-tests.XXXXXX")
 # shellcheck source=tools/with_mps.sh
 source tools/with_mps.sh
+# shellcheck source=tools/gpu_env.sh
+source tools/gpu_env.sh
 cleanup() {  # on every exit; a second signal must not cut it short
   trap '' INT TERM
   mps_stop
@@ -53,10 +59,13 @@ targets=("${tests[@]}" mori-emulated-nic put_get ep_dispatch_combine shmem_put_b
 
 # ---- build ----------------------------------------------------------------------------------
 : >"$buildLog"
-if [[ ! -f $build/build.ninja ]]; then
+if [[ ! -f $build/CMakeCache.txt ]]; then
+  backend=$(mori_detect_backend)
+  if [[ $backend == HIP ]]; then defaultArchs=gfx942; else defaultArchs=90; fi
   pybind_dir=$($py -m pybind11 --cmakedir 2>/dev/null || true)
-  common=(-S . -B "$build" -G Ninja -DMORI_GPU_BACKEND=CUDA "-DMORI_GPU_ARCHS=${MORI_GPU_ARCHS:-90}")
-  echo "== configuring $build"
+  common=(-S . -B "$build" -DMORI_GPU_BACKEND="$backend" "-DMORI_GPU_ARCHS=${MORI_GPU_ARCHS:-$defaultArchs}")
+  command -v ninja >/dev/null 2>&1 && common+=(-G Ninja)
+  echo "== configuring $build ($backend)"
   if ! cmake "${common[@]}" ${pybind_dir:+-Dpybind11_DIR=$pybind_dir} \
       -DPython_EXECUTABLE="$(command -v "$py")" >>"$buildLog" 2>&1; then
     echo "   configure with the Python module failed (see $buildLog); retrying without"
@@ -78,19 +87,26 @@ fi
 # suites need it and fail without it.
 cmake --build "$build" -j "$jobs" >>"$buildLog" 2>&1 || echo "   (full build failed; see $buildLog)"
 
-# GPUs this run may use: the driver's list, narrowed by CUDA_VISIBLE_DEVICES when it is set (the
-# ranks per GPU, the MPS share and the example's rank count follow from it).
-ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+# GPUs this run may use: the driver's list (nvidia-smi, rocm-smi), narrowed by the visible-devices
+# variable when it is set (the ranks per GPU, the MPS share and the example's rank count follow
+# from it).
+backend=$(mori_build_backend "$build")
+ngpu=$(mori_listed_gpus "$backend")
+# torch.cuda is the HIP runtime's too in a ROCm build of torch.
 [[ ${ngpu:-0} -gt 0 ]] || ngpu=$($py -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
-if [[ -n ${CUDA_VISIBLE_DEVICES+x} ]]; then
-  IFS=, read -r -a visible <<<"$CUDA_VISIBLE_DEVICES"
+if visibleList=$(mori_visible_devices "$backend"); then
+  IFS=, read -r -a visible <<<"$visibleList"
   nvis=0
   for v in "${visible[@]}"; do [[ -n ${v// /} ]] && nvis=$((nvis + 1)); done
   ((nvis < ngpu)) && ngpu=$nvis
 fi
 ranks=${MORI_TEST_NPES:-$ngpu}  # ranks of the multi-rank programs
-echo "== $ngpu local GPUs; output in $runLog"
+echo "== $ngpu local GPUs ($backend build); output in $runLog"
 if [[ $mps == 1 ]]; then
+  if [[ $backend != CUDA ]]; then
+    echo "run_gpu_tests.sh: --mps is CUDA MPS: not available for a $backend build"
+    exit 1
+  fi
   if [[ $ngpu -lt 1 ]]; then
     echo "run_gpu_tests.sh: --mps needs a GPU"
     exit 1

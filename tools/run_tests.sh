@@ -32,11 +32,16 @@ export MORI_BUILD_DIR="$(cd "$build" && pwd)"
 export PYTHONPATH="$MORI_BUILD_DIR/python${PYTHONPATH:+:$PYTHONPATH}"
 
 # GPUs the runtime sees (through the module under test). A driver that lists GPUs the runtime
-# cannot use is an error: every GPU test would skip and the run would look green.
+# cannot use is an error: every GPU test would skip and the run would look green. The driver's
+# list comes from the build's backend: nvidia-smi (CUDA) or rocm-smi / amd-smi (HIP).
+# shellcheck source=tools/gpu_env.sh
+source tools/gpu_env.sh
+backend=$(mori_build_backend "$build")
+if [[ $backend == HIP ]]; then smi=rocm-smi; else smi=nvidia-smi; fi
 gpus=$("$PYTHON" -c 'import mori; print(int(mori.device_info()["count"]))' 2>/dev/null || echo 0)
-listed=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+listed=$(mori_listed_gpus "$backend")
 if [[ ${gpus:-0} -eq 0 && ${listed:-0} -gt 0 ]]; then
-  echo "run_tests.sh: nvidia-smi lists $listed GPU(s) but the runtime sees none:" >&2
+  echo "run_tests.sh: $smi lists $listed GPU(s) but the runtime sees none:" >&2
   "$PYTHON" -c 'import mori; print(mori.device_info()["error"])' >&2 || true
   exit 1
 fi
