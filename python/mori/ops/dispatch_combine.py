@@ -10,21 +10,8 @@ import dataclasses
 import enum
 
 from .. import _C
+from ._common import _check_rdma_block_num, _dtype_codes, _native, _torch, _usage
 from .expert_major import ExpertMajorMixin
-
-
-def _native():
-    ops = getattr(_C, "ops", None)
-    if ops is None:
-        raise ImportError(
-            "mori._C has no 'ops' submodule: this build of mori lacks the dispatch/combine bindings "
-            "(src/pybind/ops_bindings.cpp, RegisterOpsBindings)"
-        )
-    return ops
-
-
-def _usage(msg):
-    return _C.InvalidUsageError(msg)
 
 
 def _enum_from_binding(name, members):
@@ -231,30 +218,7 @@ def ep_layout(config):
     return _native().ep_layout(config.to_native())
 
 
-def _check_rdma_block_num(value):
-    if isinstance(value, bool) or not isinstance(value, int) or value < -1:
-        raise _usage(f"rdma_block_num must be an int >= -1, got {value!r}")
-
-
 # --- torch helpers ------------------------------------------------------------------------------
-def _torch():
-    import torch
-
-    return torch
-
-
-_DTYPE_CODES = None
-
-
-def _dtype_codes(torch):
-    """torch dtype -> the native element-type code, from the binding's table (keyed by torch's
-    dtype names), so the codes have one source."""
-    global _DTYPE_CODES
-    if _DTYPE_CODES is None:
-        _DTYPE_CODES = {getattr(torch, n): c for n, c in _native().DTYPE_CODES.items() if hasattr(torch, n)}
-    return _DTYPE_CODES
-
-
 def _default_fp8_dtype(torch, device_index):
     """The e4m3 flavour of the GPU's FP8 hardware and frameworks: float8_e4m3fnuz on AMD gfx94x
     (MI300), float8_e4m3fn elsewhere (NVIDIA, and AMD's OCP-FP8 GPUs)."""

@@ -13,6 +13,8 @@ ep_expert_major_bytes(config) bytes).
 
 import collections
 
+from ._common import _check_rdma_block_num, _dtype_codes, _native, _torch, _usage
+
 ExpertMajorOutput = collections.namedtuple("ExpertMajorOutput", ["tokens", "scales", "counts", "src_rows", "src_pos"])
 ExpertMajorOutput.__doc__ = """Views of the op's expert-major buffers (valid until the next
 convert_dispatch_output). Epr = num_experts_per_rank, Rmax = max_num_tokens_to_recv().
@@ -27,16 +29,10 @@ Rmax): the transpose of a contiguous [Epr, scale_dim, Rmax] tensor), DeepEP's lo
 layout."""
 
 
-def _dc():
-    from . import dispatch_combine
-
-    return dispatch_combine
-
-
 def ep_expert_major_bytes(config):
     """Bytes of device memory (not symmetric heap) the first expert-major conversion of an op for
     `config` allocates: tokens, scales, counts, source rows and positions, slot maps."""
-    return _dc()._native().ep_expert_major_bytes(config.to_native())
+    return _native().ep_expert_major_bytes(config.to_native())
 
 
 class ExpertMajorMixin:
@@ -48,15 +44,14 @@ class ExpertMajorMixin:
         on `stream` (default: torch's current stream) after the dispatch. column_major_scales:
         scales [Epr, Rmax, scale_dim] with the slot dimension contiguous (DeepEP's low-latency
         layout: fp32, or int32 words of packed UE8M0 exponents) instead of row-major."""
-        dc = _dc()
-        dc._torch()
+        _torch()
         h = self._h()
         if self._last is None:
-            raise dc._usage("convert_dispatch_output: no dispatch yet (it converts the rows of the last dispatch)")
+            raise _usage("convert_dispatch_output: no dispatch yet (it converts the rows of the last dispatch)")
         if self._pending_dispatch is not None:
-            raise dc._usage("convert_dispatch_output: a dispatch_send is pending; call dispatch_recv first")
+            raise _usage("convert_dispatch_output: a dispatch_send is pending; call dispatch_recv first")
         if not isinstance(column_major_scales, bool):
-            raise dc._usage(f"convert_dispatch_output: column_major_scales must be a bool, got {column_major_scales!r}")
+            raise _usage(f"convert_dispatch_output: column_major_scales must be a bool, got {column_major_scales!r}")
         launch = self._stream(stream)
         h.convert_dispatch_output(int(block_num), int(warp_per_block), launch[0], column_major_scales)
         _, dtype, hidden, _, scales_dtype, _ = self._last
@@ -65,7 +60,7 @@ class ExpertMajorMixin:
     def _expert_major_views(self, dtype, hidden, scales_dtype, column_major_scales=False):
         """The ExpertMajorOutput views for rows of `dtype` x `hidden` (the block must exist: after
         one conversion)."""
-        torch = _dc()._torch()
+        torch = _torch()
         E, R, S = self.config.num_experts_per_rank, self._rmax, self.config.scale_dim
         tokens = self._view("em_tokens", "expert_major_tokens", (E, R, hidden), dtype)
         scales = None
@@ -100,36 +95,35 @@ class ExpertMajorMixin:
         the received rows; None: the last dispatch's output weights. Returns the registered
         buffer's [max_num_tokens_to_recv(), hidden] view (rows [0, total_recv) written); pass it to
         combine without weights (they are applied here), or use combine_standard_moe."""
-        dc = _dc()
-        torch = dc._torch()
+        torch = _torch()
         h = self._h()
         if self._last is None:
-            raise dc._usage("convert_combine_input: no dispatch yet (it takes back the rows of the last dispatch)")
+            raise _usage("convert_combine_input: no dispatch yet (it takes back the rows of the last dispatch)")
         if self._pending_dispatch is not None:
-            raise dc._usage("convert_combine_input: a dispatch_send is pending; call dispatch_recv first")
+            raise _usage("convert_combine_input: a dispatch_send is pending; call dispatch_recv first")
         self._check_tensor("convert_combine_input: expert_out", expert_out, 3)
         if expert_out.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise dc._usage(f"convert_combine_input: expert_out dtype {expert_out.dtype} is not supported "
-                            "(bfloat16, float16 or float32)")
+            raise _usage(f"convert_combine_input: expert_out dtype {expert_out.dtype} is not supported "
+                         "(bfloat16, float16 or float32)")
         E, R, K = self.config.num_experts_per_rank, self._rmax, self._K
         shape = tuple(expert_out.shape)
         if shape[0] != E or shape[1] < R:
-            raise dc._usage(f"convert_combine_input: expert_out must have shape [{E}, >= {R}, hidden] "
-                            f"(num_experts_per_rank, max_num_tokens_to_recv(), hidden), got {shape}")
+            raise _usage(f"convert_combine_input: expert_out must have shape [{E}, >= {R}, hidden] "
+                         f"(num_experts_per_rank, max_num_tokens_to_recv(), hidden), got {shape}")
         weight_rows = 0
         if weights is not None:
             self._check_tensor("convert_combine_input: weights", weights, 2)
             if weights.dtype != torch.float32:
-                raise dc._usage(f"convert_combine_input: weights must be float32, got {weights.dtype}")
+                raise _usage(f"convert_combine_input: weights must be float32, got {weights.dtype}")
             if int(weights.shape[1]) != K or int(weights.shape[0]) < R:
-                raise dc._usage(f"convert_combine_input: weights must have shape [>= {R}, {K}] "
-                                f"(max_num_tokens_to_recv(), num_experts_per_token), got {tuple(weights.shape)}")
+                raise _usage(f"convert_combine_input: weights must have shape [>= {R}, {K}] "
+                             f"(max_num_tokens_to_recv(), num_experts_per_token), got {tuple(weights.shape)}")
             weight_rows = int(weights.shape[0])
         elif not self._last[5]:
-            raise dc._usage("convert_combine_input: no weights given and the last dispatch passed none "
-                            "(pass the routing weights of the received rows)")
+            raise _usage("convert_combine_input: no weights given and the last dispatch passed none "
+                         "(pass the routing weights of the received rows)")
         launch = self._stream(stream)
-        h.convert_combine_input(expert_out.data_ptr(), dc._dtype_codes(torch)[expert_out.dtype], int(shape[2]),
+        h.convert_combine_input(expert_out.data_ptr(), _dtype_codes(torch)[expert_out.dtype], int(shape[2]),
                                 int(shape[1]), 0 if weights is None else weights.data_ptr(), weight_rows,
                                 int(block_num), int(warp_per_block), launch[0])
         return self.get_registered_combine_input_buffer(expert_out.dtype, int(shape[2]))
@@ -141,8 +135,7 @@ class ExpertMajorMixin:
         round(sum over its destination ranks d ascending of the fp32 value of rank d's converted
         row), summed in fp32 (docs/ep.md). Returns combine's (out_tokens [num_tokens, hidden],
         None)."""
-        dc = _dc()
-        dc._check_rdma_block_num(rdma_block_num)
+        _check_rdma_block_num(rdma_block_num)
         if self._last is not None:
             self._check_combine_indices(indices, "combine_standard_moe")
         buf = self.convert_combine_input(expert_out, weights, block_num, warp_per_block, stream=stream)
