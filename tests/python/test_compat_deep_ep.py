@@ -293,7 +293,7 @@ if UNDER_PYTEST:
         import types
 
         cuda = _FakeCuda()
-        monkeypatch.setattr(deep_ep, "_torch", lambda: types.SimpleNamespace(cuda=cuda))
+        monkeypatch.setattr(deep_ep._base, "_torch", lambda: types.SimpleNamespace(cuda=cuda))
         buf = types.SimpleNamespace(_device="dev", _comm_stream=cuda.comm)
         prev = deep_ep.EventOverlap(deep_ep.EventHandle() if handle_event else "event")
         raw = prev.event.event if handle_event else "event"
@@ -386,8 +386,8 @@ if UNDER_PYTEST:
             made.append(_FakeNormalOp(torch, config))
             return made[-1]
 
-        monkeypatch.setattr(deep_ep, "_torch", lambda: TorchWithFakeCuda())
-        monkeypatch.setattr(deep_ep, "_ops", lambda: types.SimpleNamespace(
+        monkeypatch.setattr(deep_ep._base, "_torch", lambda: TorchWithFakeCuda())
+        monkeypatch.setattr(deep_ep._base, "_ops", lambda: types.SimpleNamespace(
             EpDispatchCombineOp=new_op, EpDispatchCombineConfig=ops.EpDispatchCombineConfig,
             EpDispatchCombineKernelType=ops.EpDispatchCombineKernelType, ep_symmetric_bytes=ops.ep_symmetric_bytes))
         b = _normal_buffer(1, deep_ep.Config(num_max_tokens_per_rank=64).get_nvl_buffer_size_hint(16, 2), world=2)
