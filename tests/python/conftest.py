@@ -1,16 +1,31 @@
-"""Makes `import mori` work from a CMake build tree when mori is not installed.
+"""The one conftest of the Python tests.
 
-The build tree's python/ directory holds a complete package (the .py files are symlinked there
-and _C*.so is built next to them, see src/pybind/CMakeLists.txt). The build directory is
-$MORI_BUILD_DIR, default build-cuda, relative to the repository root unless absolute. An
-installed mori (one whose package directory has the native module) is used as is.
+Makes `import mori` work from a CMake build tree when mori is not installed: the build tree's
+python/ directory holds a complete package (the .py files are symlinked there and _C*.so is built
+next to them, see src/pybind/CMakeLists.txt). The build directory is $MORI_BUILD_DIR, default
+build-cuda, relative to the repository root unless absolute. An installed mori (one whose package
+directory has the native module) is used as is. tests/ops and tools/bench are importable through
+pyproject.toml's pytest `pythonpath`.
+
+Tiers (markers registered in pyproject.toml): `gpu` marks a test that needs a GPU; `full` a test
+of the full tier only, `quick` one of the quick tier only (a short form of what `full` tests
+cover). tools/run_tests.sh selects `-m "not full"` for --quick and `-m "not quick"` otherwise; a
+plain pytest run selects both.
+
+run_suite() runs a GPU suite in a child process and logs each line of its output as it comes
+(logger "mori.tests"; pyproject.toml turns pytest's live log on), so a long suite shows its
+cases while it runs.
 """
 
 import glob
 import importlib.util
+import logging
 import os
+import re
+import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -66,17 +81,65 @@ def suite_env(subprocess_env):
     return env
 
 
+_SUITE_LOG = logging.getLogger("mori.tests")
+
+
+def run_suite(cmd, env, timeout):
+    """Runs cmd (a GPU suite: a program that ends its output with "N passed, M failed") in a
+    session of its own, logging each line of its output (stdout and stderr together) as it comes.
+    Returns (exit code, the whole output, "$ cmd" and the output's last 4000 characters for an
+    assertion message). Past `timeout` seconds the child and every process it started (ranks,
+    emulated NICs) are killed and the test fails."""
+    shown = " ".join(cmd)
+    _SUITE_LOG.info("$ %s", shown)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            bufsize=1, start_new_session=True)
+    lines = []
+
+    def pump():
+        for line in proc.stdout:
+            lines.append(line)
+            _SUITE_LOG.info("%s", line.rstrip("\n"))
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        reader.join(5)
+        out = "".join(lines)
+        pytest.fail(f"$ {shown}\nstill running after {timeout} s: killed\n" + out[-4000:], pytrace=False)
+    # The output ends when the last process holding the pipe exits; one the suite left running
+    # is stopped with its session.
+    reader.join(30)
+    if reader.is_alive():
+        os.killpg(proc.pid, signal.SIGKILL)
+        reader.join(5)
+    out = "".join(lines)
+    return rc, out, f"$ {shown}\n" + out[-4000:]
+
+
+def suite_counts(out, tail):
+    """(passed, failed) from a suite's "N passed, M failed" line; fails the test without one."""
+    m = re.search(r"^(\d+) passed, (\d+) failed$", out, re.M)
+    assert m is not None, tail
+    return int(m.group(1)), int(m.group(2))
+
+
 @pytest.fixture
 def run_case_script(suite_env):
     """run_case_script(script, nranks, ncases): runs the GPU worker of test file `script` on
-    `nranks` ranks (tests/ops/ep_test_utils.run_case_script); skipped where torch is missing."""
+    `nranks` ranks (`script --nproc nranks`) and checks that all `ncases` cases passed; skipped
+    where torch is missing."""
 
-    def run(script, nranks, ncases):
-        env = dict(suite_env)
-        sys.path.insert(0, os.path.join(REPO_ROOT, "tests", "ops"))
-        import ep_test_utils as U
-
-        U.run_case_script(os.path.abspath(script), nranks, env, ncases)
+    def run(script, nranks, ncases, timeout=900):
+        rc, out, tail = run_suite([sys.executable, os.path.abspath(script), "--nproc", str(nranks)],
+                                  dict(suite_env), timeout)
+        passed, failed = suite_counts(out, tail)
+        assert failed == 0 and rc == 0, tail
+        assert passed == ncases, tail
 
     return run
 
@@ -128,8 +191,13 @@ def needs_gpu(test):
     return pytest.mark.skipif(GPU_COUNT == 0, reason=str(_gpu_missing_reason()))(test)
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: a GPU test; skipping it while a GPU is visible fails the run")
+def pytest_collection_modifyitems(config, items):
+    """The GPU case tables of the test files (the adapters' and engines' call sequences, through
+    run_case_script) belong to the full tier: the quick tier runs each EP kernel type once
+    (test_ep_gpu.py) and the tests of one process."""
+    for item in items:
+        if "run_case_script" in item.fixturenames:
+            item.add_marker(pytest.mark.full)
 
 
 @pytest.hookimpl(hookwrapper=True)

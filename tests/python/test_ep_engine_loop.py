@@ -2,25 +2,27 @@
 no host synchronisation, a CUDA graph replayed with new inputs, and a bad expert id every few
 steps.
 
-On a GPU machine: its short form (--short) for each kernel type with this run's rank count
-(MORI_TEST_NPES, else the visible GPUs, at least 4; ranks share GPUs when there are fewer):
-IntraNode and AsyncLL on one node; InterNode, InterNodeV1, InterNodeV1LL and AsyncLL on two or more
-emulated nodes (half the ranks per node, one per node for an odd count). engine_loop and
+On a GPU machine, its short form (--short) with this run's rank count (MORI_TEST_NPES, else the
+visible GPUs, at least 4; ranks share GPUs when there are fewer). Full tier (marker `full`): each
+kernel type, IntraNode and AsyncLL on one node; InterNode, InterNodeV1, InterNodeV1LL and AsyncLL on
+two or more emulated nodes (half the ranks per node, one per node for an odd count); engine_loop and
 cuda_graph in one test per run, bad_expert_id in another (it checks that every rank reports one
-rank's bad id, which the op's error reporting provides). A case the suite does not run fails the
-test, as does a skip of the test itself while a GPU is visible (conftest.needs_gpu).
+rank's bad id, which the op's error reporting provides). Quick tier (marker `quick`): engine_loop
+and cuda_graph of IntraNode. A case the suite does not run fails the test, as does a skip of the
+test itself while a GPU is visible (conftest.needs_gpu). The suite's case lines show as they come
+(conftest.run_suite).
 
 Anywhere: the step plans (what every rank passes) are deterministic and cover the variety the suite
 promises, and --list names the cases of a topology."""
 
 import os
-import re
 import subprocess
 import sys
 
+import ep_engine_loop_test as L
 import pytest
 
-from conftest import GPU_COUNT, needs_gpu
+from conftest import GPU_COUNT, needs_gpu, run_suite, suite_counts
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OPS = os.path.join(REPO, "tests", "ops")
@@ -31,6 +33,7 @@ PER_NODE = RANKS // 2 if RANKS % 2 == 0 else 1
 # (kernel type, ranks per emulated node or None for one node)
 RUNS = [("IntraNode", None), ("AsyncLL", None)]
 RUNS += [(kt, PER_NODE) for kt in ("InterNode", "InterNodeV1", "InterNodeV1LL", "AsyncLL")]
+QUICK_RUNS = [("IntraNode", None)]
 
 
 def _run_id(run):
@@ -47,16 +50,23 @@ def _run_suite(run, suite_env, ks, expected_cases):
     if per_node is not None:
         cmd += ["--gpu-per-node", str(per_node)]
         env.update(MORI_RDMA_EMULATE="1")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
-    tail = f"$ {' '.join(cmd)}\n" + (proc.stdout + proc.stderr)[-4000:]
-    m = re.search(r"^(\d+) passed, (\d+) failed$", proc.stdout, re.M)
-    assert m is not None, tail
-    assert "not applicable here" not in proc.stdout, tail
-    assert int(m.group(2)) == 0 and proc.returncode == 0, tail
-    assert int(m.group(1)) == expected_cases, tail
+    rc, out, tail = run_suite(cmd, env, 1800)
+    passed, failed = suite_counts(out, tail)
+    assert "not applicable here" not in out, tail
+    assert failed == 0 and rc == 0, tail
+    assert passed == expected_cases, tail
 
 
 @needs_gpu
+@pytest.mark.quick
+@pytest.mark.parametrize("run", QUICK_RUNS, ids=[_run_id(r) for r in QUICK_RUNS])
+def test_engine_loop_quick(run, suite_env):
+    """engine_loop and cuda_graph of IntraNode, short form."""
+    _run_suite(run, suite_env, ("engine_loop", "cuda_graph"), 2)
+
+
+@needs_gpu
+@pytest.mark.full
 @pytest.mark.parametrize("run", RUNS, ids=[_run_id(r) for r in RUNS])
 def test_engine_loop_short(run, suite_env):
     """engine_loop and cuda_graph of one kernel type, short form."""
@@ -64,6 +74,7 @@ def test_engine_loop_short(run, suite_env):
 
 
 @needs_gpu
+@pytest.mark.full
 @pytest.mark.parametrize("run", RUNS, ids=[_run_id(r) for r in RUNS])
 def test_engine_loop_bad_expert_id(run, suite_env):
     """bad_expert_id of one kernel type, short form: every rank raises the same error for the
@@ -72,21 +83,13 @@ def test_engine_loop_bad_expert_id(run, suite_env):
 
 
 # --- no GPU: the plans and the case list ----------------------------------------------------------
-def _suite_module():
-    sys.path.insert(0, OPS)
-    import ep_engine_loop_test as L
-
-    return L
-
-
-def _ops(L):
+def _ops():
     return [L.OpShape(128, 8, None, True, True), L.OpShape(384, 6, None, False, False),
             L.OpShape(64, 4, "fp8_direct_cast", True, True)]
 
 
 def test_plans_are_deterministic_and_cover_the_variety():
-    L = _suite_module()
-    ops = _ops(L)
+    ops = _ops()
     W, steps = 4, 300
     seen = {k: set() for k in ("op", "kind", "H", "cname", "idx", "routing", "weights", "scales", "split_d",
                                "split_c", "mode", "wmode", "launch", "tokens")}
@@ -126,8 +129,7 @@ def test_plans_are_deterministic_and_cover_the_variety():
 
 
 def test_bad_id_plans():
-    L = _suite_module()
-    ops = _ops(L)[:1]
+    ops = _ops()[:1]
     W = 4
     assert L.bad_steps(300, 50) == [49, 99, 149, 199, 249]  # each followed by a step
     assert L.bad_steps(30, 10) == [9, 19]
