@@ -7,14 +7,12 @@ import os
 import subprocess
 import sys
 
+import bench_json as BJ
 import pytest
+import report as R
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 BENCH = os.path.join(REPO, "tools", "bench")
-sys.path.insert(0, BENCH)
-
-import bench_json as BJ  # noqa: E402
-import report as R  # noqa: E402
 
 HT = dict(config="HT", tokens=4096, hidden=7168, topk=8, experts=256)
 

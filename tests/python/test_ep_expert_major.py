@@ -5,20 +5,17 @@ checks the kernels against (tests/ops/ep_test_utils.py): the layout's invariants
 rounding, the round trip's formula. The torch forms are checked against the float forms where
 torch is installed. The kernels themselves: tests/ops/ep_intranode_test.py -k standard_moe."""
 
-import os
 import random
 import struct
-import sys
 
 import pytest
 
 import mori
 import mori.ops as ops
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "ops"))
-import ep_test_utils as U  # noqa: E402
+import ep_test_utils as U
 
-from conftest import needs_torch  # noqa: E402
+from conftest import needs_torch
 
 
 def make(**kw):

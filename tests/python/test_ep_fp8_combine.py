@@ -5,22 +5,19 @@ Python-float model built on the kernels' encoder (mori._C._testing.fp8_encode = 
 and the documented error bound against that model."""
 
 import math
-import os
 import random
 import struct
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "ops"))
-import ep_test_utils as U  # noqa: E402
+import ep_test_utils as U
 
-from conftest import needs_torch  # noqa: E402
-from test_ep_config import make  # noqa: E402  (world 4, hidden 7168, 4096 tokens per rank)
+from conftest import needs_torch
+from test_ep_config import make  # world 4, hidden 7168, 4096 tokens per rank
 
-import mori  # noqa: E402
-from mori import _C  # noqa: E402
-from mori import ops  # noqa: E402
+import mori
+from mori import _C
+from mori import ops
 
 FORMATS = ("e4m3fn", "e4m3fnuz")
 F = "fp8_direct_cast"

@@ -5,17 +5,14 @@ bit-exact against it on random and edge rows; the torch reference the GPU suites
 against it where torch is installed; and the op's argument checks that need no GPU."""
 
 import math
-import os
 import random
 import struct
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "ops"))
-import ep_test_utils as U  # noqa: E402
+import ep_test_utils as U
 
-from conftest import needs_torch  # noqa: E402
+from conftest import needs_torch
 
 FORMATS = ("e4m3fn", "e4m3fnuz")
 MODES = ((False, False), (True, False), (False, True))  # (round_scale, use_ue8m0)

@@ -10,12 +10,11 @@ import os
 import subprocess
 import sys
 
+import ep_link_model as LM
 import pytest
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 BENCH = os.path.join(REPO, "tools", "bench")
-sys.path.insert(0, BENCH)
-import ep_link_model as LM  # noqa: E402
 
 MB = 10**6
 
@@ -585,7 +584,6 @@ def test_saved_run_round_trips_through_the_command(tmp_path):
 
 
 def test_bench_models_every_ranks_trace_and_saves_it(capsys, tmp_path):
-    sys.path.insert(0, BENCH)
     import ep_internode_bench as B
 
     path = str(tmp_path / "t.json")
@@ -614,7 +612,6 @@ def test_bench_models_every_ranks_trace_and_saves_it(capsys, tmp_path):
 def test_bench_phase_table_sums_the_gpu_work():
     """--phases: per phase the median over ranks; the "(GPU work)" line adds only the V1 phases that
     wait for nobody (packing, forwarding, the sums); InterNode gets no such line."""
-    sys.path.insert(0, BENCH)
     import ep_internode_bench as B
 
     assert B.parse_args(["--phases", "3"]).phases == 3
@@ -643,7 +640,6 @@ def test_bench_v1_work_traffic():
     """--phases (V1): each GPU-work phase's bytes read plus written, from the routing (hand-counted
     for a 2 x 2 case)."""
     torch = pytest.importorskip("torch")
-    sys.path.insert(0, BENCH)
     import ep_internode_bench as B
 
     W, G, Epr, K = 4, 2, 1, 2
@@ -663,7 +659,6 @@ def test_bench_v1_work_traffic():
 def test_bench_v1_gpu_work_against_the_copy_kernel():
     """--phases (V1): each GPU-work phase's GB/s (its bytes over its time, median over ranks)
     against the copy kernel's on the op's grid."""
-    sys.path.insert(0, BENCH)
     import ep_internode_bench as B
 
     def rank(f):

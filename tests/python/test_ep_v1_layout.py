@@ -3,13 +3,9 @@ kernels call; no GPU): record and partial layouts against docs/ep_internode_v1.m
 wire-count bench's formula, chunk sizes, node slots, the landing tail value, and the block groups
 (EpV1Serves: every item gets a complete group, every block a role while there are enough)."""
 
-import os
-import sys
-
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ops"))
-import ep_test_utils as U  # noqa: E402
+import ep_test_utils as U
 
 mori = U.import_mori()
 T = mori._C._testing

@@ -4,17 +4,14 @@ partials in ascending node order, rounded. It must equal IntraNode's flat ascend
 bitwise when there is one node or one GPU per node, and differ in general (cases built so that
 rounding matters). The torch form is checked against the float form where torch is installed."""
 
-import os
 import random
 import struct
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "ops"))
-import ep_test_utils as U  # noqa: E402
+import ep_test_utils as U
 
-from conftest import needs_torch  # noqa: E402
+from conftest import needs_torch
 
 DTYPES = ("bf16", "fp16", "fp32")
 
