@@ -18,6 +18,14 @@ builtins of those names: write ``mori.TimeoutError`` and ``mori.SystemError``.
 """
 
 import importlib as _importlib
+import warnings as _warnings
+
+from . import _dist
+
+# ROCm's amd-mori installs a package of the same name: say which one this is (mori/_dist.py).
+_collision = _dist.collision_message(__file__)
+if _collision is not None:
+    _warnings.warn(_collision, RuntimeWarning, stacklevel=2)
 
 try:
     from . import _C
@@ -26,6 +34,7 @@ except ImportError as _e:  # pragma: no cover - exercised only on broken setups
         f"mori: cannot load the native module mori._C from {__path__[0]!r} ({_e}). Install with "
         "`pip install --no-build-isolation .`, or build with CMake and put <build>/python on "
         "PYTHONPATH (the source tree's python/ has no native module)."
+        + (f" {_collision}" if _collision else "")
     ) from _e
 
 from ._C import (  # noqa: F401  (re-exported)
