@@ -7,6 +7,11 @@ build-cuda, relative to the repository root unless absolute. An installed mori (
 directory has the native module) is used as is. tests/ops and tools/bench are importable through
 pyproject.toml's pytest `pythonpath`.
 
+MORI_TEST_INSTALLED=1 tests the installed package only (a wheel installed into the running
+Python's environment): the session stops with an error when mori is not installed or is imported
+from this repository, and tests of the installed package (the console script) fail instead of
+skipping.
+
 Tiers (markers registered in pyproject.toml): `gpu` marks a test that needs a GPU; `full` a test
 of the full tier only, `quick` one of the quick tier only (a short form of what `full` tests
 cover). tools/run_tests.sh selects `-m "not full"` for --quick and `-m "not quick"` otherwise; a
@@ -41,8 +46,25 @@ def _build_dir():
     return build if os.path.isabs(build) else os.path.join(REPO_ROOT, build)
 
 
+TEST_INSTALLED = os.environ.get("MORI_TEST_INSTALLED") == "1"
+
+
 def _setup_import_path():
     spec = importlib.util.find_spec("mori")
+    if TEST_INSTALLED:
+        where = spec.origin if spec is not None else None
+        if where is None or not _has_native_module(spec):
+            raise RuntimeError(
+                f"tests/python: MORI_TEST_INSTALLED=1 but {sys.executable} finds no installed mori with "
+                f"its native module (found: {where}). pip install the wheel into this environment."
+            )
+        if os.path.realpath(where).startswith(REPO_ROOT + os.sep) or where.startswith(REPO_ROOT + os.sep):
+            raise RuntimeError(
+                f"tests/python: MORI_TEST_INSTALLED=1 but mori is imported from this repository "
+                f"({where}), not from an installed package: run pytest outside the source tree, "
+                "without PYTHONPATH pointing into it."
+            )
+        return os.path.dirname(os.path.dirname(spec.origin))
     if spec is not None and _has_native_module(spec):
         return os.path.dirname(os.path.dirname(spec.origin))
     path = os.path.join(_build_dir(), "python")
@@ -215,6 +237,9 @@ def pytest_runtest_makereport(item, call):
 
 
 def cpp_mori_info():
-    """Path of the C++ mori-info built in the build tree, or None."""
+    """Path of the C++ mori-info built in the build tree, or None (also when testing the installed
+    package: the wheel has no C++ tool, and a build tree's is another build's)."""
+    if TEST_INSTALLED:
+        return None
     path = os.path.join(_build_dir(), "tools", "mori-info")
     return path if os.access(path, os.X_OK) else None

@@ -86,6 +86,8 @@ def test_run_facts(monkeypatch):
     assert BJ.machine_kind("NVIDIA H100 80GB HBM3", 2) == "2x H100"
     assert BJ.machine_kind("NVIDIA H200", 4) == "4x H200"
     assert BJ.machine_kind("AMD Instinct MI300X", 8) == "8x Instinct"
+    for name in [k for k in os.environ if k.startswith(("MORI_", "CUDA_"))]:  # the caller's own
+        monkeypatch.delenv(name)
     monkeypatch.setenv("MORI_EP_PDL", "0")
     monkeypatch.setenv("MORI_BUILD_DIR", "/somewhere")
     cmd = BJ.command_line(["tools/bench/ep_bench.py", "--nproc", "4", "--ht-grid", "20,24:16", "--json", "a b.json"])

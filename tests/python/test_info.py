@@ -2,6 +2,7 @@
 GPU or not, and print every env setting with its value and source."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -9,7 +10,7 @@ import sys
 import pytest
 
 import mori
-from conftest import cpp_mori_info
+from conftest import TEST_INSTALLED, cpp_mori_info
 
 
 def _env_names():
@@ -73,8 +74,12 @@ def test_python_module_bad_env_value_fails(subprocess_env):
 
 
 def test_console_script(subprocess_env):
-    exe = shutil.which("mori-info", path=subprocess_env.get("PATH"))
+    # pip puts console scripts beside the environment's python (a venv's bin/, activated or not).
+    path = os.pathsep.join(p for p in (os.path.dirname(sys.executable), subprocess_env.get("PATH")) if p)
+    exe = shutil.which("mori-info", path=path)
     if exe is None:
+        if TEST_INSTALLED:
+            pytest.fail(f"MORI_TEST_INSTALLED=1 but no mori-info console script on {path}")
         pytest.skip("mori-info console script not on PATH (mori is not pip-installed here)")
     r = subprocess.run([exe], env=subprocess_env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -84,7 +89,7 @@ def test_console_script(subprocess_env):
 def test_cpp_tool(subprocess_env):
     exe = cpp_mori_info()
     if exe is None:
-        pytest.skip("C++ mori-info not built in $MORI_BUILD_DIR/tools (MORI_BUILD_TOOLS=OFF?)")
+        pytest.skip("no C++ mori-info: not in $MORI_BUILD_DIR/tools, or the installed package is tested")
     env = dict(subprocess_env, MORI_SHMEM_HEAP_SIZE="1G")
     r = subprocess.run([exe, "--help-env"], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
