@@ -1,24 +1,76 @@
 // mori-info: what this mori build sees, from the C++ side (the Python package has the same report
 // as `mori-info` / `python -m mori.info`). Version and backend, GPUs with their P2P matrix, RDMA
-// devices, and every MORI_* setting with its value and source. Runs without a GPU.
+// devices, and every MORI_* setting with its value and source; how it was built (commit, GPU
+// architectures compiled in, the MPI bootstrap plugin) and the GPU runtime library it loaded.
+// Runs without a GPU.
 //   mori-info [--help-env]
+#include <link.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <string>
 #include <vector>
 
+#include "mori/application/bootstrap/mpi_plugin.hpp"
 #include "mori/application/rdma/nic_affinity.hpp"
 #include "mori/application/rdma/rdma_devices.hpp"
 #include "mori/core/env.hpp"
 #include "mori/core/errors.hpp"
 #include "mori/core/gpu.hpp"
 
-#include "mori_version.hpp"  // generated: MORI_VERSION_STRING (cmake/MoriVersion.cmake)
+#include "mori_version.hpp"  // generated: MORI_VERSION_STRING, MORI_COMMIT_STRING,
+                             // MORI_GPU_ARCHS_STRING (cmake/MoriVersion.cmake)
 
 namespace {
 
 std::string VersionText(int v) { return mori::core::GpuVersionText(v); }
+
+// Path of the first mapped shared object named <prefix>.so* or <prefix>-<hash>.so* (as a wheel
+// repair tool renames it); "" if none.
+std::string LoadedLibrary(const char* prefix) {
+  struct Search {
+    const char* prefix;
+    std::string path;
+  } search{prefix, {}};
+  dl_iterate_phdr(
+      [](struct dl_phdr_info* info, size_t, void* data) -> int {
+        auto* s = static_cast<Search*>(data);
+        if (info->dlpi_name == nullptr || info->dlpi_name[0] == '\0') return 0;
+        const char* slash = std::strrchr(info->dlpi_name, '/');
+        const char* base = slash ? slash + 1 : info->dlpi_name;
+        const size_t n = std::strlen(s->prefix);
+        if (std::strncmp(base, s->prefix, n) != 0 || (base[n] != '.' && base[n] != '-')) return 0;
+        s->path = info->dlpi_name;
+        return 1;
+      },
+      &search);
+  return search.path;
+}
+
+void PrintBuild() {
+  std::printf("  commit: %s\n", MORI_COMMIT_STRING[0] ? MORI_COMMIT_STRING
+                                                      : "unknown (not built from a git checkout)");
+  std::printf("  GPU architectures compiled in: %s\n",
+              MORI_GPU_ARCHS_STRING[0] ? MORI_GPU_ARCHS_STRING : "?");
+#if MORI_HIP
+  const std::string runtime = LoadedLibrary("libamdhip64");
+#else
+  const std::string runtime = LoadedLibrary("libcudart");
+#endif
+  std::printf("  %s runtime library: %s\n", MORI_GPU_PLATFORM_NAME,
+              runtime.empty() ? "not loaded" : runtime.c_str());
+  if (mori::application::MpiPluginBuilt()) {
+    const std::string path = mori::application::MpiPluginDefaultPath();
+    FILE* f = path.empty() ? nullptr : std::fopen(path.c_str(), "rb");
+    const bool present = f != nullptr;
+    if (present) std::fclose(f);
+    std::printf("  MPI bootstrap: plugin %s%s\n", path.empty() ? "?" : path.c_str(),
+                present ? "" : " (missing)");
+  } else {
+    std::printf("  MPI bootstrap: not built (no MPI when this mori was built)\n");
+  }
+}
 
 void PrintGpus() {
   int runtimeVersion = 0, driverVersion = 0;
@@ -176,6 +228,7 @@ int main(int argc, char** argv) {
     }
   }
   std::printf("mori %s (%s backend)\n", MORI_VERSION_STRING, MORI_GPU_PLATFORM_NAME);
+  PrintBuild();
   PrintGpus();
   PrintRdmaDevices();
   return PrintEnv(withHelp) ? 0 : 1;

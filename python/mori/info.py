@@ -1,6 +1,7 @@
 """`mori-info` / `python -m mori.info`: what this mori build sees. Prints the version and backend,
-the GPUs with their P2P matrix, RDMA devices, and every MORI_* setting with its value and source.
-Runs on machines without a GPU (it says why none is listed)."""
+how it was built (commit, GPU architectures compiled in, the MPI bootstrap plugin) and the GPU
+runtime library this process loaded, the GPUs with their P2P matrix, RDMA devices, and every MORI_*
+setting with its value and source. Runs on machines without a GPU (it says why none is listed)."""
 
 import argparse
 import json
@@ -47,16 +48,20 @@ def _loaded_libraries():
 
 
 def _build():
-    """Which files this import runs: libmori, the GPU runtime library it loaded, and the two
-    programs libmori starts from its own directory on demand (the MPI bootstrap plugin, the
-    emulated NIC of MORI_RDMA_EMULATE)."""
+    """How this mori was built (commit, GPU architectures compiled in) and which files this import
+    runs: libmori, the GPU runtime library it loaded, and the two programs libmori starts from its
+    own directory on demand (the MPI bootstrap plugin, the emulated NIC of MORI_RDMA_EMULATE).
+    Library names may carry a wheel repair tool's hash (libcudart-1a2b3c4d.so.13)."""
     libs = _loaded_libraries()
-    libmori = next((p for p in libs if os.path.basename(p).startswith("libmori.so")), None)
-    runtime = [p for p in libs if re.match(r"lib(cudart|amdhip64)\.so", os.path.basename(p))]
+    libmori = next((p for p in libs if re.match(r"libmori(-[0-9a-f]+)?\.so", os.path.basename(p))), None)
+    runtime = [p for p in libs if re.match(r"lib(cudart|amdhip64)(-[0-9a-f]+)?\.so", os.path.basename(p))]
     here = os.path.dirname(libmori) if libmori else None
     nic = os.path.join(here, "mori-emulated-nic") if here else None
     mpi = dict(_C._mpi_bootstrap_plugin())
+    config = dict(_C._build_config())
     return {
+        "commit": config["commit"] or None,
+        "gpu_archs": list(config["gpu_archs"]),
         "libmori": libmori,
         "gpu_runtime_library": runtime[0] if runtime else None,
         "mpi_bootstrap_plugin": {"built": bool(mpi["built"]), "path": mpi["default_path"],
@@ -92,6 +97,8 @@ def format_report(report):
     lines.append(f"mori {report['version']} ({b} backend)")
     lines.append(f"  module: {report['module']}")
     bi = report["build"]
+    lines.append(f"  commit: {bi['commit'] or 'unknown (not built from a git checkout)'}")
+    lines.append(f"  GPU architectures compiled in: {','.join(bi['gpu_archs']) or '?'}")
     lines.append(f"  libmori: {bi['libmori'] or '?'}")
     lines.append(f"  {b} runtime library: {bi['gpu_runtime_library'] or 'not loaded'}")
     mpi = bi["mpi_bootstrap_plugin"]

@@ -9,7 +9,8 @@
 #include "mori/core/gpu_check.hpp"
 #include "pybind_common.hpp"
 
-#include "mori_version.hpp"  // generated: MORI_VERSION_STRING (cmake/MoriVersion.cmake)
+#include "mori_version.hpp"  // generated: MORI_VERSION_STRING, MORI_COMMIT_STRING,
+                             // MORI_GPU_ARCHS_STRING (cmake/MoriVersion.cmake)
 
 namespace mori::pybind {
 namespace {
@@ -223,6 +224,25 @@ void RegisterInfo(py::module_& m) {
   m.def(
       "backend", [] { return std::string(MORI_GPU_PLATFORM_NAME); },
       "GPU backend this build targets: 'CUDA' or 'HIP'.");
+  m.def(
+      "_build_config",
+      [] {
+        py::dict out;
+        out["commit"] = std::string(MORI_COMMIT_STRING);
+        py::list archs;
+        std::string text = MORI_GPU_ARCHS_STRING;
+        for (size_t start = 0; start < text.size();) {
+          size_t end = text.find(',', start);
+          if (end == std::string::npos) end = text.size();
+          if (end > start) archs.append(text.substr(start, end - start));
+          start = end + 1;
+        }
+        out["gpu_archs"] = archs;
+        return out;
+      },
+      "How this module was built: 'commit' (short git commit, '' when not built from a git "
+      "checkout) and 'gpu_archs' (the GPU architectures compiled in, as CMake's "
+      "<LANG>_ARCHITECTURES: '90' for sm_90, 'gfx942').");
   m.def("env_entries", &EnvEntriesList,
         "Every MORI_* setting: list of dicts with name, type, value, default, source "
         "('env' or 'default') and help. Raises InvalidUsageError if a set value does not parse.");

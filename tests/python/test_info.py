@@ -124,3 +124,72 @@ def test_report_names_the_files_this_build_runs():
     assert "emulated NIC (MORI_RDMA_EMULATE): " in text
     assert "MPI bootstrap: " in text
     assert json.loads(json.dumps(report))["build"] == b
+
+
+def test_report_names_commit_and_compiled_archs():
+    """The commit is the one in mori.__version__ (+g<commit>) and a commit of this checkout; the
+    GPU architectures are those the build compiled for (its MORI_GPU_ARCHS when set)."""
+    import os
+    import re
+
+    from conftest import REPO_ROOT, _build_dir
+    from mori import info
+
+    report = info.collect()
+    b = report["build"]
+    m = re.search(r"\+g([0-9a-f]+)$", mori.__version__)
+    assert b["commit"] == (m.group(1) if m else None), (b["commit"], mori.__version__)
+    if b["commit"] and os.path.isdir(os.path.join(REPO_ROOT, ".git")):
+        r = subprocess.run(["git", "-C", REPO_ROOT, "cat-file", "-e", b["commit"] + "^{commit}"],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, f"commit {b['commit']} is not in {REPO_ROOT}: {r.stderr}"
+    archs = b["gpu_archs"]
+    assert archs and all(a and "," not in a and ";" not in a for a in archs), archs
+    if mori.backend() == "HIP":
+        assert all(a.startswith("gfx") for a in archs), archs
+    else:
+        assert all(re.match(r"^[0-9]+[a-z]?(-real|-virtual)?$", a) for a in archs), archs
+    cache = os.path.join(_build_dir(), "CMakeCache.txt")
+    if os.path.exists(cache) and os.path.realpath(mori._C.__file__).startswith(os.path.realpath(_build_dir())):
+        with open(cache) as f:
+            set_archs = next((l.split("=", 1)[1].strip() for l in f if l.startswith("MORI_GPU_ARCHS:")), "")
+        if set_archs:
+            assert archs == set_archs.split(";"), (archs, set_archs)
+    text = info.format_report(report)
+    assert f"GPU architectures compiled in: {','.join(archs)}" in text
+    assert f"commit: {b['commit']}" in text if b["commit"] else "commit: unknown" in text
+    assert json.loads(json.dumps(report))["build"]["gpu_archs"] == archs
+
+
+def test_runtime_library_found_under_a_repaired_name(monkeypatch):
+    """A wheel repair tool renames bundled libraries (libcudart-<hash>.so.13): the report still
+    names them; an unrelated library of a similar name is not taken for them."""
+    from mori import info
+
+    maps = ["/w/mori.libs/libcudart-1a2b3c4d.so.13.0.96", "/w/mori/lib/libmori-0f0e.so",
+            "/usr/lib/libcudartx.so", "/usr/lib/libmori_mpi_plugin.so"]
+    monkeypatch.setattr(info, "_loaded_libraries", lambda: sorted(maps))
+    b = info._build()
+    assert b["gpu_runtime_library"] == maps[0]
+    assert b["libmori"] == maps[1]
+    assert b["emulated_nic"]["path"] == "/w/mori/lib/mori-emulated-nic"
+
+
+def test_cpp_tool_reports_the_build(subprocess_env):
+    """The C++ mori-info prints the same commit, architectures and MPI plugin state as the module
+    (both come from the same build), and the runtime library it mapped itself."""
+    exe = cpp_mori_info()
+    if exe is None:
+        pytest.skip("no C++ mori-info: not in $MORI_BUILD_DIR/tools, or the installed package is tested")
+    from mori import info
+
+    b = info.collect()["build"]
+    r = subprocess.run([exe], env=subprocess_env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert f"  commit: {b['commit']}" in lines if b["commit"] else any(l.startswith("  commit: unknown") for l in lines)
+    assert f"  GPU architectures compiled in: {','.join(b['gpu_archs'])}" in lines, r.stdout
+    runtime = next(l for l in lines if " runtime library: " in l).split(": ", 1)[1]
+    assert "libcudart" in runtime or "libamdhip64" in runtime, runtime
+    mpi = next(l for l in lines if l.startswith("  MPI bootstrap: "))
+    assert ("plugin " in mpi) == b["mpi_bootstrap_plugin"]["built"], mpi
