@@ -53,11 +53,7 @@ void PrintBuild() {
                                                       : "unknown (not built from a git checkout)");
   std::printf("  GPU architectures compiled in: %s\n",
               MORI_GPU_ARCHS_STRING[0] ? MORI_GPU_ARCHS_STRING : "?");
-#if MORI_HIP
-  const std::string runtime = LoadedLibrary("libamdhip64");
-#else
-  const std::string runtime = LoadedLibrary("libcudart");
-#endif
+  const std::string runtime = LoadedLibrary(MORI_GPU_RUNTIME_LIBRARY);
   std::printf("  %s runtime library: %s\n", MORI_GPU_PLATFORM_NAME,
               runtime.empty() ? "not loaded" : runtime.c_str());
   if (mori::application::MpiPluginBuilt()) {

@@ -28,12 +28,16 @@
 // ---------------------------------------------------------------------------------------------
 // Runtime API names
 // ---------------------------------------------------------------------------------------------
+// MORI_GPU_RUNTIME_LIBRARY: the name of the runtime's shared library without ".so" (its file is
+// <name>.so*).
 #if MORI_HIP
 #define MORI_GPU_NAME(x) hip##x
 #define MORI_GPU_PLATFORM_NAME "HIP"
+#define MORI_GPU_RUNTIME_LIBRARY "libamdhip64"
 #else
 #define MORI_GPU_NAME(x) cuda##x
 #define MORI_GPU_PLATFORM_NAME "CUDA"
+#define MORI_GPU_RUNTIME_LIBRARY "libcudart"
 #endif
 
 using gpuError_t = MORI_GPU_NAME(Error_t);
