@@ -74,7 +74,8 @@ CRASH_MARKERS = ("Segmentation fault", "Fatal Python error", "terminate called",
 
 @needs_gpu
 @needs_torch
-@pytest.mark.parametrize("mode", MODES)
+# The quick tier runs the plain exit; the other modes run in the full tier.
+@pytest.mark.parametrize("mode", [m if m == "alive" else pytest.param(m, marks=pytest.mark.full) for m in MODES])
 def test_ranks_exit_without_closing(mode, subprocess_env, tmp_path):
     world = 2
     env = dict(subprocess_env)

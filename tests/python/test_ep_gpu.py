@@ -152,6 +152,7 @@ def test_run_suite_logs_each_line_while_the_suite_runs(tmp_path):
     assert tail.startswith("$ " + sys.executable)
 
 
+@pytest.mark.full  # waits out a 10 s timeout
 def test_run_suite_kills_the_suite_and_its_processes_past_the_timeout(tmp_path):
     """A suite still running at its timeout fails the test; it and the processes it started (the
     ranks) are killed."""

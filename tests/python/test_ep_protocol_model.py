@@ -125,6 +125,8 @@ dispatch (V1's landFree wait implies the earlier partials were delivered).
 
 import random
 
+import pytest
+
 
 class Violation(Exception):
     pass
@@ -667,6 +669,7 @@ def run(W, ops, seed, mode="push", bugs=(), vecs=3, G=None, bad=0.0):
 SEQUENCES = ["DC", "DCC", "DXXC", "DCDCCDXCC", "DXCCDCDXCC", "DDCX"]
 
 
+@pytest.mark.full  # a randomized search of seconds: the full tier
 def test_protocol_holds_in_random_interleavings():
     for mode in ("push", "pull"):
         for W in (2, 3, 4):
@@ -678,6 +681,7 @@ def test_protocol_holds_in_random_interleavings():
 SPLIT_SEQUENCES = ["SC", "SCC", "SSC", "SDCSC", "DSXCSC", "SXCCDCSS"]
 
 
+@pytest.mark.full  # a randomized search of seconds: the full tier
 def test_split_dispatch_holds_in_random_interleavings():
     for mode in ("push", "pull"):
         for W in (2, 3, 4):
@@ -686,6 +690,7 @@ def test_split_dispatch_holds_in_random_interleavings():
                     run(W, ops * 2, seed=seed * 37 + W, mode=mode)
 
 
+@pytest.mark.full  # a randomized search of seconds: the full tier
 def test_internode_split_dispatch_holds_in_random_interleavings():
     for W, G in ((4, 2), (4, 1), (6, 3)):
         for ops in SPLIT_SEQUENCES:
@@ -748,6 +753,7 @@ def test_model_finds_missing_done_waits():
     assert caught("pull", "no_copy_wait") > 0
 
 
+@pytest.mark.full  # a randomized search of seconds: the full tier
 def test_internode_protocol_holds_in_random_interleavings():
     for W, G in ((2, 1), (4, 2), (4, 1), (6, 3)):
         for ops in SEQUENCES:
@@ -758,6 +764,7 @@ def test_internode_protocol_holds_in_random_interleavings():
 INTER_PUSH_SEQUENCES = ["DK", "DKK", "DCKC", "DKDKK", "SKSK", "DKXKDCK", "SCKDK"]
 
 
+@pytest.mark.full  # a randomized search of seconds: the full tier
 def test_internode_split_combine_plan_holds_in_random_interleavings():
     # The plan of docs/ep_split_phase.md, "Combine across nodes": fused and split push combines
     # ("C"/"X" and "K") with RDMA landings of two parities, mixed with both dispatches.
@@ -1413,10 +1420,12 @@ def _v1_holds(ll, seeds):
                         assert all(n <= 3 * (N - 1) * 2 for n in st["wrs"].values()), st["wrs"]
 
 
+@pytest.mark.full  # a randomized search of seconds: the full tier
 def test_v1_protocol_holds_in_random_interleavings():
     _v1_holds(False, seeds=8)
 
 
+@pytest.mark.full  # a randomized search of seconds: the full tier
 def test_v1ll_protocol_holds_in_random_interleavings():
     _v1_holds(True, seeds=8)
 
@@ -1582,6 +1591,7 @@ def test_model_finds_report_races():
     v1_catches("report_after_record", "report of", ll=True, ops="DD", bad=0.6)
 
 
+@pytest.mark.full  # a randomized search of seconds: the full tier
 def test_v1ll_long_lists_in_v1_chunks_hold():
     """InterNodeV1LL with any max_num_inp_token_per_rank: lists longer than the one-WRITE bound go
     in V1's chunks (dispatch records and combine partials) with the LL protocol (parities, no
