@@ -41,10 +41,10 @@ def _loaded_libraries():
     """Paths of the shared libraries mapped into this process (Linux: /proc/self/maps)."""
     try:
         with open("/proc/self/maps") as f:
-            return sorted({line.split(None, 5)[5].strip() for line in f if len(line.split(None, 5)) == 6
-                           and ".so" in line.split(None, 5)[5]})
+            fields = [line.split(None, 5) for line in f]
     except OSError:
         return []
+    return sorted({p[5].strip() for p in fields if len(p) == 6 and ".so" in p[5]})
 
 
 def _build():
@@ -53,12 +53,16 @@ def _build():
     own directory on demand (the MPI bootstrap plugin, the emulated NIC of MORI_RDMA_EMULATE).
     Library names may carry a wheel repair tool's hash (libcudart-1a2b3c4d.so.13)."""
     libs = _loaded_libraries()
-    libmori = next((p for p in libs if re.match(r"libmori(-[0-9a-f]+)?\.so", os.path.basename(p))), None)
-    runtime = [p for p in libs if re.match(r"lib(cudart|amdhip64)(-[0-9a-f]+)?\.so", os.path.basename(p))]
+    config = dict(_C._build_config())
+
+    def named(stem):
+        return [p for p in libs if re.match(re.escape(stem) + r"(-[0-9a-f]+)?\.so", os.path.basename(p))]
+
+    libmori = next(iter(named("libmori")), None)
+    runtime = named(config["runtime_library"])
     here = os.path.dirname(libmori) if libmori else None
     nic = os.path.join(here, "mori-emulated-nic") if here else None
     mpi = dict(_C._mpi_bootstrap_plugin())
-    config = dict(_C._build_config())
     return {
         "commit": config["commit"] or None,
         "gpu_archs": list(config["gpu_archs"]),

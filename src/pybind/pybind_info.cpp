@@ -238,11 +238,13 @@ void RegisterInfo(py::module_& m) {
           start = end + 1;
         }
         out["gpu_archs"] = archs;
+        out["runtime_library"] = std::string(MORI_GPU_RUNTIME_LIBRARY);
         return out;
       },
       "How this module was built: 'commit' (short git commit, '' when not built from a git "
-      "checkout) and 'gpu_archs' (the GPU architectures compiled in, as CMake's "
-      "<LANG>_ARCHITECTURES: '90' for sm_90, 'gfx942').");
+      "checkout), 'gpu_archs' (the GPU architectures compiled in, as CMake's "
+      "<LANG>_ARCHITECTURES: '90' for sm_90, 'gfx942') and 'runtime_library' (the GPU runtime's "
+      "library name without '.so': 'libcudart', 'libamdhip64').");
   m.def("env_entries", &EnvEntriesList,
         "Every MORI_* setting: list of dicts with name, type, value, default, source "
         "('env' or 'default') and help. Raises InvalidUsageError if a set value does not parse.");

@@ -564,21 +564,6 @@ def run_case_table(dist, rank, world, cases, run_one):
     return failed
 
 
-def run_case_script(script, nranks, env, expected_cases, timeout=900):
-    """pytest side of a case table: run `script --nproc nranks` and assert every case passed.
-    Returns None, or raises AssertionError with the output's tail."""
-    import re
-    import subprocess
-
-    cmd = [sys.executable, script, "--nproc", str(nranks)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    tail = f"$ {' '.join(cmd)}\n" + (proc.stdout + proc.stderr)[-4000:]
-    m = re.search(r"^(\d+) passed, (\d+) failed$", proc.stdout, re.M)
-    assert m is not None, tail
-    assert int(m.group(2)) == 0 and proc.returncode == 0, tail
-    assert int(m.group(1)) == expected_cases, tail
-
-
 def case_script_main(worker, argv=None, doc=None):
     """`script --nproc N`: spawn N ranks (sharing the GPUs) running worker(rank, world, local_rank, args)."""
     import argparse
