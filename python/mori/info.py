@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import re
+import subprocess
 import sys
 
 from . import _C
@@ -47,6 +48,18 @@ def _loaded_libraries():
     return sorted({p[5].strip() for p in fields if len(p) == 6 and ".so" in p[5]})
 
 
+def _plugin_load_error(path):
+    """None when the shared library at `path` loads, else the loader's message. It is loaded in a
+    child process, so its dependencies' constructors and signal handlers (an MPI's) never run in
+    this one."""
+    code = "import ctypes, sys\ntry:\n    ctypes.CDLL(sys.argv[1])\nexcept OSError as e:\n    print(e)\n    sys.exit(1)"
+    try:
+        r = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"could not check: {e}"
+    return None if r.returncode == 0 else (r.stdout.strip() or r.stderr.strip() or f"exit code {r.returncode}")
+
+
 def _build():
     """How this mori was built (commit, GPU architectures compiled in) and which files this import
     runs: libmori, the GPU runtime library it loaded, and the two programs libmori starts from its
@@ -63,13 +76,14 @@ def _build():
     here = os.path.dirname(libmori) if libmori else None
     nic = os.path.join(here, "mori-emulated-nic") if here else None
     mpi = dict(_C._mpi_bootstrap_plugin())
+    mpi_present = bool(mpi["default_path"]) and os.path.exists(mpi["default_path"])
     return {
         "commit": config["commit"] or None,
         "gpu_archs": list(config["gpu_archs"]),
         "libmori": libmori,
         "gpu_runtime_library": runtime[0] if runtime else None,
-        "mpi_bootstrap_plugin": {"built": bool(mpi["built"]), "path": mpi["default_path"],
-                                 "present": bool(mpi["default_path"]) and os.path.exists(mpi["default_path"])},
+        "mpi_bootstrap_plugin": {"built": bool(mpi["built"]), "path": mpi["default_path"], "present": mpi_present,
+                                 "load_error": _plugin_load_error(mpi["default_path"]) if mpi_present else None},
         "emulated_nic": {"path": nic, "present": bool(nic) and os.access(nic, os.X_OK)},
     }
 
@@ -106,8 +120,15 @@ def format_report(report):
     lines.append(f"  libmori: {bi['libmori'] or '?'}")
     lines.append(f"  {b} runtime library: {bi['gpu_runtime_library'] or 'not loaded'}")
     mpi = bi["mpi_bootstrap_plugin"]
-    lines.append("  MPI bootstrap: " + (("plugin %s%s" % (mpi["path"], "" if mpi["present"] else " (missing)"))
-                                        if mpi["built"] else "not built (no MPI when this mori was built)"))
+    if not mpi["built"]:
+        lines.append("  MPI bootstrap: not built (no MPI when this mori was built)")
+    elif not mpi["present"]:
+        lines.append(f"  MPI bootstrap: plugin {mpi['path']} (missing)")
+    elif mpi["load_error"]:
+        lines.append(f"  MPI bootstrap: plugin {mpi['path']} (does not load here, so the MPI bootstrap is "
+                     f"unavailable; the others work: {mpi['load_error']})")
+    else:
+        lines.append(f"  MPI bootstrap: plugin {mpi['path']} (loads)")
     nic = bi["emulated_nic"]
     lines.append(f"  emulated NIC (MORI_RDMA_EMULATE): {nic['path'] or '?'}{'' if nic['present'] else ' (missing)'}")
     lines.append(

@@ -93,6 +93,9 @@ def test_run_facts(monkeypatch):
     cmd = BJ.command_line(["tools/bench/ep_bench.py", "--nproc", "4", "--ht-grid", "20,24:16", "--json", "a b.json"])
     assert cmd.startswith("MORI_EP_PDL=0 python3 tools/bench/ep_bench.py --nproc 4")
     assert "'a b.json'" in cmd and "MORI_BUILD_DIR" not in cmd
+    monkeypatch.setenv("MORI_TEST_STORE_FILE", "/tmp/mori-ranks-x/store")  # set for spawned ranks
+    cmd = BJ.command_line([os.path.join(REPO, "tools", "bench", "ep_bench.py"), "--nproc", "2"])
+    assert cmd == "MORI_EP_PDL=0 python3 tools/bench/ep_bench.py --nproc 2", cmd
     assert "MORI_EP_PDL=0 torchrun --nproc-per-node=4 x.py" == BJ.command_line(["x.py"], "torchrun --nproc-per-node=4")
     commit = BJ.git_commit(REPO)
     assert commit is None or (4 <= len(commit) <= 40 and all(c in "0123456789abcdef" for c in commit))

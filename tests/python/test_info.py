@@ -118,6 +118,8 @@ def test_report_names_the_files_this_build_runs():
     assert mpi["built"] == bool(mori._C._mpi_bootstrap_plugin()["built"])
     if mpi["built"]:
         assert mpi["present"] == os.path.exists(mpi["path"])
+    if mpi["present"]:  # built here, with the MPI it was linked to: it loads
+        assert mpi["load_error"] is None, mpi
     text = info.format_report(report)
     assert f"libmori: {b['libmori']}" in text
     assert f"runtime library: {runtime}" in text
@@ -193,3 +195,15 @@ def test_cpp_tool_reports_the_build(subprocess_env):
     assert "libcudart" in runtime or "libamdhip64" in runtime, runtime
     mpi = next(l for l in lines if l.startswith("  MPI bootstrap: "))
     assert ("plugin " in mpi) == b["mpi_bootstrap_plugin"]["built"], mpi
+
+
+def test_plugin_load_check_reports_the_loader_error(tmp_path):
+    """mori-info says when the MPI plugin is there but cannot load (its MPI is absent on this
+    machine): the loader's message, from a child process, and None for a library that loads."""
+    from mori import info
+
+    bad = tmp_path / "libnot_a_library.so"
+    bad.write_bytes(b"not an ELF file")
+    err = info._plugin_load_error(str(bad))
+    assert err and "libnot_a_library.so" in err, err
+    assert info._plugin_load_error(info.collect()["build"]["libmori"]) is None
