@@ -24,6 +24,7 @@ are read once per case. Output ends with "N passed, M failed"; the exit code is 
 """
 
 import argparse
+import collections
 import os
 import random
 import sys
@@ -2686,16 +2687,37 @@ CASES = [
 ]
 
 
-# Cases that apply only to some runs (args.kernel_type: what the config runs as): where a case's
-# function gives a reason, the case is not run, and the run lists it with the reason.
+# Cases that apply only to some runs: where a case's function gives a reason for the run's Topology,
+# the case is not run, and the run lists it with the reason.
 NOT_APPLICABLE = {
-    "bad_rdma_key_remote_error": lambda args, env: "IntraNode has no RDMA" if args.kernel_type == "IntraNode" else None,
-    "push_combine_beside_full_gpu": lambda args, env: (
-        f"{args.kernel_type} has no push combine" if args.kernel_type in ("InterNodeV1", "InterNodeV1LL")
+    "bad_rdma_key_remote_error": lambda t: "IntraNode has no RDMA" if t.runs_as == "IntraNode" else None,
+    "push_combine_beside_full_gpu": lambda t: (
+        f"{t.runs_as} has no push combine" if t.runs_as in ("InterNodeV1", "InterNodeV1LL")
         else "ranks share a GPU, so other ranks' kernels hold SMs too (run it with --nproc 1)"
-        if env.W > env.torch.cuda.device_count()
-        else "the RDMA emulator's copies need free SMs" if env.emulated_rdma else None),
+        if t.world > t.gpus
+        else "the RDMA emulator's copies need free SMs" if t.emulated_rdma else None),
 }
+
+# What decides which cases apply to a run: the kernel type its configs run as
+# (EpDispatchCombineConfig.runs_as), its ranks, the GPUs they share, and whether the RDMA emulator
+# serves peers.
+Topology = collections.namedtuple("Topology", "runs_as world gpus emulated_rdma")
+
+# The cases a run reports before and after those of CASES: before shmem_init, after shmem_finalize.
+BEFORE_INIT, AFTER_FINALIZE = "use_before_shmem_init", "use_after_finalize"
+
+
+def selected_cases(ks):
+    """The names of the cases -k `ks` selects (a name containing one of them; every case without
+    -k), in the order a run reports them."""
+    return [n for n in (BEFORE_INIT, *(n for n, _ in CASES), AFTER_FINALIZE) if not ks or any(k in n for k in ks)]
+
+
+def not_applicable(names, topology):
+    """{name: why not} of the cases of `names` that do not apply to `topology`: a run lists them
+    and does not run them."""
+    why = {n: NOT_APPLICABLE[n](topology) for n in names if n in NOT_APPLICABLE}
+    return {n: r for n, r in why.items() if r is not None}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2734,16 +2756,15 @@ def worker(rank, world, local_rank, args):
                 line += f": {msg}"
             print(line, flush=True)
 
-    selected = [(n, f) for n, f in CASES if not args.k or any(k in n for k in args.k)]
-    reasons = {n: NOT_APPLICABLE[n](args, env) for n, _ in selected if n in NOT_APPLICABLE}
-    inapplicable = [n for n, r_ in reasons.items() if r_ is not None]
-    selected = [(n, f) for n, f in selected if n not in inapplicable]
-    if inapplicable and rank == 0:
-        print("(not applicable here, not run: " + "; ".join(f"{n}: {reasons[n]}" for n in inapplicable) + ")",
+    names = selected_cases(args.k)
+    reasons = not_applicable(names, Topology(args.kernel_type, world, torch.cuda.device_count(), env.emulated_rdma))
+    selected = [(n, f) for n, f in CASES if n in names and n not in reasons]
+    if reasons and rank == 0:
+        print("(not applicable here, not run: " + "; ".join(f"{n}: {r_}" for n, r_ in reasons.items()) + ")",
               flush=True)
 
     # --- use before shmem init (local) ---
-    if not args.k or any(k in "use_before_shmem_init" for k in args.k):
+    if BEFORE_INIT in names:
         t0 = time.time()
         msg = None
         try:
@@ -2758,7 +2779,7 @@ def worker(rank, world, local_rank, args):
                 pass
         except Exception as e:  # noqa: BLE001
             msg = f"{type(e).__name__}: {e}"
-        _collect(env, record, "use_before_shmem_init", msg, time.time() - t0)
+        _collect(env, record, BEFORE_INIT, msg, time.time() - t0)
 
     mori.shmem.shmem_torch_process_group_init("default")
     if rank == 0:
@@ -2805,7 +2826,7 @@ def worker(rank, world, local_rank, args):
         _collect(env, record, name, msg, time.time() - t0)
 
     # --- use after finalize ---
-    if not args.k or any(k in "use_after_finalize" for k in args.k):
+    if AFTER_FINALIZE in names:
         t0 = time.time()
         msg = None
         try:
@@ -2827,7 +2848,7 @@ def worker(rank, world, local_rank, args):
             del op
         except Exception as e:  # noqa: BLE001
             msg = f"{type(e).__name__}: {e}"
-        _collect(env, record, "use_after_finalize", msg, time.time() - t0)
+        _collect(env, record, AFTER_FINALIZE, msg, time.time() - t0)
     elif mori.shmem.shmem_is_initialized():
         mori.shmem.shmem_finalize()
 
@@ -2862,7 +2883,7 @@ def main(argv=None, default_kernel_type="IntraNode"):
                         "nodes (MORI_GPU_PER_NODE, MORI_RDMA_EMULATE=1)")
     p.add_argument("--num-qp-per-pe", type=int, default=1,
                    help="config num_qp_per_pe, and shmem's QPs per RDMA peer (MORI_NUM_QP_PER_PE) unless set")
-    p.add_argument("--list", action="store_true")
+    p.add_argument("--list", action="store_true", help="print the names of the cases -k selects and exit")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
     if args.num_qp_per_pe != 1:
@@ -2873,7 +2894,7 @@ def main(argv=None, default_kernel_type="IntraNode"):
         os.environ["MORI_GPU_PER_NODE"] = str(args.gpu_per_node)
         os.environ.setdefault("MORI_RDMA_EMULATE", "1")
     if args.list:
-        for n, _ in CASES:
+        for n in selected_cases(args.k):
             print(n)
         return 0
     nproc = U.rank_count(args.nproc)

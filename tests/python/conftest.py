@@ -19,7 +19,8 @@ plain pytest run selects both.
 
 run_suite() runs a GPU suite in a child process and logs each line of its output as it comes
 (logger "mori.tests"; pyproject.toml turns pytest's live log on), so a long suite shows its
-cases while it runs.
+cases while it runs. The fixture suite_case reports each case of a suite run as a test of its own
+(suite_cases.py).
 """
 
 import glob
@@ -106,14 +107,12 @@ def suite_env(subprocess_env):
 _SUITE_LOG = logging.getLogger("mori.tests")
 
 
-def run_suite(cmd, env, timeout):
-    """Runs cmd (a GPU suite: a program that ends its output with "N passed, M failed") in a
-    session of its own, logging each line of its output (stdout and stderr together) as it comes.
-    Returns (exit code, the whole output, "$ cmd" and the output's last 4000 characters for an
-    assertion message). Past `timeout` seconds the child and every process it started (ranks,
-    emulated NICs) are killed and the test fails."""
-    shown = " ".join(cmd)
-    _SUITE_LOG.info("$ %s", shown)
+def stream_suite(cmd, env, timeout):
+    """Runs cmd (a GPU suite) in a session of its own, logging each line of its output (stdout and
+    stderr together) as it comes. Returns (exit code, the whole output); the exit code is None
+    where the suite was still running after `timeout` seconds: then it and every process it started
+    (ranks, emulated NICs) have been killed."""
+    _SUITE_LOG.info("$ %s", " ".join(cmd))
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             bufsize=1, start_new_session=True)
     lines = []
@@ -131,15 +130,25 @@ def run_suite(cmd, env, timeout):
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         reader.join(5)
-        out = "".join(lines)
-        pytest.fail(f"$ {shown}\nstill running after {timeout} s: killed\n" + out[-4000:], pytrace=False)
+        return None, "".join(lines)
     # The output ends when the last process holding the pipe exits; one the suite left running
     # is stopped with its session.
     reader.join(30)
     if reader.is_alive():
         os.killpg(proc.pid, signal.SIGKILL)
         reader.join(5)
-    out = "".join(lines)
+    return rc, "".join(lines)
+
+
+def run_suite(cmd, env, timeout):
+    """Runs cmd (a GPU suite: a program that ends its output with "N passed, M failed") through
+    stream_suite. Returns (exit code, the whole output, "$ cmd" and the output's last 4000
+    characters for an assertion message). Past `timeout` seconds the test fails (the suite and its
+    processes killed)."""
+    shown = " ".join(cmd)
+    rc, out = stream_suite(cmd, env, timeout)
+    if rc is None:
+        pytest.fail(f"$ {shown}\nstill running after {timeout} s: killed\n" + out[-4000:], pytrace=False)
     return rc, out, f"$ {shown}\n" + out[-4000:]
 
 
@@ -164,6 +173,34 @@ def run_case_script(suite_env):
         assert passed == ncases, tail
 
     return run
+
+
+_SUITE_OUTCOMES = {}  # suite_cases.Run -> suite_cases.Outcome: each run runs once per session
+
+
+@pytest.fixture
+def suite_case(request, suite_env, record_property):
+    """For a test parametrized with `case` (suite_cases.params): runs the case's suite run, once
+    per session for all the cases of that run the session selected (so its time counts in the
+    set-up of the first of them), and returns a function that reports the case from that run's
+    output (suite_cases.check). Skipped where torch is missing."""
+    import suite_cases
+
+    def case_of(item):
+        spec = getattr(item, "callspec", None)
+        found = {**getattr(spec, "funcargs", {}), **getattr(spec, "params", {})}.get("case")
+        return found if isinstance(found, suite_cases.SuiteCase) else None
+
+    case = case_of(request.node)
+    outcome = _SUITE_OUTCOMES.get(case.run)
+    if outcome is None:
+        selected = {c.name for c in map(case_of, request.session.items) if c is not None and c.run == case.run}
+        cmd = [sys.executable, *case.run.command(selected)]
+        env = dict(suite_env)
+        env.update(case.run.env)
+        rc, out = stream_suite(cmd, env, case.run.timeout)
+        outcome = _SUITE_OUTCOMES[case.run] = suite_cases.Outcome(" ".join(cmd), rc, out, case.run.timeout)
+    return lambda: suite_cases.check(outcome, case, record_property)
 
 
 @pytest.fixture
@@ -225,9 +262,15 @@ def pytest_collection_modifyitems(config, items):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """A GPU test skipped (in set-up or in its body) while GPUs are visible is reported as failed:
-    on a GPU machine the test command must run what it claims, not pass by skipping."""
+    on a GPU machine the test command must run what it claims, not pass by skipping. The call of a
+    test with the user property suite_seconds (a GPU suite's case) lasts that long in reports."""
     outcome = yield
     rep = outcome.get_result()
+    if call.when == "call":
+        # A GPU suite's case (suite_cases): its duration is the case's time in the suite.
+        seconds = [v for k, v in item.user_properties if k == "suite_seconds"]
+        if seconds:
+            rep.duration = float(seconds[-1])
     if GPU_COUNT == 0 or not rep.skipped or hasattr(rep, "wasxfail") or item.get_closest_marker("gpu") is None:
         return
     reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)

@@ -6,11 +6,13 @@ On a GPU machine, its short form (--short) with this run's rank count (MORI_TEST
 visible GPUs, at least 4; ranks share GPUs when there are fewer). Full tier (marker `full`): each
 kernel type, IntraNode and AsyncLL on one node; InterNode, InterNodeV1, InterNodeV1LL and AsyncLL on
 two or more emulated nodes (half the ranks per node, one per node for an odd count); engine_loop and
-cuda_graph in one test per run, bad_expert_id in another (it checks that every rank reports one
-rank's bad id, which the op's error reporting provides). Quick tier (marker `quick`): engine_loop
-and cuda_graph of IntraNode. A case the suite does not run fails the test, as does a skip of the
-test itself while a GPU is visible (conftest.needs_gpu). The suite's case lines show as they come
-(conftest.run_suite).
+cuda_graph in one suite run per kernel type (test_engine_loop_short), bad_expert_id in another
+(test_engine_loop_bad_expert_id: it checks that every rank reports one rank's bad id, which the
+op's error reporting provides). Quick tier (marker `quick`): engine_loop and cuda_graph of
+IntraNode. Each case of a run is a test of its own, `<run>::<case>`, and `<run>::suite_exit` checks
+the run as a whole (suite_cases.py): a case fails when the suite fails it or does not run it, as
+does a skip of the test itself while a GPU is visible (conftest.needs_gpu). The suite's case lines
+show as they come (conftest.stream_suite).
 
 Anywhere: the step plans (what every rank passes) are deterministic and cover the variety the suite
 promises, and --list names the cases of a topology."""
@@ -21,8 +23,9 @@ import sys
 
 import ep_engine_loop_test as L
 import pytest
+import suite_cases
 
-from conftest import GPU_COUNT, needs_gpu, run_suite, suite_counts
+from conftest import GPU_COUNT, needs_gpu
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OPS = os.path.join(REPO, "tests", "ops")
@@ -34,6 +37,8 @@ PER_NODE = RANKS // 2 if RANKS % 2 == 0 else 1
 RUNS = [("IntraNode", None), ("AsyncLL", None)]
 RUNS += [(kt, PER_NODE) for kt in ("InterNode", "InterNodeV1", "InterNodeV1LL", "AsyncLL")]
 QUICK_RUNS = [("IntraNode", None)]
+LOOP_CASES = ("engine_loop", "cuda_graph")
+BAD_ID_CASES = ("bad_expert_id",)
 
 
 def _run_id(run):
@@ -41,45 +46,42 @@ def _run_id(run):
     return f"{kernel_type}-{RANKS}ranks" + (f"-{per_node}pernode" if per_node else "")
 
 
-def _run_suite(run, suite_env, ks, expected_cases):
+def _suite_run(run, kinds):
+    """A suite_cases.Run of the short form of `run` on the cases `kinds` of its kernel type (which
+    its topology must allow: the suite's not running one fails its test)."""
     kernel_type, per_node = run
-    env = dict(suite_env)
-    cmd = [sys.executable, SUITE, "--nproc", str(RANKS), "--short", "--kernel-type", kernel_type]
-    for k in ks:
-        cmd += ["-k", k]
+    argv = [SUITE, "--nproc", str(RANKS), "--short", "--kernel-type", kernel_type]
+    env = {}
     if per_node is not None:
-        cmd += ["--gpu-per-node", str(per_node)]
+        argv += ["--gpu-per-node", str(per_node)]
         env.update(MORI_RDMA_EMULATE="1")
-    rc, out, tail = run_suite(cmd, env, 1800)
-    passed, failed = suite_counts(out, tail)
-    assert "not applicable here" not in out, tail
-    assert failed == 0 and rc == 0, tail
-    assert passed == expected_cases, tail
+    return suite_cases.Run(_run_id(run), tuple(argv), tuple(L.case_names([kernel_type], kinds)), kinds,
+                           tuple(sorted(env.items())))
 
 
 @needs_gpu
 @pytest.mark.quick
-@pytest.mark.parametrize("run", QUICK_RUNS, ids=[_run_id(r) for r in QUICK_RUNS])
-def test_engine_loop_quick(run, suite_env):
+@pytest.mark.parametrize("case", suite_cases.params([_suite_run(r, LOOP_CASES) for r in QUICK_RUNS]))
+def test_engine_loop_quick(case, suite_case):
     """engine_loop and cuda_graph of IntraNode, short form."""
-    _run_suite(run, suite_env, ("engine_loop", "cuda_graph"), 2)
+    suite_case()
 
 
 @needs_gpu
 @pytest.mark.full
-@pytest.mark.parametrize("run", RUNS, ids=[_run_id(r) for r in RUNS])
-def test_engine_loop_short(run, suite_env):
+@pytest.mark.parametrize("case", suite_cases.params([_suite_run(r, LOOP_CASES) for r in RUNS]))
+def test_engine_loop_short(case, suite_case):
     """engine_loop and cuda_graph of one kernel type, short form."""
-    _run_suite(run, suite_env, ("engine_loop", "cuda_graph"), 2)
+    suite_case()
 
 
 @needs_gpu
 @pytest.mark.full
-@pytest.mark.parametrize("run", RUNS, ids=[_run_id(r) for r in RUNS])
-def test_engine_loop_bad_expert_id(run, suite_env):
+@pytest.mark.parametrize("case", suite_cases.params([_suite_run(r, BAD_ID_CASES) for r in RUNS]))
+def test_engine_loop_bad_expert_id(case, suite_case):
     """bad_expert_id of one kernel type, short form: every rank raises the same error for the
     step with one rank's bad id, and the next step is right."""
-    _run_suite(run, suite_env, ("bad_expert_id",), 1)
+    suite_case()
 
 
 # --- no GPU: the plans and the case list ----------------------------------------------------------

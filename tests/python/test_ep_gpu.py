@@ -1,31 +1,36 @@
 """The EP GPU correctness suites (tests/ops/ep_intranode_test.py, and tests/ops/ep_internode_test.py
 between emulated nodes where that file exists) on any machine with a GPU; ranks share GPUs when
-there are fewer than ranks.
+there are fewer than ranks. Each run of a suite is one suite process; each of its cases is a test
+of its own, `<run>::<case>`, and `<run>::suite_exit` checks the run as a whole (suite_cases.py).
 
-Quick tier (marker `quick`): every kernel type once on QUICK_CASES: IntraNode and AsyncLL (which
-runs as IntraNode on one node) with 2 ranks; InterNode, InterNodeV1 and InterNodeV1LL with 4 ranks
-as 2 emulated nodes of 2.
+Quick tier (marker `quick`, test_ep_suite_quick): every kernel type once on QUICK_CASES: IntraNode
+and AsyncLL (which runs as IntraNode on one node) with 2 ranks; InterNode, InterNodeV1 and
+InterNodeV1LL with 4 ranks as 2 emulated nodes of 2.
 
-Full tier (marker `full`), the short form: every case, the randomized stress with SHORT_ITERS
-iterations and SHORT_ITERS back-to-back iterations; IntraNode with 2 and 4 ranks, AsyncLL with 4
-both ways (one node, and 2 emulated nodes where it runs as InterNode), InterNode, InterNodeV1 and
-InterNodeV1LL at 2 x 2. Cases that need a GPU per rank (push_combine_beside_full_gpu) run once more
+Full tier (marker `full`, test_ep_suite_short), the short form: every case, the randomized stress
+with SHORT_ITERS iterations and SHORT_ITERS back-to-back iterations; IntraNode with 2 and 4 ranks,
+AsyncLL with 4 both ways (one node, and 2 emulated nodes where it runs as InterNode), InterNode,
+InterNodeV1 and InterNodeV1LL at 2 x 2. A case that does not apply to a run (the suite's
+NOT_APPLICABLE: no RDMA on one node, no push combine, ranks sharing a GPU, the RDMA emulator) is
+not one of its tests. Cases that need a GPU per rank (push_combine_beside_full_gpu) run once more
 with one rank (test_ep_one_rank_cases): the suites do not run them where ranks share a GPU.
 
-A case the suite skips fails the test, as does a skip of the test itself while a GPU is visible
-(conftest.needs_gpu); without a GPU it skips with the reason. The suite's case lines show as they
-come (conftest.run_suite)."""
+A case fails when the suite fails or skips it or does not run it, as does a skip of the test
+itself while a GPU is visible (conftest.needs_gpu); without a GPU every test skips with the reason.
+The suite's case lines show as they come (conftest.stream_suite)."""
 
 import logging
 import os
-import re
 import subprocess
 import sys
 import time
 
+import ep_intranode_test as E
+import mori.ops
 import pytest
+import suite_cases
 
-from conftest import needs_gpu, run_suite, suite_counts
+from conftest import GPU_COUNT, needs_gpu, run_suite, suite_counts
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 INTRANODE = os.path.join(REPO, "tests", "ops", "ep_intranode_test.py")
@@ -44,6 +49,8 @@ FULL_RUNS = [(INTRANODE, 2, None, None), (INTRANODE, 4, None, None), (INTRANODE,
 if os.path.exists(INTERNODE):
     QUICK_RUNS += [(INTERNODE, 4, 2, kt) for kt in (None, "InterNodeV1", "InterNodeV1LL")]
     FULL_RUNS += [(INTERNODE, 4, 2, kt) for kt in (None, "InterNodeV1", "InterNodeV1LL", "AsyncLL")]
+ONE_RANK_RUNS = [(INTRANODE, 1, None, None), (INTRANODE, 1, None, "AsyncLL")]
+ONE_RANK_CASES = ("push_combine_beside_full_gpu",)
 
 
 def _run_id(run):
@@ -53,67 +60,80 @@ def _run_id(run):
             (f"-{kernel_type}" if kernel_type else ""))
 
 
-def _run(run, suite_env, extra_args, env_overrides=None, timeout=1800):
-    """Runs one suite run; returns (passed, output, assertion tail). Fails on a failed or skipped
-    case or a non-zero exit."""
+def _topology(run):
+    """The suite's Topology of `run` on this machine: the kernel type its configs run as (mori's
+    config says), and as many GPUs as visible here (without a GPU, where the tests skip: one per
+    rank)."""
     suite, nranks, per_node, kernel_type = run
-    env = dict(suite_env)
-    env.update(env_overrides or {})
-    cmd = [sys.executable, suite, "--nproc", str(nranks), *extra_args]
+    kernel_type = kernel_type or ("InterNode" if suite == INTERNODE else "IntraNode")
+    gpn = per_node or nranks
+    # the config the suite's worker makes to learn what its configs run as
+    cfg = mori.ops.EpDispatchCombineConfig(rank=0, world_size=nranks, gpu_per_node=gpn, kernel_type=kernel_type,
+                                           hidden_dim=256, scale_dim=0, scale_type_size=0, max_token_type_size=2,
+                                           max_num_inp_token_per_rank=8, num_experts_per_rank=1,
+                                           num_experts_per_token=1)
+    return E.Topology(cfg.runs_as.name, nranks, GPU_COUNT or nranks, gpn < nranks)
+
+
+def _suite_run(run, ks, args=(), env=(), timeout=1800, only_applicable=True):
+    """A suite_cases.Run of `run` with -k `ks`. Its cases: those -k selects, less those that do not
+    apply to the run where only_applicable (else the suite's not running one fails its test)."""
+    suite, nranks, per_node, kernel_type = run
+    argv = [suite, "--nproc", str(nranks), *args]
+    env = dict(env)
     if per_node is not None:
         # The inter-node path runs between emulated nodes through the RDMA queue emulator.
-        cmd += ["--gpu-per-node", str(per_node)]
+        argv += ["--gpu-per-node", str(per_node)]
         env.update(MORI_RDMA_EMULATE="1")
     if kernel_type is not None:
-        cmd += ["--kernel-type", kernel_type]
-    rc, out, tail = run_suite(cmd, env, timeout)
-    passed, failed = suite_counts(out, tail)
-    skipped = re.findall(r"^\[SKIP\] .*$", out, re.M)
-    assert not skipped, "cases skipped on a GPU machine:\n" + "\n".join(skipped) + "\n" + tail
-    assert failed == 0 and rc == 0, tail
-    return passed, out, tail
+        argv += ["--kernel-type", kernel_type]
+    cases = E.selected_cases(ks)
+    if only_applicable:
+        skip = E.not_applicable(cases, _topology(run))
+        cases = [n for n in cases if n not in skip]
+    return suite_cases.Run(_run_id(run), tuple(argv), tuple(cases), tuple(ks), tuple(sorted(env.items())),
+                           timeout)
+
+
+QUICK = [_suite_run(r, QUICK_CASES, timeout=600, only_applicable=False) for r in QUICK_RUNS]
+SHORT = [_suite_run(r, (), args=("--b2b-iters", str(SHORT_ITERS)), env={"MORI_EP_STRESS_ITERS": str(SHORT_ITERS)})
+         for r in FULL_RUNS]
+ONE_RANK = [_suite_run(r, ONE_RANK_CASES, timeout=600, only_applicable=False) for r in ONE_RANK_RUNS]
 
 
 @needs_gpu
 @pytest.mark.quick
-@pytest.mark.parametrize("run", QUICK_RUNS, ids=[_run_id(r) for r in QUICK_RUNS])
-def test_ep_suite_quick(run, suite_env):
-    ks = [a for k in QUICK_CASES for a in ("-k", k)]
-    passed, out, tail = _run(run, suite_env, ks, timeout=600)
-    assert "not applicable here" not in out, tail
-    assert passed == len(QUICK_CASES), tail
+@pytest.mark.parametrize("case", suite_cases.params(QUICK))
+def test_ep_suite_quick(case, suite_case):
+    suite_case()
 
 
 @needs_gpu
 @pytest.mark.full
-@pytest.mark.parametrize("run", FULL_RUNS, ids=[_run_id(r) for r in FULL_RUNS])
-def test_ep_suite_short(run, suite_env):
-    passed, _, tail = _run(run, suite_env, ["--b2b-iters", str(SHORT_ITERS)],
-                           env_overrides={"MORI_EP_STRESS_ITERS": str(SHORT_ITERS)})
-    assert passed > 10, tail
+@pytest.mark.parametrize("case", suite_cases.params(SHORT))
+def test_ep_suite_short(case, suite_case):
+    suite_case()
 
 
 @needs_gpu
 @pytest.mark.full
-@pytest.mark.parametrize("kernel_type", [None, "AsyncLL"], ids=["IntraNode", "AsyncLL"])
-def test_ep_one_rank_cases(kernel_type, suite_env):
+@pytest.mark.parametrize("case", suite_cases.params(ONE_RANK))
+def test_ep_one_rank_cases(case, suite_case):
     """The cases the suites leave out where ranks share a GPU, with one rank (which has its GPU)."""
-    passed, out, tail = _run((INTRANODE, 1, None, kernel_type), suite_env, ["-k", "push_combine_beside_full_gpu"],
-                             timeout=600)
-    assert passed == 1, tail
-    assert "not applicable here" not in out, tail
+    suite_case()
 
 
 def test_quick_cases_name_one_case_each():
-    """Each of QUICK_CASES selects exactly one case of the suite (its -k matches substrings), and
-    none selects the cases the suite runs around the others (use_before_shmem_init,
-    use_after_finalize), so a quick run passes exactly len(QUICK_CASES) cases."""
+    """Each of QUICK_CASES selects exactly one case of the suite (its -k matches substrings; --list
+    names every case, use_before_shmem_init and use_after_finalize included), so a quick run
+    reports exactly QUICK_CASES."""
     out = subprocess.run([sys.executable, INTRANODE, "--list"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     names = [n for n in out.stdout.split("\n") if n]
+    assert names[0] == "use_before_shmem_init" and names[-1] == "use_after_finalize", names
     for k in QUICK_CASES:
         assert [n for n in names if k in n] == [k], k
-        assert k not in "use_before_shmem_init" and k not in "use_after_finalize", k
+    assert sorted(E.selected_cases(QUICK_CASES)) == sorted(QUICK_CASES)
 
 
 # --- no GPU: conftest.run_suite, which runs the suites above ----------------------------------------
