@@ -63,6 +63,7 @@ set(MORI_INTERNAL_HEADERS
   mori/core/bounded_worker.hpp
   mori/core/logging.hpp
   mori/core/mps.hpp
+  mori/core/profiler_range.hpp
   mori/core/strings.hpp
   mori/application/bootstrap/mpi_bootstrap.hpp
   mori/application/bootstrap/mpi_plugin.hpp

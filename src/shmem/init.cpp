@@ -20,6 +20,7 @@
 #include "mori/core/env.hpp"
 #include "mori/core/gpu_check.hpp"
 #include "mori/core/logging.hpp"
+#include "mori/core/profiler_range.hpp"
 #include "mori/shmem/device/barrier_launch.hpp"
 #include "mori/shmem/shmem_api.hpp"
 
@@ -322,6 +323,7 @@ void DeviceSynchronizeBounded(ShmemState& s, const char* what) {
 }
 
 void InitWith(std::unique_ptr<application::BootstrapNetwork> boot) {
+  const core::ScopedProfilerRange range("mori.shmem.init");
   static std::once_flag atExitRegistered;
   std::call_once(atExitRegistered, [] { std::atexit([] { ShmemPrepareProcessExit(); }); });
   std::lock_guard<std::mutex> lock(gMutex);
@@ -377,6 +379,7 @@ void ShmemMpiInit(void* mpiComm) {
 void ShmemFinalize() {
   std::lock_guard<std::mutex> lock(gMutex);
   if (!gState) return;
+  const core::ScopedProfilerRange range("mori.shmem.finalize");
   ShmemState& s = *gState;
   // Peers may still read or write our heap until everyone has finished their device work.
   std::exception_ptr firstError;

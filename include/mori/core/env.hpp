@@ -77,7 +77,11 @@ namespace mori::core {
   X(epPdl, MORI_EP_PDL, Bool, "1",                                                                \
     "EP kernels are programmatic dependent launches (NVIDIA sm_90+): each may be launched while "  \
     "the kernel ahead of it on the stream completes, and waits for it on the GPU; 0 = plain "      \
-    "launches.")
+    "launches.")                                                                                   \
+  X(nvtx, MORI_NVTX, Bool, "0",                                                                    \
+    "Name mori's host calls (shmem init/finalize, EP op creation/release, dispatch, combine and "  \
+    "their halves) as profiler ranges: NVTX domain mori on CUDA, roctx on HIP. Read once, at "     \
+    "the first such call.")
 // clang-format on
 
 enum class EnvType { kBool, kInt, kSize, kString };

@@ -25,6 +25,15 @@
 #include <cuda_runtime.h>
 #endif
 
+// The profiler range API (see "Profiler ranges" below), only in the unit that asks for it.
+#if defined(MORI_GPU_PROFILER_RANGE_API)
+#if MORI_HIP
+#include <dlfcn.h>
+#else
+#include <nvtx3/nvToolsExt.h>
+#endif
+#endif
+
 // ---------------------------------------------------------------------------------------------
 // Runtime API names
 // ---------------------------------------------------------------------------------------------
@@ -324,6 +333,93 @@ inline gpuError_t GpuMemGetDmabufFd(void* base, size_t bytes, int* fd, int* driv
   return cudaSuccess;
 #endif
 }
+
+// ---------------------------------------------------------------------------------------------
+// Profiler ranges: the platform's timeline annotations under one set of names. Host only, and
+// only where MORI_GPU_PROFILER_RANGE_API is defined before this header is included (by
+// core/profiler_range.cpp, whose ScopedProfilerRange is what the rest of mori uses), so that no
+// other unit pulls in the NVTX headers.
+//   CUDA: NVTX v3, header-only: a tool such as Nsight Systems injects its library through
+//         NVTX_INJECTION64_PATH; without one every call is a no-op. Ranges go to the domain "mori".
+//   HIP:  roctx, opened with dlopen by GpuProfilerRangeOpen, so libmori loads without it.
+// The caller serialises GpuProfilerRangeOpen and pushes or pops only after it returned true; a
+// range is popped on the thread that pushed it.
+// ---------------------------------------------------------------------------------------------
+#if defined(MORI_GPU_PROFILER_RANGE_API)
+// The API's name, for messages.
+constexpr const char* kGpuProfilerRangeApiName = kPlatformHip ? "roctx" : "NVTX";
+
+namespace detail {
+struct GpuProfilerRangeApi {
+#if MORI_HIP
+  int (*push)(const char* message) = nullptr;
+  int (*pop)() = nullptr;
+#else
+  nvtxDomainHandle_t domain = nullptr;
+#endif
+};
+// Trivially destructible, so ranges still work while static objects are destroyed at exit.
+inline GpuProfilerRangeApi& GpuProfilerRanges() {
+  static GpuProfilerRangeApi api;
+  return api;
+}
+}  // namespace detail
+
+// Makes the API ready. False, with the reason in *why, where this platform's profiler library is
+// missing (HIP: no libroctx64 to open); pushes and pops are then not allowed.
+inline bool GpuProfilerRangeOpen(std::string* why) {
+  detail::GpuProfilerRangeApi& api = detail::GpuProfilerRanges();
+#if MORI_HIP
+  // roctracer's library, then the rocprofiler-sdk one that exports the same two entry points.
+  const char* const libraries[] = {"libroctx64.so", "libroctx64.so.4",
+                                   "librocprofiler-sdk-roctx.so"};
+  why->clear();
+  for (const char* library : libraries) {
+    void* handle = dlopen(library, RTLD_NOW | RTLD_LOCAL);
+    if (handle == nullptr) {
+      const char* error = dlerror();
+      *why += std::string(why->empty() ? "" : "; ") + (error != nullptr ? error : library);
+      continue;
+    }
+    api.push = reinterpret_cast<int (*)(const char*)>(dlsym(handle, "roctxRangePushA"));
+    api.pop = reinterpret_cast<int (*)()>(dlsym(handle, "roctxRangePop"));
+    if (api.push != nullptr && api.pop != nullptr) return true;  // kept open for the process
+    *why += std::string(why->empty() ? "" : "; ") + library + ": no roctxRangePushA/roctxRangePop";
+    api.push = nullptr;
+    api.pop = nullptr;
+    dlclose(handle);
+  }
+  return false;
+#else
+  why->clear();
+  api.domain = nvtxDomainCreateA("mori");
+  return true;
+#endif
+}
+
+// Opens a range named `name` on this thread (the tool copies the name).
+inline void GpuProfilerRangePush(const char* name) {
+#if MORI_HIP
+  (void)detail::GpuProfilerRanges().push(name);
+#else
+  nvtxEventAttributes_t attr = {};
+  attr.version = NVTX_VERSION;
+  attr.size = NVTX_EVENT_ATTRIB_STRUCT_SIZE;
+  attr.messageType = NVTX_MESSAGE_TYPE_ASCII;
+  attr.message.ascii = name;
+  (void)nvtxDomainRangePushEx(detail::GpuProfilerRanges().domain, &attr);
+#endif
+}
+
+// Closes this thread's innermost range.
+inline void GpuProfilerRangePop() {
+#if MORI_HIP
+  (void)detail::GpuProfilerRanges().pop();
+#else
+  (void)nvtxDomainRangePop(detail::GpuProfilerRanges().domain);
+#endif
+}
+#endif  // MORI_GPU_PROFILER_RANGE_API
 
 #if MORI_GPU_COMPILER
 

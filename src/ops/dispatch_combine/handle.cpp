@@ -3,8 +3,10 @@
 #include "mori/ops/dispatch_combine/handle.hpp"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <exception>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -17,6 +19,7 @@
 #include "mori/core/gpu_check.hpp"
 #include "mori/core/logging.hpp"
 #include "mori/core/mps.hpp"
+#include "mori/core/profiler_range.hpp"
 #include "mori/ops/dispatch_combine/agreement.hpp"
 #include "mori/shmem/shmem_api.hpp"
 
@@ -42,6 +45,43 @@ std::string Attempt(F&& step, std::exception_ptr* error) {
   }
 }
 
+// The host calls named as profiler ranges, "mori.ep.<call>[<kernel type>]".
+enum class EpRangeCall {
+  kCreate,
+  kRelease,
+  kDispatch,
+  kDispatchSend,
+  kDispatchRecv,
+  kCombine,
+  kCombineSend,
+  kCombineRecv,
+  kCount
+};
+
+// The range names, every call and kernel type, built the first time ranges are on. Plain
+// characters in static storage: valid while static objects are destroyed at exit.
+const char* EpRangeName(EpRangeCall call, EpDispatchCombineKernelType type) {
+  constexpr int kCalls = static_cast<int>(EpRangeCall::kCount);
+  static char names[kCalls][kEpNumKernelTypes + 1][64];
+  static std::once_flag built;
+  std::call_once(built, [] {
+    const char* const calls[kCalls] = {"create",        "release", "dispatch",     "dispatch_send",
+                                       "dispatch_recv", "combine", "combine_send", "combine_recv"};
+    for (int c = 0; c < kCalls; c++)
+      for (int t = 0; t <= kEpNumKernelTypes; t++)
+        std::snprintf(names[c][t], sizeof(names[c][t]), "mori.ep.%s[%s]", calls[c],
+                      EpKernelTypeName(static_cast<EpDispatchCombineKernelType>(t)));
+  });
+  int t = static_cast<int>(type);
+  if (t < 0 || t >= kEpNumKernelTypes) t = kEpNumKernelTypes;  // "unknown"
+  return names[static_cast<int>(call)][t];
+}
+
+// A range around one host call of an op of kernel type `type` (one branch when ranges are off).
+core::ScopedProfilerRange EpRange(EpRangeCall call, EpDispatchCombineKernelType type) {
+  return core::ScopedProfilerRange([call, type] { return EpRangeName(call, type); });
+}
+
 // Allgathers this PE's row and returns the first disagreement (empty when every PE agrees).
 std::string Agree(EpAgreementStage stage, const EpAgreementRow& mine, int npes) {
   std::vector<EpAgreementRow> rows(static_cast<size_t>(npes));
@@ -52,6 +92,7 @@ std::string Agree(EpAgreementStage stage, const EpAgreementRow& mine, int npes) 
 }  // namespace
 
 EpDispatchCombineHandle::EpDispatchCombineHandle(const EpDispatchCombineConfig& cfg) : config(cfg) {
+  const auto range = EpRange(EpRangeCall::kCreate, cfg.kernelType);
   MORI_ENSURE(shmem::ShmemIsInitialized(), InvalidUsageError,
               "EpDispatchCombineHandle: shmem is not initialised (call shmem init, e.g. "
               "mori.shmem.shmem_torch_process_group_init, before creating the op)");
@@ -187,6 +228,7 @@ EpDispatchCombineHandle::~EpDispatchCombineHandle() {
 
 void EpDispatchCombineHandle::Release() {
   if (symmBase == nullptr && localBase == nullptr) return;
+  const auto range = EpRange(EpRangeCall::kRelease, config.kernelType);
   uint8_t* symm = symmBase;
   uint8_t* local = localBase;
   uint64_t* badIdWord = badExpertIdHost;
@@ -485,10 +527,12 @@ void EpDispatchCombineHandle::CheckNoPendingDispatch(const char* what, gpuStream
 }
 
 void EpDispatchCombineHandle::Dispatch(const EpDispatchArgs& args, gpuStream_t stream) {
+  const auto range = EpRange(EpRangeCall::kDispatch, config.kernelType);
   LaunchDispatchCall(args, EpDispatchPhase::kBoth, stream);
 }
 
 void EpDispatchCombineHandle::DispatchSend(const EpDispatchArgs& args, gpuStream_t stream) {
+  const auto range = EpRange(EpRangeCall::kDispatchSend, config.kernelType);
   CheckUsable("dispatch_send");
   MORI_ENSURE(SplitDispatchAvailable(), InvalidUsageError,
               "EP dispatch_send: split-phase dispatch is built for kernel_type AsyncLL, and "
@@ -507,6 +551,7 @@ void EpDispatchCombineHandle::DispatchSend(const EpDispatchArgs& args, gpuStream
 }
 
 void EpDispatchCombineHandle::DispatchReceive(gpuStream_t stream, int blockNum, int warpPerBlock) {
+  const auto range = EpRange(EpRangeCall::kDispatchRecv, config.kernelType);
   CheckUsable("dispatch_recv", false);
   MORI_ENSURE(pendingDispatch, InvalidUsageError,
               "EP dispatch_recv: no dispatch_send is pending on PE %d", config.rank);
@@ -643,10 +688,12 @@ void EpDispatchCombineHandle::LaunchDispatchCall(const EpDispatchArgs& args, EpD
 }
 
 void EpDispatchCombineHandle::Combine(const EpCombineArgs& args, gpuStream_t stream) {
+  const auto range = EpRange(EpRangeCall::kCombine, config.kernelType);
   LaunchCombineCall(args, EpCombinePhase::kBoth, stream);
 }
 
 void EpDispatchCombineHandle::CombineSend(const EpCombineArgs& args, gpuStream_t stream) {
+  const auto range = EpRange(EpRangeCall::kCombineSend, config.kernelType);
   if (combineSentEvent == nullptr)
     MORI_CHECK_GPU(gpuEventCreateWithFlags(&combineSentEvent, gpuEventDisableTiming));
   LaunchCombineCall(args, EpCombinePhase::kSend, stream);
@@ -656,6 +703,7 @@ void EpDispatchCombineHandle::CombineSend(const EpCombineArgs& args, gpuStream_t
 }
 
 void EpDispatchCombineHandle::CombineReceive(gpuStream_t stream) {
+  const auto range = EpRange(EpRangeCall::kCombineRecv, config.kernelType);
   CheckUsable("combine_recv", false);
   MORI_ENSURE(pendingCombine, InvalidUsageError,
               "EP combine_recv: no combine_send is pending on PE %d", config.rank);
