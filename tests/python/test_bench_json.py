@@ -158,6 +158,36 @@ def test_ep_bench_records_carry_settings_and_same_run_baselines():
     assert all(r["physical_gbps"] is None and r["ranks_share_gpus"] for r in shared)
 
 
+def test_ep_bench_deep_ep_rows_are_same_run_baselines(capsys):
+    """--compare deep_ep: DeepEP's rows become baselines of the mori rows of the same phase, the
+    external-input combine included (DeepEP always combines the caller's tensor), and the printed
+    table gains "vs DeepEP" (its time over ours) and, with a store-ceiling probe, "of ceiling"."""
+    import ep_bench as B
+
+    k = dict(config="HT", tokens=4096, phase="dispatch", dtype="BF16")
+    c = dict(config="HT", tokens=4096, phase="combine", dtype="BF16")
+    rows = [B.row(k, 500.0, 400.0, 390.0, 300.0, (24, 16)),
+            B.row(c, 520.0, 390.0, 385.0, 290.0, (24, 16)),
+            B.row(dict(c, variant="external input"), 650.0, 312.0, 300.0, 230.0, (24, 16)),
+            B.row(dict(k, impl="DeepEP"), 800.0, 250.0, 245.0, 190.0, None),
+            B.row(dict(c, impl="DeepEP"), 600.0, 338.0, 330.0, 250.0, None)]
+    recs = B.records(rows, ranks=4, linked=True, shared=False)
+    assert recs[0]["baselines"] == {"DeepEP": 800.0}
+    assert recs[1]["baselines"] == {"DeepEP": 600.0} and recs[2]["baselines"] == {"DeepEP": 600.0}
+    assert recs[3]["impl"] == "DeepEP" and recs[3]["blocks"] is None
+    B.print_results(rows, {}, "4 rank(s)", linked=True, four_gpus=False, logical_ceiling=500.0)
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("| phase"))
+    assert "vs DeepEP" in header and "of ceiling" in header
+    line = next(line for line in out.splitlines() if line.startswith("| HT dispatch BF16 "))
+    assert line.rstrip(" |").endswith("1.60x |       0.80"), line
+    ext = next(line for line in out.splitlines() if "(external input)" in line)
+    assert "0.92x" in ext and "0.62" in ext, ext
+    deep = next(line for line in out.splitlines() if "[DeepEP]" in line and "dispatch" in line)
+    assert "0.50" in deep, deep  # its own share of the ceiling, no ratio to itself
+    assert R.baselines_cell(recs[0]) == "DeepEP 800.0 µs (1.60×)"
+
+
 def test_ep_bench_json_document(tmp_path):
     import ep_bench as B
 

@@ -46,7 +46,7 @@ import sys
 
 SCHEMA = "mori-bench/1"
 
-IMPLS = ("mori", "torch", "copy kernel", "empty kernel", "fused")
+IMPLS = ("mori", "torch", "copy kernel", "empty kernel", "fused", "DeepEP")
 
 # field: (types, required); None is allowed where the types include type(None)
 _NUM = (int, float)

@@ -21,6 +21,21 @@ fastest setting per phase; "SMs" = blocks (one block per SM). The baseline is wh
 without us: count exchange, permutation, all_to_all_single of rows, and back with index_add_.
 The result table is printed last.
 
+--compare deep_ep: DeepEP's `Buffer` (an installed `deep_ep`, built from its source) runs the same
+shapes on the same inputs in the same process group: HT as its intranode normal mode with the same
+SM budget (--max-sms), timed on a cached layout (DeepEP's normal dispatch without a handle reads
+the counts on the host, so it cannot be replayed in a graph: eager back-to-back calls, CUDA
+events), LL as its low-latency mode in CUDA graphs like ours (its dispatch quantises BF16 to FP8
+itself). DeepEP rows count mori's bytes (the same rows received), so their GB/s ratio to ours is
+the time ratio; the table gains a "vs DeepEP" column (DeepEP time / ours). Each DeepEP phase is
+checked against the same reference as ours before it is timed.
+
+With one rank per GPU on several GPUs, a store-ceiling probe runs first: every rank stores a
+contiguous chunk into each peer's symmetric heap at once (the library's grid copy, --max-sms
+blocks shared out one peer per block group), the per-GPU egress of an all-to-all; the "of ceiling"
+column is a phase's logical GB/s over that egress x W / (W - 1) (the logical bytes a rank could
+move if only the rows to other ranks cross links).
+
 --json FILE also writes every figure of the table with its settings (tools/bench/bench_json.py:
 kernel type, ranks, shape, dtype, blocks x warps, µs, GB/s, the baselines of the same run, GPU,
 commit, command line); tools/bench/report.py turns such files into the tables of
@@ -96,6 +111,36 @@ class Bench:
             times.append(start.elapsed_time(end) / 1e3 / n_inner)
         self.mori.shmem.shmem_check_device_error()
         return statistics.median(times)
+
+    # --- store ceiling --------------------------------------------------------------------------
+    def store_ceiling(self, blocks, chunk=64 << 20):
+        """Per-rank egress (physical GB/s) of an all-to-all of plain stores: this rank's `blocks`
+        shared out over its peers (one peer per block group), each group storing one contiguous
+        `chunk` into its peer's symmetric heap, all peers at once; the slowest rank's time."""
+        torch, sh = self.torch, self.mori.shmem
+        t = self.mori._C._testing
+        peers = [p for p in range(self.W) if p != self.rank]
+        per = max(1, blocks // len(peers))
+        heap = sh.shmem_malloc(self.W * chunk)  # collective: slot r of every heap is rank r's
+        src = torch.empty(chunk, dtype=torch.uint8, device=self.dev).random_(0, 255)
+        dsts = [sh.shmem_ptr_p2p(heap + self.rank * chunk, self.rank, p) for p in peers]
+        if not all(dsts):
+            raise RuntimeError("store ceiling: a peer is not load/store reachable")
+        streams = [torch.cuda.Stream(device=self.dev) for _ in peers]
+
+        def once():
+            cur = torch.cuda.current_stream()
+            for st, d in zip(streams, dsts):
+                st.wait_stream(cur)
+                t.grid_copy(d, src.data_ptr(), chunk, per, 512, st.cuda_stream)
+            for st in streams:
+                cur.wait_stream(st)
+
+        secs = max(self.allgather(self.time_calls(once, 5, 3 if self.args.quick else 5)))
+        torch.cuda.synchronize()
+        self.dist.barrier()
+        sh.shmem_free(heap)
+        return len(peers) * chunk / secs / 1e9, per * len(peers)
 
     def allgather(self, v):
         out = [None] * self.W
@@ -206,7 +251,115 @@ class Bench:
         if not self.args.no_baseline and not self.shared:
             self.baseline(name, x, x8, scales, idx, w, recv, recv_remote, dispatch_kinds)
         op.close()
+        if self.args.compare == "deep_ep":
+            compare = self.deep_ep_ht if name == "HT" else self.deep_ep_ll
+            compare(name, x, scales, idx, w, recv, recv_remote, mask, dispatch_kinds, n_inner, n_rep)
         return symm_mib
+
+    # --- DeepEP, same inputs, same group --------------------------------------------------------
+    def _deep_ep(self):
+        try:
+            import deep_ep
+        except ImportError as e:
+            raise RuntimeError(f"--compare deep_ep: deep_ep is not importable ({e}); build DeepEP from its "
+                               "source into this Python (tools/bench/build_deep_ep.sh)") from e
+        return deep_ep
+
+    def _check(self, what, ok):
+        oks = self.allgather(bool(ok))
+        log(self.rank, f"  check: {what} on all ranks: {all(oks)}")
+        if not all(oks):
+            raise RuntimeError(f"--compare deep_ep: {what} fails on ranks {[r for r, o in enumerate(oks) if not o]}")
+
+    def deep_ep_ht(self, name, x, scales, idx, w, recv, recv_remote, mask, kinds, n_inner, n_rep):
+        """DeepEP's intranode normal mode with our SM budget: dispatch on a cached layout (BF16, FP8
+        with its per-128-column scales, column-major as DeepEP's tests pass them), combine BF16."""
+        torch = self.torch
+        deep_ep = self._deep_ep()
+        if self.shared:
+            log(self.rank, "  (DeepEP skipped: it needs a GPU per rank)")
+            return
+        deep_ep.Buffer.set_num_sms(self.args.max_sms)
+        dcfg, ccfg = deep_ep.Buffer.get_dispatch_config(self.W), deep_ep.Buffer.get_combine_config(self.W)
+        hidden_bytes = HIDDEN * 2
+        nvl = max(dcfg.get_nvl_buffer_size_hint(hidden_bytes, self.W), ccfg.get_nvl_buffer_size_hint(hidden_bytes, self.W))
+        buf = deep_ep.Buffer(self.dist.group.WORLD, nvl, 0, explicitly_destroy=True)
+        T = x.shape[0]
+        topk = idx.long()
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk, EXPERTS)
+        log(self.rank, f"== DeepEP {deep_ep.__file__}: intranode, {self.args.max_sms} SMs, NVL buffer {nvl / 2**20:.0f} MiB")
+        row_fp8 = HIDDEN + SCALE_DIM * 4
+        recv_bf16 = None
+        for kind in kinds:
+            if kind == "FP8" and self.fp8 is None:
+                continue
+            if kind == "BF16":
+                xin, rb = x, HIDDEN * 2
+            else:
+                xin, rb = (x.float().clamp(-448, 448).to(self.fp8), scales.t().contiguous().t()), row_fp8
+            out = buf.dispatch(xin, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                               num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=w, config=dcfg)
+            rx, handle = out[0], out[4]
+            rows = (rx[0] if isinstance(rx, tuple) else rx).shape[0]
+            self._check(f"DeepEP {name} dispatch {kind} receives the rows ours does ({recv} here)", rows == recv)
+            if kind == "BF16":
+                recv_bf16 = (rx, handle)
+            secs = self.time_eager(lambda xin=xin, handle=handle: buf.dispatch(xin, handle=handle, config=dcfg),
+                                   n_inner, n_rep, events=True)
+            key = dict(config=name, tokens=T, phase="dispatch", dtype=kind, impl="DeepEP")
+            self.record(key, max(self.allgather(secs)), recv * rb, recv_remote * rb, None)
+        rx, handle = recv_bf16
+        combined = buf.combine(rx, handle, config=ccfg)[0]
+        ndest = mask.sum(1, keepdim=True).float()
+        ref = (x.float() * ndest).to(torch.bfloat16).float()
+        self._check(f"DeepEP {name} combine(dispatch(x)) == x * n_dest",
+                    torch.allclose(combined.float(), ref, rtol=1e-2, atol=1e-2))
+        secs = self.time_eager(lambda: buf.combine(rx, handle, config=ccfg), n_inner, n_rep, events=True)
+        key = dict(config=name, tokens=T, phase="combine", dtype="BF16", impl="DeepEP")
+        self.record(key, max(self.allgather(secs)), recv * HIDDEN * 2, recv_remote * HIDDEN * 2, None)
+        torch.cuda.synchronize()
+        self.dist.barrier()
+        buf.destroy()
+
+    def deep_ep_ll(self, name, x, scales, idx, w, recv, recv_remote, mask, kinds, n_inner, n_rep):
+        """DeepEP's low-latency mode over NVLink: FP8 dispatch (it quantises our BF16 rows), BF16
+        combine of the unchanged expert rows (weighted by the top-k weights, as DeepEP combines),
+        both replayed in CUDA graphs."""
+        torch = self.torch
+        deep_ep = self._deep_ep()
+        if self.shared:
+            log(self.rank, "  (DeepEP skipped: it needs a GPU per rank)")
+            return
+        T = x.shape[0]
+        rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(T, HIDDEN, self.W, EXPERTS)
+        buf = deep_ep.Buffer(self.dist.group.WORLD, 0, rdma, low_latency_mode=True,
+                             num_qps_per_rank=EXPERTS // self.W, explicitly_destroy=True)
+        log(self.rank, f"== DeepEP {deep_ep.__file__}: low-latency mode, RDMA buffer {rdma / 2**20:.0f} MiB")
+        topk = idx.long()
+        row_fp8 = HIDDEN + SCALE_DIM * 4
+        rx, count, handle, _, _ = buf.low_latency_dispatch(x, topk, T, EXPERTS, use_fp8=True)
+        epr = EXPERTS // self.W
+        got = int(count.sum().item())
+        # DeepEP's low-latency dispatch delivers one row per (token, local expert): compare with the
+        # routing every rank sees.
+        allidx = [None] * self.W
+        self.dist.all_gather_object(allidx, idx.cpu())
+        expect = sum(int(((a.long() >= self.rank * epr) & (a.long() < (self.rank + 1) * epr)).sum()) for a in allidx)
+        self._check(f"DeepEP {name} dispatch FP8 delivers one row per (token, local expert) ({expect} here)", got == expect)
+        secs = self.time_calls(lambda: buf.low_latency_dispatch(x, topk, T, EXPERTS, use_fp8=True), n_inner, n_rep)
+        key = dict(config=name, tokens=T, phase="dispatch", dtype="FP8", impl="DeepEP")
+        self.record(key, max(self.allgather(secs)), recv * row_fp8, recv_remote * row_fp8, None)
+        rxb, _, handle, _, _ = buf.low_latency_dispatch(x, topk, T, EXPERTS, use_fp8=False)
+        out = buf.low_latency_combine(rxb, topk, w, handle)[0]
+        ref = (x.float() * w.sum(1, keepdim=True)).to(torch.bfloat16).float()
+        self._check(f"DeepEP {name} combine == x * sum(top-k weights)",
+                    torch.allclose(out.float(), ref, rtol=2e-2, atol=2e-2))
+        secs = self.time_calls(lambda: buf.low_latency_combine(rxb, topk, w, handle), n_inner, n_rep)
+        key = dict(config=name, tokens=T, phase="combine", dtype="BF16", impl="DeepEP")
+        self.record(key, max(self.allgather(secs)), recv * HIDDEN * 2, recv_remote * HIDDEN * 2, None)
+        torch.cuda.synchronize()
+        self.dist.barrier()
+        buf.destroy()
 
     def kernel_baselines(self, key, nbytes, launch, n_inner, n_rep):
         """--kernel-baselines: in the same run, the library's plain grid copy of the phase's logical
@@ -292,18 +445,29 @@ class Bench:
         key = dict(config=name, tokens=x.shape[0], phase="combine", dtype="BF16", impl="torch")
         self.record(key, secs, recv * rb, recv_remote * rb, None)
 
-    def time_eager(self, fn, n_inner, n_rep):
+    def time_eager(self, fn, n_inner, n_rep, events=False):
+        """Seconds per call of fn(), launched eagerly n_inner times back to back (median of n_rep),
+        for calls a graph cannot hold: host clock to a device synchronisation (the torch baseline,
+        whose collectives involve the host), or with `events` between two CUDA events."""
         torch, dist = self.torch, self.dist
         fn()
         torch.cuda.synchronize()
         times = []
         for _ in range(n_rep):
             dist.barrier()
+            if events:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
             t0 = time.perf_counter()
             for _ in range(n_inner):
                 fn()
-            torch.cuda.synchronize()
-            times.append((time.perf_counter() - t0) / n_inner)
+            if events:
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3 / n_inner)
+            else:
+                torch.cuda.synchronize()
+                times.append((time.perf_counter() - t0) / n_inner)
         return statistics.median(times)
 
 
@@ -341,7 +505,7 @@ def records(rows, ranks, linked, shared, kernel_type="IntraNode"):
         if r["impl"] == "mori":
             baselines = dict(base.get((r["config"], r["phase"], r["dtype"]), {}))
             if r["variant"]:  # the kernel baselines time the zero-copy phase's bytes and launch
-                baselines = {k: v for k, v in baselines.items() if k == "torch"}
+                baselines = {k: v for k, v in baselines.items() if k in ("torch", "DeepEP")}
         launch = r["launch"]
         out.append(BJ.make_record(
             impl=r["impl"], kernel_type=kernel_type, config=r["config"], phase=r["phase"], variant=r["variant"],
@@ -366,16 +530,23 @@ def json_document(rows, *, ranks, linked, shared, gpu, gpus, sm_count, settings,
     return BJ.document([run])
 
 
-def print_results(rows, symm, setup, linked, four_gpus):
+def print_results(rows, symm, setup, linked, four_gpus, logical_ceiling=None):
     """The result table. `linked`: every rank has its own GPU and there are several, so rows from
     other ranks crossed a link and the physical column means something. `four_gpus`: 4 ranks on
-    4 GPUs, the setting the targets are stated for."""
+    4 GPUs, the setting the targets are stated for. `logical_ceiling`: the store-ceiling probe's
+    logical GB/s per rank (an "of ceiling" column), or None. DeepEP rows add "vs DeepEP" (its time
+    over ours)."""
     print()
     print(f"Results: {setup}; per-rank GB/s (mean / min over ranks); time = slowest rank, CUDA-graph replays")
     cols = [("phase", 34), ("time us", 9), ("logical GB/s", 15)]
     if linked:
         cols.append(("physical GB/s", 13))
     cols += [("blocks x warps (SMs)", 20), ("vs torch", 8)]
+    deep_ep_us = {r["label"].replace(" [DeepEP]", ""): r["us"] for r in rows if r["impl"] == "DeepEP"}
+    if deep_ep_us:
+        cols.append(("vs DeepEP", 9))
+    if logical_ceiling:
+        cols.append(("of ceiling", 10))
     # On a [copy kernel] row the last column is the phase's efficiency: copy time / phase time.
     print("| " + " | ".join(f"{n:<{w}}" if n == "phase" else f"{n:>{w}}" for n, w in cols) + " |")
     print("|" + "|".join("-" * (w + 2) for _, w in cols) + "|")
@@ -391,6 +562,13 @@ def print_results(rows, symm, setup, linked, four_gpus):
         if linked:
             cells.append(f"{r['gp_mean']:>13.1f}")
         cells += [f"{lw:>20}", f"{sp:>8}"]
+        if deep_ep_us:
+            de = deep_ep_us.get(r["label"].replace(" (external input)", ""))
+            ratio = f"{de / r['us']:.2f}x" if de and r["impl"] == "mori" else ""
+            cells.append(f"{ratio:>9}")
+        if logical_ceiling:
+            of = r["gl_mean"] / logical_ceiling if r["impl"] in ("mori", "DeepEP") and r["gl_mean"] else None
+            cells.append(f"{of:>10.2f}" if of else f"{'':>10}")
         print("| " + " | ".join(cells) + " |")
     for k, v in symm.items():
         print(f"symmetric memory per rank, {k} config: {v:.1f} MiB")
@@ -452,6 +630,13 @@ def worker(rank, world, local_rank, args):
     if shared and not args.no_baseline:
         log(rank, "  (no torch baseline: NCCL takes one GPU per rank)")
     symm = {}
+    ceiling = None
+    if world > 1 and not shared:
+        ceiling, probe_blocks = b.store_ceiling(args.max_sms)
+        b.settings["store ceiling GB/s per rank (physical)"] = round(ceiling, 1)
+        b.settings["store ceiling blocks"] = probe_blocks
+        log(rank, f"store ceiling: {ceiling:.1f} GB/s per rank of plain stores to {world - 1} peer(s) at once, "
+                  f"{probe_blocks} blocks (logical ceiling {ceiling * world / (world - 1):.1f} GB/s)")
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     if "ht" in configs:
         symm["HT"] = b.run_config("HT", 4096, ["BF16", "FP8"],
@@ -462,7 +647,9 @@ def worker(rank, world, local_rank, args):
     mori.shmem.shmem_finalize()
     if rank == 0:
         linked = world > 1 and not shared
-        print_results(b.rows, symm, setup, linked=linked, four_gpus=world == 4 and not shared)
+        logical_ceiling = ceiling * world / (world - 1) if ceiling else None
+        print_results(b.rows, symm, setup, linked=linked, four_gpus=world == 4 and not shared,
+                      logical_ceiling=logical_ceiling)
         if args.json:
             settings = dict(b.settings, torch=torch.__version__, mori=getattr(mori, "__version__", "?"),
                             gpus_used=n_used, ht_sm_cap=args.max_sms, quick=bool(args.quick))
@@ -487,6 +674,9 @@ def main():
     p.add_argument("--json", metavar="FILE", default="",
                    help="also write every figure with its settings as JSON (tools/bench/bench_json.py); "
                         "tools/bench/report.py makes markdown tables of such files, plot.py charts")
+    p.add_argument("--compare", choices=["deep_ep"], default=None,
+                   help="also run DeepEP's Buffer on the same shapes and inputs in the same group "
+                        "(needs deep_ep installed: tools/bench/build_deep_ep.sh)")
     p.add_argument("--kernel-baselines", action="store_true",
                    help="also time the library's grid copy of each phase's bytes on its best launch, and "
                         "an empty kernel (one-rank kernel efficiency; the last column of a [copy kernel] "

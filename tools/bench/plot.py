@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Per-phase charts of bench_json documents (`ep_bench.py --json FILE`): for every machine kind, one
-panel of bars, mori's time per phase beside the baselines measured in the same run (torch, the
+panel of bars, mori's time per phase beside the baselines measured in the same run (DeepEP, torch, the
 copy kernel, a fused call), on a log scale (the baselines can be 30x slower).
 
     python3 tools/bench/plot.py out.json [more.json ...] -o phases.png    # or .svg, .pdf
@@ -18,8 +18,8 @@ import bench_json as BJ  # noqa: E402
 import report as R  # noqa: E402
 
 SKIP_EXIT = 77
-BASELINE_ORDER = ("torch", "copy kernel", "fused", "empty kernel")
-COLOURS = {"mori": "tab:blue", "torch": "tab:orange", "copy kernel": "tab:green", "fused": "tab:purple",
+BASELINE_ORDER = ("DeepEP", "torch", "copy kernel", "fused", "empty kernel")
+COLOURS = {"mori": "tab:blue", "DeepEP": "tab:red", "torch": "tab:orange", "copy kernel": "tab:green", "fused": "tab:purple",
            "empty kernel": "tab:gray"}  # the same in every panel
 
 

@@ -6,7 +6,7 @@
     python3 tools/bench/report.py docs/results/*.json --check docs/performance.md
 
 One table per machine kind ("4x H200", ...), one row per figure of mori's kernels, with the
-baselines measured in the same run beside it (torch: µs and mori's speed-up; copy kernel: µs and
+baselines measured in the same run beside it (torch and DeepEP: µs and their time over mori's; copy kernel: µs and
 the phase's efficiency = copy time / phase time; a fused call against a split one: µs), and a
 letter naming the run, listed under the table with its commit and exact command.
 
@@ -85,6 +85,8 @@ def baselines_cell(rec):
     for impl, us in rec.get("baselines", {}).items():
         if impl == "torch":
             parts.append(f"torch {_num(us)} µs ({us / rec['us']:.1f}×)")
+        elif impl == "DeepEP":  # its time over ours: above 1, mori is faster
+            parts.append(f"DeepEP {_num(us)} µs ({us / rec['us']:.2f}×)")
         elif impl == "copy kernel":
             parts.append(f"copy kernel {_num(us)} µs ({us / rec['us']:.2f})")
         else:
