@@ -103,10 +103,12 @@ if [[ ${gpus:-0} -gt 0 && $quick -eq 0 ]]; then
     ctest_rc=1
   fi
 fi
-# "N% tests passed, F tests failed out of T"; skipped tests count as passed there.
+# "N% tests passed, F tests failed out of T" ("100% tests passed out of T" from CMake 4 on when
+# none failed); skipped tests count as passed there.
 ctest_summary="did not finish (exit $ctest_rc; its output above says why)"
-if total_line=$(grep -E '^[0-9]+% tests passed, [0-9]+ tests? failed out of [0-9]+' "$work/ctest.log" | tail -1); then
-  c_failed=$(sed -E 's/.* ([0-9]+) tests? failed.*/\1/' <<<"$total_line")
+if total_line=$(grep -E '^[0-9]+% tests passed(, [0-9]+ tests? failed)? out of [0-9]+' "$work/ctest.log" | tail -1); then
+  c_failed=0
+  [[ $total_line =~ ([0-9]+)\ tests?\ failed ]] && c_failed=${BASH_REMATCH[1]}
   c_total=$(sed -E 's/.* out of ([0-9]+).*/\1/' <<<"$total_line")
   c_skipped=$(grep -cE '^[[:space:]]*[0-9]+ - .* \(Skipped\)$' "$work/ctest.log" || true)
   ctest_summary="$((c_total - c_failed - c_skipped)) passed, $c_failed failed, $c_skipped skipped (of $c_total)"

@@ -186,6 +186,12 @@ def test_ep_bench_deep_ep_rows_are_same_run_baselines(capsys):
     deep = next(line for line in out.splitlines() if "[DeepEP]" in line and "dispatch" in line)
     assert "0.50" in deep, deep  # its own share of the ceiling, no ratio to itself
     assert R.baselines_cell(recs[0]) == "DeepEP 800.0 µs (1.60×)"
+    run = BJ.make_run(tool="tools/bench/ep_bench.py", command="python3 tools/bench/ep_bench.py --compare deep_ep",
+                      commit="abc1234", machine="4x H200", gpu="NVIDIA H200", gpus=4, sm_count=132,
+                      settings={BJ.STORE_CEILING: 322.4}, date="2026-11-29", records=recs)
+    lines = R.tables([run])
+    assert any(line.startswith("- a: `abc1234`") and "store ceiling 322.4 GB/s per rank (physical)" in line
+               for line in lines), lines
 
 
 def test_ep_bench_json_document(tmp_path):

@@ -48,6 +48,10 @@ SCHEMA = "mori-bench/1"
 
 IMPLS = ("mori", "torch", "copy kernel", "empty kernel", "fused", "DeepEP")
 
+# Run setting: ep_bench.py's store-ceiling probe of the same run (one rank's plain stores into all
+# its peers at once, physical GB/s per rank); report.py quotes it under the table.
+STORE_CEILING = "store ceiling GB/s per rank (physical)"
+
 # field: (types, required); None is allowed where the types include type(None)
 _NUM = (int, float)
 RECORD_FIELDS = {

@@ -633,7 +633,7 @@ def worker(rank, world, local_rank, args):
     ceiling = None
     if world > 1 and not shared:
         ceiling, probe_blocks = b.store_ceiling(args.max_sms)
-        b.settings["store ceiling GB/s per rank (physical)"] = round(ceiling, 1)
+        b.settings[BJ.STORE_CEILING] = round(ceiling, 1)
         b.settings["store ceiling blocks"] = probe_blocks
         log(rank, f"store ceiling: {ceiling:.1f} GB/s per rank of plain stores to {world - 1} peer(s) at once, "
                   f"{probe_blocks} blocks (logical ceiling {ceiling * world / (world - 1):.1f} GB/s)")

@@ -138,7 +138,11 @@ def tables(runs):
         for tag, run in used:
             when = f", {run['date'][:10]}" if run.get("date") else ""
             commit = f"`{run['commit']}`" if run.get("commit") else "commit unknown"
-            lines.append(f"- {tag}: {commit}{when}: `{run['command']}`")
+            line = f"- {tag}: {commit}{when}: `{run['command']}`"
+            ceiling = run.get("settings", {}).get(BJ.STORE_CEILING)
+            if ceiling:  # ep_bench.py's probe, same run: what one rank's plain stores to its peers reach
+                line += f"; store ceiling {_num(ceiling)} GB/s per rank (physical) in the same run"
+            lines.append(line)
         lines.append("")
     while lines and lines[-1] == "":
         lines.pop()
