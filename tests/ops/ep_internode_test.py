@@ -13,6 +13,9 @@ other nodes over GPU-posted RDMA (emulated by MORI_RDMA_EMULATE=1 when nodes are
                                           # node-deduplicated: combine checked by the two-level formula
     python3 tests/ops/ep_internode_test.py --nproc 4 --gpu-per-node 2 --kernel-type AsyncLL
                                           # runs as InterNode, ops of <= 256 tokens per rank
+    python3 tests/ops/ep_internode_test.py --nproc 4 --gpu-per-node 2 --kernel-type InterNode
+        --kernel-type InterNodeV1 --kernel-type InterNodeV1LL    # (one command) each type in turn
+                                          # in the same ranks, case lines named case[type]
 """
 
 import os

@@ -6,6 +6,9 @@
     python3 tests/ops/ep_intranode_test.py --nproc 4      # on fewer GPUs: ranks share GPUs
     MORI_EP_STRESS_ITERS=10000 torchrun --nproc_per_node=4 tests/ops/ep_intranode_test.py -k stress
     python3 tests/ops/ep_intranode_test.py --nproc 4 --kernel-type AsyncLL   # runs as IntraNode (ops of <= 256 tokens here)
+    python3 tests/ops/ep_intranode_test.py --nproc 2 --kernel-type IntraNode --kernel-type AsyncLL
+                  # each type's cases in turn in the same ranks (one shmem init): lines name the case
+                  # and its type, "[PASS] zero_tokens[AsyncLL] (0.4 s)"; -k matches those names
 
 mori is imported from an installation, $MORI_BUILD_DIR/python, or <repo>/build*/python.
 
@@ -2709,7 +2712,7 @@ BEFORE_INIT, AFTER_FINALIZE = "use_before_shmem_init", "use_after_finalize"
 
 def selected_cases(ks):
     """The names of the cases -k `ks` selects (a name containing one of them; every case without
-    -k), in the order a run reports them."""
+    -k), in the order a run of one kernel type reports them."""
     return [n for n in (BEFORE_INIT, *(n for n, _ in CASES), AFTER_FINALIZE) if not ks or any(k in n for k in ks)]
 
 
@@ -2718,6 +2721,39 @@ def not_applicable(names, topology):
     and does not run them."""
     why = {n: NOT_APPLICABLE[n](topology) for n in names if n in NOT_APPLICABLE}
     return {n: r for n, r in why.items() if r is not None}
+
+
+def reported_name(name, kernel_type, kernel_types):
+    """The name under which a run of `kernel_types` reports case `name` of `kernel_type`: the name
+    itself where the run has one kernel type, `name[kernel_type]` where it has several."""
+    return name if len(kernel_types) == 1 else f"{name}[{kernel_type}]"
+
+
+def run_cases(ks, kernel_types):
+    """[(reported name, case name, kernel type)] of the cases -k `ks` selects in a run of
+    `kernel_types` (a reported name containing one of them; every case without -k), in the order
+    the run reports them: use_before_shmem_init of each type, the cases of CASES of each type in
+    turn, use_after_finalize of each type."""
+    order = ([(BEFORE_INIT, kt) for kt in kernel_types] + [(n, kt) for kt in kernel_types for n, _ in CASES] +
+             [(AFTER_FINALIZE, kt) for kt in kernel_types])
+    named = [(reported_name(n, kt, kernel_types), n, kt) for n, kt in order]
+    return [c for c in named if not ks or any(k in c[0] for k in ks)]
+
+
+def case_names(ks, kernel_types):
+    """The reported names of the cases -k `ks` selects in a run of `kernel_types`, in the order the
+    run reports them (what --list prints)."""
+    return [c[0] for c in run_cases(ks, kernel_types)]
+
+
+def run_not_applicable(cases, topology_of):
+    """{reported name: why not} of `cases` (run_cases' entries) that do not apply to the Topology
+    topology_of(kernel type) of their kernel type."""
+    why = {}
+    for kt in dict.fromkeys(c[2] for c in cases):
+        mine = {n: rep for rep, n, t in cases if t == kt}
+        why.update({mine[n]: r for n, r in not_applicable(list(mine), topology_of(kt)).items()})
+    return {c[0]: why[c[0]] for c in cases if c[0] in why}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2736,16 +2772,27 @@ def worker(rank, world, local_rank, args):
     torch.cuda.set_device(local_rank)
     U.init_process_group(dist, "gloo", rank, world)
     env = Env(rank, world, local_rank, args)
-    if args.kernel_type in LL_MAX_TOKENS:
-        Spec.max_tokens_cap = LL_MAX_TOKENS[args.kernel_type]
     mori = U.import_mori()
     env.mori = mori
-    # Configs name --kernel-type; the cases check the kernels it runs as (AsyncLL: IntraNode on one
-    # node, InterNode across nodes; the config's runs_as), so args.kernel_type becomes that.
-    args.config_kernel_type = args.kernel_type
-    args.kernel_type = env.config(rank=rank, world_size=world, hidden_dim=256, scale_dim=0, scale_type_size=0,
-                                  max_token_type_size=2, max_num_inp_token_per_rank=8, num_experts_per_rank=1,
-                                  num_experts_per_token=1).runs_as.name
+    kernel_types = args.kernel_types
+
+    def small_config(kernel_type):
+        return env.config(kernel_type=kernel_type, rank=rank, world_size=world, hidden_dim=256, scale_dim=0,
+                          scale_type_size=0, max_token_type_size=2, max_num_inp_token_per_rank=8,
+                          num_experts_per_rank=1, num_experts_per_token=1)
+
+    # Configs name the kernel type under test; the cases check the kernels it runs as (AsyncLL:
+    # IntraNode on one node, InterNode across nodes; the config's runs_as).
+    runs_as = {kt: small_config(kt).runs_as.name for kt in kernel_types}
+
+    def switch_to(kt):
+        """Makes `kt` the kernel type the cases test: args.config_kernel_type (env.config's default),
+        args.kernel_type (what it runs as) and the specs' token cap (LL_MAX_TOKENS)."""
+        args.config_kernel_type = kt
+        args.kernel_type = runs_as[kt]
+        Spec.max_tokens_cap = LL_MAX_TOKENS.get(kt)
+
+    switch_to(kernel_types[0])
     results = []  # (name, status, message, seconds)
 
     def record(name, status, msg, secs):
@@ -2756,22 +2803,20 @@ def worker(rank, world, local_rank, args):
                 line += f": {msg}"
             print(line, flush=True)
 
-    names = selected_cases(args.k)
-    reasons = not_applicable(names, Topology(args.kernel_type, world, torch.cuda.device_count(), env.emulated_rdma))
-    selected = [(n, f) for n, f in CASES if n in names and n not in reasons]
+    cases = run_cases(args.k, kernel_types)
+    reasons = run_not_applicable(
+        cases, lambda kt: Topology(runs_as[kt], world, torch.cuda.device_count(), env.emulated_rdma))
+    cases = [c for c in cases if c[0] not in reasons]
     if reasons and rank == 0:
         print("(not applicable here, not run: " + "; ".join(f"{n}: {r_}" for n, r_ in reasons.items()) + ")",
               flush=True)
 
     # --- use before shmem init (local) ---
-    if BEFORE_INIT in names:
+    for name, _, kt in [c for c in cases if c[1] == BEFORE_INIT]:
         t0 = time.time()
         msg = None
         try:
-            cfg = env.config(rank=rank, world_size=world, hidden_dim=256, scale_dim=0,
-                                                   scale_type_size=0, max_token_type_size=2,
-                                                   max_num_inp_token_per_rank=8, num_experts_per_rank=1,
-                                                   num_experts_per_token=1)
+            cfg = small_config(kt)
             try:
                 mori.ops.EpDispatchCombineOp(cfg)
                 msg = "no error"
@@ -2779,27 +2824,29 @@ def worker(rank, world, local_rank, args):
                 pass
         except Exception as e:  # noqa: BLE001
             msg = f"{type(e).__name__}: {e}"
-        _collect(env, record, BEFORE_INIT, msg, time.time() - t0)
+        _collect(env, record, name, msg, time.time() - t0)
 
     mori.shmem.shmem_torch_process_group_init("default")
     if rank == 0:
-        runs_as = f" (runs as {args.kernel_type})" if args.kernel_type != args.config_kernel_type else ""
-        print(f"mori EP {args.config_kernel_type}{runs_as} suite: {world} ranks, gpu_per_node {args.gpu_per_node or world}, {torch.cuda.get_device_name(local_rank)}, "
+        under_test = ", ".join(kt + (f" (runs as {runs_as[kt]})" if runs_as[kt] != kt else "") for kt in kernel_types)
+        print(f"mori EP {under_test} suite: {world} ranks, gpu_per_node {args.gpu_per_node or world}, {torch.cuda.get_device_name(local_rank)}, "
               f"backend {mori.backend() if callable(getattr(mori, 'backend', None)) else '?'}", flush=True)
-        if args.config_kernel_type in LL_MAX_TOKENS:
-            print(f"note: the suite runs {args.config_kernel_type} ops at up to {LL_MAX_TOKENS[args.config_kernel_type]} "
-                  "tokens per rank (the cases written for larger ops run at that size; ll_types_any_max_tokens "
-                  "runs 4096)", flush=True)
+        for kt in kernel_types:
+            if kt in LL_MAX_TOKENS:
+                print(f"note: the suite runs {kt} ops at up to {LL_MAX_TOKENS[kt]} tokens per rank (the cases "
+                      "written for larger ops run at that size; ll_types_any_max_tokens runs 4096)", flush=True)
         if world > torch.cuda.device_count():
             print(f"note: {world} ranks share {torch.cuda.device_count()} GPU(s): the protocol runs between "
                   "processes, but no row crosses a link (peers on one GPU are plain device memory)", flush=True)
 
-    for name, fn in selected:
+    functions = dict(CASES)
+    for name, case, kt in [c for c in cases if c[1] in functions]:
+        switch_to(kt)
         t0 = time.time()
         msg = None
         skip = None
         try:
-            fn(env)
+            functions[case](env)
         except SkipCase as e:
             skip = str(e)
         except PeerFailed:
@@ -2825,30 +2872,36 @@ def worker(rank, world, local_rank, args):
             continue
         _collect(env, record, name, msg, time.time() - t0)
 
-    # --- use after finalize ---
-    if AFTER_FINALIZE in names:
+    # --- use after finalize: an op of each type made before the one shmem_finalize refuses to
+    # dispatch after it; each type's case takes the whole block's time ---
+    after = [c for c in cases if c[1] == AFTER_FINALIZE]
+    if after:
         t0 = time.time()
-        msg = None
+        msgs = {}
+        ops = {}
         try:
-            cfg = env.config(rank=rank, world_size=world, hidden_dim=256, scale_dim=0,
-                                                   scale_type_size=0, max_token_type_size=2,
-                                                   max_num_inp_token_per_rank=8, num_experts_per_rank=1,
-                                                   num_experts_per_token=1)
-            op = mori.ops.EpDispatchCombineOp(cfg)
+            for name, _, kt in after:
+                ops[name] = mori.ops.EpDispatchCombineOp(small_config(kt))
             torch.cuda.synchronize()
             dist.barrier()
             mori.shmem.shmem_finalize()
             x = torch.zeros((4, 256), dtype=torch.bfloat16, device=env.dev)
             idx = torch.zeros((4, 1), dtype=torch.int32, device=env.dev)
-            try:
-                op.dispatch(x, None, None, idx)
-                msg = "no error"
-            except mori.InvalidUsageError:
-                pass
-            del op
+            for name, op in ops.items():
+                try:
+                    op.dispatch(x, None, None, idx)
+                    msgs[name] = "no error"
+                except mori.InvalidUsageError:
+                    pass
+                except Exception as e:  # noqa: BLE001
+                    msgs[name] = f"{type(e).__name__}: {e}"
         except Exception as e:  # noqa: BLE001
-            msg = f"{type(e).__name__}: {e}"
-        _collect(env, record, AFTER_FINALIZE, msg, time.time() - t0)
+            for name, _, _ in after:
+                msgs.setdefault(name, f"{type(e).__name__}: {e}")
+        ops.clear()
+        secs = time.time() - t0
+        for name, _, _ in after:
+            _collect(env, record, name, msgs.get(name), secs)
     elif mori.shmem.shmem_is_initialized():
         mori.shmem.shmem_finalize()
 
@@ -2874,10 +2927,12 @@ def _collect(env, record, name, msg, secs):
 def main(argv=None, default_kernel_type="IntraNode"):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=0, help="spawn this many ranks (default: all GPUs) when not under torchrun")
-    p.add_argument("-k", action="append", default=[], help="run cases whose name contains this (repeatable)")
+    p.add_argument("-k", action="append", default=[],
+                   help="run cases whose name (case[type] with several kernel types) contains this (repeatable)")
     p.add_argument("--b2b-iters", type=int, default=1000, help="iterations of back_to_back_iterations")
-    p.add_argument("--kernel-type", default=default_kernel_type, choices=KERNEL_TYPES,
-                   help="kernel family under test (default %(default)s)")
+    p.add_argument("--kernel-type", action="append", choices=KERNEL_TYPES,
+                   help=f"kernel family under test (default {default_kernel_type}); repeated, the run tests "
+                        "each in turn in the same ranks and names each case line case[type]")
     p.add_argument("--gpu-per-node", type=int, default=0,
                    help="PEs per (virtual) node; InterNode with fewer than the ranks emulates RDMA between "
                         "nodes (MORI_GPU_PER_NODE, MORI_RDMA_EMULATE=1)")
@@ -2886,6 +2941,8 @@ def main(argv=None, default_kernel_type="IntraNode"):
     p.add_argument("--list", action="store_true", help="print the names of the cases -k selects and exit")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
+    args.kernel_types = list(dict.fromkeys(args.kernel_type or [default_kernel_type]))
+    args.kernel_type = args.kernel_types[0]
     if args.num_qp_per_pe != 1:
         os.environ.setdefault("MORI_NUM_QP_PER_PE", str(args.num_qp_per_pe))
     if args.gpu_per_node > 0:
@@ -2894,7 +2951,7 @@ def main(argv=None, default_kernel_type="IntraNode"):
         os.environ["MORI_GPU_PER_NODE"] = str(args.gpu_per_node)
         os.environ.setdefault("MORI_RDMA_EMULATE", "1")
     if args.list:
-        for n in selected_cases(args.k):
+        for n in case_names(args.k, args.kernel_types):
             print(n)
         return 0
     nproc = U.rank_count(args.nproc)

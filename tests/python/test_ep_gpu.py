@@ -3,9 +3,10 @@ between emulated nodes where that file exists) on any machine with a GPU; ranks 
 there are fewer than ranks. Each run of a suite is one suite process; each of its cases is a test
 of its own, `<run>::<case>`, and `<run>::suite_exit` checks the run as a whole (suite_cases.py).
 
-Quick tier (marker `quick`, test_ep_suite_quick): every kernel type once on QUICK_CASES: IntraNode
-and AsyncLL (which runs as IntraNode on one node) with 2 ranks; InterNode, InterNodeV1 and
-InterNodeV1LL with 4 ranks as 2 emulated nodes of 2.
+Quick tier (marker `quick`, test_ep_suite_quick): every kernel type once on QUICK_CASES, in two
+suite runs that test their kernel types in turn in the same ranks (one start-up each; a case of
+type T is `<case>[T]`): IntraNode and AsyncLL (which runs as IntraNode on one node) with 2 ranks;
+InterNode, InterNodeV1 and InterNodeV1LL with 4 ranks as 2 emulated nodes of 2.
 
 Full tier (marker `full`, test_ep_suite_short), the short form: every case, the randomized stress
 with SHORT_ITERS iterations and SHORT_ITERS back-to-back iterations; IntraNode with 2 and 4 ranks,
@@ -43,29 +44,35 @@ SHORT_ITERS = 200
 QUICK_CASES = ("random_topk_seeds", "dtypes_and_combine_modes", "zero_tokens", "split_phase_dispatch",
                "split_phase_combine", "cuda_graph_replay")
 
-# (suite, ranks, GPUs per emulated node or None for one node, kernel type or None for the suite's)
-QUICK_RUNS = [(INTRANODE, 2, None, None), (INTRANODE, 2, None, "AsyncLL")]
-FULL_RUNS = [(INTRANODE, 2, None, None), (INTRANODE, 4, None, None), (INTRANODE, 4, None, "AsyncLL")]
+# (suite, ranks, GPUs per emulated node or None for one node, kernel types (a --kernel-type each, in
+# turn in the same ranks) or None for the suite's default type)
+QUICK_RUNS = [(INTRANODE, 2, None, ("IntraNode", "AsyncLL"))]
+FULL_RUNS = [(INTRANODE, 2, None, None), (INTRANODE, 4, None, None), (INTRANODE, 4, None, ("AsyncLL",))]
 if os.path.exists(INTERNODE):
-    QUICK_RUNS += [(INTERNODE, 4, 2, kt) for kt in (None, "InterNodeV1", "InterNodeV1LL")]
-    FULL_RUNS += [(INTERNODE, 4, 2, kt) for kt in (None, "InterNodeV1", "InterNodeV1LL", "AsyncLL")]
-ONE_RANK_RUNS = [(INTRANODE, 1, None, None), (INTRANODE, 1, None, "AsyncLL")]
+    QUICK_RUNS += [(INTERNODE, 4, 2, ("InterNode", "InterNodeV1", "InterNodeV1LL"))]
+    FULL_RUNS += [(INTERNODE, 4, 2, kt) for kt in (None, ("InterNodeV1",), ("InterNodeV1LL",), ("AsyncLL",))]
+ONE_RANK_RUNS = [(INTRANODE, 1, None, None), (INTRANODE, 1, None, ("AsyncLL",))]
 ONE_RANK_CASES = ("push_combine_beside_full_gpu",)
 
 
 def _run_id(run):
-    suite, nranks, per_node, kernel_type = run
+    suite, nranks, per_node, kernel_types = run
     name = os.path.basename(suite)[: -len("_test.py")]
     return (f"{name}-{nranks}ranks" + (f"-{per_node}pernode" if per_node else "") +
-            (f"-{kernel_type}" if kernel_type else ""))
+            (f"-{'+'.join(kernel_types)}" if kernel_types else ""))
 
 
-def _topology(run):
-    """The suite's Topology of `run` on this machine: the kernel type its configs run as (mori's
-    config says), and as many GPUs as visible here (without a GPU, where the tests skip: one per
-    rank)."""
-    suite, nranks, per_node, kernel_type = run
-    kernel_type = kernel_type or ("InterNode" if suite == INTERNODE else "IntraNode")
+def _kernel_types(run):
+    """The kernel types `run` tests, in order (the suite's default where it names none)."""
+    suite, _, _, kernel_types = run
+    return tuple(kernel_types or ("InterNode" if suite == INTERNODE else "IntraNode",))
+
+
+def _topology(run, kernel_type):
+    """The suite's Topology of `kernel_type` in `run` on this machine: the kernel type its configs
+    run as (mori's config says), and as many GPUs as visible here (without a GPU, where the tests
+    skip: one per rank)."""
+    suite, nranks, per_node, _ = run
     gpn = per_node or nranks
     # the config the suite's worker makes to learn what its configs run as
     cfg = mori.ops.EpDispatchCombineConfig(rank=0, world_size=nranks, gpu_per_node=gpn, kernel_type=kernel_type,
@@ -76,21 +83,21 @@ def _topology(run):
 
 
 def _suite_run(run, ks, args=(), env=(), timeout=1800, only_applicable=True):
-    """A suite_cases.Run of `run` with -k `ks`. Its cases: those -k selects, less those that do not
+    """A suite_cases.Run of `run` with -k `ks`. Its cases: those -k selects (named as the suite
+    reports them: `case[type]` where the run has several kernel types), less those that do not
     apply to the run where only_applicable (else the suite's not running one fails its test)."""
-    suite, nranks, per_node, kernel_type = run
+    suite, nranks, per_node, kernel_types = run
     argv = [suite, "--nproc", str(nranks), *args]
     env = dict(env)
     if per_node is not None:
         # The inter-node path runs between emulated nodes through the RDMA queue emulator.
         argv += ["--gpu-per-node", str(per_node)]
         env.update(MORI_RDMA_EMULATE="1")
-    if kernel_type is not None:
-        argv += ["--kernel-type", kernel_type]
-    cases = E.selected_cases(ks)
-    if only_applicable:
-        skip = E.not_applicable(cases, _topology(run))
-        cases = [n for n in cases if n not in skip]
+    for kt in kernel_types or ():
+        argv += ["--kernel-type", kt]
+    selected = E.run_cases(ks, _kernel_types(run))
+    skip = E.run_not_applicable(selected, lambda kt: _topology(run, kt)) if only_applicable else {}
+    cases = [c[0] for c in selected if c[0] not in skip]
     return suite_cases.Run(_run_id(run), tuple(argv), tuple(cases), tuple(ks), tuple(sorted(env.items())),
                            timeout)
 
@@ -134,6 +141,29 @@ def test_quick_cases_name_one_case_each():
     for k in QUICK_CASES:
         assert [n for n in names if k in n] == [k], k
     assert sorted(E.selected_cases(QUICK_CASES)) == sorted(QUICK_CASES)
+
+
+@pytest.mark.parametrize("run", QUICK + SHORT + ONE_RANK, ids=lambda r: r.id)
+def test_runs_name_their_cases_as_the_suite_does(run):
+    """A run's tests are the names its suite command lists (--list with the run's arguments: the
+    case names, `case[type]` where it tests several kernel types), in the suite's order, less the
+    cases that do not apply to it; each quick run has QUICK_CASES for each of its kernel types."""
+    out = subprocess.run([sys.executable, *run.command(set(run.cases)), "--list"], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, **dict(run.env)})
+    assert out.returncode == 0, out.stdout + out.stderr
+    listed = [n for n in out.stdout.split("\n") if n]
+    assert [n for n in listed if n in run.cases] == list(run.cases)
+    if run in QUICK:
+        types = [a for i, a in enumerate(run.argv) if run.argv[i - 1] == "--kernel-type"]
+        assert len(types) > 1
+        assert listed == [f"{k}[{kt}]" for kt in types for k in E.selected_cases(QUICK_CASES)]
+        assert list(run.cases) == listed
+
+
+def test_quick_runs_cover_every_kernel_type_once():
+    types = [a for r in QUICK for i, a in enumerate(r.argv) if r.argv[i - 1] == "--kernel-type"]
+    want = set(E.KERNEL_TYPES) if os.path.exists(INTERNODE) else {"IntraNode", "AsyncLL"}
+    assert sorted(types) == sorted(want)
 
 
 # --- no GPU: conftest.run_suite, which runs the suites above ----------------------------------------

@@ -3,8 +3,9 @@
 CPU part: synthetic buffers written with the binding's record layout (the C++ constants) go
 through the real conversion (to_chrome_trace): tracks, phase order, durations to the ns, metadata,
 clock alignment, launch selection, slot wrap-around, missing stamps, merging, argument checks.
-GPU part: the suite case tests/ops/ep_intranode_test.py -k phase_trace (enable_trace, checked
-round trips, dumps, JSON checks on every rank) on 2 ranks, sharing a GPU where there is one."""
+GPU part (full tier): the suite case tests/ops/ep_intranode_test.py -k phase_trace (enable_trace,
+checked round trips, dumps, JSON checks on every rank) on 2 ranks, sharing a GPU where there is
+one."""
 
 import json
 import os
@@ -441,6 +442,7 @@ def test_op_has_the_switch():
 
 # --- GPU: the suite case on 2 ranks ------------------------------------------------------------
 @needs_gpu
+@pytest.mark.full  # a suite start-up of its own; the quick tier's EP runs cover the round trips
 def test_phase_trace_on_gpu(suite_env):
     env = dict(suite_env)
     cmd = [sys.executable, os.path.join(REPO, "tests", "ops", "ep_intranode_test.py"), "--nproc", "2",

@@ -129,6 +129,45 @@ def test_ep_suite_case_selection():
     assert out.returncode == 0 and out.stdout.split() == ["bad_inputs", "standard_moe_bad_inputs"], out
 
 
+def test_ep_suite_cases_of_several_kernel_types():
+    """A run of one kernel type names its cases plainly (as it always did); a run of several names
+    each `case[type]`, each type's cases in turn between every type's use_before_shmem_init and
+    use_after_finalize, a -k selecting by those names; not_applicable holds per type."""
+    assert E.case_names((), ["InterNodeV1"]) == E.selected_cases(())
+    assert E.case_names(("bad_inputs",), ["AsyncLL"]) == ["bad_inputs", "standard_moe_bad_inputs"]
+    two = ["IntraNode", "AsyncLL"]
+    names = E.case_names((), two)
+    n = len(E.CASES)
+    assert names[:2] == [f"{E.BEFORE_INIT}[IntraNode]", f"{E.BEFORE_INIT}[AsyncLL]"]
+    assert names[2:2 + n] == [f"{c}[IntraNode]" for c, _ in E.CASES]
+    assert names[2 + n:2 + 2 * n] == [f"{c}[AsyncLL]" for c, _ in E.CASES]
+    assert names[2 + 2 * n:] == [f"{E.AFTER_FINALIZE}[IntraNode]", f"{E.AFTER_FINALIZE}[AsyncLL]"]
+    assert E.case_names(("zero_tokens",), two) == ["zero_tokens[IntraNode]", "zero_tokens[AsyncLL]"]
+    assert E.case_names(("zero_tokens[AsyncLL]", "cuda_graph_replay[IntraNode]"), two) == [
+        "cuda_graph_replay[IntraNode]", "zero_tokens[AsyncLL]"]
+    assert E.run_cases(("zero_tokens",), two) == [("zero_tokens[IntraNode]", "zero_tokens", "IntraNode"),
+                                                  ("zero_tokens[AsyncLL]", "zero_tokens", "AsyncLL")]
+    # a push combine applies to InterNode between emulated nodes only without the emulator; V1 types have none
+    three = ["InterNode", "InterNodeV1", "InterNodeV1LL"]
+    cases = E.run_cases(("push_combine", "bad_rdma"), three)
+    topo = {"InterNode": E.Topology("InterNode", 4, 8, False), "InterNodeV1": E.Topology("InterNodeV1", 4, 8, False),
+            "InterNodeV1LL": E.Topology("InterNodeV1LL", 4, 8, False)}
+    assert E.run_not_applicable(cases, topo.get) == {
+        "push_combine_beside_full_gpu[InterNodeV1]": "InterNodeV1 has no push combine",
+        "push_combine_beside_full_gpu[InterNodeV1LL]": "InterNodeV1LL has no push combine"}
+    topo = {"IntraNode": E.Topology("IntraNode", 2, 2, False), "AsyncLL": E.Topology("IntraNode", 2, 2, False)}
+    assert E.run_not_applicable(E.run_cases(("bad_rdma",), two), topo.get) == {
+        "bad_rdma_key_remote_error[IntraNode]": "IntraNode has no RDMA",
+        "bad_rdma_key_remote_error[AsyncLL]": "IntraNode has no RDMA"}
+    out = subprocess.run([sys.executable, E.__file__, "--list", "-k", "zero_tokens", "--kernel-type", "IntraNode",
+                          "--kernel-type", "AsyncLL", "--kernel-type", "IntraNode"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and out.stdout.split() == ["zero_tokens[IntraNode]", "zero_tokens[AsyncLL]"], out
+    out = subprocess.run([sys.executable, E.__file__, "--list", "-k", "zero_tokens", "--kernel-type", "AsyncLL"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.split() == ["zero_tokens"], out
+
+
 # --- the fixture, in a child pytest -----------------------------------------------------------------
 FAKE_MORI = """
 def device_info():
