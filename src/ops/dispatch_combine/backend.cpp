@@ -1,4 +1,5 @@
-// The IntraNode and InterNode backends of the handle (backend.hpp).
+// The backends of the handle, one per kernel family: IntraNode, InterNode and InterNodeV1 (which
+// runs InterNodeV1LL too) (backend.hpp).
 #include "backend.hpp"
 
 #include <algorithm>
@@ -46,7 +47,7 @@ void LaunchPushCombine(EpCombineKernelArgs& k, EpFamily family, const EpCombineA
 
 class IntraNodeBackend final : public EpBackend {
  public:
-  IntraNodeBackend(const EpDispatchCombineConfig& c, int device) {
+  IntraNodeBackend(const EpDispatchCombineConfig& c, int device) : config(c) {
     for (int p = 0; p < c.worldSize; p++) {
       const shmem::TransportType t = shmem::ShmemTransportType(p);
       MORI_ENSURE(LoadStore(t), InvalidUsageError,
@@ -70,8 +71,9 @@ class IntraNodeBackend final : public EpBackend {
     programmatic = ProgrammaticAllowed(prop);
     push = EpPushCombineFits(c) && core::Env().epCombinePush;
   }
-  EpFamily Family() const override { return EpFamily::kIntraNode; }
   bool PushCombine() const override { return push; }
+  size_t DispatchSmemBytes() const override { return EpDispatchSmemBytes(config, core::kWarpSize); }
+  const char* CombineName() const override { return push ? "push" : "pull"; }
 
   void LaunchDispatch(const EpDispatchKernelArgs& k, EpIndexType indexType, int blocks, int threads,
                       size_t smemBytes, gpuStream_t stream) override {
@@ -97,63 +99,81 @@ class IntraNodeBackend final : public EpBackend {
   }
 
  private:
+  EpDispatchCombineConfig config;
   bool staged = false;  // large-batch combine may use the staged (bulk-copy) kernel
   bool push = false;    // small-batch config: combine pushes rows (EpPushCombineFits)
 };
 
-class InterNodeBackend final : public EpBackend {
+// Nodes of gpu_per_node consecutive PEs, load/store within a node and RDMA across nodes, as the
+// InterNode and InterNodeV1 families need. Returns whether some PE is reached through the RDMA
+// emulator (MORI_RDMA_EMULATE).
+bool CheckNodeTopology(const EpDispatchCombineConfig& c) {
+  const int pe = c.rank;
+  const int G = c.LocalSize();
+  MORI_ENSURE(shmem::ShmemLocalSize() == G, InvalidUsageError,
+              "EpDispatchCombineHandle: config gpu_per_node = %d (%d PEs per node in this group "
+              "of %d) but shmem's node of PE %d has %d PEs (set gpu_per_node to the GPUs per "
+              "node, as MORI_GPU_PER_NODE when nodes are emulated)",
+              c.gpuPerNode, G, c.worldSize, pe, shmem::ShmemLocalSize());
+  bool emulated = false;
+  for (int p = 0; p < c.worldSize; p++) {
+    const shmem::TransportType t = shmem::ShmemTransportType(p);
+    const bool sameNode = p / G == pe / G;
+    MORI_ENSURE(shmem::ShmemNodeOf(p) == p / G, InvalidUsageError,
+                "EpDispatchCombineHandle: with gpu_per_node = %d PE %d belongs to node %d, but "
+                "shmem puts it on node %d (nodes must be consecutive PEs)",
+                c.gpuPerNode, p, p / G, shmem::ShmemNodeOf(p));
+    MORI_ENSURE(sameNode ? LoadStore(t) : t == shmem::TransportType::kRdma, InvalidUsageError,
+                "EpDispatchCombineHandle: PE %d is %s node of PE %d and must be reached by %s, "
+                "but shmem reaches it by '%s'",
+                p, sameNode ? "on the" : "not on the", pe, sameNode ? "load/store" : "RDMA",
+                shmem::TransportTypeName(t));
+    emulated = emulated || (t == shmem::TransportType::kRdma && core::Env().rdmaEmulate);
+  }
+  return emulated;
+}
+
+// What the families across nodes share: the topology check, and the emulated NIC's needs. The
+// emulated NIC executes atomics, and copies within one GPU, as kernels of its own process on the
+// GPUs the kernels wait on: launches leave it half the SMs (which MPS clients share) and are not
+// programmatic (a kernel launched early holds SMs with waiting blocks).
+class AcrossNodesBackend : public EpBackend {
  public:
-  InterNodeBackend(const EpDispatchCombineConfig& c, int device)
-      : worldSize(c.worldSize), v1(c.IsV1()) {
-    const int pe = c.rank;
-    const int G = c.LocalSize();
-    MORI_ENSURE(shmem::ShmemLocalSize() == G, InvalidUsageError,
-                "EpDispatchCombineHandle: config gpu_per_node = %d (%d PEs per node in this group "
-                "of %d) but shmem's node of PE %d has %d PEs (set gpu_per_node to the GPUs per "
-                "node, as MORI_GPU_PER_NODE when nodes are emulated)",
-                c.gpuPerNode, G, c.worldSize, pe, shmem::ShmemLocalSize());
-    for (int p = 0; p < c.worldSize; p++) {
-      const shmem::TransportType t = shmem::ShmemTransportType(p);
-      const bool sameNode = p / G == pe / G;
-      MORI_ENSURE(shmem::ShmemNodeOf(p) == p / G, InvalidUsageError,
-                  "EpDispatchCombineHandle: with gpu_per_node = %d PE %d belongs to node %d, but "
-                  "shmem puts it on node %d (nodes must be consecutive PEs)",
-                  c.gpuPerNode, p, p / G, shmem::ShmemNodeOf(p));
-      MORI_ENSURE(sameNode ? LoadStore(t) : t == shmem::TransportType::kRdma, InvalidUsageError,
-                  "EpDispatchCombineHandle: PE %d is %s node of PE %d and must be reached by %s, "
-                  "but shmem reaches it by '%s'",
-                  p, sameNode ? "on the" : "not on the", pe, sameNode ? "load/store" : "RDMA",
-                  shmem::TransportTypeName(t));
-      emulated = emulated || (t == shmem::TransportType::kRdma && core::Env().rdmaEmulate);
-    }
-    // The emulated NIC (MORI_RDMA_EMULATE) executes atomics, and copies within one GPU, as
-    // kernels of its own process on the GPUs the kernels wait on: launches leave it half the SMs
-    // (which MPS clients share) and are not programmatic (a kernel launched early holds SMs with
-    // waiting blocks).
+  AcrossNodesBackend(const EpDispatchCombineConfig& c, int device)
+      : config(c), emulated(CheckNodeTopology(c)) {
     programmatic = ProgrammaticAllowed(DeviceProperties(device)) && !emulated;
+  }
+  int MaxBlocks(int numSms) const override {
+    return emulated ? std::min(numSms, std::max(config.worldSize, numSms / 2)) : numSms;
+  }
+
+ protected:
+  EpDispatchCombineConfig config;
+
+ private:
+  bool emulated;  // some PE is reached through the RDMA emulator
+};
+
+class InterNodeBackend final : public AcrossNodesBackend {
+ public:
+  InterNodeBackend(const EpDispatchCombineConfig& c, int device) : AcrossNodesBackend(c, device) {
     push = EpPushCombineFits(c) && core::Env().epCombinePush;
     // One channel (QP 0 of shmem's QPs to each peer) whatever num_qp_per_pe says: spreading the
     // posts over several QPs (RdmaWrite) has not been run on a GPU yet.
-    if (c.numQpPerPe > 1 && !v1)
+    if (c.numQpPerPe > 1)
       MORI_WARN(
           kLogOps,
           "EP InterNode on PE %d: num_qp_per_pe = %d is not used yet: this build posts on one "
           "QP per peer",
-          pe, c.numQpPerPe);
+          c.rank, c.numQpPerPe);
   }
-  EpFamily Family() const override { return EpFamily::kInterNode; }
   bool PushCombine() const override { return push; }
-  int MaxBlocks(int numSms) const override {
-    return emulated ? std::min(numSms, std::max(worldSize, numSms / 2)) : numSms;
-  }
+  size_t DispatchSmemBytes() const override { return EpDispatchSmemBytes(config, core::kWarpSize); }
+  const char* CombineName() const override { return push ? "push" : "InterNode landing"; }
 
   void LaunchDispatch(const EpDispatchKernelArgs& k, EpIndexType indexType, int blocks, int threads,
                       size_t smemBytes, gpuStream_t stream) override {
-    if (v1) {
-      LaunchEpV1Dispatch(k, indexType, blocks, threads, smemBytes, stream);
-    } else {
-      LaunchEpDispatch(k, EpFamily::kInterNode, indexType, blocks, threads, smemBytes, stream);
-    }
+    LaunchEpDispatch(k, EpFamily::kInterNode, indexType, blocks, threads, smemBytes, stream);
   }
 
   void LaunchCombine(EpCombineKernelArgs& k, const EpCombineArgs& args, int64_t bufferRows,
@@ -161,18 +181,38 @@ class InterNodeBackend final : public EpBackend {
     k.staged = 0;
     if (push) {
       LaunchPushCombine(k, EpFamily::kInterNode, args, bufferRows, blocks, threads, stream);
-    } else if (v1) {
-      LaunchEpV1Combine(k, args.dataType, blocks, threads, stream);
     } else {
       LaunchEpCombine(k, EpFamily::kInterNode, args.dataType, blocks, threads, stream);
     }
   }
 
  private:
-  int worldSize;
-  bool v1;                // InterNodeV1/V1LL kernels (node-deduplicated), else InterNode's
-  bool push = false;      // small-batch InterNode config: combine pushes rows (EpPushCombineFits)
-  bool emulated = false;  // some PE is reached through the RDMA emulator
+  bool push = false;  // small-batch config: combine pushes rows (EpPushCombineFits)
+};
+
+// InterNodeV1 and its low-latency mode InterNodeV1LL (EpKernelCommon::lowLatency): one kernel
+// family, node-deduplicated (docs/ep_internode_v1.md).
+class InterNodeV1Backend final : public AcrossNodesBackend {
+ public:
+  using AcrossNodesBackend::AcrossNodesBackend;
+  size_t DispatchSmemBytes() const override {
+    return EpV1DispatchSmemBytes(config, core::kWarpSize);
+  }
+  void FillFamilyArgs(EpKernelCommon* common) const override {
+    common->lowLatency = config.RunsAs() == EpDispatchCombineKernelType::kInterNodeV1LL ? 1 : 0;
+  }
+  const char* CombineName() const override { return "node-deduplicated"; }
+
+  void LaunchDispatch(const EpDispatchKernelArgs& k, EpIndexType indexType, int blocks, int threads,
+                      size_t smemBytes, gpuStream_t stream) override {
+    LaunchEpV1Dispatch(k, indexType, blocks, threads, smemBytes, stream);
+  }
+
+  void LaunchCombine(EpCombineKernelArgs& k, const EpCombineArgs& args, int64_t, int blocks,
+                     int threads, gpuStream_t stream) override {
+    k.staged = 0;
+    LaunchEpV1Combine(k, args.dataType, blocks, threads, stream);
+  }
 };
 
 // The e4m3 encoding of the device's FP8 hardware and frameworks: e4m3fnuz on AMD gfx94x (MI300),
@@ -187,8 +227,10 @@ int DeviceFp8Format(int device) {
 
 std::unique_ptr<EpBackend> MakeEpBackend(const EpDispatchCombineConfig& config, int device) {
   std::unique_ptr<EpBackend> b;
-  if (config.RunsAs() != EpDispatchCombineKernelType::kIntraNode) {
-    b = std::make_unique<InterNodeBackend>(config, device);  // InterNode, InterNodeV1/V1LL
+  if (config.IsV1()) {
+    b = std::make_unique<InterNodeV1Backend>(config, device);  // InterNodeV1, InterNodeV1LL
+  } else if (config.RunsAs() == EpDispatchCombineKernelType::kInterNode) {
+    b = std::make_unique<InterNodeBackend>(config, device);
   } else {
     b = std::make_unique<IntraNodeBackend>(config, device);
   }

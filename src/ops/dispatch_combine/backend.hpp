@@ -17,7 +17,6 @@ namespace mori::ops {
 class EpBackend {
  public:
   virtual ~EpBackend() = default;
-  virtual EpFamily Family() const = 0;
   // Kernels are programmatic dependent launches (EpKernelCommon::programmatic).
   bool Programmatic() const { return programmatic; }
   // core::Fp8Format of fp8_direct_cast combine rows on this device
@@ -28,6 +27,12 @@ class EpBackend {
   // Most blocks one launch may use on a GPU of `numSms` SMs (every block must be resident: they
   // wait on each other), before the family's own minimum.
   virtual int MaxBlocks(int numSms) const { return numSms; }
+  // Dynamic shared memory of a dispatch launch.
+  virtual size_t DispatchSmemBytes() const = 0;
+  // The family's fields of the kernels' common arguments (EpKernelCommon), after the handle's.
+  virtual void FillFamilyArgs(EpKernelCommon* /*common*/) const {}
+  // How this op combines, as error messages name it ("pull", "push", ...).
+  virtual const char* CombineName() const = 0;
   virtual void LaunchDispatch(const EpDispatchKernelArgs& k, EpIndexType indexType, int blocks,
                               int threads, size_t smemBytes, gpuStream_t stream) = 0;
   // `k` is filled by the shell as for the pull combine (sources, copies, outputs, parts per
@@ -46,10 +51,11 @@ class EpBackend {
   int combineFp8Format = 0;
 };
 
-// The backend of config.RunsAs() on the current device (decides from MORI_EP_* and the device).
+// The backend of config.RunsAs() on the current device (decides from MORI_EP_* and the device):
+// IntraNode, InterNode, or InterNodeV1 (which also runs InterNodeV1LL, its low-latency mode).
 // Raises InvalidUsageError when shmem's topology does not fit the family (IntraNode: every PE by
-// load/store; InterNode: shmem's nodes are gpu_per_node consecutive PEs, load/store within a node,
-// RDMA across nodes).
+// load/store; InterNode and InterNodeV1: shmem's nodes are gpu_per_node consecutive PEs,
+// load/store within a node, RDMA across nodes).
 std::unique_ptr<EpBackend> MakeEpBackend(const EpDispatchCombineConfig& config, int device);
 
 }  // namespace mori::ops

@@ -399,7 +399,7 @@ void EpDispatchCombineHandle::FillCommonArgs(EpKernelCommon* common) const {
   common->topK = c.numExpertsPerToken;
   common->localSize = c.KernelLocalSize();
   common->channels = c.numQpPerPe;
-  common->lowLatency = c.RunsAs() == EpDispatchCombineKernelType::kInterNodeV1LL ? 1 : 0;
+  common->lowLatency = 0;  // FillFamilyArgs: InterNodeV1LL's mode
   common->maxRecvRows = c.MaxNumRecvTokens();
   common->shmem = shmemCtx;
   common->symmHeapOffset = symmHeapOffset;
@@ -415,6 +415,7 @@ void EpDispatchCombineHandle::FillCommonArgs(EpKernelCommon* common) const {
   common->trace = traceBuf;
   common->traceSlots = traceSlots;
   common->traceMaxBlocks = traceMaxBlocks;
+  backend->FillFamilyArgs(common);
 }
 
 void EpDispatchCombineHandle::SetTrace(uint64_t* buffer, int slots, int maxBlocks) {
@@ -677,9 +678,8 @@ void EpDispatchCombineHandle::LaunchDispatchCall(const EpDispatchArgs& args, EpD
   if (phase != EpDispatchPhase::kBoth) k.format |= kEpDispatchFormatSplit;
   if (phase == EpDispatchPhase::kSend) k.c.trace = nullptr;  // a trace records the receive half
 
-  const size_t smem = c.IsV1() ? EpV1DispatchSmemBytes(c, core::kWarpSize)
-                               : EpDispatchSmemBytes(c, core::kWarpSize);
-  backend->LaunchDispatch(k, args.indexType, blocks, warps * core::kWarpSize, smem, stream);
+  backend->LaunchDispatch(k, args.indexType, blocks, warps * core::kWarpSize,
+                          backend->DispatchSmemBytes(), stream);
   if (phase == EpDispatchPhase::kSend) return;  // the outputs change with the receive half
   lastNumTokens = args.numTokens;
   lastRowBytes = k.rowBytes;
@@ -729,10 +729,7 @@ void EpDispatchCombineHandle::LaunchCombineCall(const EpCombineArgs& args, EpCom
                 "MORI_EP_COMBINE_PUSH on); this op (kernel_type %s, %d tokens per rank) uses the "
                 "%s combine",
                 kEpPushCombineMaxTokens, EpKernelTypeName(config.kernelType),
-                config.maxNumInpTokenPerRank,
-                config.IsV1()                               ? "node-deduplicated"
-                : backend->Family() == EpFamily::kIntraNode ? "pull"
-                                                            : "InterNode landing");
+                config.maxNumInpTokenPerRank, backend->CombineName());
   }
   const EpDispatchCombineConfig& c = config;
   MORI_ENSURE(lastNumTokens >= 0, InvalidUsageError,
