@@ -19,7 +19,7 @@
 #include "../ops/dispatch_combine/combine_reduce.hpp"
 #include "../ops/dispatch_combine/fp8_quant.hpp"
 #include "../ops/dispatch_combine/internode_v1_device.hpp"
-#include "../ops/dispatch_combine/intranode_device.hpp"
+#include "../ops/dispatch_combine/common_device.hpp"
 #include "mori/core/gpu_check.hpp"
 #include "mori/ops/dispatch_combine/handle.hpp"
 #include "mori/shmem/shmem_api.hpp"

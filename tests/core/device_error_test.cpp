@@ -83,8 +83,8 @@ TEST(DeviceErrorTest, ExpiredWaitIsTimeoutError) {
 }
 
 TEST(DeviceErrorTest, ViolatedCheckIsInvalidUsageWithoutWaitText) {
-  // As intranode_combine.cpp records combine input with fewer rows than dispatch received: a
-  // kernel argument (no address), required rows >= 141, found 100.
+  // As the pull combine (combine_body.hpp) records combine input with fewer rows than dispatch
+  // received: a kernel argument (no address), required rows >= 141, found 100.
   DeviceErrorRecord e =
       Filled(DeviceErrorKind::kUsage, static_cast<int32_t>(CmpOp::kGe),
              "EP combine: input has fewer rows than dispatch received", -1, 0, 141, 100);

@@ -2524,7 +2524,7 @@ def case_profiler_kernel_names(env):
     EpDispatch<F>Kernel and one EpCombine<F>Kernel (F: the family the op runs as, InterNodeV1 for
     V1LL), exactly one row holds "dispatch" and one "combine" in lower case (the kernels'
     namespaces) and none "notify"; each row counts one launch per fused call and two per split
-    call (its halves are launches of one kernel). Names: src/ops/dispatch_combine/intranode.hpp."""
+    call (its halves are launches of one kernel). Names: src/ops/dispatch_combine/kernel_args.hpp."""
     torch = env.torch
     from torch.profiler import ProfilerActivity, profile
 

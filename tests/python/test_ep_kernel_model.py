@@ -1,5 +1,5 @@
 """A model of the IntraNode dispatch kernel's indexing (no GPU, no torch), built on the kernel's
-own work splits (src/ops/dispatch_combine/intranode_device.hpp and combine_reduce.hpp, called
+own work splits (src/ops/dispatch_combine/common_device.hpp and combine_reduce.hpp, called
 through mori._C._testing): block roles (EpDispatchBlockRole), the rows and tokens of each block
 (EpShareBegin), the warps per row (EpPartsPerRow), the word that holds a list position
 (EpWordOfPosition) and the staged combine's chunks (EpStagedChunk*). The warp primitives are
@@ -281,7 +281,7 @@ def test_word_of_position_holds_the_position():
             assert prefix[w] <= p < prefix[w] + popcount(words[w]), (words, p, w)
 
 
-# --- staged combine (intranode_combine.cpp: WarpReduceRowsStaged) -----------------------------
+# --- staged combine (combine_body.hpp: WarpReduceRowsStaged) -----------------------------
 def staged_chunks(n, vb, ve):
     """(chunk bytes per row, [(offset, bytes)]) of one item, as the kernel streams it."""
     chunk = _testing().ep_staged_chunk_bytes(n)

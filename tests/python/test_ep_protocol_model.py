@@ -12,8 +12,8 @@ Ops: "D" dispatch, "S" split-phase dispatch (dispatch_send and dispatch_recv, tw
 send stages rows in the receivers' staging of its parity and waits for nothing; the receive waits
 for every rank's count and staged rows and compacts them into its own outputs), "C" combine from
 the registered buffer (zero-copy), "X" combine from an external tensor (the pull combine first copies it into the registered buffer). Modes: "push" (the
-small-batch combine, intranode_combine_push.cpp) and "pull" (intranode_combine.cpp); dispatch as
-intranode_dispatch.cpp. Mode "inter" is the InterNode family on nodes of G ranks: same-node peers
+small-batch combine, combine_push_body.hpp) and "pull" (combine_body.hpp); dispatch as
+dispatch_body.hpp. Mode "inter" is the InterNode family on nodes of G ranks: same-node peers
 as "pull"; a rank on another node gets its dispatch rows written (RDMA, from staging) followed by a
 tail word (one slot per source, not parity-buffered), and in combine returns our tokens' rows into
 our landing region followed by a landing word, after waiting until we finished reading that region
@@ -28,7 +28,7 @@ before the external-input copy, a split dispatch that leaves the combine's per-p
 (EpDeviceState sendCount / recvCount, which the model's combines use as the kernels do) stale.
 
 Mode "inter_push" is the push combine across nodes (docs/ep_split_phase.md, "Combine across
-nodes"; built in intranode_combine_push.cpp): a rank on another node gets its rows by RDMA into a
+nodes"; built in combine_push_body.hpp): a rank on another node gets its rows by RDMA into a
 landing of the combine's parity, followed on one QP by a tail word and "done", sent also with no
 rows; op "K" is combine_send then combine_recv (two kernels), "C"/"X" the same protocol fused.
 

@@ -1,4 +1,4 @@
-"""EpResidentSms (src/ops/dispatch_combine/intranode.hpp, through mori._C._testing): the SMs one
+"""EpResidentSms (src/ops/dispatch_combine/kernel_args.hpp, through mori._C._testing): the SMs one
 PE's grids may take so that every PE on its GPU can have its grid resident at once (docs/ep.md,
 "Residency"). No GPU needed."""
 

@@ -32,9 +32,9 @@ gpuDeviceProp_t DeviceProperties(int device) {
 }
 
 // The push combine reads every input in place, the caller's tensors included (no copy; InterNode
-// copies only the rows it WRITEs to other nodes into registered memory, in the kernel).
-void LaunchPushCombine(EpCombineKernelArgs& k, EpFamily family, const EpCombineArgs& args,
-                       int64_t bufferRows, int blocks, int threads, gpuStream_t stream) {
+// copies only the rows it WRITEs to other nodes into registered memory, in the kernel): rewrites
+// the pull combine's arguments for it.
+void ReadInPlaceForPush(EpCombineKernelArgs& k, const EpCombineArgs& args, int64_t bufferRows) {
   k.inTokens = static_cast<const uint8_t*>(args.input);
   k.inRows = k.copyTokens != 0 ? args.inputRows : bufferRows;
   k.inWeights = args.weights;
@@ -42,7 +42,6 @@ void LaunchPushCombine(EpCombineKernelArgs& k, EpFamily family, const EpCombineA
   k.copyTokens = 0;
   k.copyWeights = 0;
   k.staged = 0;
-  LaunchEpCombinePush(k, family, args.dataType, blocks, threads, stream);
 }
 
 class IntraNodeBackend final : public EpBackend {
@@ -77,13 +76,14 @@ class IntraNodeBackend final : public EpBackend {
 
   void LaunchDispatch(const EpDispatchKernelArgs& k, EpIndexType indexType, int blocks, int threads,
                       size_t smemBytes, gpuStream_t stream) override {
-    LaunchEpDispatch(k, EpFamily::kIntraNode, indexType, blocks, threads, smemBytes, stream);
+    LaunchEpIntraNodeDispatch(k, indexType, blocks, threads, smemBytes, stream);
   }
 
   void LaunchCombine(EpCombineKernelArgs& k, const EpCombineArgs& args, int64_t bufferRows,
                      int blocks, int threads, gpuStream_t stream) override {
     if (push) {
-      LaunchPushCombine(k, EpFamily::kIntraNode, args, bufferRows, blocks, threads, stream);
+      ReadInPlaceForPush(k, args, bufferRows);
+      LaunchEpIntraNodePushCombine(k, args.dataType, blocks, threads, stream);
       return;
     }
     // Staged (bulk copies into shared memory) for large batches, where warps take many items and
@@ -95,7 +95,7 @@ class IntraNodeBackend final : public EpBackend {
                        items > blocks * (threads / core::kWarpSize)
                    ? 1
                    : 0;
-    LaunchEpCombine(k, EpFamily::kIntraNode, args.dataType, blocks, threads, stream);
+    LaunchEpIntraNodeCombine(k, args.dataType, blocks, threads, stream);
   }
 
  private:
@@ -173,16 +173,17 @@ class InterNodeBackend final : public AcrossNodesBackend {
 
   void LaunchDispatch(const EpDispatchKernelArgs& k, EpIndexType indexType, int blocks, int threads,
                       size_t smemBytes, gpuStream_t stream) override {
-    LaunchEpDispatch(k, EpFamily::kInterNode, indexType, blocks, threads, smemBytes, stream);
+    LaunchEpInterNodeDispatch(k, indexType, blocks, threads, smemBytes, stream);
   }
 
   void LaunchCombine(EpCombineKernelArgs& k, const EpCombineArgs& args, int64_t bufferRows,
                      int blocks, int threads, gpuStream_t stream) override {
     k.staged = 0;
     if (push) {
-      LaunchPushCombine(k, EpFamily::kInterNode, args, bufferRows, blocks, threads, stream);
+      ReadInPlaceForPush(k, args, bufferRows);
+      LaunchEpInterNodePushCombine(k, args.dataType, blocks, threads, stream);
     } else {
-      LaunchEpCombine(k, EpFamily::kInterNode, args.dataType, blocks, threads, stream);
+      LaunchEpInterNodeCombine(k, args.dataType, blocks, threads, stream);
     }
   }
 

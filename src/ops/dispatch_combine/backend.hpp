@@ -7,7 +7,7 @@
 
 #include <memory>
 
-#include "intranode.hpp"
+#include "kernel_args.hpp"
 #include "mori/core/gpu.hpp"
 #include "mori/ops/dispatch_combine/config.hpp"
 #include "mori/ops/dispatch_combine/handle.hpp"

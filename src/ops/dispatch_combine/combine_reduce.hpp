@@ -1,11 +1,11 @@
-// The fp32 row sums both IntraNode combines share (pull: intranode_combine.cpp, push:
-// intranode_combine_push.cpp): a warp sums n rows of 16-byte vectors in a fixed order (ascending
+// The fp32 row sums every combine shares (pull: combine_body.hpp, push:
+// combine_push_body.hpp): a warp sums n rows of 16-byte vectors in a fixed order (ascending
 // PE), with as many loads per lane in flight as the registers allow.
 #pragma once
 
 #include <cstdint>
 
-#include "intranode_device.hpp"
+#include "common_device.hpp"
 #include "mori/core/errors.hpp"
 #include "mori/core/fp8.hpp"
 

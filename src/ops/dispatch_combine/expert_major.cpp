@@ -22,7 +22,7 @@
 // k, in fp32 (each product rounded to fp32 and never fused with the addition), and writes the
 // sum rounded once to the output dtype into the registered combine input.
 #include "combine_reduce.hpp"
-#include "intranode_device.hpp"
+#include "common_device.hpp"
 #include "mori/core/errors.hpp"
 #include "mori/core/gpu_check.hpp"
 #include "mori/ops/dispatch_combine/handle.hpp"

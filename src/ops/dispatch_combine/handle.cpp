@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "backend.hpp"
-#include "intranode.hpp"
-#include "intranode_device.hpp"
+#include "kernel_args.hpp"
+#include "common_device.hpp"
 #include "mori/core/env.hpp"
 #include "mori/core/errors.hpp"
 #include "mori/core/fp8.hpp"

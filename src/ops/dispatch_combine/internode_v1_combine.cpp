@@ -23,7 +23,7 @@
 // combine").
 #include "combine_reduce.hpp"
 #include "internode_v1_device.hpp"
-#include "intranode.hpp"
+#include "kernel_args.hpp"
 #include "mori/core/gpu_check.hpp"
 
 namespace mori::ops {
@@ -353,7 +353,7 @@ MORI_DEVICE_INLINE void EpV1CombineBody(const EpCombineKernelArgs& a) {
 
 }  // namespace detail
 
-// The entry point of the family, both modes (intranode.hpp, "Kernel names").
+// The entry point of the family, both modes (kernel_args.hpp, "Kernel names").
 namespace combine {
 template <typename Elem, bool kFp8, int kThreads>
 __global__ void __launch_bounds__(kThreads)

@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "intranode_device.hpp"
+#include "common_device.hpp"
 
 namespace mori::ops::detail {
 

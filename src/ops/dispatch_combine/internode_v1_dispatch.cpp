@@ -21,7 +21,7 @@
 //   5. Block 0 receives as IntraNode (EpDispatchReceive); the last block completes our WRITEs
 //      (quiet: the staging is reused by the next call) and bumps the epoch.
 #include "internode_v1_device.hpp"
-#include "intranode.hpp"
+#include "kernel_args.hpp"
 #include "mori/core/gpu_check.hpp"
 
 namespace mori::ops {
@@ -579,7 +579,7 @@ MORI_DEVICE_INLINE void EpV1DispatchBody(const EpDispatchKernelArgs& a) {
 
 }  // namespace detail
 
-// The entry point of the family, both modes (intranode.hpp, "Kernel names").
+// The entry point of the family, both modes (kernel_args.hpp, "Kernel names").
 namespace dispatch {
 template <typename IndexT, int kThreads>
 __global__ void __launch_bounds__(kThreads, 1)

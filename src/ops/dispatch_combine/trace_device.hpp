@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-#include "intranode.hpp"
+#include "kernel_args.hpp"
 #include "mori/core/gpu.hpp"
 #include "mori/ops/dispatch_combine/trace.hpp"
 

@@ -11,7 +11,7 @@
 #include "mori/shmem/device/copy.hpp"
 #include "mori/shmem/shmem_device_api.hpp"
 #include "fp8_quant.hpp"
-#include "intranode.hpp"
+#include "kernel_args.hpp"
 #include "trace_device.hpp"
 
 namespace mori::ops::detail {

@@ -1,7 +1,9 @@
-// Dispatch/combine kernels: argument structs and launchers (internal to src/ops). The IntraNode
-// and InterNode families share the kernel bodies (intranode_dispatch.cpp, intranode_combine.cpp;
-// the family is a template parameter); the push combine (small batches) serves both. Protocol:
-// docs/ep.md.
+// Dispatch/combine kernels of every family: argument structs and launchers (internal to src/ops).
+// Files by family: intranode_*.cpp, internode_*.cpp and internode_v1_*.cpp hold each family's
+// entry points, instantiations and launchers; the IntraNode and InterNode families share their
+// bodies (dispatch_body.hpp, combine_body.hpp, combine_push_body.hpp: the family is a template
+// parameter); common_device.hpp, combine_reduce.hpp, fp8_quant.hpp and trace_device.hpp are the
+// device code every family uses. Protocol: docs/ep.md.
 //
 // Kernel names. Each family has one entry point per phase, a __global__ named by family and phase
 // around the shared body; that name is what profilers show, and what ROCm/mori's and DeepEP's own
@@ -131,7 +133,7 @@ struct EpCombineKernelArgs {
   int32_t wireFp8;
   int32_t fp8Format;
 };
-// The push combine (intranode_combine_push.cpp) reads its input in place: inTokens/inWeights are
+// The push combine (combine_push_body.hpp) reads its input in place: inTokens/inWeights are
 // this PE's rows (registered buffer, dispatch output or the caller's tensor; inWeights nullptr:
 // none) with inRows/inWeightRows readable rows; copyTokens/copyWeights/staged are unused.
 
@@ -163,19 +165,24 @@ inline int EpResidentSms(int numSms, int pesOnGpu, bool mps, int mpsThreadPercen
 // combine").
 constexpr int kEpStagedAutoMaxPes = 2;
 
-// Launchers (kernel instantiations live next to the kernels).
-void LaunchEpDispatch(const EpDispatchKernelArgs& args, EpFamily family, EpIndexType indexType,
-                      int blocks, int threads, size_t smemBytes, gpuStream_t stream);
+// Launchers, one per family and phase (their kernels' instantiations are next to them).
+void LaunchEpIntraNodeDispatch(const EpDispatchKernelArgs& args, EpIndexType indexType, int blocks,
+                               int threads, size_t smemBytes, gpuStream_t stream);
+void LaunchEpInterNodeDispatch(const EpDispatchKernelArgs& args, EpIndexType indexType, int blocks,
+                               int threads, size_t smemBytes, gpuStream_t stream);
 // args.staged (IntraNode only) selects the staged kernel (dynamic shared memory
 // EpCombineStagedSmemBytes), which needs PrepareEpCombineStaged() once on the launching device (its
 // shared-memory opt-in).
 void PrepareEpCombineStaged();
-void LaunchEpCombine(const EpCombineKernelArgs& args, EpFamily family, EpDataType dataType,
-                     int blocks, int threads, gpuStream_t stream);
+void LaunchEpIntraNodeCombine(const EpCombineKernelArgs& args, EpDataType dataType, int blocks,
+                              int threads, gpuStream_t stream);
+void LaunchEpInterNodeCombine(const EpCombineKernelArgs& args, EpDataType dataType, int blocks,
+                              int threads, gpuStream_t stream);
 // quant_type fp8_direct_cast (args.wireFp8): launches the cast of this PE's combine rows into
 // combineInFp8 (after PEs p0 to p1 - 1, its readers, finished reading the last combine's codes)
 // and returns the arguments of the combine kernel that follows (tokenSource kFp8Wire, no token
-// copy). Otherwise launches nothing and returns args. LaunchEpCombine does this itself.
+// copy). Otherwise launches nothing and returns args. The pull combines' launchers do this
+// themselves (combine_cast.cpp).
 EpCombineKernelArgs LaunchEpCombineCast(const EpCombineKernelArgs& args, EpDataType dataType,
                                         int p0, int p1, int blocks, int threads,
                                         gpuStream_t stream);
@@ -189,8 +196,10 @@ void LaunchEpV1Dispatch(const EpDispatchKernelArgs& args, EpIndexType indexType,
                         int threads, size_t smemBytes, gpuStream_t stream);
 void LaunchEpV1Combine(const EpCombineKernelArgs& args, EpDataType dataType, int blocks,
                        int threads, gpuStream_t stream);
-// The push combine (small-batch configs, either family; intranode_combine_push.cpp).
-void LaunchEpCombinePush(const EpCombineKernelArgs& args, EpFamily family, EpDataType dataType,
-                         int blocks, int threads, gpuStream_t stream);
+// The push combine (small-batch configs) of each family.
+void LaunchEpIntraNodePushCombine(const EpCombineKernelArgs& args, EpDataType dataType, int blocks,
+                                  int threads, gpuStream_t stream);
+void LaunchEpInterNodePushCombine(const EpCombineKernelArgs& args, EpDataType dataType, int blocks,
+                                  int threads, gpuStream_t stream);
 
 }  // namespace mori::ops
