@@ -1,12 +1,18 @@
 // An NVTX v3 injection library, the way a profiler plugs into NVTX: NVTX calls
 // InitializeInjectionNvtx2 at its first use in a process when NVTX_INJECTION64_PATH names this
 // library, and the library replaces the entries of NVTX's callback tables it wants to see. This
-// one records domain creation, range pushes and pops (the domain API and the global one).
+// one records domain creation, range pushes and pops (the domain API and the global one). With
+// MORI_NVTX_RECORDER_OUT=PREFIX a process that exits normally writes its log to PREFIX.<pid>, so a
+// program run with the library as its tool (the C++ example on a GPU, say) shows its ranges.
 #define NVTX_NO_IMPL
 #include "nvtx_range_recorder.hpp"
 
 #include <nvtx3/nvToolsExt.h>
 
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
 #include <mutex>
 #include <string>
 
@@ -64,6 +70,21 @@ int NVTX_API DomainRangePop(nvtxDomainHandle_t domain) { return Pop(domain); }
 int NVTX_API RangePushA(const char* name) { return Push(nullptr, name); }
 int NVTX_API RangePushEx(const nvtxEventAttributes_t* attr) { return Push(nullptr, Message(attr)); }
 int NVTX_API RangePop() { return Pop(nullptr); }
+
+// Writes the log at normal process exit when MORI_NVTX_RECORDER_OUT is set (a static object's
+// destructor: it runs after main returns or exit() is called).
+struct DumpAtExit {
+  ~DumpAtExit() {
+    const char* prefix = std::getenv("MORI_NVTX_RECORDER_OUT");
+    if (prefix == nullptr || *prefix == '\0') return;
+    const std::string path = std::string(prefix) + "." + std::to_string(getpid());
+    std::lock_guard<std::mutex> lock(gMutex);
+    if (FILE* f = std::fopen(path.c_str(), "w")) {
+      std::fputs(gLog.c_str(), f);
+      std::fclose(f);
+    }
+  }
+} gDumpAtExit;
 
 // Puts `fn` into entry `id` of a callback table of `size` entries; false when it has no such entry.
 template <typename Fn>

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <stdexcept>
@@ -117,6 +118,40 @@ std::string NestedRanges() {
     });
   }
   return Report(ProfilerRangesEnabled(), built);
+}
+
+// MORI_NVTX_RECORDER_OUT: a process that exits normally leaves the recorder's log in a file (how a
+// GPU program's ranges are seen without a profiler).
+TEST(ProfilerRangeTest, RecorderWritesItsLogAtExit) {
+  char dir[] = "/tmp/mori-nvtx-XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  const std::string prefix = std::string(dir) + "/ranges";
+  const pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    setenv("MORI_NVTX", "1", 1);
+    setenv("NVTX_INJECTION64_PATH", MORI_NVTX_RECORDER_PATH, 1);
+    setenv("MORI_NVTX_RECORDER_OUT", prefix.c_str(), 1);
+    NestedRanges();
+    std::exit(0);  // runs static destructors, as a program's normal end does
+  }
+  int status = 0;
+  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child status " << status;
+  const std::string path = prefix + "." + std::to_string(pid);
+  std::string log;
+  if (FILE* f = std::fopen(path.c_str(), "r")) {
+    char buf[4096];
+    size_t n;
+    while ((n = std::fread(buf, 1, sizeof(buf), f)) > 0) log.append(buf, n);
+    std::fclose(f);
+  }
+  std::remove(path.c_str());
+  rmdir(dir);
+  EXPECT_EQ(log,
+            "domain mori\npush mori mori.test.outer\npush mori mori.test.inner\npop mori\npop "
+            "mori\n");
 }
 
 TEST(ProfilerRangeTest, NothingReachesTheToolWhenUnset) {

@@ -19,9 +19,9 @@ void LaunchEpInterNodeCombine(const EpCombineKernelArgs& in, EpDataType dataType
       LaunchEpCombineCast(in, dataType, 0, in.c.worldSize, blocks, threads, stream);
   detail::WithCombineElem(dataType, [&](auto elem) {
     using Elem = decltype(elem);
-    MORI_CHECK_GPU(core::GpuLaunchKernel(combine::EpCombineInterNodeKernel<Elem, kEpMaxThreadsPerBlock>,
-                                         blocks, threads, 0, stream, args.c.programmatic != 0,
-                                         args));
+    MORI_CHECK_GPU(
+        core::GpuLaunchKernel(combine::EpCombineInterNodeKernel<Elem, kEpMaxThreadsPerBlock>,
+                              blocks, threads, 0, stream, args.c.programmatic != 0, args));
   });
 }
 

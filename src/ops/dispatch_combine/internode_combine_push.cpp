@@ -18,9 +18,9 @@ void LaunchEpInterNodePushCombine(const EpCombineKernelArgs& args, EpDataType da
                                   int threads, gpuStream_t stream) {
   detail::WithCombineElem(dataType, [&](auto elem) {
     using Elem = decltype(elem);
-    MORI_CHECK_GPU(core::GpuLaunchKernel(
-        combine::push::EpCombineInterNodeKernel<Elem, kEpMaxThreadsPerBlock>, blocks, threads, 0,
-        stream, args.c.programmatic != 0, args));
+    MORI_CHECK_GPU(
+        core::GpuLaunchKernel(combine::push::EpCombineInterNodeKernel<Elem, kEpMaxThreadsPerBlock>,
+                              blocks, threads, 0, stream, args.c.programmatic != 0, args));
   });
 }
 
