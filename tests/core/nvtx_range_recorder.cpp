@@ -2,8 +2,9 @@
 // InitializeInjectionNvtx2 at its first use in a process when NVTX_INJECTION64_PATH names this
 // library, and the library replaces the entries of NVTX's callback tables it wants to see. This
 // one records domain creation, range pushes and pops (the domain API and the global one). With
-// MORI_NVTX_RECORDER_OUT=PREFIX a process that exits normally writes its log to PREFIX.<pid>, so a
-// program run with the library as its tool (the C++ example on a GPU, say) shows its ranges.
+// MORI_NVTX_RECORDER_OUT=PREFIX each event is also appended, as it happens, to PREFIX.<pid>, so a
+// program run with the library as its tool (the C++ example on a GPU, say) shows its ranges, also
+// from processes that end with _exit (forked PEs).
 #define NVTX_NO_IMPL
 #include "nvtx_range_recorder.hpp"
 
@@ -31,6 +32,19 @@ int gPops = 0;
 int gUnpairedPops = 0;
 thread_local int tOpen = 0;
 
+// Adds one event line to the log (gMutex held) and, with MORI_NVTX_RECORDER_OUT=PREFIX, appends
+// it to PREFIX.<pid> at once.
+void Record(const std::string& line) {
+  gLog += line;
+  const char* prefix = std::getenv("MORI_NVTX_RECORDER_OUT");
+  if (prefix == nullptr || *prefix == '\0') return;
+  const std::string path = std::string(prefix) + "." + std::to_string(getpid());
+  if (FILE* f = std::fopen(path.c_str(), "a")) {
+    std::fputs(line.c_str(), f);
+    std::fclose(f);
+  }
+}
+
 const char* DomainName(nvtxDomainHandle_t domain) {
   return domain != nullptr ? domain->name.c_str() : "-";
 }
@@ -42,14 +56,14 @@ const char* Message(const nvtxEventAttributes_t* attr) {
 
 int Push(nvtxDomainHandle_t domain, const char* name) {
   std::lock_guard<std::mutex> lock(gMutex);
-  gLog += std::string("push ") + DomainName(domain) + " " + name + "\n";
+  Record(std::string("push ") + DomainName(domain) + " " + name + "\n");
   gPushes++;
   return tOpen++;
 }
 
 int Pop(nvtxDomainHandle_t domain) {
   std::lock_guard<std::mutex> lock(gMutex);
-  gLog += std::string("pop ") + DomainName(domain) + "\n";
+  Record(std::string("pop ") + DomainName(domain) + "\n");
   gPops++;
   if (tOpen == 0) {
     gUnpairedPops++;
@@ -60,7 +74,7 @@ int Pop(nvtxDomainHandle_t domain) {
 
 nvtxDomainHandle_t NVTX_API DomainCreateA(const char* name) {
   std::lock_guard<std::mutex> lock(gMutex);
-  gLog += std::string("domain ") + name + "\n";
+  Record(std::string("domain ") + name + "\n");
   return new nvtxDomainRegistration_st{name};  // handles live as long as the process
 }
 int NVTX_API DomainRangePushEx(nvtxDomainHandle_t domain, const nvtxEventAttributes_t* attr) {
@@ -70,21 +84,6 @@ int NVTX_API DomainRangePop(nvtxDomainHandle_t domain) { return Pop(domain); }
 int NVTX_API RangePushA(const char* name) { return Push(nullptr, name); }
 int NVTX_API RangePushEx(const nvtxEventAttributes_t* attr) { return Push(nullptr, Message(attr)); }
 int NVTX_API RangePop() { return Pop(nullptr); }
-
-// Writes the log at normal process exit when MORI_NVTX_RECORDER_OUT is set (a static object's
-// destructor: it runs after main returns or exit() is called).
-struct DumpAtExit {
-  ~DumpAtExit() {
-    const char* prefix = std::getenv("MORI_NVTX_RECORDER_OUT");
-    if (prefix == nullptr || *prefix == '\0') return;
-    const std::string path = std::string(prefix) + "." + std::to_string(getpid());
-    std::lock_guard<std::mutex> lock(gMutex);
-    if (FILE* f = std::fopen(path.c_str(), "w")) {
-      std::fputs(gLog.c_str(), f);
-      std::fclose(f);
-    }
-  }
-} gDumpAtExit;
 
 // Puts `fn` into entry `id` of a callback table of `size` entries; false when it has no such entry.
 template <typename Fn>
