@@ -61,6 +61,37 @@ MORI_DEVICE_INLINE EpKernelStart EpBeginKernel(const EpKernelCommon& c, EpTraceK
   return EpKernelStart{epoch, static_cast<int>(epoch & 1), trace};
 }
 
+// EpKernelStart plus what every EP kernel reads first: a private copy of the wait context (the
+// rare error path takes its address, which must not pull the whole kernel parameter block into
+// local memory), the call's shape and the thread's place in the block. Kernels and their phase
+// functions take it by const reference (all force-inlined, so it lives in registers).
+struct EpKernelFrame {
+  uint64_t epoch;
+  int parity;
+  uint64_t* tr;  // the block's trace record, nullptr: tracing off
+  core::WaitContext wait;
+  int W, me, K;  // world size, our rank, top-k
+  int tid, nThreads, lane, warp, nWarps;
+};
+
+// The prologue of every EP kernel (EpBeginKernel), as one frame.
+MORI_DEVICE_INLINE EpKernelFrame EpEnterKernel(const EpKernelCommon& c, EpTraceKind kind,
+                                               int traceParts) {
+  const EpKernelStart s = EpBeginKernel(c, kind, traceParts);
+  return EpKernelFrame{s.epoch,
+                       s.parity,
+                       s.trace,
+                       c.shmem.wait,
+                       c.worldSize,
+                       c.rank,
+                       c.topK,
+                       static_cast<int>(threadIdx.x),
+                       static_cast<int>(blockDim.x),
+                       core::LaneId(),
+                       core::WarpId(),
+                       core::WarpsPerBlock()};
+}
+
 // ---------------------------------------------------------------------------------------------
 // Signals: value first, then the epoch tag with release order (see EpSignal).
 // ---------------------------------------------------------------------------------------------
