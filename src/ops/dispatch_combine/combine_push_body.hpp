@@ -114,30 +114,19 @@ MORI_DEVICE_INLINE void EpCombinePushBody(const EpCombineKernelArgs& a) {
   __shared__ unsigned sShare;  // the push share this block claimed (step 2); >= nShares: none
 
   const EpKernelCommon& c = a.c;
-  const EpKernelStart start = EpBeginKernel(c, EpTraceKind::kCombine, a.partsPerToken);
-  // A private copy: the (rare) error path takes its address (see the pull kernel).
-  const core::WaitContext wait = c.shmem.wait;
-  const int W = c.worldSize;
-  const int me = c.rank;
+  const EpKernelFrame f = EpEnterKernel(c, EpTraceKind::kCombine, a.partsPerToken);
+  const core::WaitContext wait = c.shmem.wait;  // private copy (see EpKernelFrame)
   const int M = c.maxTokensPerRank;
   const int T = a.numTokens;
-  const int K = c.topK;
   const int G = c.localSize;      // W on one node (IntraNode family)
   constexpr bool inter = kInter;  // PEs of other nodes get their rows by RDMA (step 2')
   // 512-thread blocks have 128 registers per thread: half the loads in flight per lane (twice the
   // warps) keep step 2 out of local memory.
   constexpr int kUnroll = kThreads > 256 ? kPushUnroll / 2 : kPushUnroll;
-  const int node0 = me - me % G;  // our node's first PE
-  const int tid = static_cast<int>(threadIdx.x);
-  const int nThreads = static_cast<int>(blockDim.x);
-  const int lane = core::LaneId();
-  const int warp = core::WarpId();
-  const int nWarps = core::WarpsPerBlock();
-  const int totalWarps = static_cast<int>(gridDim.x) * nWarps;
-  const int gWarp = static_cast<int>(blockIdx.x) * nWarps + warp;
+  const int node0 = f.me - f.me % G;  // our node's first PE
+  const int totalWarps = static_cast<int>(gridDim.x) * f.nWarps;
+  const int gWarp = static_cast<int>(blockIdx.x) * f.nWarps + f.warp;
   const unsigned nShares = gridDim.x;  // step 2's work, in shares of nWarps warps' items
-  const uint64_t epoch = start.epoch;
-  const int parity = start.parity;
   const bool fp8 = a.wireFp8 != 0;
   const core::Fp8Format fp8Format = static_cast<core::Fp8Format>(a.fp8Format);
   const uint64_t format =
@@ -149,8 +138,9 @@ MORI_DEVICE_INLINE void EpCombinePushBody(const EpCombineKernelArgs& a) {
   uint8_t* const L = c.symmLocal;
   uint8_t* const recvTok = L + c.symm.pushRecvTokens;
   float* const recvW = At<float>(L, c.symm.pushRecvWeights);
-  uint64_t* const arrived = At<uint64_t>(L, c.symm.pushArrived) + EpPushArrivedIndex(parity, 0, W);
-  const size_t landing = static_cast<size_t>(M) * (K < W ? K : W);
+  uint64_t* const arrived =
+      At<uint64_t>(L, c.symm.pushArrived) + EpPushArrivedIndex(f.parity, 0, f.W);
+  const size_t landing = static_cast<size_t>(M) * (f.K < f.W ? f.K : f.W);
   // InterNode: the registered rows (and weights) the WRITEs of step 2' read.
   const uint8_t* const wireTok =
       L + (fp8                                              ? c.symm.combineInFp8
@@ -162,10 +152,9 @@ MORI_DEVICE_INLINE void EpCombinePushBody(const EpCombineKernelArgs& a) {
                                                       ? c.symm.dispatchOutWeights
                                                       : c.symm.combineInWeights);
 
-  uint64_t* const tr = start.trace;  // phase trace (trace_device.hpp), nullptr: off
   const bool doSend = a.phase != EpCombinePhase::kReceive;  // steps 1-2'
   const bool doRecv = a.phase != EpCombinePhase::kSend;     // steps 3-5
-  if (tid == 0) {
+  if (f.tid == 0) {
     sFailed = 0;
     // The first claim of step 2 (its latency overlaps the loads above).
     if (doSend) sShare = atomicAdd(&c.state->pushNextShare, 1u);
@@ -181,31 +170,31 @@ MORI_DEVICE_INLINE void EpCombinePushBody(const EpCombineKernelArgs& a) {
     }
     if (inter && doRecv) {
       uint32_t off = 0;  // landing order: destination PE, then list index
-      for (int p = 0; p < W; p++) {
+      for (int p = 0; p < f.W; p++) {
         sLandOff[p] = off;
         if (IsRemote(c, p)) off += static_cast<uint32_t>(c.state->sendCount[p]);
       }
     }
   }
-  for (int p = tid; p < W; p += nThreads) sPushed[p] = 0;
+  for (int p = f.tid; p < f.W; p += f.nThreads) sPushed[p] = 0;
   __syncthreads();
 
   // ---- 1. our format, and done, to every PE of our node ---------------------------------------
-  if (doSend && blockIdx.x == 0 && tid == 0 && sFailed == 0) {
-    const size_t readySlot = EpReadyInboxIndex(parity, me, W);
+  if (doSend && blockIdx.x == 0 && f.tid == 0 && sFailed == 0) {
+    const size_t readySlot = EpReadyInboxIndex(f.parity, f.me, f.W);
     SignalStoreAll(
-        W,
+        f.W,
         [&](int p) {
           return inter && IsRemote(c, p)
                      ? nullptr
                      : At<EpSignal>(PeerBlock(c, p), c.symm.readyInbox) + readySlot;
         },
-        format, epoch);
+        format, f.epoch);
     // The done tags (no value) are ordered by SignalStoreAll's fence too (other nodes: step 2').
-    for (int p = 0; p < W; p++) {
+    for (int p = 0; p < f.W; p++) {
       if (!(inter && IsRemote(c, p)))
-        core::AtomicStoreRelaxedSystem(&(At<EpSignal>(PeerBlock(c, p), c.symm.doneInbox) + me)->tag,
-                                       epoch);
+        core::AtomicStoreRelaxedSystem(
+            &(At<EpSignal>(PeerBlock(c, p), c.symm.doneInbox) + f.me)->tag, f.epoch);
     }
   }
 
@@ -214,9 +203,9 @@ MORI_DEVICE_INLINE void EpCombinePushBody(const EpCombineKernelArgs& a) {
   int localBegin = 0, localEnd = 0, selfBegin = 0;
   if (doSend) {
     int before = 0;
-    for (int s = 0; s < W; s++) {
+    for (int s = 0; s < f.W; s++) {
       if (s == node0) localBegin = before;
-      if (s == me) selfBegin = before;
+      if (s == f.me) selfBegin = before;
       before += c.state->recvCount[s];
       if (s == node0 + G - 1) localEnd = before;
     }
@@ -232,12 +221,12 @@ MORI_DEVICE_INLINE void EpCombinePushBody(const EpCombineKernelArgs& a) {
   while (doSend) {
     __syncthreads();  // sShare (and the last share's bookkeeping) is visible
     if (sShare >= nShares) break;
-    const int sWarp = static_cast<int>(sShare) * nWarps + warp;
+    const int sWarp = static_cast<int>(sShare) * f.nWarps + f.warp;
 
     // ---- 2. push the rows we hold to their tokens' PEs on our node ------------------------------
     if (sFailed == 0) {
       // fp8: our own rows are pushed too (into our own slots).
-      const int selfCount = fp8 ? 0 : c.state->recvCount[me];
+      const int selfCount = fp8 ? 0 : c.state->recvCount[f.me];
       const int nPush = localEnd - localBegin - selfCount;
       // As the reduce: several warps per row when rows are fewer than warps, one item per warp.
       const int parts = EpPartsPerRow(nPush, totalWarps, vecs);
@@ -256,54 +245,54 @@ MORI_DEVICE_INLINE void EpCombinePushBody(const EpCombineKernelArgs& a) {
         uint4 head[kUnroll];
 #pragma unroll
         for (int u = 0; u < kUnroll; u++) {
-          const int v = vb + lane + u * kWarpSize;
+          const int v = vb + f.lane + u * kWarpSize;
           if (v < ve) head[u] = src[v];
         }
         float w = 0.0f;
         const bool doW = part == 0 && a.inWeights != nullptr;
-        if (doW && lane < K) w = a.inWeights[static_cast<size_t>(r) * K + lane];
+        if (doW && f.lane < f.K) w = a.inWeights[static_cast<size_t>(r) * f.K + f.lane];
         const int pos = At<const int32_t>(L, c.symm.dispatchOutSrcPos)[r];
         const int s = pos / M;
         const int t = pos - s * M;
         // Dispatch wrote these; never expected: a source outside our node's PEs (or ourselves).
-        if (s < node0 || s >= node0 + G || (s == me && !fp8)) {
+        if (s < node0 || s >= node0 + G || (s == f.me && !fp8)) {
           // The record names the source PE the row's position word decodes to, and what it must be.
-          if (lane == 0)
+          if (f.lane == 0)
             ReportError(wait, s, "EP combine: source PE of a received row (out of step)",
-                        s == me ? CmpOp::kNe : CmpOp::kLt,
-                        static_cast<uint64_t>(s == me ? me : node0 + G),
+                        s == f.me ? CmpOp::kNe : CmpOp::kLt,
+                        static_cast<uint64_t>(s == f.me ? f.me : node0 + G),
                         static_cast<uint64_t>(static_cast<uint32_t>(s)));
           sFailed = 1;
           break;
         }
-        const size_t slot = EpPushSlot(parity, t, me - node0, M, G);
+        const size_t slot = EpPushSlot(f.parity, t, f.me - node0, M, G);
         uint8_t* const pb = PeerBlock(c, s);
         uint8_t* const dstRow = pb + c.symm.pushRecvTokens + slot * wireRow;
         if (fp8) {
 #pragma unroll
           for (int u = 0; u < kUnroll; u++) {
-            const int v = vb + lane + u * kWarpSize;
+            const int v = vb + f.lane + u * kWarpSize;
             if (v < ve) EpStoreFp8<Elem>(dstRow, v, EpEncodeFp8<Elem>(head[u], fp8Format));
           }
-          for (int v = vb + lane + kUnroll * kWarpSize; v < ve; v += kWarpSize)
+          for (int v = vb + f.lane + kUnroll * kWarpSize; v < ve; v += kWarpSize)
             EpStoreFp8<Elem>(dstRow, v, EpEncodeFp8<Elem>(src[v], fp8Format));
         } else {
           uint4* dst = reinterpret_cast<uint4*>(dstRow);
 #pragma unroll
           for (int u = 0; u < kUnroll; u++) {
-            const int v = vb + lane + u * kWarpSize;
+            const int v = vb + f.lane + u * kWarpSize;
             if (v < ve) dst[v] = head[u];
           }
           if (vb + kUnroll * kWarpSize < ve)
             WarpCopyVectors<kUnroll>(dst, src, vb + kUnroll * kWarpSize, ve);
         }
         if (doW) {
-          float* dw = At<float>(pb, c.symm.pushRecvWeights) + slot * K;
-          if (lane < K) dw[lane] = w;
-          for (int k = lane + kWarpSize; k < K; k += kWarpSize)
-            dw[k] = a.inWeights[static_cast<size_t>(r) * K + k];
+          float* dw = At<float>(pb, c.symm.pushRecvWeights) + slot * f.K;
+          if (f.lane < f.K) dw[f.lane] = w;
+          for (int k = f.lane + kWarpSize; k < f.K; k += kWarpSize)
+            dw[k] = a.inWeights[static_cast<size_t>(r) * f.K + k];
         }
-        if (lane == 0) atomicAdd(&sPushed[s], static_cast<unsigned long long>(ve - vb));
+        if (f.lane == 0) atomicAdd(&sPushed[s], static_cast<unsigned long long>(ve - vb));
       }
     }
 
@@ -326,7 +315,7 @@ MORI_DEVICE_INLINE void EpCombinePushBody(const EpCombineKernelArgs& a) {
             reinterpret_cast<const uint4*>(a.inTokens + static_cast<size_t>(r) * a.rowBytes);
         if (fp8) {
           uint8_t* dstRow = L + c.symm.combineInFp8 + static_cast<size_t>(r) * wireRow;
-          for (int v = vb + lane; v < ve; v += kWarpSize)
+          for (int v = vb + f.lane; v < ve; v += kWarpSize)
             EpStoreFp8<Elem>(dstRow, v, EpEncodeFp8<Elem>(src[v], fp8Format));
         } else if (copyTok) {
           WarpCopyVectors<kUnroll>(reinterpret_cast<uint4*>(L + c.symm.combineInTokens +
@@ -334,28 +323,28 @@ MORI_DEVICE_INLINE void EpCombinePushBody(const EpCombineKernelArgs& a) {
                                    src, vb, ve);
         }
         if (copyW && part == 0) {
-          float* dw = At<float>(L, c.symm.combineInWeights) + static_cast<size_t>(r) * K;
-          for (int k = lane; k < K; k += kWarpSize)
-            dw[k] = a.inWeights[static_cast<size_t>(r) * K + k];
+          float* dw = At<float>(L, c.symm.combineInWeights) + static_cast<size_t>(r) * f.K;
+          for (int k = f.lane; k < f.K; k += kWarpSize)
+            dw[k] = a.inWeights[static_cast<size_t>(r) * f.K + k];
         }
       }
     }
 
     // Claims so far, read before the barrier and the fence below (their waits hide its latency).
     const uint32_t claimed =
-        tid == 0 ? core::AtomicLoadRelaxedSystem(&c.state->pushNextShare) : nShares;
+        f.tid == 0 ? core::AtomicLoadRelaxedSystem(&c.state->pushNextShare) : nShares;
     // One release fence per share (as dispatch): the barrier orders every thread's stores before
     // thread 0's cumulative fence; the counter adds after it publish them.
     __syncthreads();
-    if (tid == 0) {
+    if (f.tid == 0) {
       bool any = false;
-      for (int p = 0; p < W; p++) any = any || sPushed[p] != 0;
+      for (int p = 0; p < f.W; p++) any = any || sPushed[p] != 0;
       if (any || inter) {
         core::FenceAcqRelSystem();
-        for (int p = 0; p < W; p++) {
+        for (int p = 0; p < f.W; p++) {
           if (sPushed[p] != 0)
             core::AtomicFetchAddSystem(At<uint64_t>(PeerBlock(c, p), c.symm.pushArrived) +
-                                           EpPushArrivedIndex(parity, me, W),
+                                           EpPushArrivedIndex(f.parity, f.me, f.W),
                                        static_cast<uint64_t>(sPushed[p]));
           sPushed[p] = 0;
         }
@@ -369,7 +358,7 @@ MORI_DEVICE_INLINE void EpCombinePushBody(const EpCombineKernelArgs& a) {
           c.state->pushSharesDone = 0;
           core::FenceAcqRelSystem();
           if (sFailed == 0 && !core::DeviceAborted(wait) &&
-              !PushPostRemote(a, wait, epoch, parity, format, wireRow, wireTok,
+              !PushPostRemote(a, wait, f.epoch, f.parity, format, wireRow, wireTok,
                               reinterpret_cast<const uint8_t*>(wireW)))
             sFailed = 1;
         }
@@ -378,12 +367,12 @@ MORI_DEVICE_INLINE void EpCombinePushBody(const EpCombineKernelArgs& a) {
       sShare = claimed >= nShares ? nShares : atomicAdd(&c.state->pushNextShare, 1u);
     }
   }  // shares
-  if (doSend && tid == 0) EpTraceStamp(tr, kEpCombineSent);
+  if (doSend && f.tid == 0) EpTraceStamp(f.tr, kEpCombineSent);
 
   if (!doRecv) {
     // Send only: a failure here fails the receive half (which checks combineFailed at its end).
     // The grid's last block resets the share queue (every block has stopped claiming).
-    if (tid == 0) {
+    if (f.tid == 0) {
       if (sFailed != 0) atomicOr(&c.state->combineFailed, 1u);
       const unsigned old = atomicAdd(&c.state->combineBlocksDone, 1u);
       if (old == gridDim.x - 1) {
@@ -397,13 +386,13 @@ MORI_DEVICE_INLINE void EpCombinePushBody(const EpCombineKernelArgs& a) {
   // ---- 3. every PE's rows for our tokens have arrived ---------------------------------------
   if (sFailed == 0) {
     EpSignal* inbox = At<EpSignal>(L, c.symm.readyInbox);
-    for (int p = tid; p < W; p += nThreads) {
-      if (p == me && !fp8) continue;  // fp8: our own rows arrive in our slots too
+    for (int p = f.tid; p < f.W; p += f.nThreads) {
+      if (p == f.me && !fp8) continue;  // fp8: our own rows arrive in our slots too
       const int sent = c.state->sendCount[p];
       if (inter && IsRemote(c, p)) {
-        uint64_t* w = At<uint64_t>(L, c.symm.pushLandTail) + EpPushArrivedIndex(parity, p, W);
+        uint64_t* w = At<uint64_t>(L, c.symm.pushLandTail) + EpPushArrivedIndex(f.parity, p, f.W);
         bool weights = false;
-        if (!InterLandingWait(wait, w, epoch, p, format,
+        if (!InterLandingWait(wait, w, f.epoch, p, format,
                               "EP combine: peer's rows landed (push, landing tail)", &weights)) {
           sFailed = 1;
           continue;
@@ -415,12 +404,14 @@ MORI_DEVICE_INLINE void EpCombinePushBody(const EpCombineKernelArgs& a) {
                       static_cast<uint64_t>(EpCombineSource::kNone));
           sFailed = 1;
         }
-        if (tr != nullptr && p < kEpTracePeers) tr[kEpTraceWordPeerReady + p] = core::WallClockNs();
+        if (f.tr != nullptr && p < kEpTracePeers)
+          f.tr[kEpTraceWordPeerReady + p] = core::WallClockNs();
         continue;
       }
-      EpSignal* sig = inbox + EpReadyInboxIndex(parity, p, W);
+      EpSignal* sig = inbox + EpReadyInboxIndex(f.parity, p, f.W);
       uint64_t v = 0;
-      if (!SignalWait(wait, sig, epoch, p, "EP combine: peer's push started (format signal)", &v)) {
+      if (!SignalWait(wait, sig, f.epoch, p, "EP combine: peer's push started (format signal)",
+                      &v)) {
         sFailed = 1;
         continue;
       }
@@ -445,11 +436,12 @@ MORI_DEVICE_INLINE void EpCombinePushBody(const EpCombineKernelArgs& a) {
         sFailed = 1;
         continue;
       }
-      if (tr != nullptr && p < kEpTracePeers) tr[kEpTraceWordPeerReady + p] = core::WallClockNs();
+      if (f.tr != nullptr && p < kEpTracePeers)
+        f.tr[kEpTraceWordPeerReady + p] = core::WallClockNs();
     }
   }
   __syncthreads();
-  if (tid == 0) EpTraceStamp(tr, kEpCombinePeersReady);
+  if (f.tid == 0) EpTraceStamp(f.tr, kEpCombinePeersReady);
 
   // ---- 4. reduce from our own memory ----------------------------------------------------------
   if (sFailed == 0) {
@@ -460,23 +452,24 @@ MORI_DEVICE_INLINE void EpCombinePushBody(const EpCombineKernelArgs& a) {
     for (int item = gWarp; item < items; item += totalWarps) {
       const int t = item / P;
       const int part = item - t * P;
-      const int slot = lane < W ? c.tokenSlot[static_cast<size_t>(t) * W + lane] : -1;
+      const int slot = f.lane < f.W ? c.tokenSlot[static_cast<size_t>(t) * f.W + f.lane] : -1;
       const LaneMask members = core::WarpBallot(slot >= 0);
       const int n = core::PopCount(members);
       if (slot >= 0) {
-        const int j = core::PopCount(members & LowerLanesMask(lane));  // ascending PE order
-        if (inter && IsRemote(c, lane)) {  // another node's PE: the token's list position there
-          const size_t lr = static_cast<size_t>(parity) * landing + sLandOff[lane] + slot;
-          sRows[warp][j] = landTok + lr * wireRow;
-          sWRows[warp][j] = landW + lr * K;
+        const int j = core::PopCount(members & LowerLanesMask(f.lane));  // ascending PE order
+        if (inter && IsRemote(c, f.lane)) {  // another node's PE: the token's list position there
+          const size_t lr = static_cast<size_t>(f.parity) * landing + sLandOff[f.lane] + slot;
+          sRows[f.warp][j] = landTok + lr * wireRow;
+          sWRows[f.warp][j] = landW + lr * f.K;
         } else {
-          const size_t ps = EpPushSlot(parity, t, lane - node0, M, G);
-          sRows[warp][j] = lane == me && !fp8 ? a.inTokens + static_cast<size_t>(slot) * a.rowBytes
-                                              : recvTok + ps * wireRow;
-          sWRows[warp][j] =
-              lane == me
-                  ? (a.inWeights != nullptr ? a.inWeights + static_cast<size_t>(slot) * K : nullptr)
-                  : recvW + ps * K;
+          const size_t ps = EpPushSlot(f.parity, t, f.lane - node0, M, G);
+          sRows[f.warp][j] = f.lane == f.me && !fp8
+                                 ? a.inTokens + static_cast<size_t>(slot) * a.rowBytes
+                                 : recvTok + ps * wireRow;
+          sWRows[f.warp][j] = f.lane == f.me ? (a.inWeights != nullptr
+                                                    ? a.inWeights + static_cast<size_t>(slot) * f.K
+                                                    : nullptr)
+                                             : recvW + ps * f.K;
         }
       }
       core::WarpSync();
@@ -485,16 +478,16 @@ MORI_DEVICE_INLINE void EpCombinePushBody(const EpCombineKernelArgs& a) {
       uint4* const outRow =
           reinterpret_cast<uint4*>(a.outTokens + static_cast<size_t>(t) * a.rowBytes);
       if (fp8) {
-        WarpReduceFp8<Elem, kThreads>(outRow, sRows[warp], n, vb, ve, fp8Format);
+        WarpReduceFp8<Elem, kThreads>(outRow, sRows[f.warp], n, vb, ve, fp8Format);
       } else {
-        WarpReduceRows<Elem, kThreads>(outRow, sRows[warp], n, vb, ve);
+        WarpReduceRows<Elem, kThreads>(outRow, sRows[f.warp], n, vb, ve);
       }
       // outWeights is set only when this PE passed weights, so its own row has them.
       if (part == 0 && a.outWeights != nullptr) {
-        for (int k = lane; k < K; k += kWarpSize) {
+        for (int k = f.lane; k < f.K; k += kWarpSize) {
           float acc = 0.0f;
-          for (int j = 0; j < n; j++) acc += sWRows[warp][j][k];  // ascending PE order
-          a.outWeights[static_cast<size_t>(t) * K + k] = acc;
+          for (int j = 0; j < n; j++) acc += sWRows[f.warp][j][k];  // ascending PE order
+          a.outWeights[static_cast<size_t>(t) * f.K + k] = acc;
         }
       }
       core::WarpSync();  // the next item rewrites this warp's member lists
@@ -503,15 +496,15 @@ MORI_DEVICE_INLINE void EpCombinePushBody(const EpCombineKernelArgs& a) {
 
   // ---- 5. complete our WRITEs; check and reset the arrival counters; epoch --------------------
   __syncthreads();
-  if (tid == 0) {
-    EpTraceStamp(tr, kEpCombineReduced);
-    EpTraceStamp(tr, kEpCombineFenced);
+  if (f.tid == 0) {
+    EpTraceStamp(f.tr, kEpCombineReduced);
+    EpTraceStamp(f.tr, kEpCombineFenced);
     if (sFailed != 0) atomicOr(&c.state->combineFailed, 1u);
     __threadfence();
     const unsigned old = atomicAdd(&c.state->combineBlocksDone, 1u);
-    if (tr != nullptr) {
-      EpTraceStamp(tr, kEpCombineCounted);
-      tr[kEpTraceWordArrival] = static_cast<uint64_t>(old) + 1;
+    if (f.tr != nullptr) {
+      EpTraceStamp(f.tr, kEpCombineCounted);
+      f.tr[kEpTraceWordArrival] = static_cast<uint64_t>(old) + 1;
     }
     if (old == gridDim.x - 1) {
       __threadfence();
@@ -522,8 +515,8 @@ MORI_DEVICE_INLINE void EpCombinePushBody(const EpCombineKernelArgs& a) {
       if constexpr (inter) {
         if (!core::DeviceAborted(wait)) shmem::ShmemQuietThread(c.shmem);
       }
-      for (int p = 0; p < W; p++) {
-        if ((p == me && !fp8) || (inter && IsRemote(c, p))) continue;
+      for (int p = 0; p < f.W; p++) {
+        if ((p == f.me && !fp8) || (inter && IsRemote(c, p))) continue;
         const uint64_t expected =
             static_cast<uint64_t>(c.state->sendCount[p]) * static_cast<uint64_t>(vecs);
         const uint64_t got = core::AtomicLoadRelaxedSystem(arrived + p);
@@ -533,8 +526,8 @@ MORI_DEVICE_INLINE void EpCombinePushBody(const EpCombineKernelArgs& a) {
         core::AtomicStoreRelaxedSystem(arrived + p, static_cast<uint64_t>(0));
       }
       // The next kernel on the stream reads the epoch: the kernel boundary publishes it.
-      c.state->combineEpoch = epoch;
-      EpTraceStamp(tr, kEpCombineTail);
+      c.state->combineEpoch = f.epoch;
+      EpTraceStamp(f.tr, kEpCombineTail);
     }
   }
 }

@@ -61,15 +61,16 @@ MORI_DEVICE_INLINE EpKernelStart EpBeginKernel(const EpKernelCommon& c, EpTraceK
   return EpKernelStart{epoch, static_cast<int>(epoch & 1), trace};
 }
 
-// EpKernelStart plus what every EP kernel reads first: a private copy of the wait context (the
-// rare error path takes its address, which must not pull the whole kernel parameter block into
-// local memory), the call's shape and the thread's place in the block. Kernels and their phase
-// functions take it by const reference (all force-inlined, so it lives in registers).
+// EpKernelStart plus what every EP kernel reads first: the call's shape and the thread's place in
+// the block. Kernels and their phase functions take it by const reference (all force-inlined, so
+// its fields live in registers). The wait context is NOT in it: each kernel keeps a private copy
+// of c.shmem.wait beside it, because the (rare) error path takes that copy's address, and an
+// escaping address would put the whole object it belongs to (this frame, or the kernel parameter
+// block) into local memory.
 struct EpKernelFrame {
   uint64_t epoch;
   int parity;
   uint64_t* tr;  // the block's trace record, nullptr: tracing off
-  core::WaitContext wait;
   int W, me, K;  // world size, our rank, top-k
   int tid, nThreads, lane, warp, nWarps;
 };
@@ -81,7 +82,6 @@ MORI_DEVICE_INLINE EpKernelFrame EpEnterKernel(const EpKernelCommon& c, EpTraceK
   return EpKernelFrame{s.epoch,
                        s.parity,
                        s.trace,
-                       c.shmem.wait,
                        c.worldSize,
                        c.rank,
                        c.topK,

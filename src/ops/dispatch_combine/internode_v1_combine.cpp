@@ -57,87 +57,47 @@ MORI_DEVICE_INLINE void ReduceLocalRows(uint4* out, const uint8_t* const* rows, 
   }
 }
 
-// kFp8: a.wireFp8 (a build of its own: the plain build's registers stay those of one reduction).
-// kThreads: the most threads per block the build serves. The plain kernel has a build for <= 256
-// (launches of <= 8 warps, the default), whose 255 registers per thread hold its reductions with
-// next to no spills (the 512-thread build's 128 spill about 2 KB per thread).
-template <typename Elem, bool kFp8, int kThreads>
-MORI_DEVICE_INLINE void EpV1CombineBody(const EpCombineKernelArgs& a) {
-  __shared__ const uint8_t* sTok[kEpMaxWorldSize];  // local PE g's combine rows
-  __shared__ const float* sW[kEpMaxWorldSize];      // its weights (nullptr: none)
-  __shared__ const uint8_t* sRows[kCombineMaxWarps][kEpMaxWorldSize];
-  __shared__ int sFailed;
-  __shared__ unsigned sClaim;  // external input: the block's copy chunk (EpCombineCopyInput)
+// What the phases of a V1 combine call share, derived from its arguments and the frame.
+struct EpV1CombineShape {
+  int T, M, G, R;      // tokens, max tokens per rank, local PEs, rail peers
+  int nb, par;         // blocks; the landing set of this call
+  uint8_t* L0;         // our symmetric block
+  uint32_t wireRow;    // bytes of a local PE's row as read (e4m3 codes: kFp8)
+  uint32_t partBytes;  // bytes of a partial (row, then weights)
+  int vecs, P;         // 16-byte vectors of a row; parts per token
+  int stride, gwarp;   // items (record or token x part) are dealt to the grid's warps round robin
+};
 
+template <typename Elem, bool kFp8>
+MORI_DEVICE_INLINE EpV1CombineShape EpV1CombineShapeOf(const EpCombineKernelArgs& a,
+                                                       const EpKernelFrame& f, const EpV1Topo& tp) {
   const EpKernelCommon& c = a.c;
-  const EpKernelStart start = EpBeginKernel(c, EpTraceKind::kCombine, a.partsPerToken);
-  const core::WaitContext wait = c.shmem.wait;
-  const EpV1Topo tp(c);
-  const int W = c.worldSize;
-  const int me = c.rank;
-  const int T = a.numTokens;
-  const int K = c.topK;
-  const int M = c.maxTokensPerRank;
-  const int G = tp.G;
-  const int R = tp.R;
-  const int tid = static_cast<int>(threadIdx.x);
-  const int nThreads = static_cast<int>(blockDim.x);
-  const int lane = core::LaneId();
-  const int warp = core::WarpId();
-  const int nWarps = core::WarpsPerBlock();
-  const int b = static_cast<int>(blockIdx.x);
   const int nb = static_cast<int>(gridDim.x);
-  const uint64_t epoch = start.epoch;
-  const int parity = start.parity;
-  const int par = tp.ll ? parity : 0;  // landing set of this call
-  uint64_t* const tr = start.trace;
-  uint8_t* const L0 = c.symmLocal;
-  const uint32_t wireRow = kFp8 ? a.rowBytes / (16 / Elem::kPerVec) : a.rowBytes;
-  const uint64_t ready =
-      EpPackReady(a.tokenSource, a.weightSource, a.dataType, a.rowBytes,
-                  kFp8 ? static_cast<EpCombineWire>(a.fp8Format + 1) : EpCombineWire::kInput);
-  const uint32_t partBytes = EpV1PartialBytes(a.rowBytes, K);
-  const int vecs = static_cast<int>(a.rowBytes / 16);
-  const int P = a.partsPerToken;
-  if (tid == 0) sFailed = 0;
-  __syncthreads();
+  return EpV1CombineShape{a.numTokens,
+                          c.maxTokensPerRank,
+                          tp.G,
+                          tp.R,
+                          nb,
+                          tp.ll ? f.parity : 0,
+                          c.symmLocal,
+                          kFp8 ? a.rowBytes / (16 / Elem::kPerVec) : a.rowBytes,
+                          EpV1PartialBytes(a.rowBytes, f.K),
+                          static_cast<int>(a.rowBytes / 16),
+                          a.partsPerToken,
+                          nb * f.nWarps,
+                          static_cast<int>(blockIdx.x) * f.nWarps + f.warp};
+}
 
-  // ---- 1. input; ready to the local PEs ------------------------------------------------------
-  auto signalReady = [&]() {
-    SignalStoreAll(
-        G,
-        [&](int g) {
-          return At<EpSignal>(PeerBlock(c, tp.LocalPe(g)), c.symm.readyInbox) +
-                 EpReadyInboxIndex(parity, me, W);
-        },
-        ready, epoch);
-  };
-  if (a.copyTokens != 0 || a.copyWeights != 0) {
-    EpCombineCopyInput(a, wait, epoch, tp.LocalPe(0), tp.LocalPe(G), false, sFailed, sClaim,
-                       signalReady);
-  } else if (b == 0 && tid == 0) {
-    signalReady();
-  }
-  if (tid == 0) EpTraceStamp(tr, kEpCombineSent);
-
-  // ---- 2. the local PEs' rows are ready -------------------------------------------------------
-  if (sFailed == 0) {
-    for (int g = tid; g < G; g += nThreads) {
-      const int p = tp.LocalPe(g);
-      uint64_t v = 0;
-      if (!EpReadyWait(c, wait, parity, epoch, p, ready, &v)) {
-        sFailed = 1;
-        continue;
-      }
-      EpReadySources(c, p, v, &sTok[g], &sW[g]);
-    }
-  }
-  __syncthreads();
-  if (tid == 0) EpTraceStamp(tr, kEpCombinePeersReady);
-
-  // Items (record or token x part) are dealt to the grid's warps round robin.
-  const int stride = nb * nWarps;
-  const int gwarp = b * nWarps + warp;
+// Step 3. Start: every local PE's rows are ready (sTok, sW filled). End: our partials of every
+// rail peer's records are written and posted (by the last block of each channel share).
+template <typename Elem, bool kFp8, int kThreads>
+MORI_DEVICE_INLINE void EpV1CombineProxy(const EpCombineKernelArgs& a, const EpKernelFrame& f,
+                                         const core::WaitContext& wait, const EpV1Topo& tp,
+                                         const EpV1CombineShape& v, uint64_t ready,
+                                         const uint8_t* const* sTok, const float* const* sW,
+                                         const uint8_t* (*sRows)[kEpMaxWorldSize], int& sFailed) {
+  const EpKernelCommon& c = a.c;
+  const auto& [T, M, G, R, nb, par, L0, wireRow, partBytes, vecs, P, stride, gwarp] = v;
 
   // ---- 3. proxy: partial sums of our rail peers' tokens --------------------------------------
   for (int m = 0; m < R && sFailed == 0; m++) {
@@ -147,15 +107,15 @@ MORI_DEVICE_INLINE void EpV1CombineBody(const EpCombineKernelArgs& a) {
     for (int item = gwarp; item < cnt * P; item += stride) {
       const int i = item / P;
       const int part = item - i * P;
-      const int n = WarpMemberRows(lane < G ? route[static_cast<size_t>(i) * G + lane] : -1, sTok,
-                                   wireRow, sRows[warp]);
+      const int n = WarpMemberRows(f.lane < G ? route[static_cast<size_t>(i) * G + f.lane] : -1,
+                                   sTok, wireRow, sRows[f.warp]);
       uint8_t* prow = out + static_cast<size_t>(i) * partBytes;
-      ReduceLocalRows<Elem, kThreads, kFp8>(reinterpret_cast<uint4*>(prow), sRows[warp], n,
+      ReduceLocalRows<Elem, kThreads, kFp8>(reinterpret_cast<uint4*>(prow), sRows[f.warp], n,
                                             EpShareBegin(vecs, part, P),
                                             EpShareBegin(vecs, part + 1, P), a.fp8Format);
       if (part == 0) {
         bool noW = false;
-        for (int k = lane; k < K; k += kWarpSize) {
+        for (int k = f.lane; k < f.K; k += kWarpSize) {
           float acc = 0.0f;
           for (int g = 0; g < G; g++) {  // ascending local PE, as the rows
             const int sl = route[static_cast<size_t>(i) * G + g];
@@ -163,12 +123,12 @@ MORI_DEVICE_INLINE void EpV1CombineBody(const EpCombineKernelArgs& a) {
             if (sW[g] == nullptr) {
               noW = true;
             } else {
-              acc += sW[g][static_cast<size_t>(sl) * K + k];
+              acc += sW[g][static_cast<size_t>(sl) * f.K + k];
             }
           }
           reinterpret_cast<float*>(prow + a.rowBytes)[k] = acc;
         }
-        if (core::WarpBallot(noW) != 0 && lane == 0) {
+        if (core::WarpBallot(noW) != 0 && f.lane == 0) {
           int q = 0;
           while (q + 1 < tp.Q && EpShareBegin(cnt, q + 1, tp.Q) <= i) q++;
           atomicOr(&c.state->v1NoWeights[m * kEpV1MaxChannels + q], 1u);
@@ -177,8 +137,8 @@ MORI_DEVICE_INLINE void EpV1CombineBody(const EpCombineKernelArgs& a) {
       core::WarpSync();  // the next item rewrites this warp's row list
     }
     __syncthreads();
-    if (tid == 0) {
-      EpTraceStamp(tr, kEpCombineV1Summed);
+    if (f.tid == 0) {
+      EpTraceStamp(f.tr, kEpCombineV1Summed);
       core::FenceAcqRelSystem();  // our partials (and weight flags) before the counters
       for (int q = 0; q < tp.Q; q++) {
         const int at = m * kEpV1MaxChannels + q;
@@ -192,7 +152,7 @@ MORI_DEVICE_INLINE void EpV1CombineBody(const EpCombineKernelArgs& a) {
         bool ok = !core::DeviceAborted(wait);
         // V1: o finished reading its landing region in its last combine.
         if (ok && !tp.ll && s0 < s1)
-          ok = TagWaitAtLeast(wait, At<uint64_t>(L0, c.symm.v1LandFree) + m, epoch - 1, o,
+          ok = TagWaitAtLeast(wait, At<uint64_t>(L0, c.symm.v1LandFree) + m, f.epoch - 1, o,
                               "EP V1 combine: landFree (rail peer read its last landing)");
         const size_t at2 = static_cast<size_t>(par) * R + tp.SlotOnPeer(m);
         // V1LL: up to kEpV1LLMaxTokens partials as one WRITE per channel, V1's chunks above (the
@@ -201,14 +161,26 @@ MORI_DEVICE_INLINE void EpV1CombineBody(const EpCombineKernelArgs& a) {
                                                            : EpV1ChunkRecords(partBytes);
         if (ok)
           ok = PostShare(c, o, q, L0 + c.symm.v1Landing + at2 * M * partBytes, out, partBytes, s0,
-                         s1, chunk, At<uint64_t>(L0, c.symm.v1LandTail) + at2 * tp.Q + q, epoch,
+                         s1, chunk, At<uint64_t>(L0, c.symm.v1LandTail) + at2 * tp.Q + q, f.epoch,
                          EpV1LandValue(0, noW, EpReadyFormat(ready)), tp.ll);
         if (!ok) sFailed = 1;
       }
     }
     __syncthreads();
   }
-  if (tid == 0) EpTraceStamp(tr, kEpCombineProxied);
+}
+
+// Step 4. Start: this block is past step 3 (the local PEs' rows are ready, sTok and sW filled).
+// End: each of this block's output rows (and weights) is the rounded sum over the nodes holding a
+// destination, ascending, of their partials (ours: from the local rows).
+template <typename Elem, bool kFp8, int kThreads>
+MORI_DEVICE_INLINE void EpV1CombineOwner(const EpCombineKernelArgs& a, const EpKernelFrame& f,
+                                         const core::WaitContext& wait, const EpV1Topo& tp,
+                                         const EpV1CombineShape& v, uint64_t ready,
+                                         const uint8_t* const* sTok, const float* const* sW,
+                                         const uint8_t* (*sRows)[kEpMaxWorldSize], int& sFailed) {
+  const EpKernelCommon& c = a.c;
+  const auto& [T, M, G, R, nb, par, L0, wireRow, partBytes, vecs, P, stride, gwarp] = v;
 
   // ---- 4. owner: own node's partials, then the other nodes' -----------------------------------
   // Pass 1 needs no other node: P_own = round(sum of the local rows, ascending) into the output
@@ -218,21 +190,21 @@ MORI_DEVICE_INLINE void EpV1CombineBody(const EpCombineKernelArgs& a) {
     for (int item = gwarp; item < T * P; item += stride) {
       const int t = item / P;
       const int part = item - t * P;
-      const int nLocal =
-          WarpMemberRows(lane < G ? c.tokenSlot[static_cast<size_t>(t) * W + tp.LocalPe(lane)] : -1,
-                         sTok, wireRow, sRows[warp]);
+      const int nLocal = WarpMemberRows(
+          f.lane < G ? c.tokenSlot[static_cast<size_t>(t) * f.W + tp.LocalPe(f.lane)] : -1, sTok,
+          wireRow, sRows[f.warp]);
       if (nLocal > 0)
         ReduceLocalRows<Elem, kThreads, kFp8>(
             reinterpret_cast<uint4*>(a.outTokens + static_cast<size_t>(t) * a.rowBytes),
-            sRows[warp], nLocal, EpShareBegin(vecs, part, P), EpShareBegin(vecs, part + 1, P),
+            sRows[f.warp], nLocal, EpShareBegin(vecs, part, P), EpShareBegin(vecs, part + 1, P),
             a.fp8Format);
       core::WarpSync();  // the next item rewrites this warp's row list
     }
   }
-  if (tr != nullptr) __syncthreads();  // tracing: the stamp covers every warp's own-node sums
-  if (tid == 0) EpTraceStamp(tr, kEpCombineV1OwnSummed);
+  if (f.tr != nullptr) __syncthreads();  // tracing: the stamp covers every warp's own-node sums
+  if (f.tid == 0) EpTraceStamp(f.tr, kEpCombineV1OwnSummed);
   // The partials' tails (every channel of every rail peer: V1LL; the channels with partials: V1).
-  for (int i = tid; i < R * tp.Q && sFailed == 0; i += nThreads) {
+  for (int i = f.tid; i < R * tp.Q && sFailed == 0; i += f.nThreads) {
     const int m = i / tp.Q, q = i - m * tp.Q;
     const int cnt = c.state->v1OutRecords[m];
     const int s0 = EpShareBegin(cnt, q, tp.Q), s1 = EpShareBegin(cnt, q + 1, tp.Q);
@@ -240,7 +212,7 @@ MORI_DEVICE_INLINE void EpV1CombineBody(const EpCombineKernelArgs& a) {
     uint64_t* w =
         At<uint64_t>(L0, c.symm.v1LandTail) + (static_cast<size_t>(par) * R + m) * tp.Q + q;
     uint32_t v = 0;
-    if (!TailWait(wait, w, epoch, static_cast<uint32_t>(s1 - s0), static_cast<uint32_t>(s1 - s0),
+    if (!TailWait(wait, w, f.epoch, static_cast<uint32_t>(s1 - s0), static_cast<uint32_t>(s1 - s0),
                   0x1FFFFu, tp.RailPeer(m),
                   "EP V1 combine: partials of a channel (landing tail) from rail peer", &v)) {
       sFailed = 1;
@@ -262,7 +234,7 @@ MORI_DEVICE_INLINE void EpV1CombineBody(const EpCombineKernelArgs& a) {
     }
   }
   __syncthreads();
-  if (tid == 0) EpTraceStamp(tr, kEpCombineV1Landed);
+  if (f.tid == 0) EpTraceStamp(f.tr, kEpCombineV1Landed);
   if (sFailed == 0) {
     const uint8_t* landing = L0 + c.symm.v1Landing + static_cast<size_t>(par) * R * M * partBytes;
     for (int item = gwarp; item < T * P; item += stride) {
@@ -272,33 +244,33 @@ MORI_DEVICE_INLINE void EpV1CombineBody(const EpCombineKernelArgs& a) {
       uint4* const outRow =
           reinterpret_cast<uint4*>(a.outTokens + static_cast<size_t>(t) * a.rowBytes);
       const int nLocal = core::PopCount(core::WarpBallot(
-          lane < G && c.tokenSlot[static_cast<size_t>(t) * W + tp.LocalPe(lane)] >= 0));
+          f.lane < G && c.tokenSlot[static_cast<size_t>(t) * f.W + tp.LocalPe(f.lane)] >= 0));
       // Every node holding a destination, ascending: its partial (ours: the row of pass 1).
-      const int pos = lane < R ? c.v1ListPos[static_cast<size_t>(t) * R + lane] : -1;
+      const int pos = f.lane < R ? c.v1ListPos[static_cast<size_t>(t) * R + f.lane] : -1;
       const LaneMask remote = core::WarpBallot(pos >= 0);
       core::WarpSync();
       int n = 0;
       for (int nd = 0; nd < tp.N; nd++) {
         if (nd == tp.node) {
-          if (nLocal > 0) sRows[warp][n++] = reinterpret_cast<const uint8_t*>(outRow);
+          if (nLocal > 0) sRows[f.warp][n++] = reinterpret_cast<const uint8_t*>(outRow);
           continue;
         }
         const int m = EpV1NodeSlot(nd, tp.node, tp.N);
         const int p = core::WarpShfl(pos, m);
-        if (p >= 0) sRows[warp][n++] = landing + (static_cast<size_t>(m) * M + p) * partBytes;
+        if (p >= 0) sRows[f.warp][n++] = landing + (static_cast<size_t>(m) * M + p) * partBytes;
       }
       core::WarpSync();
       if (remote != 0 || nLocal == 0)
-        WarpReduceRows<Elem, kThreads>(outRow, sRows[warp], n, vb, ve);
+        WarpReduceRows<Elem, kThreads>(outRow, sRows[f.warp], n, vb, ve);
       if (part == 0 && a.outWeights != nullptr) {
-        for (int k = lane; k < K; k += kWarpSize) {
+        for (int k = f.lane; k < f.K; k += kWarpSize) {
           float acc = 0.0f;
           for (int nd = 0; nd < tp.N; nd++) {
             if (nd == tp.node) {
               if (nLocal == 0) continue;
               float own = 0.0f;
               for (int g = 0; g < G; g++) {
-                const int sl = c.tokenSlot[static_cast<size_t>(t) * W + tp.LocalPe(g)];
+                const int sl = c.tokenSlot[static_cast<size_t>(t) * f.W + tp.LocalPe(g)];
                 if (sl < 0) continue;
                 if (sW[g] == nullptr) {
                   ReportError(wait, tp.LocalPe(g),
@@ -306,7 +278,7 @@ MORI_DEVICE_INLINE void EpV1CombineBody(const EpCombineKernelArgs& a) {
                               CmpOp::kNe, static_cast<uint64_t>(EpCombineSource::kNone),
                               static_cast<uint64_t>(EpCombineSource::kNone));
                 } else {
-                  own += sW[g][static_cast<size_t>(sl) * K + k];
+                  own += sW[g][static_cast<size_t>(sl) * f.K + k];
                 }
               }
               acc += own;
@@ -318,36 +290,109 @@ MORI_DEVICE_INLINE void EpV1CombineBody(const EpCombineKernelArgs& a) {
               acc += reinterpret_cast<const float*>(
                   landing + (static_cast<size_t>(m) * M + p) * partBytes + a.rowBytes)[k];
           }
-          a.outWeights[static_cast<size_t>(t) * K + k] = acc;
+          a.outWeights[static_cast<size_t>(t) * f.K + k] = acc;
         }
       }
       core::WarpSync();
     }
   }
+}
+
+// Step 5, the grid's last block (thread 0): completes our WRITEs, frees our rail peers' landings
+// (V1), signals "done reading" to the local PEs and bumps the epoch.
+MORI_DEVICE_INLINE void EpV1CombineFinish(const EpKernelCommon& c, const EpKernelFrame& f,
+                                          const core::WaitContext& wait, const EpV1Topo& tp) {
+  const int G = tp.G;
+  const int R = tp.R;
+  uint8_t* const L0 = c.symmLocal;
+
+  const bool aborted = core::DeviceAborted(wait);
+  core::FenceAcqRelSystem();  // every block's reads (through the counter) before the signals
+  if (!aborted) {
+    if (!tp.ll) {
+      const uint64_t freed = EpTagWord(f.epoch, 0);
+      for (int m = 0; m < R; m++)
+        shmem::ShmemPutMemNbiThreadQp(c.shmem,
+                                      At<uint64_t>(L0, c.symm.v1LandFree) + tp.SlotOnPeer(m),
+                                      &freed, sizeof(freed), tp.RailPeer(m), 0);
+    }
+    // Our partial WRITEs read v1PartialOut until they complete.
+    shmem::ShmemQuietThread(c.shmem);
+    for (int g = 0; g < G; g++)
+      core::AtomicStoreRelaxedSystem(
+          &(At<EpSignal>(PeerBlock(c, tp.LocalPe(g)), c.symm.doneInbox) + f.me)->tag, f.epoch);
+  }
+  c.state->combineEpoch = f.epoch;
+  EpTraceStamp(f.tr, kEpCombineTail);
+}
+
+// kFp8: a.wireFp8 (a build of its own: the plain build's registers stay those of one reduction).
+// kThreads: the most threads per block the build serves. The plain kernel has a build for <= 256
+// (launches of <= 8 warps, the default), whose 255 registers per thread hold its reductions with
+// next to no spills (the 512-thread build's 128 spill about 2 KB per thread).
+template <typename Elem, bool kFp8, int kThreads>
+MORI_DEVICE_INLINE void EpV1CombineBody(const EpCombineKernelArgs& a) {
+  __shared__ const uint8_t* sTok[kEpMaxWorldSize];  // local PE g's combine rows
+  __shared__ const float* sW[kEpMaxWorldSize];      // its weights (nullptr: none)
+  __shared__ const uint8_t* sRows[kCombineMaxWarps][kEpMaxWorldSize];
+  __shared__ int sFailed;
+  __shared__ unsigned sClaim;  // external input: the block's copy chunk (EpCombineCopyInput)
+
+  const EpKernelCommon& c = a.c;
+  const EpKernelFrame f = EpEnterKernel(c, EpTraceKind::kCombine, a.partsPerToken);
+  const core::WaitContext wait = c.shmem.wait;  // private copy (see EpKernelFrame)
+  const EpV1Topo tp(c);
+  const EpV1CombineShape v = EpV1CombineShapeOf<Elem, kFp8>(a, f, tp);
+  const int G = tp.G;
+  const int b = static_cast<int>(blockIdx.x);
+  const uint64_t ready =
+      EpPackReady(a.tokenSource, a.weightSource, a.dataType, a.rowBytes,
+                  kFp8 ? static_cast<EpCombineWire>(a.fp8Format + 1) : EpCombineWire::kInput);
+  if (f.tid == 0) sFailed = 0;
+  __syncthreads();
+
+  // ---- 1. input; ready to the local PEs ------------------------------------------------------
+  auto signalReady = [&]() {
+    SignalStoreAll(
+        G,
+        [&](int g) {
+          return At<EpSignal>(PeerBlock(c, tp.LocalPe(g)), c.symm.readyInbox) +
+                 EpReadyInboxIndex(f.parity, f.me, f.W);
+        },
+        ready, f.epoch);
+  };
+  if (a.copyTokens != 0 || a.copyWeights != 0) {
+    EpCombineCopyInput(a, wait, f.epoch, tp.LocalPe(0), tp.LocalPe(G), false, sFailed, sClaim,
+                       signalReady);
+  } else if (b == 0 && f.tid == 0) {
+    signalReady();
+  }
+  if (f.tid == 0) EpTraceStamp(f.tr, kEpCombineSent);
+
+  // ---- 2. the local PEs' rows are ready -------------------------------------------------------
+  if (sFailed == 0) {
+    for (int g = f.tid; g < G; g += f.nThreads) {
+      const int p = tp.LocalPe(g);
+      uint64_t v = 0;
+      if (!EpReadyWait(c, wait, f.parity, f.epoch, p, ready, &v)) {
+        sFailed = 1;
+        continue;
+      }
+      EpReadySources(c, p, v, &sTok[g], &sW[g]);
+    }
+  }
+  __syncthreads();
+  if (f.tid == 0) EpTraceStamp(f.tr, kEpCombinePeersReady);
+
+  EpV1CombineProxy<Elem, kFp8, kThreads>(a, f, wait, tp, v, ready, sTok, sW, sRows, sFailed);
+  if (f.tid == 0) EpTraceStamp(f.tr, kEpCombineProxied);
+
+  EpV1CombineOwner<Elem, kFp8, kThreads>(a, f, wait, tp, v, ready, sTok, sW, sRows, sFailed);
 
   // ---- 5. quiet, landFree, done, epoch ---------------------------------------------------------
   __syncthreads();
-  if (tid == 0) {
-    if (EpCombineCountBlockDone(c, tr)) {
-      const bool aborted = core::DeviceAborted(wait);
-      core::FenceAcqRelSystem();  // every block's reads (through the counter) before the signals
-      if (!aborted) {
-        if (!tp.ll) {
-          const uint64_t freed = EpTagWord(epoch, 0);
-          for (int m = 0; m < R; m++)
-            shmem::ShmemPutMemNbiThreadQp(c.shmem,
-                                          At<uint64_t>(L0, c.symm.v1LandFree) + tp.SlotOnPeer(m),
-                                          &freed, sizeof(freed), tp.RailPeer(m), 0);
-        }
-        // Our partial WRITEs read v1PartialOut until they complete.
-        shmem::ShmemQuietThread(c.shmem);
-        for (int g = 0; g < G; g++)
-          core::AtomicStoreRelaxedSystem(
-              &(At<EpSignal>(PeerBlock(c, tp.LocalPe(g)), c.symm.doneInbox) + me)->tag, epoch);
-      }
-      c.state->combineEpoch = epoch;
-      EpTraceStamp(tr, kEpCombineTail);
-    }
+  if (f.tid == 0) {
+    if (EpCombineCountBlockDone(c, f.tr)) EpV1CombineFinish(c, f, wait, tp);
   }
 }
 

@@ -162,30 +162,19 @@ MORI_DEVICE_INLINE void EpV1DispatchBody(const EpDispatchKernelArgs& a) {
   __shared__ int sList;                   // records of the current source for our node
 
   const EpKernelCommon& c = a.c;
-  const EpKernelStart start = EpBeginKernel(c, EpTraceKind::kDispatch, 0);
-  const core::WaitContext wait = c.shmem.wait;
+  const EpKernelFrame f = EpEnterKernel(c, EpTraceKind::kDispatch, 0);
+  const core::WaitContext wait = c.shmem.wait;  // private copy (see EpKernelFrame)
   const EpV1Topo tp(c);
-  const int W = c.worldSize;
-  const int me = c.rank;
   const int T = a.numTokens;
-  const int K = c.topK;
   const int M = c.maxTokensPerRank;
   const int Epr = c.numExpertsPerRank;
   const int G = tp.G;
   const int R = tp.R;
-  const int tid = static_cast<int>(threadIdx.x);
-  const int nThreads = static_cast<int>(blockDim.x);
-  const int lane = core::LaneId();
-  const int warp = core::WarpId();
-  const int nWarps = core::WarpsPerBlock();
   const int b = static_cast<int>(blockIdx.x);
   const int nb = static_cast<int>(gridDim.x);
-  const uint64_t epoch = start.epoch;
-  const int parity = start.parity;
-  const int par = tp.ll ? parity : 0;  // inbox / tail set of this call
-  uint64_t* const tr = start.trace;
+  const int par = tp.ll ? f.parity : 0;  // inbox / tail set of this call
   constexpr int kIdxBytes = static_cast<int>(sizeof(IndexT));
-  const EpV1Record L = EpV1RecordLayout(a.rowBytes, K, a.scaleBytes, kIdxBytes, G);
+  const EpV1Record L = EpV1RecordLayout(a.rowBytes, f.K, a.scaleBytes, kIdxBytes, G);
   const int words = EpV1CountWords(G, Epr);
   const IndexT* idx = static_cast<const IndexT*>(a.inIndices);
   EpV1NodeScan scan = EpV1ScanLayout(smemDyn, M, T, G);
@@ -195,7 +184,7 @@ MORI_DEVICE_INLINE void EpV1DispatchBody(const EpDispatchKernelArgs& a) {
   const int units = inVecs / unitVecs;
   const int outVecs = static_cast<int>(a.rowBytes / 16);
   uint8_t* const L0 = c.symmLocal;
-  if (tid == 0) {
+  if (f.tid == 0) {
     sFailed = 0;
     sTotal = 0;
     sInputError = kEpNoInputError;
@@ -206,7 +195,7 @@ MORI_DEVICE_INLINE void EpV1DispatchBody(const EpDispatchKernelArgs& a) {
   // format word, the own node's count signals) and sends its report first (docs/ep.md, "Errors").
   int* const checkIds = a.checkIds != 0 ? &sInputError : nullptr;
   // This PE's report slot on every PE: the RDMA source for the rail peers (registered memory).
-  uint64_t* const ownReport = EpInputErrorSlot(c, c.symmLocal, parity, me);
+  uint64_t* const ownReport = EpInputErrorSlot(c, c.symmLocal, f.parity, f.me);
 
   // ---- 1. pack and post our records for each remote node ----------------------------------
   for (int m = 0; m < R; m++) {
@@ -221,7 +210,7 @@ MORI_DEVICE_INLINE void EpV1DispatchBody(const EpDispatchKernelArgs& a) {
       const bool inputError = checkIds != nullptr && sInputError != kEpNoInputError;
       // The count record, every word tagged with this call (the relay checks each).
       uint64_t* rec = At<uint64_t>(L0, c.symm.v1CountSend) + static_cast<size_t>(m) * words;
-      for (int w = tid; w < words; w += nThreads) {
+      for (int w = f.tid; w < words; w += f.nThreads) {
         uint32_t v = 0;
         if (w == kEpV1CountFormat) {
           v = static_cast<uint32_t>(a.format | (inputError ? kEpDispatchFormatInputError : 0ull));
@@ -232,15 +221,16 @@ MORI_DEVICE_INLINE void EpV1DispatchBody(const EpDispatchKernelArgs& a) {
         } else {
           v = static_cast<uint32_t>(scan.hist[w - kEpV1CountPerPe - G]);
         }
-        rec[w] = EpTagWord(epoch, v);
+        rec[w] = EpTagWord(f.epoch, v);
       }
       __syncthreads();
-      if (tid == 0) {
+      if (f.tid == 0) {
         if (inputError)
-          core::AtomicStoreRelaxedSystem(ownReport, EpInputErrorReport(me, sInputError, idx, K));
+          core::AtomicStoreRelaxedSystem(ownReport,
+                                         EpInputErrorReport(f.me, sInputError, idx, f.K));
         core::FenceAcqRelSystem();  // the record's words (and report) before the NIC reads them
         uint64_t* dst = At<uint64_t>(L0, c.symm.v1CountRec) +
-                        (static_cast<size_t>(parity) * R + slotOnPeer) * words;
+                        (static_cast<size_t>(f.parity) * R + slotOnPeer) * words;
         // The report (i = 0) lands before the record (i = 1) on QP 0 (RC order): the relay reads
         // it once the record's flagged format word is there. One call site for both posts.
         for (int i = inputError ? 0 : 1; i < 2; i++) {
@@ -257,14 +247,14 @@ MORI_DEVICE_INLINE void EpV1DispatchBody(const EpDispatchKernelArgs& a) {
     // Our tokens' positions in this list (combine finds their partials by them).
     {
       const int t0 = EpShareBegin(T, g, gs), t1 = EpShareBegin(T, g + 1, gs);
-      for (int t = t0 + tid; t < t1; t += nThreads)
+      for (int t = t0 + f.tid; t < t1; t += f.nThreads)
         c.v1ListPos[static_cast<size_t>(t) * R + m] = scan.PosOf(G, t);
     }
     // Pack this block's share of the list: record i = token TokenAt(G, i).
     const int i0 = EpShareBegin(cList, g, gs), i1 = EpShareBegin(cList, g + 1, gs);
-    const int parts = EpPartsPerRow(i1 - i0, nWarps, inVecs);
+    const int parts = EpPartsPerRow(i1 - i0, f.nWarps, inVecs);
     uint8_t* stage = L0 + c.symm.v1SendStage + static_cast<size_t>(m) * M * L.bytes;
-    for (int item = warp; item < (i1 - i0) * parts; item += nWarps) {
+    for (int item = f.warp; item < (i1 - i0) * parts; item += f.nWarps) {
       const int i = i0 + item / parts;
       const int part = item % parts;
       const int t = scan.TokenAt(G, i);
@@ -272,12 +262,12 @@ MORI_DEVICE_INLINE void EpV1DispatchBody(const EpDispatchKernelArgs& a) {
       WarpWriteInputRow<IndexT>(a, t, EpShareBegin(units, part, parts) * unitVecs,
                                 EpShareBegin(units, part + 1, parts) * unitVecs, part == 0,
                                 EpV1RecordRow(r, L));
-      if (part == 0 && lane < G)
-        reinterpret_cast<int32_t*>(r + L.header)[lane] = scan.PosOf(lane, t);
+      if (part == 0 && f.lane < G)
+        reinterpret_cast<int32_t*>(r + L.header)[f.lane] = scan.PosOf(f.lane, t);
     }
     __syncthreads();
-    if (tid == 0) {
-      EpTraceStamp(tr, kEpDispatchV1Staged);
+    if (f.tid == 0) {
+      EpTraceStamp(f.tr, kEpDispatchV1Staged);
       core::FenceAcqRelSystem();
       const unsigned old = atomicAdd(&c.state->v1Packed[m], 1u);
       if (old == static_cast<unsigned>(gs) - 1) {
@@ -288,7 +278,7 @@ MORI_DEVICE_INLINE void EpV1DispatchBody(const EpDispatchKernelArgs& a) {
         bool ok = true;
         // V1: the rail peer forwarded all our records of the last call (its inbox is free).
         if (!tp.ll)
-          ok = TagWaitAtLeast(wait, At<uint64_t>(L0, c.symm.v1Credit) + m, epoch - 1, peer,
+          ok = TagWaitAtLeast(wait, At<uint64_t>(L0, c.symm.v1Credit) + m, f.epoch - 1, peer,
                               "EP V1 dispatch: credit (rail peer forwarded our last call)");
         // V1LL: lists of up to kEpV1LLMaxTokens records as one WRITE per channel (the LL path),
         // longer ones in V1's chunks (forwarding overlaps the transfer); the forwarders take
@@ -301,14 +291,14 @@ MORI_DEVICE_INLINE void EpV1DispatchBody(const EpDispatchKernelArgs& a) {
             At<uint64_t>(L0, c.symm.v1Tail) + (static_cast<size_t>(par) * R + slotOnPeer) * tp.Q;
         for (int q = 0; q < tp.Q && ok; q++)
           ok = PostShare(c, peer, q, inbox, stage, L.bytes, EpShareBegin(cList, q, tp.Q),
-                         EpShareBegin(cList, q + 1, tp.Q), chunk, tails + q, epoch, 0, tp.ll);
+                         EpShareBegin(cList, q + 1, tp.Q), chunk, tails + q, f.epoch, 0, tp.ll);
         if (!ok) sFailed = 1;
       }
     }
     __syncthreads();
   }
 
-  if (tid == 0) EpTraceStamp(tr, kEpDispatchScanned);
+  if (f.tid == 0) EpTraceStamp(f.tr, kEpDispatchScanned);
 
   // ---- 2. relay our rail peers' count records to the local PEs --------------------------------
   for (int m = 0; m < R; m++) {
@@ -316,51 +306,51 @@ MORI_DEVICE_INLINE void EpV1DispatchBody(const EpDispatchKernelArgs& a) {
     if (!EpV1Serves(nb - 1 - b, nb, R, m, &g, &gs) || g != 0) continue;
     const int s = tp.RailPeer(m);
     uint64_t* rec =
-        At<uint64_t>(L0, c.symm.v1CountRec) + (static_cast<size_t>(parity) * R + m) * words;
-    for (int w = tid; w < words; w += nThreads) {
+        At<uint64_t>(L0, c.symm.v1CountRec) + (static_cast<size_t>(f.parity) * R + m) * words;
+    for (int w = f.tid; w < words; w += f.nThreads) {
       uint32_t v = 0;
-      if (!TagWait(wait, rec + w, epoch, s, "EP V1 dispatch: count record from rail peer", &v))
+      if (!TagWait(wait, rec + w, f.epoch, s, "EP V1 dispatch: count record from rail peer", &v))
         sFailed = 1;
     }
     __syncthreads();
     if (sFailed == 0) {
       const uint64_t fmt = EpTagValue(rec[kEpV1CountFormat]);
-      if (tid == 0 && (fmt & kEpDispatchFormatInputError) != 0) {
+      if (f.tid == 0 && (fmt & kEpDispatchFormatInputError) != 0) {
         // s's report landed before its record (QP 0); the relayed counts carry the flag.
-        const uint64_t report = core::AtomicLoadRelaxedSystem(EpInputErrorSlot(c, L0, parity, s));
+        const uint64_t report = core::AtomicLoadRelaxedSystem(EpInputErrorSlot(c, L0, f.parity, s));
         for (int q = 0; q < G; q++)
           core::AtomicStoreRelaxedSystem(
-              EpInputErrorSlot(c, PeerBlock(c, tp.LocalPe(q)), parity, s), report);
+              EpInputErrorSlot(c, PeerBlock(c, tp.LocalPe(q)), f.parity, s), report);
       }
-      for (int i = tid; i < G * G; i += nThreads) {
+      for (int i = f.tid; i < G * G; i += f.nThreads) {
         const int q = i / G, gg = i - q * G;
         EpSignal* slot = At<EpSignal>(PeerBlock(c, tp.LocalPe(q)), c.symm.countInbox) +
-                         EpCountInboxIndex(parity, s, tp.LocalPe(gg), W);
+                         EpCountInboxIndex(f.parity, s, tp.LocalPe(gg), f.W);
         core::AtomicStoreRelaxedSystem(&slot->value,
                                        EpPackCount(EpTagValue(rec[kEpV1CountPerPe + gg]), fmt));
       }
-      for (int i = tid; i < G * Epr; i += nThreads) {
+      for (int i = f.tid; i < G * Epr; i += f.nThreads) {
         const int gg = i / Epr, e = i - gg * Epr;
         int32_t* ex = At<int32_t>(PeerBlock(c, tp.LocalPe(gg)), c.symm.expertInbox);
         core::AtomicStoreRelaxedSystem(
-            ex + EpExpertInboxIndex(parity, s, e, W, Epr),
+            ex + EpExpertInboxIndex(f.parity, s, e, f.W, Epr),
             static_cast<int32_t>(EpTagValue(rec[kEpV1CountPerPe + G + i])));
       }
       __syncthreads();
-      if (tid == 0) {
+      if (f.tid == 0) {
         core::FenceAcqRelSystem();  // the values (and histograms) before the tags
         for (int i = 0; i < G * G; i++) {
           const int q = i / G, gg = i - q * G;
           EpSignal* slot = At<EpSignal>(PeerBlock(c, tp.LocalPe(q)), c.symm.countInbox) +
-                           EpCountInboxIndex(parity, s, tp.LocalPe(gg), W);
-          core::AtomicStoreRelaxedSystem(&slot->tag, epoch);
+                           EpCountInboxIndex(f.parity, s, tp.LocalPe(gg), f.W);
+          core::AtomicStoreRelaxedSystem(&slot->tag, f.epoch);
         }
         c.state->v1InRecords[m] = static_cast<int32_t>(EpTagValue(rec[kEpV1CountRecords]));
       }
     }
     __syncthreads();
   }
-  if (tid == 0) EpTraceStamp(tr, kEpDispatchAnnounced);
+  if (f.tid == 0) EpTraceStamp(f.tr, kEpDispatchAnnounced);
 
   // ---- 3. own node: announce (block 0), copy our rows to the local PEs -----------------------
   EpV1ScanNode<IndexT>(c, idx, T, tp.node, scan, b == 0, b == 0 ? checkIds : nullptr);
@@ -369,68 +359,68 @@ MORI_DEVICE_INLINE void EpV1DispatchBody(const EpDispatchKernelArgs& a) {
     const uint64_t countFormat = a.format | (inputError ? kEpDispatchFormatInputError : 0ull);
     const uint64_t prevCombine = *reinterpret_cast<volatile uint64_t*>(&c.state->combineEpoch);
     EpSignal* done = At<EpSignal>(L0, c.symm.doneInbox);
-    for (int g = tid; g < G; g += nThreads) {
+    for (int g = f.tid; g < G; g += f.nThreads) {
       if (!core::WaitUntil(wait, &done[tp.LocalPe(g)].tag, CmpOp::kGe, prevCombine, tp.LocalPe(g),
                            "EP V1 dispatch: local PE done reading (last combine)"))
         sFailed = 1;
     }
     __syncthreads();
     if (sFailed == 0) {
-      for (int i = tid; i < G * G; i += nThreads) {
+      for (int i = f.tid; i < G * G; i += f.nThreads) {
         const int q = i / G, gg = i - q * G;
         EpSignal* slot = At<EpSignal>(PeerBlock(c, tp.LocalPe(q)), c.symm.countInbox) +
-                         EpCountInboxIndex(parity, me, tp.LocalPe(gg), W);
+                         EpCountInboxIndex(f.parity, f.me, tp.LocalPe(gg), f.W);
         core::AtomicStoreRelaxedSystem(
             &slot->value, EpPackCount(static_cast<uint32_t>(scan.Size(gg)), countFormat));
       }
-      if (inputError && tid == 0) {
-        const uint64_t report = EpInputErrorReport(me, sInputError, idx, K);
+      if (inputError && f.tid == 0) {
+        const uint64_t report = EpInputErrorReport(f.me, sInputError, idx, f.K);
         for (int q = 0; q < G; q++)
           core::AtomicStoreRelaxedSystem(
-              EpInputErrorSlot(c, PeerBlock(c, tp.LocalPe(q)), parity, me), report);
+              EpInputErrorSlot(c, PeerBlock(c, tp.LocalPe(q)), f.parity, f.me), report);
       }
-      for (int i = tid; i < G * Epr; i += nThreads) {
+      for (int i = f.tid; i < G * Epr; i += f.nThreads) {
         const int gg = i / Epr, e = i - gg * Epr;
         int32_t* ex = At<int32_t>(PeerBlock(c, tp.LocalPe(gg)), c.symm.expertInbox);
-        core::AtomicStoreRelaxedSystem(ex + EpExpertInboxIndex(parity, me, e, W, Epr),
+        core::AtomicStoreRelaxedSystem(ex + EpExpertInboxIndex(f.parity, f.me, e, f.W, Epr),
                                        scan.hist[i]);
       }
       __syncthreads();
-      if (tid == 0) {
+      if (f.tid == 0) {
         core::FenceAcqRelSystem();
         for (int i = 0; i < G * G; i++) {
           const int q = i / G, gg = i - q * G;
           core::AtomicStoreRelaxedSystem(
               &(At<EpSignal>(PeerBlock(c, tp.LocalPe(q)), c.symm.countInbox) +
-                EpCountInboxIndex(parity, me, tp.LocalPe(gg), W))
+                EpCountInboxIndex(f.parity, f.me, tp.LocalPe(gg), f.W))
                    ->tag,
-              epoch);
+              f.epoch);
         }
       }
     }
   }
-  if (tid == 0) EpTraceStamp(tr, kEpDispatchSendBase);
+  if (f.tid == 0) EpTraceStamp(f.tr, kEpDispatchSendBase);
   {
     const int cList = scan.Size(G);
     const int i0 = EpShareBegin(cList, b, nb), i1 = EpShareBegin(cList, b + 1, nb);
     const int t0 = EpShareBegin(T, b, nb), t1 = EpShareBegin(T, b + 1, nb);
-    for (int g = tid; g < G; g += nThreads) {
+    for (int g = f.tid; g < G; g += f.nThreads) {
       sCnt[g] = scan.Size(g);
       sRows[g] = 0;
     }
     __syncthreads();
     if (sFailed == 0 && (i0 < i1 || t0 < t1) &&
-        EpV1Bases(c, wait, tp, parity, epoch, a.format, me, sCnt, sBase, sFailed)) {
+        EpV1Bases(c, wait, tp, f.parity, f.epoch, a.format, f.me, sCnt, sBase, sFailed)) {
       // Slots of our tokens on the local PEs (combine pulls from them); other nodes' columns
       // are not used by this family.
-      for (int i = tid; i < (t1 - t0) * G; i += nThreads) {
+      for (int i = f.tid; i < (t1 - t0) * G; i += f.nThreads) {
         const int t = t0 + i / G, g = i % G;
         const int p = scan.PosOf(g, t);
-        c.tokenSlot[static_cast<size_t>(t) * W + tp.LocalPe(g)] =
+        c.tokenSlot[static_cast<size_t>(t) * f.W + tp.LocalPe(g)] =
             p < 0 || sBase[g] < 0 ? -1 : sBase[g] + p;
       }
-      const int parts = EpPartsPerRow(i1 - i0, nWarps, inVecs);
-      for (int item = warp; item < (i1 - i0) * parts; item += nWarps) {
+      const int parts = EpPartsPerRow(i1 - i0, f.nWarps, inVecs);
+      for (int item = f.warp; item < (i1 - i0) * parts; item += f.nWarps) {
         const int i = i0 + item / parts;
         const int part = item % parts;
         const int t = scan.TokenAt(G, i);
@@ -442,24 +432,24 @@ MORI_DEVICE_INLINE void EpV1DispatchBody(const EpDispatchKernelArgs& a) {
               EpShareBegin(units, part + 1, parts) * unitVecs, part == 0,
               EpV1OutputRow(c, tp.LocalPe(g), static_cast<size_t>(sBase[g] + p), a.rowBytes,
                             a.scaleBytes, kIdxBytes));
-          if (part == 0 && lane == 0) atomicAdd(&sRows[g], 1);
+          if (part == 0 && f.lane == 0) atomicAdd(&sRows[g], 1);
         }
       }
     }
     __syncthreads();
-    if (tid == 0 && sFailed == 0) EpV1PublishRows(c, tp, me, sRows);
+    if (f.tid == 0 && sFailed == 0) EpV1PublishRows(c, tp, f.me, sRows);
     __syncthreads();
   }
-  if (tid == 0) EpTraceStamp(tr, kEpDispatchCopied);
+  if (f.tid == 0) EpTraceStamp(f.tr, kEpDispatchCopied);
 
   // ---- 4. forward our rail peers' records to the local PEs -----------------------------------
   for (int m = 0; m < R; m++) {
     const int s = tp.RailPeer(m);
     uint64_t* rec =
-        At<uint64_t>(L0, c.symm.v1CountRec) + (static_cast<size_t>(parity) * R + m) * words;
-    for (int w = tid; w <= kEpV1CountPerPe + G - 1; w += nThreads) {
+        At<uint64_t>(L0, c.symm.v1CountRec) + (static_cast<size_t>(f.parity) * R + m) * words;
+    for (int w = f.tid; w <= kEpV1CountPerPe + G - 1; w += f.nThreads) {
       uint32_t v = 0;
-      if (!TagWait(wait, rec + w, epoch, s, "EP V1 dispatch: count record from rail peer", &v)) {
+      if (!TagWait(wait, rec + w, f.epoch, s, "EP V1 dispatch: count record from rail peer", &v)) {
         sFailed = 1;
       } else if (w == kEpV1CountFormat && EpCallFormat(v) != static_cast<uint32_t>(a.format)) {
         // Its records are laid out by its format: forwarding them under ours would misplace them.
@@ -473,7 +463,7 @@ MORI_DEVICE_INLINE void EpV1DispatchBody(const EpDispatchKernelArgs& a) {
         sCnt[w - kEpV1CountPerPe] = static_cast<int>(v);
       }
     }
-    for (int g = tid; g < G; g += nThreads) sRows[g] = 0;
+    for (int g = f.tid; g < G; g += f.nThreads) sRows[g] = 0;
     __syncthreads();
     if (sFailed != 0) break;
     const int cList = sList;
@@ -483,7 +473,7 @@ MORI_DEVICE_INLINE void EpV1DispatchBody(const EpDispatchKernelArgs& a) {
     // up to kEpV1LLMaxTokens records: one chunk, waited for whole); V1LL: an empty share's tail
     // too (one block waits it), so that no tail of this call is left for the next call of this
     // parity.
-    for (int q = tid; q < tp.Q; q += nThreads) {
+    for (int q = f.tid; q < tp.Q; q += f.nThreads) {
       const int s0 = EpShareBegin(cList, q, tp.Q), s1 = EpShareBegin(cList, q + 1, tp.Q);
       const bool meets = s0 < s1 && s0 < i1 && i0 < s1;
       const bool empty = s0 == s1 && tp.ll && b == (m * tp.Q + q) % nb;
@@ -492,20 +482,20 @@ MORI_DEVICE_INLINE void EpV1DispatchBody(const EpDispatchKernelArgs& a) {
       if ((meets || empty) &&
           !TailWait(
               wait, At<uint64_t>(L0, c.symm.v1Tail) + (static_cast<size_t>(par) * R + m) * tp.Q + q,
-              epoch, static_cast<uint32_t>(upTo - s0), static_cast<uint32_t>(s1 - s0), 0xFFFFFFFFu,
-              s, "EP V1 dispatch: records of a channel (tail) from rail peer", &v))
+              f.epoch, static_cast<uint32_t>(upTo - s0), static_cast<uint32_t>(s1 - s0),
+              0xFFFFFFFFu, s, "EP V1 dispatch: records of a channel (tail) from rail peer", &v))
         sFailed = 1;
     }
     __syncthreads();
     // Block-uniform: every thread calls EpV1Bases (it has barriers) or none does.
     const bool based = sFailed == 0 && i0 < i1 &&
-                       EpV1Bases(c, wait, tp, parity, epoch, a.format, s, sCnt, sBase, sFailed);
-    if (tid == 0) EpTraceStamp(tr, kEpDispatchV1TailsSeen);
+                       EpV1Bases(c, wait, tp, f.parity, f.epoch, a.format, s, sCnt, sBase, sFailed);
+    if (f.tid == 0) EpTraceStamp(f.tr, kEpDispatchV1TailsSeen);
     if (based) {
       const uint8_t* inbox = L0 + c.symm.v1Inbox + (static_cast<size_t>(par) * R + m) * M * L.bytes;
       int32_t* route = c.v1Route + static_cast<size_t>(m) * M * G;
-      const int parts = EpPartsPerRow(i1 - i0, nWarps, outVecs);
-      for (int item = warp; item < (i1 - i0) * parts; item += nWarps) {
+      const int parts = EpPartsPerRow(i1 - i0, f.nWarps, outVecs);
+      for (int item = f.warp; item < (i1 - i0) * parts; item += f.nWarps) {
         const int i = i0 + item / parts;
         const int part = item % parts;
         const uint8_t* r = inbox + static_cast<size_t>(i) * L.bytes;
@@ -514,21 +504,21 @@ MORI_DEVICE_INLINE void EpV1DispatchBody(const EpDispatchKernelArgs& a) {
           const int p = head[g];
           // Not for j (a bad index is never written), or past j's capacity.
           if (p < 0 || p >= sCnt[g] || sBase[g] < 0) continue;
-          WarpForwardRecord(r, L, a.scaleBytes, kIdxBytes, K, EpShareBegin(outVecs, part, parts),
+          WarpForwardRecord(r, L, a.scaleBytes, kIdxBytes, f.K, EpShareBegin(outVecs, part, parts),
                             EpShareBegin(outVecs, part + 1, parts), part == 0,
                             EpV1OutputRow(c, tp.LocalPe(g), static_cast<size_t>(sBase[g] + p),
                                           a.rowBytes, a.scaleBytes, kIdxBytes));
-          if (part == 0 && lane == 0) atomicAdd(&sRows[g], 1);
+          if (part == 0 && f.lane == 0) atomicAdd(&sRows[g], 1);
         }
-        if (part == 0 && lane < G) {
-          const int p = head[lane];
-          route[static_cast<size_t>(i) * G + lane] =
-              p < 0 || p >= sCnt[lane] || sBase[lane] < 0 ? -1 : sBase[lane] + p;
+        if (part == 0 && f.lane < G) {
+          const int p = head[f.lane];
+          route[static_cast<size_t>(i) * G + f.lane] =
+              p < 0 || p >= sCnt[f.lane] || sBase[f.lane] < 0 ? -1 : sBase[f.lane] + p;
         }
       }
     }
     __syncthreads();
-    if (tid == 0) {
+    if (f.tid == 0) {
       if (sFailed == 0) EpV1PublishRows(c, tp, s, sRows);
       if (!tp.ll) {
         // V1: the last block to finish with s's records (every block reads some or none)
@@ -538,7 +528,7 @@ MORI_DEVICE_INLINE void EpV1DispatchBody(const EpDispatchKernelArgs& a) {
         if (old == static_cast<unsigned>(nb) - 1) {
           c.state->v1Forwarded[m] = 0;
           core::FenceAcqRelSystem();
-          const uint64_t credit = EpTagWord(epoch, 0);
+          const uint64_t credit = EpTagWord(f.epoch, 0);
           if (sFailed == 0 && !core::DeviceAborted(wait) &&
               !shmem::ShmemPutMemNbiThreadQp(c.shmem,
                                              At<uint64_t>(L0, c.symm.v1Credit) + tp.SlotOnPeer(m),
@@ -549,20 +539,20 @@ MORI_DEVICE_INLINE void EpV1DispatchBody(const EpDispatchKernelArgs& a) {
     }
     __syncthreads();
   }
-  if (tid == 0) EpTraceStamp(tr, kEpDispatchPublished);
+  if (f.tid == 0) EpTraceStamp(f.tr, kEpDispatchPublished);
 
   // ---- 5. receive (block 0); epoch ----------------------------------------------------------
   if (b == 0)
-    EpDispatchReceive<EpFamily::kIntraNode>(c, wait, parity, epoch, a.format, sTotal, sFailed,
+    EpDispatchReceive<EpFamily::kIntraNode>(c, wait, f.parity, f.epoch, a.format, sTotal, sFailed,
                                             a.inputErrorRecord, &c.state->v1CapOverflow);
-  if (tid == 0) EpTraceStamp(tr, kEpDispatchReceived);
+  if (f.tid == 0) EpTraceStamp(f.tr, kEpDispatchReceived);
   __syncthreads();
-  if (tid == 0) {
+  if (f.tid == 0) {
     __threadfence();
     const unsigned old = atomicAdd(&c.state->dispatchBlocksDone, 1u);
-    if (tr != nullptr) {
-      EpTraceStamp(tr, kEpDispatchCounted);
-      tr[kEpTraceWordArrival] = static_cast<uint64_t>(old) + 1;
+    if (f.tr != nullptr) {
+      EpTraceStamp(f.tr, kEpDispatchCounted);
+      f.tr[kEpTraceWordArrival] = static_cast<uint64_t>(old) + 1;
     }
     if (old == gridDim.x - 1) {
       c.state->dispatchBlocksDone = 0;
@@ -572,7 +562,7 @@ MORI_DEVICE_INLINE void EpV1DispatchBody(const EpDispatchKernelArgs& a) {
       // Every block is past its last signal: a receive-capacity overflow found this call is
       // recorded now (every PE of the call finishes it: each finds its own errors).
       EpRecordKeptCapOverflow(wait, &c.state->v1CapOverflow, c.maxRecvRows);
-      c.state->dispatchEpoch = epoch;
+      c.state->dispatchEpoch = f.epoch;
     }
   }
 }
