@@ -181,21 +181,12 @@ MORI_DEVICE_INLINE void EpCombineBody(const EpCombineKernelArgs& a) {
   constexpr bool kUseStages = kStaged && core::kHasBulkAsyncCopy;
 
   const EpKernelCommon& c = a.c;
-  const EpKernelStart start = EpBeginKernel(c, EpTraceKind::kCombine, a.partsPerToken);
-  // A private copy: the (rare) error path takes its address, which must not pull the whole
-  // kernel parameter block into local memory.
-  const core::WaitContext wait = c.shmem.wait;
-  const int W = c.worldSize;
-  const int me = c.rank;
-  const int T = a.numTokens;
-  const int K = c.topK;
-  const int tid = static_cast<int>(threadIdx.x);
-  const int nThreads = static_cast<int>(blockDim.x);
-  const int lane = core::LaneId();
-  const int warp = core::WarpId();
-  const int nWarps = core::WarpsPerBlock();
-  const uint64_t epoch = start.epoch;
-  const int parity = start.parity;
+  const EpKernelFrame f = EpEnterKernel(c, EpTraceKind::kCombine, a.partsPerToken);
+  const core::WaitContext wait = c.shmem.wait;  // private copy (see EpKernelFrame)
+  const int W = f.W, me = f.me, K = f.K, T = a.numTokens;
+  const int tid = f.tid, nThreads = f.nThreads, lane = f.lane, warp = f.warp, nWarps = f.nWarps;
+  const uint64_t epoch = f.epoch;
+  const int parity = f.parity;
   // fp8_direct_cast: our rows are in combineInFp8 (EpCombineCastKernel ran first; tokenSource is
   // kFp8Wire); peers read (or we RDMA-write) them from there, wireRow bytes each.
   const bool fp8 = a.wireFp8 != 0;
@@ -205,7 +196,7 @@ MORI_DEVICE_INLINE void EpCombineBody(const EpCombineKernelArgs& a) {
                   fp8 ? static_cast<EpCombineWire>(a.fp8Format + 1) : EpCombineWire::kInput);
 
   // Phase trace (trace_device.hpp): nullptr unless SetTrace was called; thread 0 stamps phase ends.
-  uint64_t* const tr = start.trace;
+  uint64_t* const tr = f.tr;
   if (tid == 0) sFailed = 0;
   __syncthreads();
 
