@@ -153,9 +153,14 @@ def analyse_launch(recs, W, kind, me=0):
         m["issue"] = b0[G0 + st("send")]  # block 0: ready sent (zero-copy input)
         m["seen_min"] = [min(r[SEEN + p] for r in recs) if p < NPEER else 0 for p in range(min(W, NPEER))]
         m["seen_max"] = [max(r[SEEN + p] for r in recs) if p < NPEER else 0 for p in range(min(W, NPEER))]
-        late = [m["seen_min"][p] - m["issue"] for p in range(len(m["seen_min"]))]
-        m["P2late"] = max(late)
-        m["last_peer"] = late.index(max(late))
+        # The push combine (small batches) stamps no peer-ready words: no P2 late then.
+        if m["seen_min"] and all(t != 0 for t in m["seen_min"]):
+            late = [m["seen_min"][p] - m["issue"] for p in range(len(m["seen_min"]))]
+            m["P2late"] = max(late)
+            m["last_peer"] = late.index(max(late))
+        else:
+            m["P2late"] = None
+            m["last_peer"] = "-"
         m["parts"] = recs[0][PARTS]
     else:
         # local-copy blocks vs blocks streaming to peers: copy time and when their rows were published
