@@ -101,6 +101,353 @@ MORI_DEVICE_INLINE bool PushPostRemote(const EpCombineKernelArgs& a, const core:
   return true;
 }
 
+// 512-thread blocks have 128 registers per thread: half the loads in flight per lane (twice the
+// warps) keep step 2 out of local memory.
+template <int kThreads>
+constexpr int kPushUnrollFor = kThreads > 256 ? kPushUnroll / 2 : kPushUnroll;
+
+// What the steps of a push combine call share: the kernel computes these once, at its entry, and
+// the step functions read them from here (recomputing them there changes register allocation).
+struct EpPushShape {
+  int M, T, G;            // max tokens per rank, tokens, PEs of our node (W on one node)
+  int node0;              // our node's first PE
+  int totalWarps, gWarp;  // the grid's warps; this warp's index among them
+  unsigned nShares;       // step 2's work, in shares of nWarps warps' items
+  bool fp8;               // quant_type fp8_direct_cast: rows are pushed as e4m3 codes
+  core::Fp8Format fp8Format;
+  uint64_t format;         // our ready format (EpPackReady)
+  int vecs;                // input vectors of a row (the arrival unit)
+  uint32_t wireRow;        // bytes of a pushed row (a slot)
+  int R;                   // rows dispatch received (the combine input's rows)
+  uint8_t* L;              // our symmetric block
+  uint8_t* recvTok;        // pushRecvTokens
+  float* recvW;            // pushRecvWeights
+  uint64_t* arrived;       // pushArrived[parity][.]
+  size_t landing;          // InterNode: rows of one parity's landing
+  const uint8_t* wireTok;  // InterNode: the registered rows the WRITEs of step 2' read
+  const float* wireW;      // and weights (nullptr: none)
+};
+
+// Step 1 (block 0, thread 0, send). End: our format (and weights) in every local PE's readyInbox
+// and "done reading your buffers" in its doneInbox, published by one fence.
+template <bool kInter>
+MORI_DEVICE_INLINE void EpPushSignalReady(const EpKernelCommon& c, const EpKernelFrame& f,
+                                          const EpPushShape& sh) {
+  constexpr bool inter = kInter;
+  const auto& [M, T, G, node0, totalWarps, gWarp, nShares, fp8, fp8Format, format, vecs, wireRow, R,
+               L, recvTok, recvW, arrived, landing, wireTok, wireW] = sh;
+
+  // ---- 1. our format, and done, to every PE of our node ---------------------------------------
+  const size_t readySlot = EpReadyInboxIndex(f.parity, f.me, f.W);
+  SignalStoreAll(
+      f.W,
+      [&](int p) {
+        return inter && IsRemote(c, p)
+                   ? nullptr
+                   : At<EpSignal>(PeerBlock(c, p), c.symm.readyInbox) + readySlot;
+      },
+      format, f.epoch);
+  // The done tags (no value) are ordered by SignalStoreAll's fence too (other nodes: step 2').
+  for (int p = 0; p < f.W; p++) {
+    if (!(inter && IsRemote(c, p)))
+      core::AtomicStoreRelaxedSystem(&(At<EpSignal>(PeerBlock(c, p), c.symm.doneInbox) + f.me)->tag,
+                                     f.epoch);
+  }
+}
+
+// Step 2', one share (InterNode). Start: as step 2. End: this block's items of the share for other
+// nodes' PEs are in registered memory (cast or copied; not yet published).
+template <typename Elem, int kThreads, bool kInter>
+MORI_DEVICE_INLINE void EpPushPrepareRemoteShare(const EpCombineKernelArgs& a,
+                                                 const EpKernelFrame& f, const EpPushShape& sh,
+                                                 int sWarp, int localBegin, int localEnd,
+                                                 const int& sFailed) {
+  const EpKernelCommon& c = a.c;
+  constexpr bool inter = kInter;
+  constexpr int kUnroll = kPushUnrollFor<kThreads>;
+  const auto& [M, T, G, node0, totalWarps, gWarp, nShares, fp8, fp8Format, format, vecs, wireRow, R,
+               L, recvTok, recvW, arrived, landing, wireTok, wireW] = sh;
+
+  // ---- 2'. InterNode: the rows for other nodes' PEs into registered memory -------------------
+  // (fp8: cast to codes; the caller's tensor: copied; the registered buffer or the dispatch
+  // output: already there.)
+  const bool copyTok = !fp8 && a.inTokens != wireTok;
+  const bool copyW = wireW != nullptr && a.inWeights != wireW;
+  if (inter && sFailed == 0 && (fp8 || copyTok || copyW)) {
+    const int nLocal = localEnd - localBegin;
+    const int nPrep = R - nLocal;
+    const int parts = EpPartsPerRow(nPrep, totalWarps, vecs);
+    for (int item = sWarp; item < nPrep * parts; item += totalWarps) {
+      const int q = item / parts;
+      const int part = item % parts;
+      const int r = q < localBegin ? q : q + nLocal;
+      const int vb = EpShareBegin(vecs, part, parts);
+      const int ve = EpShareBegin(vecs, part + 1, parts);
+      const uint4* src =
+          reinterpret_cast<const uint4*>(a.inTokens + static_cast<size_t>(r) * a.rowBytes);
+      if (fp8) {
+        uint8_t* dstRow = L + c.symm.combineInFp8 + static_cast<size_t>(r) * wireRow;
+        for (int v = vb + f.lane; v < ve; v += kWarpSize)
+          EpStoreFp8<Elem>(dstRow, v, EpEncodeFp8<Elem>(src[v], fp8Format));
+      } else if (copyTok) {
+        WarpCopyVectors<kUnroll>(reinterpret_cast<uint4*>(L + c.symm.combineInTokens +
+                                                          static_cast<size_t>(r) * a.rowBytes),
+                                 src, vb, ve);
+      }
+      if (copyW && part == 0) {
+        float* dw = At<float>(L, c.symm.combineInWeights) + static_cast<size_t>(r) * f.K;
+        for (int k = f.lane; k < f.K; k += kWarpSize)
+          dw[k] = a.inWeights[static_cast<size_t>(r) * f.K + k];
+      }
+    }
+  }
+}
+
+// End of a share. Start: the block's stores of the share are done. End: they are published (one
+// fence, then pushArrived on each PE); InterNode: the block completing the last share has posted
+// step 2'; sShare holds the block's next claim (>= nShares: none).
+template <bool kInter>
+MORI_DEVICE_INLINE void EpPushPublishShare(const EpCombineKernelArgs& a, const EpKernelFrame& f,
+                                           const core::WaitContext& wait, const EpPushShape& sh,
+                                           unsigned long long* sPushed, int& sFailed,
+                                           unsigned& sShare) {
+  const EpKernelCommon& c = a.c;
+  constexpr bool inter = kInter;
+  const auto& [M, T, G, node0, totalWarps, gWarp, nShares, fp8, fp8Format, format, vecs, wireRow, R,
+               L, recvTok, recvW, arrived, landing, wireTok, wireW] = sh;
+
+  // Claims so far, read before the barrier and the fence below (their waits hide its latency).
+  const uint32_t claimed =
+      f.tid == 0 ? core::AtomicLoadRelaxedSystem(&c.state->pushNextShare) : nShares;
+  // One release fence per share (as dispatch): the barrier orders every thread's stores before
+  // thread 0's cumulative fence; the counter adds after it publish them.
+  __syncthreads();
+  if (f.tid == 0) {
+    bool any = false;
+    for (int p = 0; p < f.W; p++) any = any || sPushed[p] != 0;
+    if (any || inter) {
+      core::FenceAcqRelSystem();
+      for (int p = 0; p < f.W; p++) {
+        if (sPushed[p] != 0)
+          core::AtomicFetchAddSystem(At<uint64_t>(PeerBlock(c, p), c.symm.pushArrived) +
+                                         EpPushArrivedIndex(f.parity, f.me, f.W),
+                                     static_cast<uint64_t>(sPushed[p]));
+        sPushed[p] = 0;
+      }
+    }
+    if constexpr (inter) {
+      // The block completing the last share acquires every share's prepared rows (through the
+      // counter; its fence also orders them before the NIC reads them) and posts. Every share is
+      // counted, also after a failure, so the counter always returns to 0.
+      const unsigned old = atomicAdd(&c.state->pushSharesDone, 1u);
+      if (old == nShares - 1) {
+        c.state->pushSharesDone = 0;
+        core::FenceAcqRelSystem();
+        if (sFailed == 0 && !core::DeviceAborted(wait) &&
+            !PushPostRemote(a, wait, f.epoch, f.parity, format, wireRow, wireTok,
+                            reinterpret_cast<const uint8_t*>(wireW)))
+          sFailed = 1;
+      }
+    }
+    // Claim again only while some share is unclaimed.
+    sShare = claimed >= nShares ? nShares : atomicAdd(&c.state->pushNextShare, 1u);
+  }
+}
+
+// The end of a send-only launch (thread 0). End: a failure is recorded for the receive half; the
+// grid's last block has reset the share queue.
+MORI_DEVICE_INLINE void EpPushSendDone(const EpKernelCommon& c, const EpKernelFrame& f,
+                                       const int& sFailed) {
+  // Send only: a failure here fails the receive half (which checks combineFailed at its end).
+  // The grid's last block resets the share queue (every block has stopped claiming).
+  if (f.tid == 0) {
+    if (sFailed != 0) atomicOr(&c.state->combineFailed, 1u);
+    const unsigned old = atomicAdd(&c.state->combineBlocksDone, 1u);
+    if (old == gridDim.x - 1) {
+      c.state->combineBlocksDone = 0;
+      c.state->pushNextShare = 0;
+    }
+  }
+}
+
+// Step 3. Start: the block's sends are done (or a receive launch). End: every PE's signal (or
+// tail) of this call is seen and its rows for our tokens have arrived, else sFailed (no barrier).
+template <bool kInter>
+MORI_DEVICE_INLINE void EpPushWaitArrivals(const EpCombineKernelArgs& a, const EpKernelFrame& f,
+                                           const core::WaitContext& wait, const EpPushShape& sh,
+                                           int& sFailed) {
+  const EpKernelCommon& c = a.c;
+  constexpr bool inter = kInter;
+  const auto& [M, T, G, node0, totalWarps, gWarp, nShares, fp8, fp8Format, format, vecs, wireRow, R,
+               L, recvTok, recvW, arrived, landing, wireTok, wireW] = sh;
+
+  // ---- 3. every PE's rows for our tokens have arrived ---------------------------------------
+  if (sFailed == 0) {
+    EpSignal* inbox = At<EpSignal>(L, c.symm.readyInbox);
+    for (int p = f.tid; p < f.W; p += f.nThreads) {
+      if (p == f.me && !fp8) continue;  // fp8: our own rows arrive in our slots too
+      const int sent = c.state->sendCount[p];
+      if (inter && IsRemote(c, p)) {
+        uint64_t* w = At<uint64_t>(L, c.symm.pushLandTail) + EpPushArrivedIndex(f.parity, p, f.W);
+        bool weights = false;
+        if (!InterLandingWait(wait, w, f.epoch, p, format,
+                              "EP combine: peer's rows landed (push, landing tail)", &weights)) {
+          sFailed = 1;
+          continue;
+        }
+        if (a.outWeights != nullptr && sent > 0 && !weights) {
+          ReportError(wait, p, "EP combine: a PE passed no weights, this PE asked for weights",
+                      static_cast<const uint64_t*>(w), CmpOp::kNe,
+                      static_cast<uint64_t>(EpCombineSource::kNone),
+                      static_cast<uint64_t>(EpCombineSource::kNone));
+          sFailed = 1;
+        }
+        if (f.tr != nullptr && p < kEpTracePeers)
+          f.tr[kEpTraceWordPeerReady + p] = core::WallClockNs();
+        continue;
+      }
+      EpSignal* sig = inbox + EpReadyInboxIndex(f.parity, p, f.W);
+      uint64_t v = 0;
+      if (!SignalWait(wait, sig, f.epoch, p, "EP combine: peer's push started (format signal)",
+                      &v)) {
+        sFailed = 1;
+        continue;
+      }
+      if (EpReadyFormat(v) != EpReadyFormat(format)) {
+        ReportError(wait, p, "EP combine: PEs called combine with different dtype/hidden",
+                    static_cast<const uint64_t*>(&sig->value), CmpOp::kEq, EpReadyFormat(format),
+                    EpReadyFormat(v));
+        sFailed = 1;
+        continue;
+      }
+      if (a.outWeights != nullptr && sent > 0 && EpReadyWeights(v) == EpCombineSource::kNone) {
+        ReportError(wait, p, "EP combine: a PE passed no weights, this PE asked for weights",
+                    static_cast<const uint64_t*>(&sig->value), CmpOp::kNe,
+                    static_cast<uint64_t>(EpCombineSource::kNone),
+                    static_cast<uint64_t>(EpReadyWeights(v)));
+        sFailed = 1;
+        continue;
+      }
+      const uint64_t expected = static_cast<uint64_t>(sent) * static_cast<uint64_t>(vecs);
+      if (expected > 0 && !core::WaitUntil(wait, arrived + p, CmpOp::kGe, expected, p,
+                                           "EP combine: rows pushed by PE")) {
+        sFailed = 1;
+        continue;
+      }
+      if (f.tr != nullptr && p < kEpTracePeers)
+        f.tr[kEpTraceWordPeerReady + p] = core::WallClockNs();
+    }
+  }
+}
+
+// Step 4. Start: every row for our tokens is in our memory (step 3, the block synchronised). End:
+// this block's output rows (and weights) are the sums in ascending PE order.
+template <typename Elem, int kThreads, bool kInter>
+MORI_DEVICE_INLINE void EpPushReduce(const EpCombineKernelArgs& a, const EpKernelFrame& f,
+                                     const EpPushShape& sh, const uint32_t* sLandOff,
+                                     const uint8_t* (*sRows)[kEpMaxWorldSize],
+                                     const float* (*sWRows)[kEpMaxWorldSize], const int& sFailed) {
+  const EpKernelCommon& c = a.c;
+  constexpr bool inter = kInter;
+  const auto& [M, T, G, node0, totalWarps, gWarp, nShares, fp8, fp8Format, format, vecs, wireRow, R,
+               L, recvTok, recvW, arrived, landing, wireTok, wireW] = sh;
+
+  // ---- 4. reduce from our own memory ----------------------------------------------------------
+  if (sFailed == 0) {
+    const int P = a.partsPerToken;
+    const int items = T * P;
+    const uint8_t* const landTok = L + c.symm.pushLandTokens;
+    const float* const landW = At<const float>(L, c.symm.pushLandWeights);
+    for (int item = gWarp; item < items; item += totalWarps) {
+      const int t = item / P;
+      const int part = item - t * P;
+      const int slot = f.lane < f.W ? c.tokenSlot[static_cast<size_t>(t) * f.W + f.lane] : -1;
+      const LaneMask members = core::WarpBallot(slot >= 0);
+      const int n = core::PopCount(members);
+      if (slot >= 0) {
+        const int j = core::PopCount(members & LowerLanesMask(f.lane));  // ascending PE order
+        if (inter && IsRemote(c, f.lane)) {  // another node's PE: the token's list position there
+          const size_t lr = static_cast<size_t>(f.parity) * landing + sLandOff[f.lane] + slot;
+          sRows[f.warp][j] = landTok + lr * wireRow;
+          sWRows[f.warp][j] = landW + lr * f.K;
+        } else {
+          const size_t ps = EpPushSlot(f.parity, t, f.lane - node0, M, G);
+          sRows[f.warp][j] = f.lane == f.me && !fp8
+                                 ? a.inTokens + static_cast<size_t>(slot) * a.rowBytes
+                                 : recvTok + ps * wireRow;
+          sWRows[f.warp][j] = f.lane == f.me ? (a.inWeights != nullptr
+                                                    ? a.inWeights + static_cast<size_t>(slot) * f.K
+                                                    : nullptr)
+                                             : recvW + ps * f.K;
+        }
+      }
+      core::WarpSync();
+      const int vb = EpShareBegin(vecs, part, P);
+      const int ve = EpShareBegin(vecs, part + 1, P);
+      uint4* const outRow =
+          reinterpret_cast<uint4*>(a.outTokens + static_cast<size_t>(t) * a.rowBytes);
+      if (fp8) {
+        WarpReduceFp8<Elem, kThreads>(outRow, sRows[f.warp], n, vb, ve, fp8Format);
+      } else {
+        WarpReduceRows<Elem, kThreads>(outRow, sRows[f.warp], n, vb, ve);
+      }
+      // outWeights is set only when this PE passed weights, so its own row has them.
+      if (part == 0 && a.outWeights != nullptr) {
+        for (int k = f.lane; k < f.K; k += kWarpSize) {
+          float acc = 0.0f;
+          for (int j = 0; j < n; j++) acc += sWRows[f.warp][j][k];  // ascending PE order
+          a.outWeights[static_cast<size_t>(t) * f.K + k] = acc;
+        }
+      }
+      core::WarpSync();  // the next item rewrites this warp's member lists
+    }
+  }
+}
+
+// Step 5 (thread 0, the block synchronised). End: the block is counted; the grid's last block has
+// completed our WRITEs, checked and reset pushArrived and bumped the combine epoch.
+template <bool kInter>
+MORI_DEVICE_INLINE void EpPushFinish(const EpKernelCommon& c, const EpKernelFrame& f,
+                                     const core::WaitContext& wait, const EpPushShape& sh,
+                                     const int& sFailed) {
+  constexpr bool inter = kInter;
+  const auto& [M, T, G, node0, totalWarps, gWarp, nShares, fp8, fp8Format, format, vecs, wireRow, R,
+               L, recvTok, recvW, arrived, landing, wireTok, wireW] = sh;
+
+  EpTraceStamp(f.tr, kEpCombineReduced);
+  EpTraceStamp(f.tr, kEpCombineFenced);
+  if (sFailed != 0) atomicOr(&c.state->combineFailed, 1u);
+  __threadfence();
+  const unsigned old = atomicAdd(&c.state->combineBlocksDone, 1u);
+  if (f.tr != nullptr) {
+    EpTraceStamp(f.tr, kEpCombineCounted);
+    f.tr[kEpTraceWordArrival] = static_cast<uint64_t>(old) + 1;
+  }
+  if (old == gridDim.x - 1) {
+    __threadfence();
+    const bool failed = atomicExch(&c.state->combineFailed, 0u) != 0;
+    c.state->combineBlocksDone = 0;
+    c.state->pushNextShare = 0;  // every block has stopped claiming push shares
+    // Our WRITEs of step 2' read our input until they complete (the caller may reuse it next).
+    if constexpr (inter) {
+      if (!core::DeviceAborted(wait)) shmem::ShmemQuietThread(c.shmem);
+    }
+    for (int p = 0; p < f.W; p++) {
+      if ((p == f.me && !fp8) || (inter && IsRemote(c, p))) continue;
+      const uint64_t expected =
+          static_cast<uint64_t>(c.state->sendCount[p]) * static_cast<uint64_t>(vecs);
+      const uint64_t got = core::AtomicLoadRelaxedSystem(arrived + p);
+      if (!failed && got != expected)
+        ReportError(wait, p, "EP combine: more vectors pushed than this PE sent to that PE",
+                    static_cast<const uint64_t*>(arrived + p), CmpOp::kEq, expected, got);
+      core::AtomicStoreRelaxedSystem(arrived + p, static_cast<uint64_t>(0));
+    }
+    // The next kernel on the stream reads the epoch: the kernel boundary publishes it.
+    c.state->combineEpoch = f.epoch;
+    EpTraceStamp(f.tr, kEpCombineTail);
+  }
+}
+
 // kInter: the InterNode family (steps 2' and the tails of step 3). A template parameter, as the
 // pull kernel's family: the work-request code's registers and stack would spill the IntraNode
 // build.
@@ -120,9 +467,7 @@ MORI_DEVICE_INLINE void EpCombinePushBody(const EpCombineKernelArgs& a) {
   const int T = a.numTokens;
   const int G = c.localSize;      // W on one node (IntraNode family)
   constexpr bool inter = kInter;  // PEs of other nodes get their rows by RDMA (step 2')
-  // 512-thread blocks have 128 registers per thread: half the loads in flight per lane (twice the
-  // warps) keep step 2 out of local memory.
-  constexpr int kUnroll = kThreads > 256 ? kPushUnroll / 2 : kPushUnroll;
+  constexpr int kUnroll = kPushUnrollFor<kThreads>;
   const int node0 = f.me - f.me % G;  // our node's first PE
   const int totalWarps = static_cast<int>(gridDim.x) * f.nWarps;
   const int gWarp = static_cast<int>(blockIdx.x) * f.nWarps + f.warp;
@@ -151,6 +496,9 @@ MORI_DEVICE_INLINE void EpCombinePushBody(const EpCombineKernelArgs& a) {
                              : At<const float>(L, a.weightSource == EpCombineSource::kDispatchOut
                                                       ? c.symm.dispatchOutWeights
                                                       : c.symm.combineInWeights);
+  const EpPushShape sh{M,       T,         G,       node0,   totalWarps, gWarp, nShares,
+                       fp8,     fp8Format, format,  vecs,    wireRow,    R,     L,
+                       recvTok, recvW,     arrived, landing, wireTok,    wireW};
 
   const bool doSend = a.phase != EpCombinePhase::kReceive;  // steps 1-2'
   const bool doRecv = a.phase != EpCombinePhase::kSend;     // steps 3-5
@@ -179,24 +527,7 @@ MORI_DEVICE_INLINE void EpCombinePushBody(const EpCombineKernelArgs& a) {
   for (int p = f.tid; p < f.W; p += f.nThreads) sPushed[p] = 0;
   __syncthreads();
 
-  // ---- 1. our format, and done, to every PE of our node ---------------------------------------
-  if (doSend && blockIdx.x == 0 && f.tid == 0 && sFailed == 0) {
-    const size_t readySlot = EpReadyInboxIndex(f.parity, f.me, f.W);
-    SignalStoreAll(
-        f.W,
-        [&](int p) {
-          return inter && IsRemote(c, p)
-                     ? nullptr
-                     : At<EpSignal>(PeerBlock(c, p), c.symm.readyInbox) + readySlot;
-        },
-        format, f.epoch);
-    // The done tags (no value) are ordered by SignalStoreAll's fence too (other nodes: step 2').
-    for (int p = 0; p < f.W; p++) {
-      if (!(inter && IsRemote(c, p)))
-        core::AtomicStoreRelaxedSystem(
-            &(At<EpSignal>(PeerBlock(c, p), c.symm.doneInbox) + f.me)->tag, f.epoch);
-    }
-  }
+  if (doSend && blockIdx.x == 0 && f.tid == 0 && sFailed == 0) EpPushSignalReady<kInter>(c, f, sh);
 
   // Rows of the dispatch output by source PE: our node's sources [localBegin, localEnd), our own
   // [selfBegin, selfBegin + recvCount[me]).
@@ -224,6 +555,7 @@ MORI_DEVICE_INLINE void EpCombinePushBody(const EpCombineKernelArgs& a) {
     const int sWarp = static_cast<int>(sShare) * f.nWarps + f.warp;
 
     // ---- 2. push the rows we hold to their tokens' PEs on our node ------------------------------
+    // (Kept in the body: as a step function it changes the 512-thread InterNode build's spills.)
     if (sFailed == 0) {
       // fp8: our own rows are pushed too (into our own slots).
       const int selfCount = fp8 ? 0 : c.state->recvCount[f.me];
@@ -296,240 +628,25 @@ MORI_DEVICE_INLINE void EpCombinePushBody(const EpCombineKernelArgs& a) {
       }
     }
 
-    // ---- 2'. InterNode: the rows for other nodes' PEs into registered memory -------------------
-    // (fp8: cast to codes; the caller's tensor: copied; the registered buffer or the dispatch
-    // output: already there.)
-    const bool copyTok = !fp8 && a.inTokens != wireTok;
-    const bool copyW = wireW != nullptr && a.inWeights != wireW;
-    if (inter && sFailed == 0 && (fp8 || copyTok || copyW)) {
-      const int nLocal = localEnd - localBegin;
-      const int nPrep = R - nLocal;
-      const int parts = EpPartsPerRow(nPrep, totalWarps, vecs);
-      for (int item = sWarp; item < nPrep * parts; item += totalWarps) {
-        const int q = item / parts;
-        const int part = item % parts;
-        const int r = q < localBegin ? q : q + nLocal;
-        const int vb = EpShareBegin(vecs, part, parts);
-        const int ve = EpShareBegin(vecs, part + 1, parts);
-        const uint4* src =
-            reinterpret_cast<const uint4*>(a.inTokens + static_cast<size_t>(r) * a.rowBytes);
-        if (fp8) {
-          uint8_t* dstRow = L + c.symm.combineInFp8 + static_cast<size_t>(r) * wireRow;
-          for (int v = vb + f.lane; v < ve; v += kWarpSize)
-            EpStoreFp8<Elem>(dstRow, v, EpEncodeFp8<Elem>(src[v], fp8Format));
-        } else if (copyTok) {
-          WarpCopyVectors<kUnroll>(reinterpret_cast<uint4*>(L + c.symm.combineInTokens +
-                                                            static_cast<size_t>(r) * a.rowBytes),
-                                   src, vb, ve);
-        }
-        if (copyW && part == 0) {
-          float* dw = At<float>(L, c.symm.combineInWeights) + static_cast<size_t>(r) * f.K;
-          for (int k = f.lane; k < f.K; k += kWarpSize)
-            dw[k] = a.inWeights[static_cast<size_t>(r) * f.K + k];
-        }
-      }
-    }
-
-    // Claims so far, read before the barrier and the fence below (their waits hide its latency).
-    const uint32_t claimed =
-        f.tid == 0 ? core::AtomicLoadRelaxedSystem(&c.state->pushNextShare) : nShares;
-    // One release fence per share (as dispatch): the barrier orders every thread's stores before
-    // thread 0's cumulative fence; the counter adds after it publish them.
-    __syncthreads();
-    if (f.tid == 0) {
-      bool any = false;
-      for (int p = 0; p < f.W; p++) any = any || sPushed[p] != 0;
-      if (any || inter) {
-        core::FenceAcqRelSystem();
-        for (int p = 0; p < f.W; p++) {
-          if (sPushed[p] != 0)
-            core::AtomicFetchAddSystem(At<uint64_t>(PeerBlock(c, p), c.symm.pushArrived) +
-                                           EpPushArrivedIndex(f.parity, f.me, f.W),
-                                       static_cast<uint64_t>(sPushed[p]));
-          sPushed[p] = 0;
-        }
-      }
-      if constexpr (inter) {
-        // The block completing the last share acquires every share's prepared rows (through the
-        // counter; its fence also orders them before the NIC reads them) and posts. Every share is
-        // counted, also after a failure, so the counter always returns to 0.
-        const unsigned old = atomicAdd(&c.state->pushSharesDone, 1u);
-        if (old == nShares - 1) {
-          c.state->pushSharesDone = 0;
-          core::FenceAcqRelSystem();
-          if (sFailed == 0 && !core::DeviceAborted(wait) &&
-              !PushPostRemote(a, wait, f.epoch, f.parity, format, wireRow, wireTok,
-                              reinterpret_cast<const uint8_t*>(wireW)))
-            sFailed = 1;
-        }
-      }
-      // Claim again only while some share is unclaimed.
-      sShare = claimed >= nShares ? nShares : atomicAdd(&c.state->pushNextShare, 1u);
-    }
+    EpPushPrepareRemoteShare<Elem, kThreads, kInter>(a, f, sh, sWarp, localBegin, localEnd,
+                                                     sFailed);
+    EpPushPublishShare<kInter>(a, f, wait, sh, sPushed, sFailed, sShare);
   }  // shares
   if (doSend && f.tid == 0) EpTraceStamp(f.tr, kEpCombineSent);
 
   if (!doRecv) {
-    // Send only: a failure here fails the receive half (which checks combineFailed at its end).
-    // The grid's last block resets the share queue (every block has stopped claiming).
-    if (f.tid == 0) {
-      if (sFailed != 0) atomicOr(&c.state->combineFailed, 1u);
-      const unsigned old = atomicAdd(&c.state->combineBlocksDone, 1u);
-      if (old == gridDim.x - 1) {
-        c.state->combineBlocksDone = 0;
-        c.state->pushNextShare = 0;
-      }
-    }
+    EpPushSendDone(c, f, sFailed);
     return;
   }
 
-  // ---- 3. every PE's rows for our tokens have arrived ---------------------------------------
-  if (sFailed == 0) {
-    EpSignal* inbox = At<EpSignal>(L, c.symm.readyInbox);
-    for (int p = f.tid; p < f.W; p += f.nThreads) {
-      if (p == f.me && !fp8) continue;  // fp8: our own rows arrive in our slots too
-      const int sent = c.state->sendCount[p];
-      if (inter && IsRemote(c, p)) {
-        uint64_t* w = At<uint64_t>(L, c.symm.pushLandTail) + EpPushArrivedIndex(f.parity, p, f.W);
-        bool weights = false;
-        if (!InterLandingWait(wait, w, f.epoch, p, format,
-                              "EP combine: peer's rows landed (push, landing tail)", &weights)) {
-          sFailed = 1;
-          continue;
-        }
-        if (a.outWeights != nullptr && sent > 0 && !weights) {
-          ReportError(wait, p, "EP combine: a PE passed no weights, this PE asked for weights",
-                      static_cast<const uint64_t*>(w), CmpOp::kNe,
-                      static_cast<uint64_t>(EpCombineSource::kNone),
-                      static_cast<uint64_t>(EpCombineSource::kNone));
-          sFailed = 1;
-        }
-        if (f.tr != nullptr && p < kEpTracePeers)
-          f.tr[kEpTraceWordPeerReady + p] = core::WallClockNs();
-        continue;
-      }
-      EpSignal* sig = inbox + EpReadyInboxIndex(f.parity, p, f.W);
-      uint64_t v = 0;
-      if (!SignalWait(wait, sig, f.epoch, p, "EP combine: peer's push started (format signal)",
-                      &v)) {
-        sFailed = 1;
-        continue;
-      }
-      if (EpReadyFormat(v) != EpReadyFormat(format)) {
-        ReportError(wait, p, "EP combine: PEs called combine with different dtype/hidden",
-                    static_cast<const uint64_t*>(&sig->value), CmpOp::kEq, EpReadyFormat(format),
-                    EpReadyFormat(v));
-        sFailed = 1;
-        continue;
-      }
-      if (a.outWeights != nullptr && sent > 0 && EpReadyWeights(v) == EpCombineSource::kNone) {
-        ReportError(wait, p, "EP combine: a PE passed no weights, this PE asked for weights",
-                    static_cast<const uint64_t*>(&sig->value), CmpOp::kNe,
-                    static_cast<uint64_t>(EpCombineSource::kNone),
-                    static_cast<uint64_t>(EpReadyWeights(v)));
-        sFailed = 1;
-        continue;
-      }
-      const uint64_t expected = static_cast<uint64_t>(sent) * static_cast<uint64_t>(vecs);
-      if (expected > 0 && !core::WaitUntil(wait, arrived + p, CmpOp::kGe, expected, p,
-                                           "EP combine: rows pushed by PE")) {
-        sFailed = 1;
-        continue;
-      }
-      if (f.tr != nullptr && p < kEpTracePeers)
-        f.tr[kEpTraceWordPeerReady + p] = core::WallClockNs();
-    }
-  }
+  EpPushWaitArrivals<kInter>(a, f, wait, sh, sFailed);
   __syncthreads();
   if (f.tid == 0) EpTraceStamp(f.tr, kEpCombinePeersReady);
-
-  // ---- 4. reduce from our own memory ----------------------------------------------------------
-  if (sFailed == 0) {
-    const int P = a.partsPerToken;
-    const int items = T * P;
-    const uint8_t* const landTok = L + c.symm.pushLandTokens;
-    const float* const landW = At<const float>(L, c.symm.pushLandWeights);
-    for (int item = gWarp; item < items; item += totalWarps) {
-      const int t = item / P;
-      const int part = item - t * P;
-      const int slot = f.lane < f.W ? c.tokenSlot[static_cast<size_t>(t) * f.W + f.lane] : -1;
-      const LaneMask members = core::WarpBallot(slot >= 0);
-      const int n = core::PopCount(members);
-      if (slot >= 0) {
-        const int j = core::PopCount(members & LowerLanesMask(f.lane));  // ascending PE order
-        if (inter && IsRemote(c, f.lane)) {  // another node's PE: the token's list position there
-          const size_t lr = static_cast<size_t>(f.parity) * landing + sLandOff[f.lane] + slot;
-          sRows[f.warp][j] = landTok + lr * wireRow;
-          sWRows[f.warp][j] = landW + lr * f.K;
-        } else {
-          const size_t ps = EpPushSlot(f.parity, t, f.lane - node0, M, G);
-          sRows[f.warp][j] = f.lane == f.me && !fp8
-                                 ? a.inTokens + static_cast<size_t>(slot) * a.rowBytes
-                                 : recvTok + ps * wireRow;
-          sWRows[f.warp][j] = f.lane == f.me ? (a.inWeights != nullptr
-                                                    ? a.inWeights + static_cast<size_t>(slot) * f.K
-                                                    : nullptr)
-                                             : recvW + ps * f.K;
-        }
-      }
-      core::WarpSync();
-      const int vb = EpShareBegin(vecs, part, P);
-      const int ve = EpShareBegin(vecs, part + 1, P);
-      uint4* const outRow =
-          reinterpret_cast<uint4*>(a.outTokens + static_cast<size_t>(t) * a.rowBytes);
-      if (fp8) {
-        WarpReduceFp8<Elem, kThreads>(outRow, sRows[f.warp], n, vb, ve, fp8Format);
-      } else {
-        WarpReduceRows<Elem, kThreads>(outRow, sRows[f.warp], n, vb, ve);
-      }
-      // outWeights is set only when this PE passed weights, so its own row has them.
-      if (part == 0 && a.outWeights != nullptr) {
-        for (int k = f.lane; k < f.K; k += kWarpSize) {
-          float acc = 0.0f;
-          for (int j = 0; j < n; j++) acc += sWRows[f.warp][j][k];  // ascending PE order
-          a.outWeights[static_cast<size_t>(t) * f.K + k] = acc;
-        }
-      }
-      core::WarpSync();  // the next item rewrites this warp's member lists
-    }
-  }
+  EpPushReduce<Elem, kThreads, kInter>(a, f, sh, sLandOff, sRows, sWRows, sFailed);
 
   // ---- 5. complete our WRITEs; check and reset the arrival counters; epoch --------------------
   __syncthreads();
-  if (f.tid == 0) {
-    EpTraceStamp(f.tr, kEpCombineReduced);
-    EpTraceStamp(f.tr, kEpCombineFenced);
-    if (sFailed != 0) atomicOr(&c.state->combineFailed, 1u);
-    __threadfence();
-    const unsigned old = atomicAdd(&c.state->combineBlocksDone, 1u);
-    if (f.tr != nullptr) {
-      EpTraceStamp(f.tr, kEpCombineCounted);
-      f.tr[kEpTraceWordArrival] = static_cast<uint64_t>(old) + 1;
-    }
-    if (old == gridDim.x - 1) {
-      __threadfence();
-      const bool failed = atomicExch(&c.state->combineFailed, 0u) != 0;
-      c.state->combineBlocksDone = 0;
-      c.state->pushNextShare = 0;  // every block has stopped claiming push shares
-      // Our WRITEs of step 2' read our input until they complete (the caller may reuse it next).
-      if constexpr (inter) {
-        if (!core::DeviceAborted(wait)) shmem::ShmemQuietThread(c.shmem);
-      }
-      for (int p = 0; p < f.W; p++) {
-        if ((p == f.me && !fp8) || (inter && IsRemote(c, p))) continue;
-        const uint64_t expected =
-            static_cast<uint64_t>(c.state->sendCount[p]) * static_cast<uint64_t>(vecs);
-        const uint64_t got = core::AtomicLoadRelaxedSystem(arrived + p);
-        if (!failed && got != expected)
-          ReportError(wait, p, "EP combine: more vectors pushed than this PE sent to that PE",
-                      static_cast<const uint64_t*>(arrived + p), CmpOp::kEq, expected, got);
-        core::AtomicStoreRelaxedSystem(arrived + p, static_cast<uint64_t>(0));
-      }
-      // The next kernel on the stream reads the epoch: the kernel boundary publishes it.
-      c.state->combineEpoch = f.epoch;
-      EpTraceStamp(f.tr, kEpCombineTail);
-    }
-  }
+  if (f.tid == 0) EpPushFinish<kInter>(c, f, wait, sh, sFailed);
 }
 
 }  // namespace detail
