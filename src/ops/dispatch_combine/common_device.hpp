@@ -75,10 +75,9 @@ struct EpKernelFrame {
   int tid, nThreads, lane, warp, nWarps;
 };
 
-// The prologue of every EP kernel (EpBeginKernel), as one frame.
-MORI_DEVICE_INLINE EpKernelFrame EpEnterKernel(const EpKernelCommon& c, EpTraceKind kind,
-                                               int traceParts) {
-  const EpKernelStart s = EpBeginKernel(c, kind, traceParts);
+// The frame of a kernel that has begun (EpBeginKernel returned `s`). A kernel with paths of their
+// own (dispatch: send or receive half) forms it in each path, after the branch.
+MORI_DEVICE_INLINE EpKernelFrame EpKernelFrameOf(const EpKernelCommon& c, const EpKernelStart& s) {
   return EpKernelFrame{s.epoch,
                        s.parity,
                        s.trace,
@@ -90,6 +89,12 @@ MORI_DEVICE_INLINE EpKernelFrame EpEnterKernel(const EpKernelCommon& c, EpTraceK
                        core::LaneId(),
                        core::WarpId(),
                        core::WarpsPerBlock()};
+}
+
+// The prologue of every EP kernel (EpBeginKernel), as one frame.
+MORI_DEVICE_INLINE EpKernelFrame EpEnterKernel(const EpKernelCommon& c, EpTraceKind kind,
+                                               int traceParts) {
+  return EpKernelFrameOf(c, EpBeginKernel(c, kind, traceParts));
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -253,28 +253,80 @@ MORI_DEVICE_INLINE void EpDispatchReceiveHalf(const EpDispatchKernelArgs& a,
   }
 }
 
-// What a dispatch block does in this call (EpDispatchBlockRole) and where its scan of the tokens
-// lives in shared memory (sized by EpDispatchSmemBytes). Fixed once the kernel has entered.
-struct EpDispatchPlan {
-  bool split;       // a split send (EpDispatchPhase::kSend): rows go to dest's staging
-  int dest, g, G;   // the destination PE; this block is index g of the G blocks serving it
-  bool leader;      // g == 0: announces count(rank -> dest) and the histogram
-  bool destRemote;  // InterNode: dest is on another node (rows staged here, WRITTEN by RDMA)
-  int nWords;       // bitmap words of our T tokens
-  LaneMask* words;  // bit t: token t goes to dest
-  int* prefix;      // exclusive prefix counts per word; prefix[nWords] = count(rank -> dest)
-  int* hist;        // leaders: tokens per local expert of dest
-};
+// kThreads: the block size the kernel is built for (256, or kEpMaxThreadsPerBlock). The 256-thread
+// build has the registers to hold each warp's first item across the count wait (kEarlyLoad; about
+// 155 registers a thread, so one block per SM); in the 512-thread build (128 registers a thread)
+// that would spill, so it loads after the wait.
+// The send path is one body with numbered steps, its values read once into locals at the top:
+// split into phase functions (frame and plan passed by reference), the 512-thread builds spill
+// more (InterNode most), and IntraNode must keep its registers.
+template <typename IndexT, int kThreads, EpFamily kFamily>
+MORI_DEVICE_INLINE void EpDispatchBody(const EpDispatchKernelArgs& a) {
+  constexpr bool kEarlyLoad = kThreads <= 256;
+  constexpr bool kInter = kFamily == EpFamily::kInterNode;
+  extern __shared__ __align__(16) uint8_t smemDyn[];
+  __shared__ int sFailed;
+  __shared__ int sSendBase;
+  __shared__ int sTotal;
+  __shared__ int sInputError;  // leaders: smallest token * K + slot of a bad id (EpNoInputError)
 
-// Step 1. Start: hist zeroed, sInputError reset, the block synchronised. End: words, prefix (and
-// leaders' hist, sInputError) complete and visible to the whole block.
-template <typename IndexT>
-MORI_DEVICE_INLINE void EpDispatchScan(const EpDispatchKernelArgs& a, const EpKernelFrame& f,
-                                       const EpDispatchPlan& pl, int& sInputError) {
   const EpKernelCommon& c = a.c;
+  const EpKernelStart start = EpBeginKernel(c, EpTraceKind::kDispatch, 0);
+  // Split phase: the receive half is its own path; the send half is this kernel without the
+  // waits and with the staging as destination. Each path forms its frame after the branch (what
+  // one path computes is not live in the other).
+  if (a.phase == EpDispatchPhase::kReceive) {
+    EpDispatchReceiveHalf<IndexT, kFamily>(a, EpKernelFrameOf(c, start));
+    return;
+  }
+  const bool split = a.phase == EpDispatchPhase::kSend;
+  // A private copy: the (rare) error path takes its address, which must not pull the whole
+  // kernel parameter block into local memory.
+  const core::WaitContext wait = c.shmem.wait;
+  const EpKernelFrame f = EpKernelFrameOf(c, start);
+  const int W = f.W;
+  const int me = f.me;
   const int T = a.numTokens;
+  const int K = f.K;
   const int Epr = c.numExpertsPerRank;
+  const int tid = f.tid;
+  const int nThreads = f.nThreads;
+  const int lane = f.lane;
+  const int warp = f.warp;
+  const int nWarps = f.nWarps;
+  const int b = static_cast<int>(blockIdx.x);
+  int dest = 0, g = 0, G = 1;
+  EpDispatchBlockRole(b, static_cast<int>(gridDim.x), W, me, &dest, &g, &G);
+  const bool leader = g == 0;
+  // InterNode: `dest` is on another node. Its rows are staged in our block (stage*[dest], list
+  // order) and the group's last block WRITEs them to their final rows on dest by RDMA.
+  const bool destRemote = kInter && IsRemote(c, dest);
+  const uint64_t epoch = start.epoch;
+  const int parity = start.parity;
+
+  // Shared memory: membership bitmap of the destination, exclusive prefix counts per word, and
+  // (leaders) the histogram over the destination's local experts. Sized by EpDispatchSmemBytes.
+  const int nWordsMax = (c.maxTokensPerRank + kWarpSize - 1) / kWarpSize;
+  LaneMask* words = reinterpret_cast<LaneMask*>(smemDyn);
+  int* prefix = reinterpret_cast<int*>(smemDyn + AlignUp16(nWordsMax * sizeof(LaneMask)));
+  int* hist = reinterpret_cast<int*>(reinterpret_cast<uint8_t*>(prefix) +
+                                     AlignUp16((nWordsMax + 1) * sizeof(int)));
+
   const IndexT* idx = static_cast<const IndexT*>(a.inIndices);
+  const int nWords = (T + kWarpSize - 1) / kWarpSize;
+  int nRows = 0;
+
+  uint64_t* const tr = start.trace;
+  if (tid == 0) {
+    sFailed = 0;
+    sSendBase = 0;
+    sTotal = 0;
+    sInputError = kEpNoInputError;
+  }
+  if (leader) {
+    for (int e = tid; e < Epr; e += nThreads) hist[e] = 0;
+  }
+  __syncthreads();
 
   // ---- 1. membership of destination `dest` ------------------------------------------------
   // A warp takes words (32 tokens, a lane each) nWarps apart. The first kDispatchScanBatch ids of
@@ -286,32 +338,32 @@ MORI_DEVICE_INLINE void EpDispatchScan(const EpDispatchKernelArgs& a, const EpKe
   // first offender: every leader finds the same one, flags its count for its destination with it
   // and sends the report (step 2), so every PE's receive step learns it in this call. The kernels
   // treat the id as -1 either way, so the ranks stay in step.
-  const bool checkIds = pl.leader && a.checkIds != 0;
+  const bool checkIds = leader && a.checkIds != 0;
   const IndexT numE = static_cast<IndexT>(c.numExperts);
-  const IndexT lo = static_cast<IndexT>(pl.dest) * static_cast<IndexT>(Epr);
+  const IndexT lo = static_cast<IndexT>(dest) * static_cast<IndexT>(Epr);
   const IndexT hi = lo + static_cast<IndexT>(Epr);
   // Where a row of ids is a whole number of 16-byte vectors (K x sizeof(IndexT), and the tensor
   // 16-byte aligned), a batch is loaded as vectors: one load instruction per 16 bytes instead of
   // one per id (lanes are rows apart, so each scalar load touches a sector per lane).
   constexpr int kIdsPerVec = 16 / static_cast<int>(sizeof(IndexT));
-  const bool vecIds = (f.K % kIdsPerVec) == 0 && (reinterpret_cast<uintptr_t>(idx) & 15) == 0;
+  const bool vecIds = (K % kIdsPerVec) == 0 && (reinterpret_cast<uintptr_t>(idx) & 15) == 0;
   auto loadIds = [&](int w, int k0, IndexT(&ids)[kDispatchScanBatch]) {
-    const int t = w * kWarpSize + f.lane;
-    const IndexT* row = idx + static_cast<size_t>(t) * f.K;
+    const int t = w * kWarpSize + lane;
+    const IndexT* row = idx + static_cast<size_t>(t) * K;
     if (vecIds) {
       static_assert(kDispatchScanBatch % kIdsPerVec == 0, "a batch is whole vectors");
 #pragma unroll
       for (int q = 0; q < kDispatchScanBatch / kIdsPerVec; q++) {
         const int k = k0 + q * kIdsPerVec;
         uint4 v = make_uint4(~0u, ~0u, ~0u, ~0u);  // every id -1
-        if (t < T && k < f.K) v = *reinterpret_cast<const uint4*>(row + k);
+        if (t < T && k < K) v = *reinterpret_cast<const uint4*>(row + k);
         __builtin_memcpy(&ids[q * kIdsPerVec], &v, sizeof v);
       }
       return;
     }
 #pragma unroll
     for (int u = 0; u < kDispatchScanBatch; u++)
-      ids[u] = t < T && k0 + u < f.K ? row[k0 + u] : static_cast<IndexT>(-1);
+      ids[u] = t < T && k0 + u < K ? row[k0 + u] : static_cast<IndexT>(-1);
   };
   // Marks membership from one batch of ids (k0.. of token t) and, in leaders, counts each distinct
   // expert of `dest` once: an id is compared with the earlier ids of this batch (registers) and,
@@ -320,38 +372,38 @@ MORI_DEVICE_INLINE void EpDispatchScan(const EpDispatchKernelArgs& a, const EpKe
 #pragma unroll
     for (int u = 0; u < kDispatchScanBatch; u++) {
       const IndexT e = ids[u];
-      if (checkIds && EpBadExpertId(e, numE)) atomicMin(&sInputError, t * f.K + k0 + u);
+      if (checkIds && EpBadExpertId(e, numE)) atomicMin(&sInputError, t * K + k0 + u);
       if (e < lo || e >= hi) continue;  // another PE's expert, -1 or an out-of-range id
       *member = true;
-      if (pl.leader) {
-        const IndexT* row = idx + static_cast<size_t>(t) * f.K;
+      if (leader) {
+        const IndexT* row = idx + static_cast<size_t>(t) * K;
         bool dup = false;
         for (int j = 0; j < k0; j++) dup = dup || row[j] == e;
 #pragma unroll
         for (int j = 0; j < kDispatchScanBatch; j++) dup = dup || (j < u && ids[j] == e);
-        if (!dup) atomicAdd(&pl.hist[static_cast<int>(e - lo)], 1);
+        if (!dup) atomicAdd(&hist[static_cast<int>(e - lo)], 1);
       }
     }
   };
   {
     IndexT cur[kDispatchScanBatch], next[kDispatchScanBatch];
-    loadIds(f.warp, 0, cur);  // a word past the last one loads as -1 ids
-    loadIds(f.warp + f.nWarps, 0, next);
-    for (int w = f.warp; w < pl.nWords; w += f.nWarps) {
+    loadIds(warp, 0, cur);  // a word past the last one loads as -1 ids
+    loadIds(warp + nWarps, 0, next);
+    for (int w = warp; w < nWords; w += nWarps) {
       IndexT after[kDispatchScanBatch];
-      loadIds(w + 2 * f.nWarps, 0, after);
-      const int t = w * kWarpSize + f.lane;
+      loadIds(w + 2 * nWarps, 0, after);
+      const int t = w * kWarpSize + lane;
       bool member = false;
       if (t < T) {
         scanBatch(t, 0, cur, &member);
-        for (int k0 = kDispatchScanBatch; k0 < f.K; k0 += kDispatchScanBatch) {
+        for (int k0 = kDispatchScanBatch; k0 < K; k0 += kDispatchScanBatch) {
           IndexT more[kDispatchScanBatch];
           loadIds(w, k0, more);
           scanBatch(t, k0, more, &member);
         }
       }
       const LaneMask m = core::WarpBallot(member);
-      if (f.lane == 0) pl.words[w] = m;
+      if (lane == 0) words[w] = m;
 #pragma unroll
       for (int u = 0; u < kDispatchScanBatch; u++) {
         cur[u] = next[u];
@@ -360,42 +412,33 @@ MORI_DEVICE_INLINE void EpDispatchScan(const EpDispatchKernelArgs& a, const EpKe
     }
   }
   __syncthreads();
-  if (f.warp == 0) {
+  if (warp == 0) {
     int carry = 0;
-    for (int base = 0; base < pl.nWords; base += kWarpSize) {
-      const int w = base + f.lane;
-      const int cnt = w < pl.nWords ? core::PopCount(pl.words[w]) : 0;
+    for (int base = 0; base < nWords; base += kWarpSize) {
+      const int w = base + lane;
+      const int cnt = w < nWords ? core::PopCount(words[w]) : 0;
       const int incl = WarpInclusiveScan(cnt);
-      if (w < pl.nWords) pl.prefix[w] = carry + incl - cnt;
+      if (w < nWords) prefix[w] = carry + incl - cnt;
       carry += core::WarpShfl(incl, kWarpSize - 1);
     }
-    if (f.lane == 0) pl.prefix[pl.nWords] = carry;
+    if (lane == 0) prefix[nWords] = carry;
   }
   __syncthreads();
-}
-
-// Step 2. Start: count(rank -> dest) and the histogram known (EpDispatchScan). End: the leader's
-// count, histogram and input-error report are published to every PE; the block is synchronised
-// and every thread has seen sFailed.
-template <typename IndexT, EpFamily kFamily>
-MORI_DEVICE_INLINE void EpDispatchAnnounce(const EpDispatchKernelArgs& a, const EpKernelFrame& f,
-                                           const core::WaitContext& wait, const EpDispatchPlan& pl,
-                                           int countD, bool inputError, uint64_t countFormat,
-                                           int& sFailed, const int& sInputError) {
-  constexpr bool kInter = kFamily == EpFamily::kInterNode;
-  const EpKernelCommon& c = a.c;
-  const int Epr = c.numExpertsPerRank;
-  const int b = static_cast<int>(blockIdx.x);
-  const IndexT* idx = static_cast<const IndexT*>(a.inIndices);
+  const int countD = prefix[nWords];
+  // The format a leader announces with its count: flagged when its scan (ended before the
+  // barriers above) found a bad id.
+  const bool inputError = checkIds && sInputError != kEpNoInputError;
+  const uint64_t countFormat = a.format | (inputError ? kEpDispatchFormatInputError : 0ull);
+  if (tid == 0) EpTraceStamp(tr, kEpDispatchScanned);
 
   // ---- 2. announce ------------------------------------------------------------------------
   // (A split send writes no outputs of any PE: the receive half waits for this instead.)
-  if (b == 0 && !pl.split) {
+  if (b == 0 && !split) {
     // Our count(rank -> rank) tells every sender that our buffers are free: wait until every PE
     // finished reading them in the last combine.
     const uint64_t prevCombine = *reinterpret_cast<volatile uint64_t*>(&c.state->combineEpoch);
     EpSignal* done = At<EpSignal>(c.symmLocal, c.symm.doneInbox);
-    for (int p = f.tid; p < f.W; p += f.nThreads) {
+    for (int p = tid; p < W; p += nThreads) {
       if (!core::WaitUntil(wait, &done[p].tag, CmpOp::kGe, prevCombine, p,
                            "EP dispatch: peer done reading (last combine)"))
         sFailed = 1;
@@ -403,66 +446,64 @@ MORI_DEVICE_INLINE void EpDispatchAnnounce(const EpDispatchKernelArgs& a, const 
     __syncthreads();
   }
   if constexpr (!kInter) {
-    if (pl.leader && sFailed == 0) {
+    if (leader && sFailed == 0) {
       // Values from all threads (relaxed), the barrier, ONE release fence (thread 0, cumulative
       // over the barrier, as in 4c), then thread 0 stores the W tags: a release store per thread
       // (Epr histogram entries, 256 with one PE) would cost one system fence each. The tag of the
       // count signal to d also publishes d's histogram. Block 0's done-waits are ordered before all
       // of it by the barrier above (causality is transitive through bar.sync).
       const uint64_t packed = EpPackCount(static_cast<uint32_t>(countD), countFormat);
-      const size_t countSlot = EpCountInboxIndex(f.parity, f.me, pl.dest, f.W);
-      for (int p = f.tid; p < f.W; p += f.nThreads)
+      const size_t countSlot = EpCountInboxIndex(parity, me, dest, W);
+      for (int p = tid; p < W; p += nThreads)
         core::AtomicStoreRelaxedSystem(
             &(At<EpSignal>(PeerBlock(c, p), c.symm.countInbox) + countSlot)->value, packed);
-      int32_t* ex = At<int32_t>(PeerBlock(c, pl.dest), c.symm.expertInbox);
-      for (int e = f.tid; e < Epr; e += f.nThreads)
-        core::AtomicStoreRelaxedSystem(ex + EpExpertInboxIndex(f.parity, f.me, e, f.W, Epr),
-                                       pl.hist[e]);
-      if (f.tid == 0 && inputError)  // published by the count signal to dest, as the histogram
-        core::AtomicStoreRelaxedSystem(EpInputErrorSlot(c, PeerBlock(c, pl.dest), f.parity, f.me),
-                                       EpInputErrorReport(f.me, sInputError, idx, f.K));
+      int32_t* ex = At<int32_t>(PeerBlock(c, dest), c.symm.expertInbox);
+      for (int e = tid; e < Epr; e += nThreads)
+        core::AtomicStoreRelaxedSystem(ex + EpExpertInboxIndex(parity, me, e, W, Epr), hist[e]);
+      if (tid == 0 && inputError)  // published by the count signal to dest, as the histogram
+        core::AtomicStoreRelaxedSystem(EpInputErrorSlot(c, PeerBlock(c, dest), parity, me),
+                                       EpInputErrorReport(me, sInputError, idx, K));
       __syncthreads();
-      if (f.tid == 0) {
+      if (tid == 0) {
         core::FenceAcqRelSystem();
-        for (int p = 0; p < f.W; p++)
+        for (int p = 0; p < W; p++)
           core::AtomicStoreRelaxedSystem(
-              &(At<EpSignal>(PeerBlock(c, p), c.symm.countInbox) + countSlot)->tag, f.epoch);
-        c.state->sendCount[pl.dest] = countD;  // for the push combine
+              &(At<EpSignal>(PeerBlock(c, p), c.symm.countInbox) + countSlot)->tag, epoch);
+        c.state->sendCount[dest] = countD;  // for the push combine
       }
     }
-  } else if (pl.leader && sFailed == 0) {
+  } else if (leader && sFailed == 0) {
     // InterNode: the histogram (stores to a same-node dest, staged for a remote one), the barrier,
     // ONE release fence, then tagged {count, format} words: stores to same-node PEs, 16-byte RDMA
     // WRITEs to the others. A remote dest gets its histogram (and an input-error report) by RDMA
     // first, on the QP that then carries its count words (RC order: the words land after them).
-    const size_t countSlot = EpInterCountIndex(f.parity, f.me, pl.dest, f.W);
-    int32_t* ex = pl.destRemote ? At<int32_t>(c.symmLocal, c.symm.stageHist) +
-                                      static_cast<size_t>(pl.dest) * Epr
-                                : At<int32_t>(PeerBlock(c, pl.dest), c.symm.expertInbox) +
-                                      EpExpertInboxIndex(f.parity, f.me, 0, f.W, Epr);
-    for (int e = f.tid; e < Epr; e += f.nThreads)
-      core::AtomicStoreRelaxedSystem(ex + e, pl.hist[e]);
+    const size_t countSlot = EpInterCountIndex(parity, me, dest, W);
+    int32_t* ex = destRemote
+                      ? At<int32_t>(c.symmLocal, c.symm.stageHist) + static_cast<size_t>(dest) * Epr
+                      : At<int32_t>(PeerBlock(c, dest), c.symm.expertInbox) +
+                            EpExpertInboxIndex(parity, me, 0, W, Epr);
+    for (int e = tid; e < Epr; e += nThreads) core::AtomicStoreRelaxedSystem(ex + e, hist[e]);
     __syncthreads();
-    if (f.tid == 0) {
+    if (tid == 0) {
       // The report goes into our own slot (our receiver reads it; the RDMA source for a remote
       // dest: registered memory) and, for a same-node dest, into its slot.
-      uint64_t* const ownReport = EpInputErrorSlot(c, c.symmLocal, f.parity, f.me);
+      uint64_t* const ownReport = EpInputErrorSlot(c, c.symmLocal, parity, me);
       if (inputError) {
-        const uint64_t report = EpInputErrorReport(f.me, sInputError, idx, f.K);
+        const uint64_t report = EpInputErrorReport(me, sInputError, idx, K);
         core::AtomicStoreRelaxedSystem(ownReport, report);
-        if (!pl.destRemote)
-          core::AtomicStoreRelaxedSystem(EpInputErrorSlot(c, PeerBlock(c, pl.dest), f.parity, f.me),
+        if (!destRemote)
+          core::AtomicStoreRelaxedSystem(EpInputErrorSlot(c, PeerBlock(c, dest), parity, me),
                                          report);
       }
       core::FenceAcqRelSystem();
-      const uint64_t words[2] = {EpTagWord(f.epoch, static_cast<uint32_t>(countD)),
-                                 EpTagWord(f.epoch, static_cast<uint32_t>(countFormat))};
+      const uint64_t words[2] = {EpTagWord(epoch, static_cast<uint32_t>(countD)),
+                                 EpTagWord(epoch, static_cast<uint32_t>(countFormat))};
       uint64_t* mine = At<uint64_t>(c.symmLocal, c.symm.interCount) + countSlot;
       bool ok = true;
       // Posts in order (one call site): a remote dest's histogram (i = -2) and report (i = -1),
       // then the count words to every PE, dest first (its words follow what came before them).
-      for (int i = -2; i < f.W && ok; i++) {
-        const int p = i < 0 ? pl.dest : (pl.dest + i) % f.W;
+      for (int i = -2; i < W && ok; i++) {
+        const int p = i < 0 ? dest : (dest + i) % W;
         if (!IsRemote(c, p)) {
           if (i < 0) continue;
           uint64_t* w = At<uint64_t>(PeerBlock(c, p), c.symm.interCount) + countSlot;
@@ -476,7 +517,7 @@ MORI_DEVICE_INLINE void EpDispatchAnnounce(const EpDispatchKernelArgs& a, const 
         size_t bytes = sizeof(words);
         if (i == -2) {
           to = At<int32_t>(c.symmLocal, c.symm.expertInbox) +
-               EpExpertInboxIndex(f.parity, f.me, 0, f.W, Epr);
+               EpExpertInboxIndex(parity, me, 0, W, Epr);
           from = ex;
           bytes = static_cast<size_t>(Epr) * sizeof(int32_t);
         } else if (i == -1) {
@@ -487,78 +528,11 @@ MORI_DEVICE_INLINE void EpDispatchAnnounce(const EpDispatchKernelArgs& a, const 
         ok = RdmaWrite(c, p, to, from, bytes);
       }
       if (!ok) sFailed = 1;
-      c.state->sendCount[pl.dest] = countD;
+      c.state->sendCount[dest] = countD;
     }
   }
   __syncthreads();  // every thread has seen sFailed before phase 3 may change it
-}
-
-// Step 3b (a split send: only the barrier). End: sSendBase = the rows of the PEs below us on
-// dest, count(dest -> dest) seen (dest's outputs are free), capacity checked; the block is
-// synchronised.
-template <EpFamily kFamily>
-MORI_DEVICE_INLINE void EpDispatchWaitSendBase(const EpDispatchKernelArgs& a,
-                                               const EpKernelFrame& f,
-                                               const core::WaitContext& wait,
-                                               const EpDispatchPlan& pl, int countD, int& sFailed,
-                                               int& sSendBase) {
-  const EpKernelCommon& c = a.c;
-
-  if (countD > 0 && sFailed == 0 && !pl.split) {
-    for (int s = f.tid; s < f.W; s += f.nThreads) {
-      if (s >= f.me && s != pl.dest) continue;
-      uint32_t n = 0;
-      if (!EpCountWait<kFamily>(c, wait, f.parity, s, pl.dest, f.epoch, a.format,
-                                "EP dispatch: token count of a lower PE", &n)) {
-        sFailed = 1;
-      } else if (s < f.me) {
-        atomicAdd(&sSendBase, static_cast<int>(n));
-      }
-    }
-  }
-  __syncthreads();
-
-  if (sFailed == 0 && !pl.split) {
-    const int sendBase = sSendBase;
-    if (countD > 0 && f.tid == 0 && static_cast<long long>(sendBase) + countD > c.maxRecvRows) {
-      ReportError(wait, pl.dest, "EP dispatch: PE rows > max_total_recv_tokens", CmpOp::kLe,
-                  static_cast<uint64_t>(c.maxRecvRows), static_cast<uint64_t>(sendBase + countD));
-      sFailed = 1;
-    }
-    __syncthreads();
-  }
-}
-
-// Step 4a. Start: the slot base of our rows on dest is final. End: this block's share of
-// tokenSlot[t][dest] is written (-1: token t does not go to dest).
-MORI_DEVICE_INLINE void EpDispatchWriteSlots(const EpDispatchKernelArgs& a, const EpKernelFrame& f,
-                                             const EpDispatchPlan& pl, int slotBase) {
-  const EpKernelCommon& c = a.c;
-  const int T = a.numTokens;
-
-  const int t0 = EpShareBegin(T, pl.g, pl.G);
-  const int t1 = EpShareBegin(T, pl.g + 1, pl.G);
-  for (int t = t0 + f.tid; t < t1; t += f.nThreads) {
-    const int w = t / kWarpSize;
-    const int bit = t - w * kWarpSize;
-    const LaneMask word = pl.words[w];
-    int slot = -1;
-    if (((word >> bit) & static_cast<LaneMask>(1)) != 0)
-      slot = slotBase + pl.prefix[w] + core::PopCount(word & LowerLanesMask(bit));
-    c.tokenSlot[static_cast<size_t>(t) * f.W + pl.dest] = slot;
-  }
-}
-
-// Steps 3 and 4a-4b: this block's rows [i0, i1) of dest's list. Start: announced (the block
-// synchronised). End: the block's rows are stored (not yet published: no barrier or fence);
-// returns their count.
-template <typename IndexT, int kThreads, EpFamily kFamily>
-MORI_DEVICE_INLINE int EpDispatchCopyRows(const EpDispatchKernelArgs& a, const EpKernelFrame& f,
-                                          const core::WaitContext& wait, const EpDispatchPlan& pl,
-                                          int countD, int& sFailed, int& sSendBase) {
-  constexpr bool kEarlyLoad = kThreads <= 256;
-  const EpKernelCommon& c = a.c;
-  const IndexT* idx = static_cast<const IndexT*>(a.inIndices);
+  if (tid == 0) EpTraceStamp(tr, kEpDispatchAnnounced);
 
   // ---- 3a. what this block copies, and the first item of each warp loaded now -------------
   // Rows [i0, i1) of dest's list, in items of a row slice each. Which token an item is and which
@@ -566,9 +540,9 @@ MORI_DEVICE_INLINE int EpDispatchCopyRows(const EpDispatchKernelArgs& a, const E
   // counts. So each warp loads its first item's metadata and first round of vectors here, and the
   // latency of those loads overlaps the count wait below (small batches: the whole copy of most
   // warps is that one round).
-  const int i0 = EpShareBegin(countD, pl.g, pl.G);
-  const int i1 = EpShareBegin(countD, pl.g + 1, pl.G);
-  const int nRows = i1 - i0;
+  const int i0 = EpShareBegin(countD, g, G);
+  const int i1 = EpShareBegin(countD, g + 1, G);
+  nRows = i1 - i0;
   // Items cut rows into input vectors; a quantised row only at group boundaries.
   const bool quant = a.quant != EpDispatchQuant::kNone;
   const core::Fp8Format fp8 = static_cast<core::Fp8Format>(a.fp8Format);
@@ -576,12 +550,12 @@ MORI_DEVICE_INLINE int EpDispatchCopyRows(const EpDispatchKernelArgs& a, const E
   const int unitVecs = quant ? kQuantGroupVecs : 1;
   const int nUnits = vecs / unitVecs;  // quant: the row's groups
   // Few rows (small batches): several warps share a row, every warp has at most one item.
-  const int parts = EpPartsPerRow(nRows, f.nWarps, vecs);
+  const int parts = EpPartsPerRow(nRows, nWarps, vecs);
   const int items = sFailed == 0 ? nRows * parts : 0;
   const int nScaleWords = static_cast<int>(a.scaleBytes / 4);
   // Fast metadata (K <= warp, scales as <= 2 words per lane): loaded with the token vectors,
   // stored after them, so they add no latency of their own.
-  const bool metaFast = f.K <= kWarpSize && a.scaleCopy != EpScaleCopy::kBytes &&
+  const bool metaFast = K <= kWarpSize && a.scaleCopy != EpScaleCopy::kBytes &&
                         (a.scaleCopy != EpScaleCopy::kWords || nScaleWords <= 2 * kWarpSize);
   struct Item {
     int t, p, vb, ve;
@@ -596,8 +570,8 @@ MORI_DEVICE_INLINE int EpDispatchCopyRows(const EpDispatchKernelArgs& a, const E
     const int r = item / parts;
     const int part = item - r * parts;
     it.p = i0 + r;
-    const int lo = EpWordOfPosition(pl.prefix, pl.nWords, it.p);
-    it.t = lo * kWarpSize + WarpNthSetBit(pl.words[lo], it.p - pl.prefix[lo]);
+    const int lo = EpWordOfPosition(prefix, nWords, it.p);
+    it.t = lo * kWarpSize + WarpNthSetBit(words[lo], it.p - prefix[lo]);
     it.vb = EpShareBegin(nUnits, part, parts) * unitVecs;
     it.ve = EpShareBegin(nUnits, part + 1, parts) * unitVecs;
     it.meta = part == 0;
@@ -605,15 +579,15 @@ MORI_DEVICE_INLINE int EpDispatchCopyRows(const EpDispatchKernelArgs& a, const E
     it.id = 0;
     it.s0 = it.s1 = 0;
     if (it.meta && metaFast) {
-      if (f.lane < f.K) {
-        if (a.inWeights != nullptr) it.w = a.inWeights[static_cast<size_t>(it.t) * f.K + f.lane];
-        it.id = idx[static_cast<size_t>(it.t) * f.K + f.lane];
+      if (lane < K) {
+        if (a.inWeights != nullptr) it.w = a.inWeights[static_cast<size_t>(it.t) * K + lane];
+        it.id = idx[static_cast<size_t>(it.t) * K + lane];
       }
       if (a.scaleCopy == EpScaleCopy::kWords) {
         const uint32_t* src = reinterpret_cast<const uint32_t*>(
             a.inScales + static_cast<size_t>(it.t) * a.scaleBytes);
-        if (f.lane < nScaleWords) it.s0 = src[f.lane];
-        if (f.lane + kWarpSize < nScaleWords) it.s1 = src[f.lane + kWarpSize];
+        if (lane < nScaleWords) it.s0 = src[lane];
+        if (lane + kWarpSize < nScaleWords) it.s1 = src[lane + kWarpSize];
       }
     }
     if constexpr (kEarlyLoad) {
@@ -621,26 +595,60 @@ MORI_DEVICE_INLINE int EpDispatchCopyRows(const EpDispatchKernelArgs& a, const E
           reinterpret_cast<const uint4*>(a.inTokens + static_cast<size_t>(it.t) * a.inRowBytes);
 #pragma unroll
       for (int u = 0; u < kDispatchCopyUnroll; u++) {
-        const int v = it.vb + f.lane + u * kWarpSize;
+        const int v = it.vb + lane + u * kWarpSize;
         if (v < it.ve) it.r[u] = src[v];
       }
     }
   };
   Item it;  // the warp's current item (its first is loaded now where kEarlyLoad)
-  if (kEarlyLoad && f.warp < items) loadItem(f.warp, it);
+  if (kEarlyLoad && warp < items) loadItem(warp, it);
 
   // ---- 3b. where our rows go on `dest`, and may we write there ----------------------------
-  EpDispatchWaitSendBase<kFamily>(a, f, wait, pl, countD, sFailed, sSendBase);
+  if (countD > 0 && sFailed == 0 && !split) {
+    for (int s = tid; s < W; s += nThreads) {
+      if (s >= me && s != dest) continue;
+      uint32_t n = 0;
+      if (!EpCountWait<kFamily>(c, wait, parity, s, dest, epoch, a.format,
+                                "EP dispatch: token count of a lower PE", &n)) {
+        sFailed = 1;
+      } else if (s < me) {
+        atomicAdd(&sSendBase, static_cast<int>(n));
+      }
+    }
+  }
+  __syncthreads();
 
-  if (f.tid == 0) EpTraceStamp(f.tr, kEpDispatchSendBase);
+  if (sFailed == 0 && !split) {
+    const int sendBase = sSendBase;
+    if (countD > 0 && tid == 0 && static_cast<long long>(sendBase) + countD > c.maxRecvRows) {
+      ReportError(wait, dest, "EP dispatch: PE rows > max_total_recv_tokens", CmpOp::kLe,
+                  static_cast<uint64_t>(c.maxRecvRows), static_cast<uint64_t>(sendBase + countD));
+      sFailed = 1;
+    }
+    __syncthreads();
+  }
+
+  if (tid == 0) EpTraceStamp(tr, kEpDispatchSendBase);
   if (sFailed == 0) {
     const int sendBase = sSendBase;
     // Rows for a remote dest are staged at their list index (the WRITE places them at sendBase);
     // the slot combine keeps for them is that index too (their landing position). A split send
     // stages at the list index too; its receive half adds the base to the slots.
-    const int slotBase = pl.destRemote || pl.split ? 0 : sendBase;
+    const int slotBase = destRemote || split ? 0 : sendBase;
     // ---- 4a. slots of our tokens on `dest` (combine reads them) ---------------------------
-    EpDispatchWriteSlots(a, f, pl, slotBase);
+    {
+      const int t0 = EpShareBegin(T, g, G);
+      const int t1 = EpShareBegin(T, g + 1, G);
+      for (int t = t0 + tid; t < t1; t += nThreads) {
+        const int w = t / kWarpSize;
+        const int bit = t - w * kWarpSize;
+        const LaneMask word = words[w];
+        int slot = -1;
+        if (((word >> bit) & static_cast<LaneMask>(1)) != 0)
+          slot = slotBase + prefix[w] + core::PopCount(word & LowerLanesMask(bit));
+        c.tokenSlot[static_cast<size_t>(t) * W + dest] = slot;
+      }
+    }
 
     // ---- 4b. the items: first round from registers, the rest streamed ---------------------
     uint8_t* outTok;
@@ -648,31 +656,31 @@ MORI_DEVICE_INLINE int EpDispatchCopyRows(const EpDispatchKernelArgs& a, const E
     uint8_t* outS;
     IndexT* outIdx;
     int32_t* outPos;
-    if (pl.destRemote) {
-      const size_t rows = static_cast<size_t>(pl.dest) * c.maxTokensPerRank;  // stage*[dest]
+    if (destRemote) {
+      const size_t rows = static_cast<size_t>(dest) * c.maxTokensPerRank;  // stage*[dest]
       outTok = c.symmLocal + c.symm.stageTokens + rows * a.rowBytes;
-      outW = At<float>(c.symmLocal, c.symm.stageWeights) + rows * f.K;
+      outW = At<float>(c.symmLocal, c.symm.stageWeights) + rows * K;
       outS = c.symmLocal + c.symm.stageScales + rows * a.scaleBytes;
-      outIdx = At<IndexT>(c.symmLocal, c.symm.stageIndices) + rows * f.K;
+      outIdx = At<IndexT>(c.symmLocal, c.symm.stageIndices) + rows * K;
       outPos = At<int32_t>(c.symmLocal, c.symm.stageSrcPos) + rows;
-    } else if (pl.split) {
-      uint8_t* db = PeerBlock(c, pl.dest);
-      const size_t rows = EpSplitRow(f.parity, f.me, c.maxTokensPerRank, f.W);
+    } else if (split) {
+      uint8_t* db = PeerBlock(c, dest);
+      const size_t rows = EpSplitRow(parity, me, c.maxTokensPerRank, W);
       outTok = db + c.symm.splitTokens + rows * a.rowBytes;
-      outW = At<float>(db, c.symm.splitWeights) + rows * f.K;
+      outW = At<float>(db, c.symm.splitWeights) + rows * K;
       outS = db + c.symm.splitScales + rows * a.scaleBytes;
-      outIdx = At<IndexT>(db, c.symm.splitIndices) + rows * f.K;
+      outIdx = At<IndexT>(db, c.symm.splitIndices) + rows * K;
       outPos = At<int32_t>(db, c.symm.splitSrcPos) + rows;
     } else {
-      uint8_t* db = PeerBlock(c, pl.dest);
+      uint8_t* db = PeerBlock(c, dest);
       outTok = db + c.symm.dispatchOutTokens;
       outW = At<float>(db, c.symm.dispatchOutWeights);
       outS = db + c.symm.dispatchOutScales;
       outIdx = At<IndexT>(db, c.symm.dispatchOutIndices);
       outPos = At<int32_t>(db, c.symm.dispatchOutSrcPos);
     }
-    for (int item = f.warp; item < items; item += f.nWarps) {
-      if (!kEarlyLoad || item != f.warp) loadItem(item, it);
+    for (int item = warp; item < items; item += nWarps) {
+      if (!kEarlyLoad || item != warp) loadItem(item, it);
       const int t = it.t;
       const size_t slot = static_cast<size_t>(slotBase) + it.p;
       uint8_t* const dstRow = outTok + slot * a.rowBytes;
@@ -683,7 +691,7 @@ MORI_DEVICE_INLINE int EpDispatchCopyRows(const EpDispatchKernelArgs& a, const E
       if constexpr (kEarlyLoad) {
 #pragma unroll
         for (int u = 0; u < kDispatchCopyUnroll; u++) {
-          const int v = it.vb + f.lane + u * kWarpSize;
+          const int v = it.vb + lane + u * kWarpSize;
           if (quant) {
             QuantizeVector(it.r[u], v < it.ve, v, dstRow, dstScales, nGroups, a.quant, fp8);
           } else if (v < it.ve) {
@@ -701,210 +709,115 @@ MORI_DEVICE_INLINE int EpDispatchCopyRows(const EpDispatchKernelArgs& a, const E
         WarpCopyVectors<kDispatchCopyUnroll>(dst, srcRow, vFrom, it.ve);
       }
       if (it.meta && metaFast) {
-        if (f.lane < f.K) {
-          if (a.inWeights != nullptr) outW[slot * f.K + f.lane] = it.w;
-          outIdx[slot * f.K + f.lane] = it.id;
+        if (lane < K) {
+          if (a.inWeights != nullptr) outW[slot * K + lane] = it.w;
+          outIdx[slot * K + lane] = it.id;
         }
         if (a.scaleCopy == EpScaleCopy::kWords) {
           uint32_t* dstS = reinterpret_cast<uint32_t*>(outS + slot * a.scaleBytes);
-          if (f.lane < nScaleWords) dstS[f.lane] = it.s0;
-          if (f.lane + kWarpSize < nScaleWords) dstS[f.lane + kWarpSize] = it.s1;
+          if (lane < nScaleWords) dstS[lane] = it.s0;
+          if (lane + kWarpSize < nScaleWords) dstS[lane + kWarpSize] = it.s1;
         }
-        if (f.lane == 0) outPos[slot] = f.me * c.maxTokensPerRank + t;
+        if (lane == 0) outPos[slot] = me * c.maxTokensPerRank + t;
       } else if (it.meta) {
-        for (int k = f.lane; k < f.K; k += kWarpSize) {
+        for (int k = lane; k < K; k += kWarpSize) {
           if (a.inWeights != nullptr)
-            outW[slot * f.K + k] = a.inWeights[static_cast<size_t>(t) * f.K + k];
-          outIdx[slot * f.K + k] = idx[static_cast<size_t>(t) * f.K + k];
+            outW[slot * K + k] = a.inWeights[static_cast<size_t>(t) * K + k];
+          outIdx[slot * K + k] = idx[static_cast<size_t>(t) * K + k];
         }
         if (a.scaleCopy == EpScaleCopy::kWords) {
           const uint32_t* src =
               reinterpret_cast<const uint32_t*>(a.inScales + static_cast<size_t>(t) * a.scaleBytes);
           uint32_t* dstS = reinterpret_cast<uint32_t*>(outS + slot * a.scaleBytes);
-          for (int i = f.lane; i < nScaleWords; i += kWarpSize) dstS[i] = src[i];
+          for (int i = lane; i < nScaleWords; i += kWarpSize) dstS[i] = src[i];
         } else if (a.scaleCopy == EpScaleCopy::kBytes) {
           const int n = static_cast<int>(a.scaleBytes);
           const uint8_t* src = a.inScales + static_cast<size_t>(t) * a.scaleBytes;
           uint8_t* dstS = outS + slot * a.scaleBytes;
-          for (int i = f.lane; i < n; i += kWarpSize) dstS[i] = src[i];
+          for (int i = lane; i < n; i += kWarpSize) dstS[i] = src[i];
         }
-        if (f.lane == 0) outPos[slot] = f.me * c.maxTokensPerRank + t;
+        if (lane == 0) outPos[slot] = me * c.maxTokensPerRank + t;
       }
     }
   }
-  return nRows;
-}
-
-// Step 4c, InterNode, one thread of the group's last block to stage its rows for a remote dest:
-// the whole list by RDMA WRITE, then the tail word, then waits for their completion.
-template <typename IndexT>
-MORI_DEVICE_INLINE void EpDispatchPostRemote(const EpDispatchKernelArgs& a, const EpKernelFrame& f,
-                                             const EpDispatchPlan& pl, int countD,
-                                             const int& sSendBase) {
-  const EpKernelCommon& c = a.c;
-
-  const size_t rows = static_cast<size_t>(pl.dest) * c.maxTokensPerRank;
-  const size_t n = static_cast<size_t>(countD);
-  uint8_t* L = c.symmLocal;
-  const size_t idxBytes = sizeof(IndexT) * f.K;
-  // Where the rows go on dest: their final rows, or (split send) our staging slots there
-  // [parity][rank], followed by the tail word of that parity.
-  const size_t at = pl.split ? EpSplitRow(f.parity, f.me, c.maxTokensPerRank, f.W)
-                             : static_cast<size_t>(sSendBase);
-  const EpSymmetricLayout& y = c.symm;
-  bool ok =
-      RdmaWrite(c, pl.dest, L + (pl.split ? y.splitTokens : y.dispatchOutTokens) + at * a.rowBytes,
-                L + y.stageTokens + rows * a.rowBytes, n * a.rowBytes);
-  if (ok && a.inWeights != nullptr)
-    ok =
-        RdmaWrite(c, pl.dest,
-                  L + (pl.split ? y.splitWeights : y.dispatchOutWeights) + at * f.K * sizeof(float),
-                  L + y.stageWeights + rows * f.K * sizeof(float), n * f.K * sizeof(float));
-  if (ok && (a.scaleCopy != EpScaleCopy::kNone || a.quant != EpDispatchQuant::kNone))
-    ok = RdmaWrite(c, pl.dest,
-                   L + (pl.split ? y.splitScales : y.dispatchOutScales) + at * a.scaleBytes,
-                   L + y.stageScales + rows * a.scaleBytes, n * a.scaleBytes);
-  if (ok)
-    ok = RdmaWrite(c, pl.dest,
-                   L + (pl.split ? y.splitIndices : y.dispatchOutIndices) + at * idxBytes,
-                   L + y.stageIndices + rows * idxBytes, n * idxBytes);
-  if (ok)
-    ok = RdmaWrite(c, pl.dest,
-                   L + (pl.split ? y.splitSrcPos : y.dispatchOutSrcPos) + at * sizeof(int32_t),
-                   L + y.stageSrcPos + rows * sizeof(int32_t), n * sizeof(int32_t));
-  const uint64_t tail = EpTagWord(f.epoch, static_cast<uint32_t>(countD));
-  uint64_t* tailWord = pl.split
-                           ? At<uint64_t>(L, y.splitTail) + EpPushArrivedIndex(f.parity, f.me, f.W)
-                           : At<uint64_t>(L, y.interTail) + f.me;
-  if (ok) ok = RdmaWrite(c, pl.dest, tailWord, &tail, sizeof(tail));
-  if (ok) shmem::ShmemQuietThread(c.shmem, pl.dest);
-}
-
-// Step 4c. Start: the block's rows are stored. End: they are published to dest (arrival counter,
-// or the group's RDMA WRITEs and tail).
-template <typename IndexT>
-MORI_DEVICE_INLINE void EpDispatchPublish(const EpDispatchKernelArgs& a, const EpKernelFrame& f,
-                                          const core::WaitContext& wait, const EpDispatchPlan& pl,
-                                          int countD, int nRows, int& sFailed, int& sSendBase) {
-  const EpKernelCommon& c = a.c;
 
   // ---- 4c. publish our rows ------------------------------------------------------------------
   // One fence per block, not per thread (fence.sc.sys in every thread serialises GPU-wide): the
   // barrier orders every thread's row stores before thread 0's release fence, which is cumulative.
   __syncthreads();
-  if (f.tid == 0) EpTraceStamp(f.tr, kEpDispatchCopied);
-  if (pl.destRemote) {
+  if (tid == 0) EpTraceStamp(tr, kEpDispatchCopied);
+  if (destRemote) {
     // The group's last block to have staged its rows WRITEs the whole list (each array one
     // contiguous range of dest's outputs) and then the tail word, all from one thread (one QP: the
     // tail lands after the rows), then waits for their completion (the staging is reusable when
     // the kernel ends, and a later call's tail cannot overtake this one).
-    if (f.tid == 0) {
+    if (tid == 0) {
       core::FenceAcqRelSystem();
-      const unsigned old = atomicAdd(&c.state->stagedBlocks[pl.dest], 1u);
-      if (old == static_cast<unsigned>(pl.G) - 1) {
-        c.state->stagedBlocks[pl.dest] = 0;
+      const unsigned old = atomicAdd(&c.state->stagedBlocks[dest], 1u);
+      if (old == static_cast<unsigned>(G) - 1) {
+        c.state->stagedBlocks[dest] = 0;
         core::FenceAcqRelSystem();  // acquire the other blocks' staging (through the counter)
         if (countD > 0 && sFailed == 0 && !core::DeviceAborted(wait)) {
-          EpDispatchPostRemote<IndexT>(a, f, pl, countD, sSendBase);
+          const size_t rows = static_cast<size_t>(dest) * c.maxTokensPerRank;
+          const size_t n = static_cast<size_t>(countD);
+          uint8_t* L = c.symmLocal;
+          const size_t idxBytes = sizeof(IndexT) * K;
+          // Where the rows go on dest: their final rows, or (split send) our staging slots there
+          // [parity][rank], followed by the tail word of that parity.
+          const size_t at = split ? EpSplitRow(parity, me, c.maxTokensPerRank, W)
+                                  : static_cast<size_t>(sSendBase);
+          const EpSymmetricLayout& y = c.symm;
+          bool ok = RdmaWrite(c, dest,
+                              L + (split ? y.splitTokens : y.dispatchOutTokens) + at * a.rowBytes,
+                              L + y.stageTokens + rows * a.rowBytes, n * a.rowBytes);
+          if (ok && a.inWeights != nullptr)
+            ok = RdmaWrite(
+                c, dest,
+                L + (split ? y.splitWeights : y.dispatchOutWeights) + at * K * sizeof(float),
+                L + y.stageWeights + rows * K * sizeof(float), n * K * sizeof(float));
+          if (ok && (a.scaleCopy != EpScaleCopy::kNone || a.quant != EpDispatchQuant::kNone))
+            ok = RdmaWrite(c, dest,
+                           L + (split ? y.splitScales : y.dispatchOutScales) + at * a.scaleBytes,
+                           L + y.stageScales + rows * a.scaleBytes, n * a.scaleBytes);
+          if (ok)
+            ok = RdmaWrite(c, dest,
+                           L + (split ? y.splitIndices : y.dispatchOutIndices) + at * idxBytes,
+                           L + y.stageIndices + rows * idxBytes, n * idxBytes);
+          if (ok)
+            ok = RdmaWrite(c, dest,
+                           L + (split ? y.splitSrcPos : y.dispatchOutSrcPos) + at * sizeof(int32_t),
+                           L + y.stageSrcPos + rows * sizeof(int32_t), n * sizeof(int32_t));
+          const uint64_t tail = EpTagWord(epoch, static_cast<uint32_t>(countD));
+          uint64_t* tailWord =
+              split ? At<uint64_t>(L, y.splitTail) + EpPushArrivedIndex(parity, me, W)
+                    : At<uint64_t>(L, y.interTail) + me;
+          if (ok) ok = RdmaWrite(c, dest, tailWord, &tail, sizeof(tail));
+          if (ok) shmem::ShmemQuietThread(c.shmem, dest);
         }
       }
     }
-  } else if (f.tid == 0 && nRows > 0 && sFailed == 0) {
+  } else if (tid == 0 && nRows > 0 && sFailed == 0) {
     core::FenceAcqRelSystem();
-    uint64_t* counter = pl.split ? At<uint64_t>(PeerBlock(c, pl.dest), c.symm.splitArrived) +
-                                       EpPushArrivedIndex(f.parity, f.me, f.W)
-                                 : At<uint64_t>(PeerBlock(c, pl.dest), c.symm.arrived) + f.me;
+    uint64_t* counter = split ? At<uint64_t>(PeerBlock(c, dest), c.symm.splitArrived) +
+                                    EpPushArrivedIndex(parity, me, W)
+                              : At<uint64_t>(PeerBlock(c, dest), c.symm.arrived) + me;
     core::AtomicFetchAddSystem(counter, static_cast<uint64_t>(nRows));
   }
-}
-
-// kThreads: the block size the kernel is built for (256, or kEpMaxThreadsPerBlock). The 256-thread
-// build has the registers to hold each warp's first item across the count wait (kEarlyLoad; about
-// 155 registers a thread, so one block per SM); in the 512-thread build (128 registers a thread)
-// that would spill, so it loads after the wait.
-template <typename IndexT, int kThreads, EpFamily kFamily>
-MORI_DEVICE_INLINE void EpDispatchBody(const EpDispatchKernelArgs& a) {
-  constexpr bool kInter = kFamily == EpFamily::kInterNode;
-  extern __shared__ __align__(16) uint8_t smemDyn[];
-  __shared__ int sFailed;
-  __shared__ int sSendBase;
-  __shared__ int sTotal;
-  __shared__ int sInputError;  // leaders: smallest token * K + slot of a bad id (EpNoInputError)
-
-  const EpKernelCommon& c = a.c;
-  const EpKernelFrame f = EpEnterKernel(c, EpTraceKind::kDispatch, 0);
-  // Split phase: the receive half is its own path; the send half is this kernel without the
-  // waits and with the staging as destination.
-  if (a.phase == EpDispatchPhase::kReceive) {
-    EpDispatchReceiveHalf<IndexT, kFamily>(a, f);
-    return;
-  }
-  // A private copy: the (rare) error path takes its address, which must not pull the whole
-  // kernel parameter block (or the frame) into local memory.
-  const core::WaitContext wait = c.shmem.wait;
-  const int b = static_cast<int>(blockIdx.x);
-  EpDispatchPlan pl;
-  pl.split = a.phase == EpDispatchPhase::kSend;
-  pl.dest = 0;
-  pl.g = 0;
-  pl.G = 1;
-  EpDispatchBlockRole(b, static_cast<int>(gridDim.x), f.W, f.me, &pl.dest, &pl.g, &pl.G);
-  pl.leader = pl.g == 0;
-  // InterNode: `dest` is on another node. Its rows are staged in our block (stage*[dest], list
-  // order) and the group's last block WRITEs them to their final rows on dest by RDMA.
-  pl.destRemote = kInter && IsRemote(c, pl.dest);
-
-  // Shared memory: membership bitmap of the destination, exclusive prefix counts per word, and
-  // (leaders) the histogram over the destination's local experts. Sized by EpDispatchSmemBytes.
-  const int nWordsMax = (c.maxTokensPerRank + kWarpSize - 1) / kWarpSize;
-  pl.words = reinterpret_cast<LaneMask*>(smemDyn);
-  pl.prefix = reinterpret_cast<int*>(smemDyn + AlignUp16(nWordsMax * sizeof(LaneMask)));
-  pl.hist = reinterpret_cast<int*>(reinterpret_cast<uint8_t*>(pl.prefix) +
-                                   AlignUp16((nWordsMax + 1) * sizeof(int)));
-  pl.nWords = (a.numTokens + kWarpSize - 1) / kWarpSize;
-
-  if (f.tid == 0) {
-    sFailed = 0;
-    sSendBase = 0;
-    sTotal = 0;
-    sInputError = kEpNoInputError;
-  }
-  if (pl.leader) {
-    for (int e = f.tid; e < c.numExpertsPerRank; e += f.nThreads) pl.hist[e] = 0;
-  }
-  __syncthreads();
-
-  EpDispatchScan<IndexT>(a, f, pl, sInputError);
-  const int countD = pl.prefix[pl.nWords];
-  // The format a leader announces with its count: flagged when its scan (ended before the
-  // barriers above) found a bad id.
-  const bool inputError = pl.leader && a.checkIds != 0 && sInputError != kEpNoInputError;
-  const uint64_t countFormat = a.format | (inputError ? kEpDispatchFormatInputError : 0ull);
-  if (f.tid == 0) EpTraceStamp(f.tr, kEpDispatchScanned);
-
-  EpDispatchAnnounce<IndexT, kFamily>(a, f, wait, pl, countD, inputError, countFormat, sFailed,
-                                      sInputError);
-  if (f.tid == 0) EpTraceStamp(f.tr, kEpDispatchAnnounced);
-
-  const int nRows =
-      EpDispatchCopyRows<IndexT, kThreads, kFamily>(a, f, wait, pl, countD, sFailed, sSendBase);
-  EpDispatchPublish<IndexT>(a, f, wait, pl, countD, nRows, sFailed, sSendBase);
-
-  if (f.tid == 0) EpTraceStamp(f.tr, kEpDispatchPublished);
+  if (tid == 0) EpTraceStamp(tr, kEpDispatchPublished);
   // A split send ends here: the receive half checks the counts and advances the epoch (a failure
   // here leaves rows missing, which the receive half's bounded wait reports).
-  if (pl.split) return;
+  if (split) return;
 
   // ---- 5. receive side (block 0) -------------------------------------------------------------
   if (b == 0)
-    EpDispatchReceive<kFamily>(c, wait, f.parity, f.epoch, a.format, sTotal, sFailed,
+    EpDispatchReceive<kFamily>(c, wait, parity, epoch, a.format, sTotal, sFailed,
                                a.inputErrorRecord);
 
   // ---- 6. epoch ------------------------------------------------------------------------------
-  if (f.tid == 0) EpTraceStamp(f.tr, kEpDispatchReceived);
+  if (tid == 0) EpTraceStamp(tr, kEpDispatchReceived);
   __syncthreads();
   // The next kernel reads the epoch: the kernel boundary publishes it.
-  if (f.tid == 0 && EpDispatchBlockDone(c, f.tr)) c.state->dispatchEpoch = f.epoch;
+  if (tid == 0 && EpDispatchBlockDone(c, tr)) c.state->dispatchEpoch = epoch;
 }
 
 }  // namespace detail

@@ -65,7 +65,10 @@ struct EpV1CombineShape {
   uint32_t wireRow;    // bytes of a local PE's row as read (e4m3 codes: kFp8)
   uint32_t partBytes;  // bytes of a partial (row, then weights)
   int vecs, P;         // 16-byte vectors of a row; parts per token
-  int stride, gwarp;   // items (record or token x part) are dealt to the grid's warps round robin
+  // Items (record or token x part) are dealt to the grid's warps round robin. Set by the body
+  // after step 2, where they are first needed (formed at the top, the fp8 512-thread builds
+  // spill more).
+  int stride, gwarp;
 };
 
 template <typename Elem, bool kFp8>
@@ -84,8 +87,8 @@ MORI_DEVICE_INLINE EpV1CombineShape EpV1CombineShapeOf(const EpCombineKernelArgs
                           EpV1PartialBytes(a.rowBytes, f.K),
                           static_cast<int>(a.rowBytes / 16),
                           a.partsPerToken,
-                          nb * f.nWarps,
-                          static_cast<int>(blockIdx.x) * f.nWarps + f.warp};
+                          0,   // stride: see EpV1CombineShape
+                          0};  // gwarp
 }
 
 // Step 3. Start: every local PE's rows are ready (sTok, sW filled). End: our partials of every
@@ -342,7 +345,7 @@ MORI_DEVICE_INLINE void EpV1CombineBody(const EpCombineKernelArgs& a) {
   const EpKernelFrame f = EpEnterKernel(c, EpTraceKind::kCombine, a.partsPerToken);
   const core::WaitContext wait = c.shmem.wait;  // private copy (see EpKernelFrame)
   const EpV1Topo tp(c);
-  const EpV1CombineShape v = EpV1CombineShapeOf<Elem, kFp8>(a, f, tp);
+  EpV1CombineShape v = EpV1CombineShapeOf<Elem, kFp8>(a, f, tp);
   const int G = tp.G;
   const int b = static_cast<int>(blockIdx.x);
   const uint64_t ready =
@@ -383,6 +386,8 @@ MORI_DEVICE_INLINE void EpV1CombineBody(const EpCombineKernelArgs& a) {
   }
   __syncthreads();
   if (f.tid == 0) EpTraceStamp(f.tr, kEpCombinePeersReady);
+  v.stride = v.nb * f.nWarps;  // only now (see EpV1CombineShape)
+  v.gwarp = b * f.nWarps + f.warp;
 
   EpV1CombineProxy<Elem, kFp8, kThreads>(a, f, wait, tp, v, ready, sTok, sW, sRows, sFailed);
   if (f.tid == 0) EpTraceStamp(f.tr, kEpCombineProxied);
