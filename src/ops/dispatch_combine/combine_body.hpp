@@ -65,6 +65,26 @@ MORI_DEVICE_INLINE bool WarpWaitStage(const core::WaitContext& wait, uint64_t* b
   return !anyTimedOut;
 }
 
+// o[v] = sum over the kN rows of a stage (row j at st + j * chunk) of their vector v, for the
+// chunk's `vecs` vectors: fp32 from +0.0, rows in order: the additions of the predicated loop in
+// WarpReduceRowsStaged (and of WarpSumFewRows), so the sums are bitwise the same. With the row
+// count a constant the loop carries no predicated-off loads and sums (docs/performance.md,
+// "Staged combine"); more vectors per lane in flight spill in the 128-register build.
+template <typename Elem, int kN>
+MORI_DEVICE_INLINE void WarpSumStage(uint4* __restrict__ o, const uint8_t* st, uint32_t chunk,
+                                     int vecs) {
+  static_assert(kN >= 1 && kN <= kEpCombineStageRows, "a stage holds 1..kEpCombineStageRows rows");
+  for (int v = core::LaneId(); v < vecs; v += kWarpSize) {
+    float acc[Elem::kPerVec];
+#pragma unroll
+    for (int i = 0; i < Elem::kPerVec; i++) acc[i] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kN; j++)
+      Elem::Accumulate(acc, reinterpret_cast<const uint4*>(st + j * chunk)[v]);
+    o[v] = Elem::Pack(acc);
+  }
+}
+
 // out[v] = sum over rows j < n (n in 1..kEpCombineStageRows, ascending PE order) of rows[j][v]
 // for v in [vb, ve): lane 0 streams chunks of every row into the warp's kEpCombineStages stages
 // with bulk copies (kEpCombineStages - 1 chunks ahead of the one being summed), the lanes sum
@@ -76,6 +96,7 @@ MORI_DEVICE_INLINE bool WarpReduceRowsStaged(uint4* __restrict__ out, const uint
                                              int n, int vb, int ve, uint8_t* stages, uint64_t* bars,
                                              uint32_t* uses, const core::WaitContext& wait) {
   constexpr int S = kEpCombineStages;
+  constexpr bool kSumByCount = Elem::kPerVec == 8;
   const int lane = core::LaneId();
   const uint32_t chunk = EpStagedChunkBytes(n);
   const uint32_t begin = static_cast<uint32_t>(vb) * 16, end = static_cast<uint32_t>(ve) * 16;
@@ -103,15 +124,24 @@ MORI_DEVICE_INLINE bool WarpReduceRowsStaged(uint4* __restrict__ out, const uint
     const uint32_t off = begin + c * chunk;
     const int vecs = static_cast<int>(EpStagedChunkLength(off, end, chunk) / 16);
     uint4* o = out + off / 16;
-    for (int v = lane; v < vecs; v += kWarpSize) {
-      float acc[Elem::kPerVec];
+    // One or two rows (every token of an op of at most two PEs, which `auto` stages) are summed
+    // with the row count a constant; three or four rows, and fp32 rows (that build has no
+    // registers for more copies of the loop: it spills), take the predicated loop.
+    if (kSumByCount && n == 1) {
+      WarpSumStage<Elem, 1>(o, st, chunk, vecs);
+    } else if (kSumByCount && n == 2) {
+      WarpSumStage<Elem, 2>(o, st, chunk, vecs);
+    } else {
+      for (int v = lane; v < vecs; v += kWarpSize) {
+        float acc[Elem::kPerVec];
 #pragma unroll
-      for (int i = 0; i < Elem::kPerVec; i++) acc[i] = 0.0f;
+        for (int i = 0; i < Elem::kPerVec; i++) acc[i] = 0.0f;
 #pragma unroll
-      for (int j = 0; j < kEpCombineStageRows; j++) {
-        if (j < n) Elem::Accumulate(acc, reinterpret_cast<const uint4*>(st + j * chunk)[v]);
+        for (int j = 0; j < kEpCombineStageRows; j++) {
+          if (j < n) Elem::Accumulate(acc, reinterpret_cast<const uint4*>(st + j * chunk)[v]);
+        }
+        o[v] = Elem::Pack(acc);
       }
-      o[v] = Elem::Pack(acc);
     }
     core::WarpSync();
   }
