@@ -20,6 +20,7 @@ A case fails when the suite fails or skips it or does not run it, as does a skip
 itself while a GPU is visible (conftest.needs_gpu); without a GPU every test skips with the reason.
 The suite's case lines show as they come (conftest.stream_suite)."""
 
+import dataclasses
 import logging
 import os
 import subprocess
@@ -53,6 +54,14 @@ if os.path.exists(INTERNODE):
     FULL_RUNS += [(INTERNODE, 4, 2, kt) for kt in (None, ("InterNodeV1",), ("InterNodeV1LL",), ("AsyncLL",))]
 ONE_RANK_RUNS = [(INTRANODE, 1, None, None), (INTRANODE, 1, None, ("AsyncLL",))]
 ONE_RANK_CASES = ("push_combine_beside_full_gpu",)
+# MORI_EP_COMBINE_PRECOPY (an external combine input copied by a kernel on every SM first), with
+# every op on the pull combine (MORI_EP_COMBINE_PUSH=0: the small configs of these cases would
+# push): external inputs of every dtype and weights mode, the too-short input (the copy kernel's
+# check, no wait), combines back to back (no dispatch between), graph replays.
+PRECOPY_RUN = (INTRANODE, 2, None, ("IntraNode",))
+PRECOPY_CASES = ("dtypes_and_combine_modes", "combine_input_too_short", "combine_back_to_back",
+                 "cuda_graph_replay")
+PRECOPY_ENV = {"MORI_EP_COMBINE_PRECOPY": "1", "MORI_EP_COMBINE_PUSH": "0"}
 
 
 def _run_id(run):
@@ -106,6 +115,8 @@ QUICK = [_suite_run(r, QUICK_CASES, timeout=600, only_applicable=False) for r in
 SHORT = [_suite_run(r, (), args=("--b2b-iters", str(SHORT_ITERS)), env={"MORI_EP_STRESS_ITERS": str(SHORT_ITERS)})
          for r in FULL_RUNS]
 ONE_RANK = [_suite_run(r, ONE_RANK_CASES, timeout=600, only_applicable=False) for r in ONE_RANK_RUNS]
+PRECOPY = [dataclasses.replace(r, id=r.id + "-precopy-pull")
+           for r in [_suite_run(PRECOPY_RUN, PRECOPY_CASES, env=PRECOPY_ENV, timeout=600, only_applicable=False)]]
 
 
 @needs_gpu
@@ -127,6 +138,14 @@ def test_ep_suite_short(case, suite_case):
 @pytest.mark.parametrize("case", suite_cases.params(ONE_RANK))
 def test_ep_one_rank_cases(case, suite_case):
     """The cases the suites leave out where ranks share a GPU, with one rank (which has its GPU)."""
+    suite_case()
+
+
+@needs_gpu
+@pytest.mark.quick
+@pytest.mark.parametrize("case", suite_cases.params(PRECOPY))
+def test_ep_suite_precopy(case, suite_case):
+    """External combine inputs copied before the combine kernel (MORI_EP_COMBINE_PRECOPY)."""
     suite_case()
 
 

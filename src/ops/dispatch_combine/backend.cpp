@@ -69,6 +69,8 @@ class IntraNodeBackend final : public EpBackend {
     if (staged) PrepareEpCombineStaged();
     programmatic = ProgrammaticAllowed(prop);
     push = EpPushCombineFits(c) && core::Env().epCombinePush;
+    precopy = core::Env().epCombinePrecopy && c.worldSize > 1;
+    smCount = prop.multiProcessorCount;
   }
   bool PushCombine() const override { return push; }
   size_t DispatchSmemBytes() const override { return EpDispatchSmemBytes(config, core::kWarpSize); }
@@ -86,12 +88,16 @@ class IntraNodeBackend final : public EpBackend {
       LaunchEpIntraNodePushCombine(k, args.dataType, blocks, threads, stream);
       return;
     }
+    // An external input with MORI_EP_COMBINE_PRECOPY (more than one PE: with one, every row is
+    // our own and nothing is copied): copied by a kernel on every SM first.
+    if (precopy && (k.copyTokens != 0 || k.copyWeights != 0) && k.wireFp8 == 0)
+      k = LaunchEpCombinePrecopy(k, smCount, stream);
     // Staged (bulk copies into shared memory) for large batches, where warps take many items and
     // the loads in flight bound the rate; small batches keep the register path (one item per warp,
-    // latency-bound either way), and so does a combine that first copies an external input
+    // latency-bound either way), and so does a combine that copies an external input itself
     // (docs/performance.md, "Staged combine").
     const long long items = static_cast<long long>(k.numTokens) * k.partsPerToken;
-    k.staged = staged && k.copyTokens == 0 && k.wireFp8 == 0 &&
+    k.staged = staged && (k.copyTokens == 0 || k.copyTokens == kEpCopiedBefore) && k.wireFp8 == 0 &&
                        items > blocks * (threads / core::kWarpSize)
                    ? 1
                    : 0;
@@ -100,8 +106,10 @@ class IntraNodeBackend final : public EpBackend {
 
  private:
   EpDispatchCombineConfig config;
-  bool staged = false;  // large-batch combine may use the staged (bulk-copy) kernel
-  bool push = false;    // small-batch config: combine pushes rows (EpPushCombineFits)
+  bool staged = false;   // large-batch combine may use the staged (bulk-copy) kernel
+  bool push = false;     // small-batch config: combine pushes rows (EpPushCombineFits)
+  bool precopy = false;  // external input: copied on every SM before the combine kernel
+  int smCount = 1;       // the device's SMs (the precopy kernel's grid)
 };
 
 // Nodes of gpu_per_node consecutive PEs, load/store within a node and RDMA across nodes, as the

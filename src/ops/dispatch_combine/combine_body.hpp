@@ -231,7 +231,13 @@ MORI_DEVICE_INLINE void EpCombineBody(const EpCombineKernelArgs& a) {
   __syncthreads();
 
   // ---- 1. input in place, or copied into the registered buffer -------------------------------
-  if (a.copyTokens != 0 || a.copyWeights != 0) {
+  if (!kInter && (a.copyTokens == kEpCopiedBefore || a.copyWeights == kEpCopiedBefore)) {
+    // EpCombinePrecopyKernel, just before on this stream, copied the input and signalled ready,
+    // or recorded that it failed (then nobody, we included, gets our ready: skip the waits).
+    if (tid == 0 && *reinterpret_cast<volatile uint32_t*>(&c.state->combinePrecopyFailed) != 0)
+      sFailed = 1;
+    __syncthreads();
+  } else if (a.copyTokens != 0 || a.copyWeights != 0) {
     // Chunks claimed by the resident blocks; the block completing the last one signals ready.
     EpCombineCopyInput(a, wait, epoch, 0, W, true, sFailed, sClaim, [&] {
       // SignalStoreAll's fence also releases the copies acquired above.
@@ -423,6 +429,7 @@ MORI_DEVICE_INLINE void EpCombineBody(const EpCombineKernelArgs& a) {
   __syncthreads();
   if (tid == 0) {
     if (EpCombineCountBlockDone(c, tr)) {
+      if constexpr (!kInter) c.state->combinePrecopyFailed = 0;  // read by every block, at entry
       // The abort flag is a PCIe read: issued before the fence, its latency overlaps the fence's.
       const bool aborted = core::DeviceAborted(wait);
       // Acquire every block's peer loads (through the counter) and release them to the done

@@ -1,6 +1,8 @@
-// The cast of a combine's input to e4m3 codes for quant_type fp8_direct_cast (pull IntraNode and
-// InterNode combines, InterNodeV1): its kernel, instantiated once per token type, and its launcher
-// (kernel_args.hpp, LaunchEpCombineCast).
+// The kernels that prepare a pull combine's input before the combine kernel, and their launchers
+// (kernel_args.hpp): the cast to e4m3 codes for quant_type fp8_direct_cast (pull IntraNode and
+// InterNode combines, InterNodeV1; instantiated once per token type, LaunchEpCombineCast), and the
+// copy of an external input on every SM (IntraNode, MORI_EP_COMBINE_PRECOPY;
+// LaunchEpCombinePrecopy).
 #include "combine_body.hpp"
 
 namespace mori::ops {
@@ -65,7 +67,52 @@ EpCombineKernelArgs CastCombineInput(const EpCombineKernelArgs& in, int p0, int 
   return args;
 }
 
+// MORI_EP_COMBINE_PRECOPY, IntraNode pull combine of an external input: the combine's step 1 for
+// such an input (EpCombineCopyInput: wait until every PE finished reading our registered buffers
+// in the last combine, check the input's rows, copy every row but our own, signal ready), run by
+// a grid of every SM instead of the combine's blocks, so the copy runs at the GPU's memory
+// bandwidth rather than at that of the combine's SMs. The combine kernel launched right after it
+// on the same stream (copy flags kEpCopiedBefore) only waits for the PEs' ready signals; a failure
+// here is left in state->combinePrecopyFailed for it (no ready signal was sent: it skips its waits,
+// as the in-kernel copy's blocks do).
+__global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
+    EpCombinePrecopyKernel(const EpCombineKernelArgs a) {
+  __shared__ int sFailed;
+  __shared__ unsigned sClaim;
+  const EpKernelCommon& c = a.c;
+  const core::WaitContext wait = c.shmem.wait;
+  const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(&c.state->combineEpoch) + 1;
+  const int parity = static_cast<int>(epoch & 1);
+  const int W = c.worldSize;
+  const int me = c.rank;
+  const uint64_t ready =
+      EpPackReady(a.tokenSource, a.weightSource, a.dataType, a.rowBytes, EpCombineWire::kInput);
+  if (threadIdx.x == 0) sFailed = 0;
+  __syncthreads();
+  EpCombineCopyInput(a, wait, epoch, 0, W, true, sFailed, sClaim, [&] {
+    // SignalStoreAll's fence also releases the copies acquired above.
+    SignalStoreAll(
+        W,
+        [&](int p) {
+          return At<EpSignal>(PeerBlock(c, p), c.symm.readyInbox) +
+                 EpReadyInboxIndex(parity, me, W);
+        },
+        ready, epoch);
+  });
+  if (threadIdx.x == 0 && sFailed != 0) c.state->combinePrecopyFailed = 1;
+}
+
 }  // namespace detail
+
+EpCombineKernelArgs LaunchEpCombinePrecopy(const EpCombineKernelArgs& args, int blocks,
+                                           gpuStream_t stream) {
+  MORI_CHECK_GPU(core::GpuLaunchKernel(detail::EpCombinePrecopyKernel, blocks,
+                                       kEpMaxThreadsPerBlock, 0, stream, false, args));
+  EpCombineKernelArgs out = args;
+  if (out.copyTokens != 0) out.copyTokens = kEpCopiedBefore;
+  if (out.copyWeights != 0) out.copyWeights = kEpCopiedBefore;
+  return out;
+}
 
 EpCombineKernelArgs LaunchEpCombineCast(const EpCombineKernelArgs& args, EpDataType dataType,
                                         int p0, int p1, int blocks, int threads,

@@ -108,6 +108,11 @@ struct EpDispatchKernelArgs {
 // rows for our tokens and sums them. A split-phase combine is a kSend launch, any work, then a
 // kReceive launch with the same arguments; both use the same epoch (only kReceive advances it).
 
+// copyTokens / copyWeights of an IntraNode pull combine whose EpCombinePrecopyKernel, launched just
+// before it, did the copy and signalled ready (both nonzero flags take it; our own rows are still
+// read in inTokens / inWeights).
+constexpr int32_t kEpCopiedBefore = 2;
+
 struct EpCombineKernelArgs {
   EpKernelCommon c;
   const uint8_t* inTokens;  // source of the copy when copyTokens
@@ -116,8 +121,8 @@ struct EpCombineKernelArgs {
   int64_t inWeightRows;
   EpCombineSource tokenSource;   // announced to peers (kRegistered or kDispatchOut)
   EpCombineSource weightSource;  // kNone, kRegistered or kDispatchOut
-  int32_t copyTokens;            // 1: copy inTokens into combineInTokens first
-  int32_t copyWeights;           // 1: copy inWeights into combineInWeights first
+  int32_t copyTokens;            // 1: copy inTokens into combineInTokens first; kEpCopiedBefore
+  int32_t copyWeights;           // 1: copy inWeights into combineInWeights first; kEpCopiedBefore
   uint8_t* outTokens;            // [T][rowBytes], local
   float* outWeights;             // [T][K], local; nullptr: no output weights
   int32_t numTokens;             // T of the last dispatch
@@ -186,6 +191,11 @@ void LaunchEpInterNodeCombine(const EpCombineKernelArgs& args, EpDataType dataTy
 EpCombineKernelArgs LaunchEpCombineCast(const EpCombineKernelArgs& args, EpDataType dataType,
                                         int p0, int p1, int blocks, int threads,
                                         gpuStream_t stream);
+// IntraNode pull combine of an external input (args.copyTokens or copyWeights, no fp8 wire),
+// MORI_EP_COMBINE_PRECOPY: launches EpCombinePrecopyKernel (`blocks` blocks, every SM) and returns
+// the combine kernel's arguments (copy flags kEpCopiedBefore: it neither copies nor signals ready).
+EpCombineKernelArgs LaunchEpCombinePrecopy(const EpCombineKernelArgs& args, int blocks,
+                                           gpuStream_t stream);
 // Whether the kernels' code for this device waits in EpKernelEnter (then they may be launched
 // programmatically: EpKernelCommon::programmatic).
 bool EpKernelsHaveGridDependency();

@@ -100,6 +100,9 @@ struct EpDeviceState {
   // (EpKeepCapOverflow); the grid's last block records it once the call's signals are out and
   // clears it.
   uint64_t v1CapOverflow;
+  // EpCombinePrecopyKernel: a block failed (no ready signal was sent); the IntraNode combine
+  // kernel after it reads it at entry, its last block resets it.
+  uint32_t combinePrecopyFailed;
 };
 
 // The sizes regions are computed from (EpLayoutDims(config)).
