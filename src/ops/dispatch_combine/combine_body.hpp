@@ -243,11 +243,7 @@ MORI_DEVICE_INLINE void EpCombineBody(const EpCombineKernelArgs& a) {
       // SignalStoreAll's fence also releases the copies acquired above.
       SignalStoreAll(
           W,
-          [&](int p) {
-            return kInter && IsRemote(c, p) ? nullptr
-                                            : At<EpSignal>(PeerBlock(c, p), c.symm.readyInbox) +
-                                                  EpReadyInboxIndex(parity, me, W);
-          },
+          [&](int p) { return kInter && IsRemote(c, p) ? nullptr : EpReadySlotOn(c, p, parity); },
           ready, epoch);
       if constexpr (kInter) {
         // SignalStoreAll's fence also orders the copies before the NIC reads them.
@@ -257,9 +253,7 @@ MORI_DEVICE_INLINE void EpCombineBody(const EpCombineKernelArgs& a) {
   } else if (blockIdx.x == 0) {
     for (int p = tid; p < W; p += nThreads) {
       if (kInter && IsRemote(c, p)) continue;
-      SignalStore(
-          At<EpSignal>(PeerBlock(c, p), c.symm.readyInbox) + EpReadyInboxIndex(parity, me, W),
-          ready, epoch);
+      SignalStore(EpReadySlotOn(c, p, parity), ready, epoch);
     }
     if constexpr (kInter) {
       // The input (written by earlier kernels) is in place: return other nodes' rows.

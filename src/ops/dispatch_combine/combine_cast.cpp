@@ -84,7 +84,6 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
   const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(&c.state->combineEpoch) + 1;
   const int parity = static_cast<int>(epoch & 1);
   const int W = c.worldSize;
-  const int me = c.rank;
   const uint64_t ready =
       EpPackReady(a.tokenSource, a.weightSource, a.dataType, a.rowBytes, EpCombineWire::kInput);
   if (threadIdx.x == 0) sFailed = 0;
@@ -92,12 +91,7 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
   EpCombineCopyInput(a, wait, epoch, 0, W, true, sFailed, sClaim, [&] {
     // SignalStoreAll's fence also releases the copies acquired above.
     SignalStoreAll(
-        W,
-        [&](int p) {
-          return At<EpSignal>(PeerBlock(c, p), c.symm.readyInbox) +
-                 EpReadyInboxIndex(parity, me, W);
-        },
-        ready, epoch);
+        W, [&](int p) { return EpReadySlotOn(c, p, parity); }, ready, epoch);
   });
   if (threadIdx.x == 0 && sFailed != 0) c.state->combinePrecopyFailed = 1;
 }

@@ -882,6 +882,12 @@ MORI_DEVICE_INLINE void EpCombineOwnRowsInPlace(const EpCombineKernelArgs& a,
   if (a.copyWeights != 0 && *weights != nullptr) *weights = a.inWeights;
 }
 
+// Our ready slot of this combine on PE p (readyInbox[parity][our rank] there).
+MORI_DEVICE_INLINE EpSignal* EpReadySlotOn(const EpKernelCommon& c, int p, int parity) {
+  return At<EpSignal>(PeerBlock(c, p), c.symm.readyInbox) +
+         EpReadyInboxIndex(parity, c.rank, c.worldSize);
+}
+
 // Waits for PE p's ready signal of this combine (readyInbox[parity][p]) and checks that p combines
 // with our format (dtype, row bytes; EpReadyFormat of our `ready`). False on timeout/abort or a
 // mismatch (recorded); *v: p's ready value.

@@ -357,12 +357,7 @@ MORI_DEVICE_INLINE void EpV1CombineBody(const EpCombineKernelArgs& a) {
   // ---- 1. input; ready to the local PEs ------------------------------------------------------
   auto signalReady = [&]() {
     SignalStoreAll(
-        G,
-        [&](int g) {
-          return At<EpSignal>(PeerBlock(c, tp.LocalPe(g)), c.symm.readyInbox) +
-                 EpReadyInboxIndex(f.parity, f.me, f.W);
-        },
-        ready, f.epoch);
+        G, [&](int g) { return EpReadySlotOn(c, tp.LocalPe(g), f.parity); }, ready, f.epoch);
   };
   if (a.copyTokens != 0 || a.copyWeights != 0) {
     EpCombineCopyInput(a, wait, f.epoch, tp.LocalPe(0), tp.LocalPe(G), false, sFailed, sClaim,
