@@ -217,6 +217,14 @@ void RegisterEpTestBindings(py::module_& m) {
       },
       py::arg("rows"), py::arg("warps"), py::arg("vecs"), "EpPartsPerRow: warps sharing one row");
   t.def(
+      "ep_dispatch_share_rows",
+      [](int rows, int groupWarps) {
+        Require(rows >= 0 && groupWarps >= 1, "need rows >= 0, group_warps >= 1");
+        return ep::EpDispatchShareRows(rows, groupWarps);
+      },
+      py::arg("rows"), py::arg("group_warps"),
+      "EpDispatchShareRows: rows of a dispatch list in the blocks' shares (the rest: the pool)");
+  t.def(
       "ep_word_of_position",
       [](const std::vector<int>& prefix, int nWords, int p) {
         Require(nWords >= 1 && static_cast<size_t>(nWords) <= prefix.size(),

@@ -1,7 +1,7 @@
 """A model of the IntraNode dispatch kernel's indexing (no GPU, no torch), built on the kernel's
 own work splits (src/ops/dispatch_combine/common_device.hpp and combine_reduce.hpp, called
 through mori._C._testing): block roles (EpDispatchBlockRole), the rows and tokens of each block
-(EpShareBegin), the warps per row (EpPartsPerRow), the word that holds a list position
+(EpShareBegin) and the pool of rows claimed after the shares (EpDispatchShareRows), the warps per row (EpPartsPerRow), the word that holds a list position
 (EpWordOfPosition) and the staged combine's chunks (EpStagedChunk*). The warp primitives are
 modelled by what they compute: the membership bitmap in warp-sized words (ballot), its exclusive
 prefix counts (warp scan), the n-th set bit of a word (WarpNthSetBit). It checks that, for many
@@ -148,16 +148,24 @@ def simulate(W, epr, routing, grid, warp, n_warps):
                 key = (t, dest)
                 assert key not in slot_table[s], ("slot written twice", s, key)
                 slot_table[s][key] = slot
-            # rows [i0, i1)
-            i0, i1 = share(count_d, g, G)
+            # rows [i0, i1) of the first share_rows, and (the group's first block here: any warp
+            # of the group claims them) the pool [share_rows, count_d)
+            share_rows = _testing().ep_dispatch_share_rows(count_d, G * n_warps)
+            i0, i1 = share(share_rows, g, G)
             n_rows = i1 - i0
-            if n_rows <= 0:
-                continue
+            if share_rows < count_d:
+                assert n_rows >= n_warps, ("a warp without a share item beside a pool", n_rows, n_warps)
             vecs = 448
-            parts = _testing().ep_parts_per_row(n_rows, n_warps, vecs)
-            for item in range(n_rows * parts):
-                r, part = divmod(item, parts)
-                p = i0 + r
+            parts = _testing().ep_parts_per_row(n_rows, n_warps, vecs) if n_rows > 0 else 1
+            if share_rows < count_d:
+                assert parts == 1, ("pool rows are whole rows; so are the share's", parts)
+            pool = range(share_rows, count_d) if g == 0 else range(0)
+            for item in list(range(n_rows * parts)) + [n_rows * parts + q for q in range(len(pool))]:
+                if item < n_rows * parts:
+                    r, part = divmod(item, parts)
+                    p = i0 + r
+                else:
+                    part, p = 0, share_rows + (item - n_rows * parts)
                 t = position_to_token(words, prefix, p, warp)
                 slot = send_base + p
                 if part == 0:
@@ -242,6 +250,23 @@ def test_dispatch_model_edge_grids():
     check(4, 2, 3, [130, 0, 64, 1], 4, 32, 16, "neg", 1)
     check(4, 2, 3, [130, 0, 64, 1], 7, 64, 1, "random", 2)
     check(2, 8, 8, [300, 300], 132, 32, 16, "random", 3)
+    # pools: one warp per destination, and blocks of 4 warps with a few rows each
+    check(2, 8, 8, [300, 300], 2, 32, 1, "random", 4)
+    check(3, 4, 4, [300, 130, 300], 10, 32, 4, "one_rank", 5)
+
+
+def test_dispatch_pool_leaves_every_warp_a_share_row():
+    # the kernel's first share item of warp w is item w: with a pool every share has >= n_warps rows
+    for rows in range(0, 400):
+        for G in range(1, 9):
+            for n_warps in (1, 2, 4, 16):
+                gw = G * n_warps
+                share_rows = _testing().ep_dispatch_share_rows(rows, gw)
+                if rows >= 2 * gw:
+                    assert share_rows == rows - gw, (rows, gw, share_rows)
+                    assert min(e - b for b, e in (share(share_rows, g, G) for g in range(G))) >= n_warps
+                else:
+                    assert share_rows == rows, (rows, gw, share_rows)
 
 
 def test_shares_cover_in_order_and_differ_by_at_most_one():

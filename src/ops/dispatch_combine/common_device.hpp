@@ -520,6 +520,14 @@ MORI_HD inline int EpPartsPerRow(int rows, int warps, int vecs) {
   return parts < maxParts ? parts : maxParts;
 }
 
+// Dispatch: rows [0, S) of a destination's list of `rows` are split into the G blocks' shares
+// (EpShareBegin); the rest, one row per warp of the group (`groupWarps`), is the pool that warps
+// claim after their share. A pool only where every share keeps at least one row per warp (at
+// least two rows per warp of the group); else S = rows.
+MORI_HD inline int EpDispatchShareRows(int rows, int groupWarps) {
+  return rows >= 2 * groupWarps ? rows - groupWarps : rows;
+}
+
 // The word of a membership bitmap that holds list position p: the last of words [0, nWords)
 // whose exclusive prefix count is <= p (prefix non-decreasing, prefix[0] == 0 <= p).
 MORI_HD inline int EpWordOfPosition(const int* prefix, int nWords, int p) {

@@ -6,7 +6,8 @@
 //
 // Block b serves destination PE d with group index g of G (EpDispatchBlockRole: round-robin, or
 // with >= 3 blocks per destination nb / (2W - 1) blocks on the local copy and the rest on the
-// peers); the G blocks serving d split d's token list evenly, so every block streams contiguous
+// peers); the G blocks serving d split d's token list evenly but for a pool of its last rows,
+// which the warps that finish their share first claim one at a time, so every block streams
 // rows to ONE peer.
 //   1. Every block scans all tokens' top-k ids once and builds, in shared memory, the bitmap of
 //      tokens that go to d (a token goes once per distinct destination) and its prefix counts.
@@ -18,8 +19,9 @@
 //      announcement count(rank -> rank) therefore also says "our buffers may be written".
 //   3. A block with rows for d waits for count(s -> d) of every s < rank (its rows start at their
 //      sum on d: receivers see rows ordered by source PE, then token) and for count(d -> d) (d has
-//      started this call, so its output buffers are free). In the 256-thread build each warp has
-//      already loaded its first item (it needs no count) so the loads overlap this wait.
+//      started this call, so its output buffers are free; for our own rows, IntraNode, it checks
+//      the done inbox itself as block 0 does). In the 256-thread build each warp has already
+//      loaded its first item (it needs no count) so the loads overlap this wait.
 //   4. It records the slot of each of its tokens on d (for combine), copies the rows (token,
 //      weights, indices, scales, source position) with 16-byte vectors (a row's small metadata is
 //      loaded before its token vectors, so its latency overlaps them), then ONE thread fences
@@ -57,7 +59,8 @@ constexpr int kDispatchScanBatch = 8;   // top-k ids loaded together per token i
 MORI_DEVICE_INLINE size_t AlignUp16(size_t v) { return (v + 15) & ~static_cast<size_t>(15); }
 
 // Thread 0 of every block at the end of a dispatch (either form): counts the block in the grid
-// counter (and the trace). True in the last block, which has reset the counter and ends the call.
+// counter (and the trace). True in the last block, which has reset the counter and the item claims
+// (every block has stopped claiming) and ends the call.
 MORI_DEVICE_INLINE bool EpDispatchBlockDone(const EpKernelCommon& c, uint64_t* tr) {
   __threadfence();
   const unsigned old = atomicAdd(&c.state->dispatchBlocksDone, 1u);
@@ -67,7 +70,21 @@ MORI_DEVICE_INLINE bool EpDispatchBlockDone(const EpKernelCommon& c, uint64_t* t
   }
   if (old != gridDim.x - 1) return false;
   c.state->dispatchBlocksDone = 0;
+  for (int d = 0; d < c.worldSize; d++) c.state->dispatchNextItem[d] = 0;
   return true;
+}
+
+// Threads of a block: waits until every PE finished reading our buffers in the last combine (its
+// done signal to us carries our combine epoch). False in a thread whose wait expired.
+MORI_DEVICE_INLINE bool EpPeersDoneReading(const EpKernelCommon& c, const core::WaitContext& wait,
+                                           int tid, int nThreads, int W, const char* what) {
+  const uint64_t prevCombine = *reinterpret_cast<volatile uint64_t*>(&c.state->combineEpoch);
+  EpSignal* done = At<EpSignal>(c.symmLocal, c.symm.doneInbox);
+  bool ok = true;
+  for (int p = tid; p < W; p += nThreads) {
+    if (!core::WaitUntil(wait, &done[p].tag, CmpOp::kGe, prevCombine, p, what)) ok = false;
+  }
+  return ok;
 }
 
 // Receive half of a split-phase dispatch (EpDispatchPhase::kReceive, same arguments as the send).
@@ -161,15 +178,9 @@ MORI_DEVICE_INLINE void EpDispatchReceiveHalf(const EpDispatchKernelArgs& a,
   }
   __syncthreads();
   // ---- R2. nobody still reads our outputs (the last combine) ----------------------------------
-  if (sFailedR == 0) {
-    const uint64_t prevCombine = *reinterpret_cast<volatile uint64_t*>(&c.state->combineEpoch);
-    EpSignal* done = At<EpSignal>(L, c.symm.doneInbox);
-    for (int p = f.tid; p < f.W; p += f.nThreads) {
-      if (!core::WaitUntil(wait, &done[p].tag, CmpOp::kGe, prevCombine, p,
-                           "EP dispatch_recv: peer done reading (last combine)"))
-        sFailedR = 1;
-    }
-  }
+  if (sFailedR == 0 && !EpPeersDoneReading(c, wait, f.tid, f.nThreads, f.W,
+                                           "EP dispatch_recv: peer done reading (last combine)"))
+    sFailedR = 1;
   __syncthreads();
   if (f.tid == 0) EpTraceStamp(f.tr, kEpDispatchAnnounced);
   const bool ok = sFailedR == 0;
@@ -269,6 +280,7 @@ MORI_DEVICE_INLINE void EpDispatchBody(const EpDispatchKernelArgs& a) {
   __shared__ int sSendBase;
   __shared__ int sTotal;
   __shared__ int sInputError;  // leaders: smallest token * K + slot of a bad id (EpNoInputError)
+  __shared__ int sRows;        // rows this block copied
 
   const EpKernelCommon& c = a.c;
   const EpKernelStart start = EpBeginKernel(c, EpTraceKind::kDispatch, 0);
@@ -314,13 +326,13 @@ MORI_DEVICE_INLINE void EpDispatchBody(const EpDispatchKernelArgs& a) {
 
   const IndexT* idx = static_cast<const IndexT*>(a.inIndices);
   const int nWords = (T + kWarpSize - 1) / kWarpSize;
-  int nRows = 0;
 
   uint64_t* const tr = start.trace;
   if (tid == 0) {
     sFailed = 0;
     sSendBase = 0;
     sTotal = 0;
+    sRows = 0;
     sInputError = kEpNoInputError;
   }
   if (leader) {
@@ -369,6 +381,15 @@ MORI_DEVICE_INLINE void EpDispatchBody(const EpDispatchKernelArgs& a) {
   // expert of `dest` once: an id is compared with the earlier ids of this batch (registers) and,
   // for top-k above the batch, of the earlier batches (memory).
   auto scanBatch = [&](int t, int k0, const IndexT(&ids)[kDispatchScanBatch], bool* member) {
+    // Membership only, without branches, in the blocks that are not leaders (the leader's checks
+    // and histogram below). Not in InterNode: its 512-thread int32 build spills more with it.
+    if (!kInter && !leader) {
+      bool any = false;
+#pragma unroll
+      for (int u = 0; u < kDispatchScanBatch; u++) any |= (ids[u] >= lo) & (ids[u] < hi);
+      *member |= any;
+      return;
+    }
 #pragma unroll
     for (int u = 0; u < kDispatchScanBatch; u++) {
       const IndexT e = ids[u];
@@ -436,13 +457,9 @@ MORI_DEVICE_INLINE void EpDispatchBody(const EpDispatchKernelArgs& a) {
   if (b == 0 && !split) {
     // Our count(rank -> rank) tells every sender that our buffers are free: wait until every PE
     // finished reading them in the last combine.
-    const uint64_t prevCombine = *reinterpret_cast<volatile uint64_t*>(&c.state->combineEpoch);
-    EpSignal* done = At<EpSignal>(c.symmLocal, c.symm.doneInbox);
-    for (int p = tid; p < W; p += nThreads) {
-      if (!core::WaitUntil(wait, &done[p].tag, CmpOp::kGe, prevCombine, p,
-                           "EP dispatch: peer done reading (last combine)"))
-        sFailed = 1;
-    }
+    if (!EpPeersDoneReading(c, wait, tid, nThreads, W,
+                            "EP dispatch: peer done reading (last combine)"))
+      sFailed = 1;
     __syncthreads();
   }
   if constexpr (!kInter) {
@@ -535,14 +552,15 @@ MORI_DEVICE_INLINE void EpDispatchBody(const EpDispatchKernelArgs& a) {
   if (tid == 0) EpTraceStamp(tr, kEpDispatchAnnounced);
 
   // ---- 3a. what this block copies, and the first item of each warp loaded now -------------
-  // Rows [i0, i1) of dest's list, in items of a row slice each. Which token an item is and which
-  // vectors it covers is known from the bitmap alone; only where it goes (sendBase) needs the
-  // counts. So each warp loads its first item's metadata and first round of vectors here, and the
-  // latency of those loads overlaps the count wait below (small batches: the whole copy of most
-  // warps is that one round).
-  const int i0 = EpShareBegin(countD, g, G);
-  const int i1 = EpShareBegin(countD, g + 1, G);
-  nRows = i1 - i0;
+  // Rows [i0, i1) of the first S rows of dest's list (its share), in items of a row slice each;
+  // with at least two rows per warp of the group, the last rows (one per warp of the group:
+  // EpDispatchShareRows) are a pool that warps claim one row at a time from
+  // dispatchNextItem[dest] as they finish their share. So a block that starts late (the leader:
+  // histogram and announcement) or streams slowly copies fewer of them. Which token an item is
+  // and which vectors it covers is known from the bitmap alone; only where it goes (sendBase)
+  // needs the counts. So each warp loads its first item's metadata and first round of vectors
+  // here, and the latency of those loads overlaps the count wait below (small batches: the whole
+  // copy of most warps is that one round).
   // Items cut rows into input vectors; a quantised row only at group boundaries.
   const bool quant = a.quant != EpDispatchQuant::kNone;
   const core::Fp8Format fp8 = static_cast<core::Fp8Format>(a.fp8Format);
@@ -550,8 +568,15 @@ MORI_DEVICE_INLINE void EpDispatchBody(const EpDispatchKernelArgs& a) {
   const int unitVecs = quant ? kQuantGroupVecs : 1;
   const int nUnits = vecs / unitVecs;  // quant: the row's groups
   // Few rows (small batches): several warps share a row, every warp has at most one item.
-  const int parts = EpPartsPerRow(nRows, nWarps, vecs);
-  const int items = sFailed == 0 ? nRows * parts : 0;
+  const int groupWarps = G * nWarps;
+  const int S = EpDispatchShareRows(countD, groupWarps);
+  const int i0 = EpShareBegin(S, g, G);
+  const int i1 = EpShareBegin(S, g + 1, G);
+  // Items [0, items) are the share's; [items, last) the pool's rows (a share then has at least
+  // nWarps rows: one part each).
+  const int parts = EpPartsPerRow(i1 - i0, nWarps, vecs);
+  const int items = sFailed == 0 ? (i1 - i0) * parts : 0;
+  const int last = sFailed == 0 ? items + (countD - S) : 0;
   const int nScaleWords = static_cast<int>(a.scaleBytes / 4);
   // Fast metadata (K <= warp, scales as <= 2 words per lane): loaded with the token vectors,
   // stored after them, so they add no latency of their own.
@@ -569,7 +594,7 @@ MORI_DEVICE_INLINE void EpDispatchBody(const EpDispatchKernelArgs& a) {
   auto loadItem = [&](int item, Item& it) {
     const int r = item / parts;
     const int part = item - r * parts;
-    it.p = i0 + r;
+    it.p = item < items ? i0 + r : S + (item - items);
     const int lo = EpWordOfPosition(prefix, nWords, it.p);
     it.t = lo * kWarpSize + WarpNthSetBit(words[lo], it.p - prefix[lo]);
     it.vb = EpShareBegin(nUnits, part, parts) * unitVecs;
@@ -605,8 +630,16 @@ MORI_DEVICE_INLINE void EpDispatchBody(const EpDispatchKernelArgs& a) {
 
   // ---- 3b. where our rows go on `dest`, and may we write there ----------------------------
   if (countD > 0 && sFailed == 0 && !split) {
+    // Our own rows (IntraNode, dest == me): our buffers may be written once every PE finished
+    // reading them in the last combine. The block checks that itself, as block 0 does before its
+    // count(rank -> rank) says so to the other senders, instead of waiting for that count (the
+    // leader's whole scan, fence and signal).
+    const bool ownRows = !kInter && dest == me;
+    if (ownRows && !EpPeersDoneReading(c, wait, tid, nThreads, W,
+                                       "EP dispatch: peer done reading (last combine)"))
+      sFailed = 1;
     for (int s = tid; s < W; s += nThreads) {
-      if (s >= me && s != dest) continue;
+      if (s >= me && (s != dest || ownRows)) continue;
       uint32_t n = 0;
       if (!EpCountWait<kFamily>(c, wait, parity, s, dest, epoch, a.format,
                                 "EP dispatch: token count of a lower PE", &n)) {
@@ -679,7 +712,16 @@ MORI_DEVICE_INLINE void EpDispatchBody(const EpDispatchKernelArgs& a) {
       outIdx = At<IndexT>(db, c.symm.dispatchOutIndices);
       outPos = At<int32_t>(db, c.symm.dispatchOutSrcPos);
     }
-    for (int item = warp; item < items; item += nWarps) {
+    int myRows = 0;
+    for (int item = warp; item < last;) {
+      // Past the share, the next item is a pool row claimed now: the atomic's latency overlaps
+      // this item's copy (a claim past the pool ends the loop).
+      int next = item + nWarps;
+      if (next >= items) {
+        next = last;
+        if (last > items && lane == 0)
+          next = items + static_cast<int>(atomicAdd(&c.state->dispatchNextItem[dest], 1u));
+      }
       if (!kEarlyLoad || item != warp) loadItem(item, it);
       const int t = it.t;
       const size_t slot = static_cast<size_t>(slotBase) + it.p;
@@ -738,13 +780,17 @@ MORI_DEVICE_INLINE void EpDispatchBody(const EpDispatchKernelArgs& a) {
         }
         if (lane == 0) outPos[slot] = me * c.maxTokensPerRank + t;
       }
+      myRows += it.meta ? 1 : 0;
+      item = core::WarpShfl(next, 0);
     }
+    if (lane == 0 && myRows > 0) atomicAdd(&sRows, myRows);
   }
 
   // ---- 4c. publish our rows ------------------------------------------------------------------
   // One fence per block, not per thread (fence.sc.sys in every thread serialises GPU-wide): the
   // barrier orders every thread's row stores before thread 0's release fence, which is cumulative.
   __syncthreads();
+  const int nRows = sRows;
   if (tid == 0) EpTraceStamp(tr, kEpDispatchCopied);
   if (destRemote) {
     // The group's last block to have staged its rows WRITEs the whole list (each array one

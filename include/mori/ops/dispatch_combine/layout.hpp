@@ -80,6 +80,9 @@ struct EpDeviceState {
   // PE d, recvCount[s] = rows received from PE s (last dispatch).
   int32_t sendCount[kEpMaxWorldSize];
   int32_t recvCount[kEpMaxWorldSize];
+  // Dispatch: rows of the pool at the end of our list for PE d claimed so far (claims past the
+  // pool fail); the grid's last block (EpDispatchBlockDone) resets them.
+  uint32_t dispatchNextItem[kEpMaxWorldSize];
   // InterNode dispatch: blocks of the group serving another node's PE d that have staged their
   // rows; the last one posts the group's RDMA WRITEs and resets it.
   uint32_t stagedBlocks[kEpMaxWorldSize];
