@@ -40,10 +40,11 @@ INTERNODE = os.path.join(REPO, "tests", "ops", "ep_internode_test.py")
 SHORT_ITERS = 200
 
 # The quick tier's cases (the suite's -k, a name each): round trips of every dtype and combine
-# mode, empty ranks, split-phase dispatch and combine, a CUDA-graph replay. Each applies to every
-# kernel type and rank count of QUICK_RUNS.
+# mode, empty ranks, split-phase dispatch and combine, a CUDA-graph replay, block and warp counts
+# given per call (small grids: the dispatch's pool of rows claimed after the shares). Each applies
+# to every kernel type and rank count of QUICK_RUNS.
 QUICK_CASES = ("random_topk_seeds", "dtypes_and_combine_modes", "zero_tokens", "split_phase_dispatch",
-               "split_phase_combine", "cuda_graph_replay")
+               "split_phase_combine", "cuda_graph_replay", "launch_shapes")
 
 # (suite, ranks, GPUs per emulated node or None for one node, kernel types (a --kernel-type each, in
 # turn in the same ranks) or None for the suite's default type)
