@@ -81,7 +81,8 @@ struct EpDeviceState {
   int32_t sendCount[kEpMaxWorldSize];
   int32_t recvCount[kEpMaxWorldSize];
   // Dispatch: rows of the pool at the end of our list for PE d claimed so far (claims past the
-  // pool fail); the grid's last block (EpDispatchBlockDone) resets them.
+  // pool fail); the last block of the grid that claimed (EpDispatchBlockDone), or after a split
+  // send that of the receive half (the op allows no second send before it), resets them.
   uint32_t dispatchNextItem[kEpMaxWorldSize];
   // InterNode dispatch: blocks of the group serving another node's PE d that have staged their
   // rows; the last one posts the group's RDMA WRITEs and resets it.
