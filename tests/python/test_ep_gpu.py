@@ -55,14 +55,16 @@ if os.path.exists(INTERNODE):
     FULL_RUNS += [(INTERNODE, 4, 2, kt) for kt in (None, ("InterNodeV1",), ("InterNodeV1LL",), ("AsyncLL",))]
 ONE_RANK_RUNS = [(INTRANODE, 1, None, None), (INTRANODE, 1, None, ("AsyncLL",))]
 ONE_RANK_CASES = ("push_combine_beside_full_gpu",)
-# MORI_EP_COMBINE_PRECOPY (an external combine input copied by a kernel on every SM first), with
-# every op on the pull combine (MORI_EP_COMBINE_PUSH=0: the small configs of these cases would
-# push): external inputs of every dtype and weights mode, the too-short input (the copy kernel's
-# check, no wait), combines back to back (no dispatch between), graph replays.
+# The pull combine's two ways to take an external input (every op on the pull combine,
+# MORI_EP_COMBINE_PUSH=0: the small configs of these cases would push): a kernel on every SM copies
+# it first (MORI_EP_COMBINE_PRECOPY=1, the default) or the combine's own blocks do (0). Cases:
+# external inputs of every dtype and weights mode, the too-short input (the copy's check, no wait),
+# combines back to back (no dispatch between), graph replays.
 PRECOPY_RUN = (INTRANODE, 2, None, ("IntraNode",))
 PRECOPY_CASES = ("dtypes_and_combine_modes", "combine_input_too_short", "combine_back_to_back",
                  "cuda_graph_replay")
-PRECOPY_ENV = {"MORI_EP_COMBINE_PRECOPY": "1", "MORI_EP_COMBINE_PUSH": "0"}
+PRECOPY_ENVS = {"precopy-pull": {"MORI_EP_COMBINE_PRECOPY": "1", "MORI_EP_COMBINE_PUSH": "0"},
+                "in-kernel-copy-pull": {"MORI_EP_COMBINE_PRECOPY": "0", "MORI_EP_COMBINE_PUSH": "0"}}
 
 
 def _run_id(run):
@@ -116,8 +118,8 @@ QUICK = [_suite_run(r, QUICK_CASES, timeout=600, only_applicable=False) for r in
 SHORT = [_suite_run(r, (), args=("--b2b-iters", str(SHORT_ITERS)), env={"MORI_EP_STRESS_ITERS": str(SHORT_ITERS)})
          for r in FULL_RUNS]
 ONE_RANK = [_suite_run(r, ONE_RANK_CASES, timeout=600, only_applicable=False) for r in ONE_RANK_RUNS]
-PRECOPY = [dataclasses.replace(r, id=r.id + "-precopy-pull")
-           for r in [_suite_run(PRECOPY_RUN, PRECOPY_CASES, env=PRECOPY_ENV, timeout=600, only_applicable=False)]]
+PRECOPY = [dataclasses.replace(r, id=f"{r.id}-{name}") for name, env in PRECOPY_ENVS.items()
+           for r in [_suite_run(PRECOPY_RUN, PRECOPY_CASES, env=env, timeout=600, only_applicable=False)]]
 
 
 @needs_gpu
@@ -146,7 +148,8 @@ def test_ep_one_rank_cases(case, suite_case):
 @pytest.mark.quick
 @pytest.mark.parametrize("case", suite_cases.params(PRECOPY))
 def test_ep_suite_precopy(case, suite_case):
-    """External combine inputs copied before the combine kernel (MORI_EP_COMBINE_PRECOPY)."""
+    """External combine inputs of the pull combine, copied before the combine kernel or by it
+    (MORI_EP_COMBINE_PRECOPY 1 and 0)."""
     suite_case()
 
 

@@ -70,10 +70,10 @@ namespace mori::core {
     "Large-batch EP combine streams the peers' rows into shared memory with bulk copies "         \
     "(NVIDIA sm_90+): auto = where measured faster (at most 2 PEs in the op); 1 = always; "       \
     "0 = register loads only.")                                                                  \
-  X(epCombinePrecopy, MORI_EP_COMBINE_PRECOPY, Bool, "0",                                         \
+  X(epCombinePrecopy, MORI_EP_COMBINE_PRECOPY, Bool, "1",                                         \
     "IntraNode pull combine of an external input (more than one PE): a kernel on every SM copies " \
     "the input into the registered buffer before the combine kernel, instead of the combine's "   \
-    "own blocks; 0 = the combine's blocks copy.")                                                 \
+    "own blocks; 0 = the combine's blocks copy (on its SMs only).")                               \
   X(epCombinePush, MORI_EP_COMBINE_PUSH, Bool, "1",                                               \
     "AsyncLL EP ops, and others with at most 256 tokens per rank, combine by pushing each row "   \
     "to its token's PE and summing locally; 0 = every PE pulls its tokens' rows (one extra round " \
