@@ -135,6 +135,26 @@ def test_ep_bench_labels_match_the_printed_table():
         "HT combine BF16 [torch]"]
 
 
+def test_ep_bench_alternate_times_in_turn_and_keeps_medians():
+    """A sweep's winner is timed again, and the external-input combine in turn with the registered
+    one: alternate() calls the timers a, b, a, b, ... and keeps each one's median."""
+    import ep_bench as B
+
+    calls = []
+    seq = {"registered": iter([3.0, 1.0, 2.0]), "external": iter([10.0, 30.0, 20.0])}
+
+    def timer(name):
+        def f():
+            calls.append(name)
+            return next(seq[name])
+        return f
+
+    med = B.alternate({"registered": timer("registered"), "external": timer("external")}, 3)
+    assert calls == ["registered", "external"] * 3
+    assert med == {"registered": 2.0, "external": 20.0}
+    assert B.alternate({"one": lambda: 5.0}, 1) == {"one": 5.0}
+
+
 def test_ep_bench_records_carry_settings_and_same_run_baselines():
     import ep_bench as B
 
