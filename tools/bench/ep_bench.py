@@ -16,11 +16,12 @@ back-to-back calls (no host overhead), per rank; GB/s are per rank:
 Combine moves the same rows back, so it uses the same byte counts. Ranks may share a GPU (--nproc
 above the GPU count, as the test suites do): the kernels and the protocol between ranks run, but no
 row crosses a link, so the physical column and the multi-GPU targets are left out, and the torch
-baseline too (NCCL takes one GPU per rank). A block/warp sweep keeps the
-fastest setting per phase and times it again (RETIME_ROUNDS times, the median: the minimum over
-a sweep's noisy timings is biased low); the combine of an external input is timed in turn with the
-registered one at that setting, as often. "SMs" = blocks (one block per SM). The baseline is what users write
-without us: count exchange, permutation, all_to_all_single of rows, and back with index_add_.
+baseline too (NCCL takes one GPU per rank). A block/warp sweep keeps the fastest setting per
+phase and times it again (RETIME_ROUNDS times, the median: the minimum over a sweep's noisy
+timings is biased low); the registered combine is timed again in turn with the combine of an
+external input at that setting, as often. "SMs" = blocks (one block per SM). The baseline is what
+users write without us: count exchange, permutation, all_to_all_single of rows, and back with
+index_add_.
 The result table is printed last.
 
 --compare deep_ep: DeepEP's `Buffer` (an installed `deep_ep`, built from its source) runs the same
@@ -195,8 +196,10 @@ class Bench:
             num_experts_per_token=TOPK, use_external_inp_buf=False)
         return self.mori.ops.EpDispatchCombineOp(cfg, check_inputs=False)
 
-    def sweep(self, label, T, launches, fn_factory, n_inner, n_rep):
-        """fn_factory(blocks, warps) -> callable; returns (best seconds, (blocks, warps), all)."""
+    def sweep(self, label, T, launches, fn_factory, n_inner, n_rep, retime=True):
+        """fn_factory(blocks, warps) -> callable; returns (best seconds, (blocks, warps), all).
+        retime: the best seconds are the winner's, timed again (else the sweep's minimum: for a
+        caller that times the winner itself)."""
         best = None
         results = []
         for b, w in launches:
@@ -206,7 +209,7 @@ class Bench:
             if best is None or worst < best[0]:
                 best = (worst, (b, w))
             log(self.rank, f"  {label:<22} blocks {b:>3} x warps {w:>2}: {worst * 1e6:9.1f} us")
-        if len(results) > 1:
+        if retime and len(results) > 1:
             again = alternate({"best": self.slowest_rank(fn_factory(*best[1]), n_inner, n_rep)}, self.rounds)["best"]
             log(self.rank, f"  {label:<22} blocks {best[1][0]:>3} x warps {best[1][1]:>2} again: {again * 1e6:9.1f} us "
                            f"(median of {self.rounds}; the sweep's minimum {best[0] * 1e6:.1f} us)")
@@ -256,7 +259,7 @@ class Bench:
         def cfac(b, wp):
             return lambda: op.combine(buf, wbuf, idx, block_num=b, warp_per_block=wp)
 
-        _, lw, _ = self.sweep("combine BF16", T, launches, cfac, n_inner, n_rep)
+        _, lw, _ = self.sweep("combine BF16", T, launches, cfac, n_inner, n_rep, retime=False)
         # correctness spot check: combine of unchanged rows = x * (number of destination ranks)
         out, _ = op.combine(buf, wbuf, idx)
         ndest = mask.sum(1, keepdim=True).float()
