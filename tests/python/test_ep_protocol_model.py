@@ -11,7 +11,11 @@ and the model checks what the kernels rely on:
 Ops: "D" dispatch, "S" split-phase dispatch (dispatch_send and dispatch_recv, two kernels: the
 send stages rows in the receivers' staging of its parity and waits for nothing; the receive waits
 for every rank's count and staged rows and compacts them into its own outputs), "C" combine from
-the registered buffer (zero-copy), "X" combine from an external tensor (the pull combine first copies it into the registered buffer). Modes: "push" (the
+the registered buffer (zero-copy), "X" combine from an external tensor (the pull combine first copies it into the registered buffer), "Y" the same with the
+copy beside the combine (EpCombinePrecopyKernel: ready marked "copying" first, then each reader's
+rows and that reader's tag, while the combine runs; readers of a "copying" rank wait for its tag).
+`ops` may be a list of W strings, one per rank (e.g. one rank's zero-copy combine where the
+others copy beside it). Modes: "push" (the
 small-batch combine, combine_push_body.hpp) and "pull" (combine_body.hpp); dispatch as
 dispatch_body.hpp. Mode "inter" is the InterNode family on nodes of G ranks: same-node peers
 as "pull"; a rank on another node gets its dispatch rows written (RDMA, from staging) followed by a
@@ -145,6 +149,9 @@ class Rank:
         self.split_slot = [[0] * W for _ in range(P)]     # epoch of the rows staged per src
         self.split_tail = [[0] * W for _ in range(P)]     # inter: split tail word per src (epoch)
         self.readers = 0                              # combines reading our buffers now
+        self.seg_readers = [0] * W                    # ... of them, by reader (its rows' segment)
+        self.copying = [[False] * W for _ in range(P)]  # ready value's "copying" bit [parity][src]
+        self.tag = [0] * W                            # combineRowsReady [src]: combine epoch
         self.tail = [0] * W                           # interTail [src]: dispatch epoch
         self.tail_seen = [0] * W                      # last tail epoch this rank consumed
         self.landed = [0] * W                         # landingReady [dst]: combine epoch
@@ -245,8 +252,10 @@ def run(W, ops, seed, mode="push", bugs=(), vecs=3, G=None, bad=0.0):
         if owner_epoch < e - P:
             raise Violation(f"rank {me} call {e}: wrote {what} on rank {q}, which is still in call {owner_epoch + 1}")
 
-    def write_buffers(q, me, what):
-        if ranks[q].readers:
+    def write_buffers(q, me, what, segment=None):
+        # segment: only the rows that rank `segment` reads (the copy beside the combine)
+        busy = ranks[q].readers if segment is None else ranks[q].seg_readers[segment]
+        if busy:
             raise Violation(f"rank {me}: {what} into rank {q}'s buffers while a combine reads them")
 
     def dispatch(me):
@@ -387,7 +396,7 @@ def run(W, ops, seed, mode="push", bugs=(), vecs=3, G=None, bad=0.0):
 
         return [receive()], epilogue
 
-    def combine(me, external):
+    def combine(me, external, beside=False):
         R = ranks[me]
         e = R.combine_epoch + 1
         par = e % P
@@ -452,18 +461,39 @@ def run(W, ops, seed, mode="push", bugs=(), vecs=3, G=None, bad=0.0):
             return blocks, epilogue
 
         # pull (and inter)
+        def copier():
+            # "Y": EpCombinePrecopyKernel, beside this rank's combine kernel (one kernel here: the
+            # combine's last block waits for it, so the epilogue runs after both). Ready ("copying")
+            # first, then each reader's rows and that reader's tag.
+            if "no_copy_wait" not in bugs:
+                yield lambda: all(R.done[p] >= e - 1 for p in range(W))
+            for q in range(W):
+                need_free(q, ranks[q].combine_epoch, e, "ready signal", me)
+                ranks[q].ready[par][me] = e
+                ranks[q].copying[par][me] = True
+            yield None
+            for q in rnd.sample(range(W), W):
+                if q == me:
+                    continue
+                write_buffers(me, me, f"combine {e} copy of {q}'s rows", segment=q)
+                yield None
+                ranks[q].tag[me] = e
+                yield None
+
         def block0():
-            if external:
+            if external and not beside:
                 if "no_copy_wait" not in bugs:  # nobody still reads our registered buffer
                     yield lambda: all(R.done[p] >= e - 1 for p in range(W))
                 write_buffers(me, me, f"combine {e} input copy")
                 yield None
-            for q in range(W):
-                if remote(me, q):
-                    continue
-                need_free(q, ranks[q].combine_epoch, e, "ready signal", me)
-                ranks[q].ready[par][me] = e
-            yield None
+            if not beside:
+                for q in range(W):
+                    if remote(me, q):
+                        continue
+                    need_free(q, ranks[q].combine_epoch, e, "ready signal", me)
+                    ranks[q].ready[par][me] = e
+                    ranks[q].copying[par][me] = False
+                yield None
             for s in range(W):  # return other nodes' rows into their landing regions
                 if not remote(me, s) or R.recv_count[s] == 0:
                     continue
@@ -494,14 +524,28 @@ def run(W, ops, seed, mode="push", bugs=(), vecs=3, G=None, bad=0.0):
                 if remote(me, p) and R.send_count[p] > 0 and R.landing_rows[p] != R.send_count[p]:
                     raise Violation(f"rank {me} combine {e}: {R.landing_rows[p]} rows landed from {p}, "
                                     f"{R.send_count[p]} of ours went there")
+            # A rank whose ready said "copying" (its copy beside its combine): its rows for us once
+            # it tagged them. "gate_by_own_input": by whether we copy ourselves instead.
+            for p in range(W):
+                if p == me or remote(me, p) or "no_tag_wait" in bugs:
+                    continue
+                gated = beside if "gate_by_own_input" in bugs else R.copying[par][p]
+                if gated:
+                    def tagged(p=p):
+                        if R.tag[p] > e:
+                            raise Violation(f"rank {me} combine {e}: tag from {p} of call {R.tag[p]}")
+                        return R.tag[p] == e
+                    yield tagged
             for p in range(W):
                 if not remote(me, p):
                     ranks[p].readers += 1
+                    ranks[p].seg_readers[me] += 1
             R.landing_readers += 1
             yield None
             for p in range(W):
                 if not remote(me, p):
                     ranks[p].readers -= 1
+                    ranks[p].seg_readers[me] -= 1
             R.landing_readers -= 1
 
         def epilogue():
@@ -509,7 +553,7 @@ def run(W, ops, seed, mode="push", bugs=(), vecs=3, G=None, bad=0.0):
                 ranks[q].done[me] = e
             R.combine_epoch = e
 
-        return [block0()], epilogue
+        return ([copier()] if beside else []) + [block0()], epilogue
 
     def push_combine_parts(me, e, par):
         """The push combine across nodes (mode "inter_push", docs/ep_split_phase.md "Combine across
@@ -614,7 +658,7 @@ def run(W, ops, seed, mode="push", bugs=(), vecs=3, G=None, bad=0.0):
     pending = [None] * W  # per rank: the receive half of its combine_send
 
     def program(me):
-        for op in ops:
+        for op in (ops[me] if isinstance(ops, list) else ops):  # a list: each rank's own
             if op == "S":  # split dispatch: two kernels, any work between them
                 yield dispatch_send(me)
                 yield dispatch_recv(me)
@@ -622,7 +666,7 @@ def run(W, ops, seed, mode="push", bugs=(), vecs=3, G=None, bad=0.0):
                 yield combine_send(me)
                 yield combine_recv(me)
             else:
-                yield dispatch(me) if op == "D" else combine(me, op == "X")
+                yield dispatch(me) if op == "D" else combine(me, op in "XY", beside=op == "Y")
 
     progs = [program(r) for r in range(W)]
     running = [None] * W  # per rank: [list of [generator, pending condition]], epilogue
@@ -746,6 +790,33 @@ def test_model_finds_one_buffer_set():
 
 def test_model_finds_missing_ready_wait_for_ranks_that_pushed_nothing():
     assert caught("push", "skip_zero_row_ready") > 0
+
+
+COPY_BESIDE_SEQUENCES = ["DY", "DYY", "DYCDXY", "DCYDYC"]
+
+
+def test_copy_beside_holds_in_random_interleavings():
+    for W in (2, 3, 4):
+        for ops in COPY_BESIDE_SEQUENCES:
+            for seed in range(15):
+                run(W, ops * 2, seed=seed * 43 + W, mode="pull")
+        # ranks mixing their combine inputs in one call: zero-copy, copied first, copied beside
+        for seed in range(15):
+            run(W, ["DCDYDX"] + ["DYDXDY"] * (W - 1), seed=seed * 47 + W, mode="pull")
+
+
+def test_model_finds_copy_beside_races():
+    # reading a copying rank's rows before its tag: caught (its copy of them is still running)
+    assert caught("pull", "no_tag_wait", ops="DYYDY", W=3) > 0
+    # waiting for tags by whether we copy ourselves, not by the peer's ready: a rank that passed
+    # its registered buffer never tags, so the waiter deadlocks
+    n = 0
+    for seed in range(20):
+        try:
+            run(3, ["DC", "DY", "DY"], seed=seed, mode="pull", bugs=("gate_by_own_input",))
+        except Violation:
+            n += 1
+    assert n == 20
 
 
 def test_model_finds_missing_done_waits():
@@ -1312,7 +1383,7 @@ def run_v1(W, G, ops, seed, ll=False, bugs=(), Q=2, C=2, M=5, pattern="mixed", s
 
     # --- scheduler --------------------------------------------------------------------------------
     def program(me):
-        for op in ops:
+        for op in (ops[me] if isinstance(ops, list) else ops):  # a list: each rank's own
             yield dispatch(me) if op == "D" else combine(me, op == "X")
 
     progs = [program(r) for r in range(W)]

@@ -266,6 +266,7 @@ class Bench:
         ok = torch.allclose(out.float(), (x.float() * ndest).to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2)
         oks = self.allgather(bool(ok))
         log(self.rank, f"  check: combine(dispatch(x)) == x * n_dest on all ranks: {all(oks)}")
+        ref = out.clone()
         # external (copied) input, at the registered input's best launch, timed in turn with it
         ext = outs[0][:recv].clone() if recv > 0 else outs[0][:1].clone()
         med = alternate({"registered": self.slowest_rank(cfac(*lw), n_inner, n_rep),
@@ -274,6 +275,10 @@ class Bench:
                         self.rounds)
         log(self.rank, f"  combine BF16 at blocks {lw[0]} x warps {lw[1]}, in turn ({self.rounds} each, median): "
                        f"registered {med['registered'] * 1e6:.1f} us, external input {med['external'] * 1e6:.1f} us")
+        # the external input's rows are the registered buffer's: the same sums, bit for bit
+        out_e, _ = op.combine(ext, None, idx, block_num=lw[0], warp_per_block=lw[1])
+        oks = self.allgather(bool(torch.equal(out_e, ref)))
+        log(self.rank, f"  check: combine of the external input == registered, bitwise, on all ranks: {all(oks)}")
         key = dict(config=name, tokens=T, phase="combine", dtype="BF16")
         self.record(key, med["registered"], recv * row_bf16, recv_remote * row_bf16, lw)
         self.kernel_baselines(key, recv * row_bf16, lw, n_inner, n_rep)

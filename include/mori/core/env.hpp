@@ -71,9 +71,10 @@ namespace mori::core {
     "(NVIDIA sm_90+): auto = where measured faster (at most 2 PEs in the op); 1 = always; "       \
     "0 = register loads only.")                                                                  \
   X(epCombinePrecopy, MORI_EP_COMBINE_PRECOPY, Bool, "1",                                         \
-    "IntraNode pull combine of an external input (more than one PE): a kernel on every SM copies " \
-    "the input into the registered buffer before the combine kernel, instead of the combine's "   \
-    "own blocks; 0 = the combine's blocks copy (on its SMs only).")                               \
+    "IntraNode pull combine of an external input (more than one PE): a kernel of its own copies " \
+    "the input into the registered buffer, beside the combine kernel on the SMs it leaves free "  \
+    "(before it, on every SM, without programmatic launches), instead of the combine's own "      \
+    "blocks; 0 = the combine's blocks copy (on its SMs only).")                                   \
   X(epCombinePush, MORI_EP_COMBINE_PUSH, Bool, "1",                                               \
     "AsyncLL EP ops, and others with at most 256 tokens per rank, combine by pushing each row "   \
     "to its token's PE and summing locally; 0 = every PE pulls its tokens' rows (one extra round " \

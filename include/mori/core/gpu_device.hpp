@@ -285,15 +285,26 @@ MORI_DEVICE_INLINE bool MbarTryWait(uint64_t*, uint32_t) {
 // ---------------------------------------------------------------------------------------------
 // Programmatic dependent launch (NVIDIA sm_90+). A kernel launched with GpuLaunchKernel(...,
 // programmatic = true, ...) may be launched before the kernel ahead of it on the stream has
-// finished: once every block of that kernel has exited. It must call GridDependencyWait() before
-// it touches anything an earlier kernel on the stream writes; the wait returns when those kernels
-// have completed and their memory is visible. What is gained is the launch latency, overlapped
-// with the previous kernel's completion. Elsewhere (HIP, older NVIDIA GPUs, a plain launch) the
-// wait does nothing and the launch is an ordinary one.
+// finished: once every block of that kernel has exited or called GridDependentsLaunch(). It must
+// call GridDependencyWait() before it touches anything an earlier kernel on the stream writes; the
+// wait returns when those kernels have completed and their memory is visible. What is gained is the
+// launch latency, overlapped with the previous kernel's completion. Elsewhere (HIP, older NVIDIA
+// GPUs, a plain launch) the wait does nothing and the launch is an ordinary one.
 // ---------------------------------------------------------------------------------------------
 MORI_DEVICE_INLINE void GridDependencyWait() {
 #if MORI_CUDA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Lets the kernel launched programmatically after this one start before this one has finished:
+// once every block of this kernel has called it (or exited). GridDependencyWait() there still
+// waits for this kernel's completion; a kernel that skips it must learn of what this one writes
+// after the call through flags, and this kernel must never wait for it (its blocks may only get
+// SMs as this one's leave). No-op where programmatic launches do not exist.
+MORI_DEVICE_INLINE void GridDependentsLaunch() {
+#if MORI_CUDA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
 

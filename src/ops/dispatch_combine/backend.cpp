@@ -89,9 +89,13 @@ class IntraNodeBackend final : public EpBackend {
       return;
     }
     // An external input with MORI_EP_COMBINE_PRECOPY (more than one PE: with one, every row is
-    // our own and nothing is copied): copied by a kernel on every SM first.
+    // our own and nothing is copied): copied by a kernel launched first. With programmatic
+    // launches the combine kernel runs beside it, so it takes the SMs the combine leaves (at
+    // least half); otherwise every SM, before the combine.
     if (precopy && (k.copyTokens != 0 || k.copyWeights != 0) && k.wireFp8 == 0)
-      k = LaunchEpCombinePrecopy(k, smCount, stream);
+      k = LaunchEpCombinePrecopy(k,
+                                 programmatic ? std::max(smCount - blocks, smCount / 2) : smCount,
+                                 programmatic, stream);
     // Staged (bulk copies into shared memory) for large batches, where warps take many items and
     // the loads in flight bound the rate; small batches keep the register path (one item per warp,
     // latency-bound either way), and so does a combine that copies an external input itself
@@ -108,8 +112,8 @@ class IntraNodeBackend final : public EpBackend {
   EpDispatchCombineConfig config;
   bool staged = false;   // large-batch combine may use the staged (bulk-copy) kernel
   bool push = false;     // small-batch config: combine pushes rows (EpPushCombineFits)
-  bool precopy = false;  // external input: copied on every SM before the combine kernel
-  int smCount = 1;       // the device's SMs (the precopy kernel's grid)
+  bool precopy = false;  // external input: copied by a kernel before (or beside) the combine
+  int smCount = 1;       // the device's SMs (the precopy kernel's grid is derived from them)
 };
 
 // Nodes of gpu_per_node consecutive PEs, load/store within a node and RDMA across nodes, as the

@@ -7,8 +7,12 @@
 //      signals "ready" to every PE at once. External input: every block copies a share of the rows
 //      other PEs read into the registered buffer (after every PE finished reading that buffer in
 //      the last combine); the last block to finish signals "ready". The ready signal says where our
-//      rows are. The rows we received from ourselves are read in the caller's tensor.
-//   2. Every block waits for every PE's ready signal (epoch-tagged, parity-double-buffered).
+//      rows are. The rows we received from ourselves are read in the caller's tensor. IntraNode
+//      with MORI_EP_COMBINE_PRECOPY: EpCombinePrecopyKernel (combine_cast.cpp) signals ready and
+//      copies instead, possibly while this kernel runs (copy flags kEpCopiedBefore).
+//   2. Every block waits for every PE's ready signal (epoch-tagged, parity-double-buffered). A PE
+//      whose ready says "copying" has its rows read only once their chunk is tagged
+//      (combineRowsReady, EpCopiedRowsWait).
 //   3. For each of this PE's tokens of the last dispatch, a warp (or, for small batches, several
 //      warps on slices of the row) loads the rows from the token's destination PEs, at the slots
 //      dispatch recorded, with several 16-byte loads from several PEs in flight, and sums them in
@@ -206,12 +210,18 @@ MORI_DEVICE_INLINE void EpCombineBody(const EpCombineKernelArgs& a) {
   __shared__ int sSlot[kCombineMaxWarps][kEpMaxWorldSize];
   __shared__ int sFailed;
   __shared__ unsigned sClaim;
+  __shared__ unsigned long long sCopying;  // bit p: PE p's rows are still being copied (tags)
   __shared__ __align__(8) uint64_t sStageBars[kCombineMaxWarps][kEpCombineStages];
   extern __shared__ __align__(128) uint8_t sStages[];  // staged: [warps][stages][stage bytes]
   constexpr bool kUseStages = kStaged && core::kHasBulkAsyncCopy;
 
   const EpKernelCommon& c = a.c;
-  const EpKernelFrame f = EpEnterKernel(c, EpTraceKind::kCombine, a.partsPerToken);
+  // EpCombinePrecopyKernel ran just before on this stream and may still be copying: it let this
+  // kernel start (after everything before it had completed) and gates its rows by tags, so this
+  // kernel does not wait for it here (it does before its end).
+  const bool gated =
+      !kInter && (a.copyTokens == kEpCopiedBefore || a.copyWeights == kEpCopiedBefore);
+  const EpKernelFrame f = EpEnterKernel(c, EpTraceKind::kCombine, a.partsPerToken, !gated);
   const core::WaitContext wait = c.shmem.wait;  // private copy (see EpKernelFrame)
   const int W = f.W, me = f.me, K = f.K, T = a.numTokens;
   const int tid = f.tid, nThreads = f.nThreads, lane = f.lane, warp = f.warp, nWarps = f.nWarps;
@@ -227,16 +237,15 @@ MORI_DEVICE_INLINE void EpCombineBody(const EpCombineKernelArgs& a) {
 
   // Phase trace (trace_device.hpp): nullptr unless SetTrace was called; thread 0 stamps phase ends.
   uint64_t* const tr = f.tr;
-  if (tid == 0) sFailed = 0;
+  if (tid == 0) {
+    sFailed = 0;
+    sCopying = 0;
+  }
   __syncthreads();
 
   // ---- 1. input in place, or copied into the registered buffer -------------------------------
-  if (!kInter && (a.copyTokens == kEpCopiedBefore || a.copyWeights == kEpCopiedBefore)) {
-    // EpCombinePrecopyKernel, just before on this stream, copied the input and signalled ready,
-    // or recorded that it failed (then nobody, we included, gets our ready: skip the waits).
-    if (tid == 0 && *reinterpret_cast<volatile uint32_t*>(&c.state->combinePrecopyFailed) != 0)
-      sFailed = 1;
-    __syncthreads();
+  if (gated) {
+    // EpCombinePrecopyKernel signals our ready (step 2 reads whether its checks failed).
   } else if (a.copyTokens != 0 || a.copyWeights != 0) {
     // Chunks claimed by the resident blocks; the block completing the last one signals ready.
     EpCombineCopyInput(a, wait, epoch, 0, W, true, sFailed, sClaim, [&] {
@@ -291,7 +300,14 @@ MORI_DEVICE_INLINE void EpCombineBody(const EpCombineKernelArgs& a) {
       }
       if (tr != nullptr && p < kEpTracePeers) tr[kEpTraceWordPeerReady + p] = core::WallClockNs();
       EpReadySources(c, p, v, &sTok[p], &sW[p]);
-      if (p == me) EpCombineOwnRowsInPlace(a, &sTok[p], &sW[p]);
+      if (p == me) {
+        EpCombineOwnRowsInPlace(a, &sTok[p], &sW[p]);
+        // Our precopy's checks failed (set before our ready): nobody else gets our ready either.
+        if (gated && *reinterpret_cast<volatile uint32_t*>(&c.state->combinePrecopyFailed) != 0)
+          sFailed = 1;
+      } else if (!kInter && EpReadyCopying(v)) {
+        atomicOr(&sCopying, 1ull << p);
+      }
     }
   }
   __syncthreads();
@@ -337,6 +353,11 @@ MORI_DEVICE_INLINE void EpCombineBody(const EpCombineKernelArgs& a) {
       if (next < items && lane < W)
         nextSlot = c.tokenSlot[static_cast<size_t>(next / P) * W + lane];
       if (queued && next < items && lane == 0) ticket = atomicAdd(&c.state->combineNextItem, 1u);
+      // A row of a PE still copying its input is read once that PE has tagged its chunk.
+      // (The mask is read from shared memory each time: a register for it spills.)
+      if (!kInter && sCopying != 0 &&
+          core::WarpBallot(!EpCopiedRowsWait(c, wait, epoch, sCopying, lane, slot)) != 0)
+        break;  // recorded; the rest of this warp's items are left undone
       const LaneMask members = core::WarpBallot(slot >= 0);
       const int n = core::PopCount(members);
       if (slot >= 0) {
@@ -346,6 +367,8 @@ MORI_DEVICE_INLINE void EpCombineBody(const EpCombineKernelArgs& a) {
         sSlot[warp][j] = slot;
       }
       core::WarpSync();
+      // The staged kernel's bulk copies (async proxy) read the rows the tags above acquired.
+      if (kUseStages && sCopying != 0 && lane == 0) core::FenceProxyAsync();
       const int vb = EpShareBegin(vecs, part, P);
       const int ve = EpShareBegin(vecs, part + 1, P);
       // Weights (part 0): the first kCombinePeerBatch rows' values for k = lane are loaded before
@@ -422,6 +445,12 @@ MORI_DEVICE_INLINE void EpCombineBody(const EpCombineKernelArgs& a) {
   // cumulative release fence; the last block acquires them all through the counter, then signals.
   __syncthreads();
   if (tid == 0) {
+    // Gated: the precopy kernel must have completed before the last block resets its claim
+    // counter and failure flag, and before this kernel completes (the stream's next kernels wait
+    // for this one only).
+    // (Re-evaluated from the arguments: a register kept for it spills in the staged kernel.)
+    if (!kInter && (a.copyTokens == kEpCopiedBefore || a.copyWeights == kEpCopiedBefore))
+      core::GridDependencyWait();
     if (EpCombineCountBlockDone(c, tr)) {
       if constexpr (!kInter) c.state->combinePrecopyFailed = 0;  // read by every block, at entry
       // The abort flag is a PCIe read: issued before the fence, its latency overlaps the fence's.

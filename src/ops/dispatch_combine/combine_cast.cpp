@@ -67,41 +67,144 @@ EpCombineKernelArgs CastCombineInput(const EpCombineKernelArgs& in, int p0, int 
   return args;
 }
 
-// MORI_EP_COMBINE_PRECOPY, IntraNode pull combine of an external input: the combine's step 1 for
-// such an input (EpCombineCopyInput: wait until every PE finished reading our registered buffers
-// in the last combine, check the input's rows, copy every row but our own, signal ready), run by
-// a grid of every SM instead of the combine's blocks, so the copy runs at the GPU's memory
-// bandwidth rather than at that of the combine's SMs. The combine kernel launched right after it
-// on the same stream (copy flags kEpCopiedBefore) only waits for the PEs' ready signals; a failure
-// here is left in state->combinePrecopyFailed for it (no ready signal was sent: it skips its waits,
-// as the in-kernel copy's blocks do).
+// MORI_EP_COMBINE_PRECOPY, IntraNode pull combine of an external input: copies the rows other PEs
+// read (our own rows stay in the caller's tensor) into the registered buffer, on the SMs the
+// combine kernel launched right after it on this stream leaves free, while that kernel runs.
+//   - Every block first waits until every PE finished reading our registered buffers in the last
+//     combine and checks the input's rows. Block 0 then signals "ready" (where our rows are, their
+//     format) to every PE at once, before any row is copied; on a failure it signals only us, with
+//     state->combinePrecopyFailed set (the combine kernel reads it after our ready: it skips its
+//     reads; the other PEs get no ready, as from a combine kernel that failed its copy).
+//   - Then calls GridDependentsLaunch: the combine kernel (copy flags kEpCopiedBefore) starts on
+//     the free SMs without waiting for this kernel, and reads a peer's copied row only once the
+//     chunk's tag for this combine is in our combineRowsReady.
+//   - Blocks claim runs of chunks of kEpCombineCopyRows rows (aligned in the receive buffer) of
+//     the PEs' segments in turn (run k of every segment before run k + 1 of any), so every
+//     reader's rows arrive in its tokens' order, as its reducing warps take them; after a run one
+//     fence and a tag per chunk on the PE whose tokens the rows are. A run is one chunk when the
+//     combine runs beside this kernel (`overlapped`: the first rows are ready soonest), else
+//     about half a block's share (fewer claims and fences: nothing reads a tag before the end).
+// This kernel waits for nothing the combine kernel does, so the combine's waits for tags always
+// end, wherever and whenever its blocks are placed. Without a programmatic launch the combine
+// kernel simply starts after it.
 __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
-    EpCombinePrecopyKernel(const EpCombineKernelArgs a) {
+    EpCombinePrecopyKernel(const EpCombineKernelArgs a, bool overlapped) {
   __shared__ int sFailed;
   __shared__ unsigned sClaim;
+  EpKernelEnter();  // the input is written by the kernels before this one
   const EpKernelCommon& c = a.c;
   const core::WaitContext wait = c.shmem.wait;
   const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(&c.state->combineEpoch) + 1;
   const int parity = static_cast<int>(epoch & 1);
-  const int W = c.worldSize;
-  const uint64_t ready =
-      EpPackReady(a.tokenSource, a.weightSource, a.dataType, a.rowBytes, EpCombineWire::kInput);
-  if (threadIdx.x == 0) sFailed = 0;
+  const int W = c.worldSize, me = c.rank;
+  const int tid = static_cast<int>(threadIdx.x), nThreads = static_cast<int>(blockDim.x);
+  const int rows = *reinterpret_cast<volatile int32_t*>(c.totalRecv);
+  const uint64_t ready = EpPackReady(a.tokenSource, a.weightSource, a.dataType, a.rowBytes,
+                                     EpCombineWire::kInput, true);
+  if (tid == 0) sFailed = 0;
   __syncthreads();
-  EpCombineCopyInput(a, wait, epoch, 0, W, true, sFailed, sClaim, [&] {
-    // SignalStoreAll's fence also releases the copies acquired above.
-    SignalStoreAll(
-        W, [&](int p) { return EpReadySlotOn(c, p, parity); }, ready, epoch);
-  });
-  if (threadIdx.x == 0 && sFailed != 0) c.state->combinePrecopyFailed = 1;
+  EpSignal* done = At<EpSignal>(c.symmLocal, c.symm.doneInbox);
+  for (int p = tid; p < W; p += nThreads) {
+    if (!core::WaitUntil(wait, &done[p].tag, CmpOp::kGe, epoch - 1, p,
+                         "EP combine: peer done reading (last combine)"))
+      sFailed = 1;
+  }
+  if (tid == 0) {
+    const bool report = blockIdx.x == 0;
+    if (a.copyTokens != 0 && rows > a.inRows) {
+      if (report)
+        ReportError(wait, -1, "EP combine: input has fewer rows than dispatch received", CmpOp::kGe,
+                    static_cast<uint64_t>(rows), static_cast<uint64_t>(a.inRows));
+      sFailed = 1;
+    }
+    if (a.copyWeights != 0 && rows > a.inWeightRows) {
+      if (report)
+        ReportError(wait, -1, "EP combine: weights have fewer rows than dispatch received",
+                    CmpOp::kGe, static_cast<uint64_t>(rows), static_cast<uint64_t>(a.inWeightRows));
+      sFailed = 1;
+    }
+  }
+  __syncthreads();
+  const bool failed = sFailed != 0;
+  if (blockIdx.x == 0 && tid == 0) {
+    if (failed) {
+      c.state->combinePrecopyFailed = 1;
+      SignalStore(EpReadySlotOn(c, me, parity), ready, epoch);  // release: the flag first
+    } else {
+      SignalStoreAll(
+          W, [&](int p) { return EpReadySlotOn(c, p, parity); }, ready, epoch);
+    }
+  }
+  core::GridDependentsLaunch();
+  if (failed) return;
+
+  const size_t R = kEpCombineCopyRows;
+  const size_t chunksPerSrc = EpCombineCopyChunks(static_cast<size_t>(c.maxRecvRows));
+  const int K = c.topK;
+  // Segment of PE q: the rows we received from it, [base, base + n) (receive order).
+  auto segment = [&](int q, size_t* base, size_t* n) {
+    size_t b = 0;
+    for (int s = 0; s < q; s++) b += static_cast<size_t>(c.state->recvCount[s]);
+    *base = b;
+    *n = static_cast<size_t>(c.state->recvCount[q]);
+  };
+  auto chunksOf = [&](size_t base, size_t n) {
+    return n == 0 ? 0 : (base + n - 1) / R - base / R + 1;
+  };
+  const int others = W - 1;
+  size_t rounds = 0, total = 0;  // chunks of the longest segment, of all
+  for (int q = 0; q < W; q++) {
+    if (q == me) continue;
+    size_t base = 0, n = 0;
+    segment(q, &base, &n);
+    const size_t k = chunksOf(base, n);
+    if (k > rounds) rounds = k;
+    total += k;
+  }
+  const size_t run =
+      overlapped ? 1 : (total + 2 * static_cast<size_t>(gridDim.x) - 1) / (2 * gridDim.x);
+  for (;;) {
+    __syncthreads();  // everyone read the last claim
+    if (tid == 0) sClaim = atomicAdd(&c.state->combineCopyNextChunk, 1u);
+    __syncthreads();
+    const size_t g = sClaim;
+    const size_t k0 = g / static_cast<size_t>(others) * run;
+    if (k0 >= rounds) break;
+    const int q = (me + 1 + static_cast<int>(g % static_cast<size_t>(others))) % W;
+    size_t base = 0, n = 0;
+    segment(q, &base, &n);
+    const size_t cnt = chunksOf(base, n);
+    if (k0 >= cnt) continue;
+    const size_t k1 = k0 + run < cnt ? k0 + run : cnt;  // chunks [k0, k1) of the segment
+    const size_t lo = (base / R + k0) * R > base ? (base / R + k0) * R : base;
+    const size_t hi = (base / R + k1) * R < base + n ? (base / R + k1) * R : base + n;
+    if (a.copyTokens != 0) {
+      shmem::detail::CopyElements<uint4, shmem::detail::kCopyUnroll>(
+          reinterpret_cast<uint4*>(c.symmLocal + c.symm.combineInTokens + lo * a.rowBytes),
+          reinterpret_cast<const uint4*>(a.inTokens + lo * a.rowBytes), (hi - lo) * a.rowBytes / 16,
+          tid, nThreads);
+    }
+    if (a.copyWeights != 0) {
+      uint32_t* dst = At<uint32_t>(c.symmLocal, c.symm.combineInWeights) + lo * K;
+      const uint32_t* src = reinterpret_cast<const uint32_t*>(a.inWeights) + lo * K;
+      for (size_t i = tid; i < (hi - lo) * K; i += nThreads) dst[i] = src[i];
+    }
+    __syncthreads();
+    if (tid == 0) {
+      // Cumulative over the barrier: releases the block's copies of the run to q's readers.
+      core::FenceAcqRelSystem();
+      uint64_t* tags = At<uint64_t>(PeerBlock(c, q), c.symm.combineRowsReady) + me * chunksPerSrc;
+      for (size_t k = k0; k < k1; k++) core::AtomicStoreRelaxedSystem(tags + base / R + k, epoch);
+    }
+  }
 }
 
 }  // namespace detail
 
 EpCombineKernelArgs LaunchEpCombinePrecopy(const EpCombineKernelArgs& args, int blocks,
-                                           gpuStream_t stream) {
+                                           bool overlapped, gpuStream_t stream) {
   MORI_CHECK_GPU(core::GpuLaunchKernel(detail::EpCombinePrecopyKernel, blocks,
-                                       kEpMaxThreadsPerBlock, 0, stream, false, args));
+                                       kEpMaxThreadsPerBlock, 0, stream, false, args, overlapped));
   EpCombineKernelArgs out = args;
   if (out.copyTokens != 0) out.copyTokens = kEpCopiedBefore;
   if (out.copyWeights != 0) out.copyWeights = kEpCopiedBefore;

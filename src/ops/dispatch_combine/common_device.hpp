@@ -51,8 +51,8 @@ struct EpKernelStart {
 // the block's trace record with `traceParts` (partsPerToken for a combine). Callers reset their
 // shared flags and synchronise the block after it.
 MORI_DEVICE_INLINE EpKernelStart EpBeginKernel(const EpKernelCommon& c, EpTraceKind kind,
-                                               int traceParts) {
-  EpKernelEnter();
+                                               int traceParts, bool waitForPrevious = true) {
+  if (waitForPrevious) EpKernelEnter();
   const uint64_t* last =
       kind == EpTraceKind::kDispatch ? &c.state->dispatchEpoch : &c.state->combineEpoch;
   const uint64_t epoch = *reinterpret_cast<const volatile uint64_t*>(last) + 1;
@@ -92,9 +92,11 @@ MORI_DEVICE_INLINE EpKernelFrame EpKernelFrameOf(const EpKernelCommon& c, const 
 }
 
 // The prologue of every EP kernel (EpBeginKernel), as one frame.
+// waitForPrevious = false: the kernel ahead of it let it start early (GridDependentsLaunch) and is
+// waited for through flags.
 MORI_DEVICE_INLINE EpKernelFrame EpEnterKernel(const EpKernelCommon& c, EpTraceKind kind,
-                                               int traceParts) {
-  return EpKernelFrameOf(c, EpBeginKernel(c, kind, traceParts));
+                                               int traceParts, bool waitForPrevious = true) {
+  return EpKernelFrameOf(c, EpBeginKernel(c, kind, traceParts, waitForPrevious));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -888,6 +890,23 @@ MORI_DEVICE_INLINE void EpCombineOwnRowsInPlace(const EpCombineKernelArgs& a,
                                                 const uint8_t** tokens, const float** weights) {
   if (a.copyTokens != 0) *tokens = a.inTokens;
   if (a.copyWeights != 0 && *weights != nullptr) *weights = a.inWeights;
+}
+
+// Pull combine, a PE still copying its input (ready bit kEpReadyCopying; EpCombinePrecopyKernel):
+// lane `peer` (a bit of `copying`) waits until that PE tagged, in our combineRowsReady, the chunk
+// of its registered buffer holding row `slot` (slot < 0: none) for this combine. Out of line: its
+// registers stay out of the reduction's. False on timeout/abort (recorded).
+__device__ __noinline__ inline bool EpCopiedRowsWait(const EpKernelCommon& c,
+                                                     const core::WaitContext& wait, uint64_t epoch,
+                                                     unsigned long long copying, int peer,
+                                                     int slot) {
+  if (slot < 0 || ((copying >> peer) & 1) == 0) return true;
+  uint64_t* tag =
+      At<uint64_t>(c.symmLocal, c.symm.combineRowsReady) +
+      static_cast<size_t>(peer) * EpCombineCopyChunks(static_cast<size_t>(c.maxRecvRows)) +
+      static_cast<size_t>(slot) / kEpCombineCopyRows;
+  return core::WaitUntil(wait, tag, core::CmpOp::kGe, epoch, peer,
+                         "EP combine: peer's copy of our rows (precopy chunk)");
 }
 
 // Our ready slot of this combine on PE p (readyInbox[parity][our rank] there).

@@ -109,8 +109,9 @@ struct EpDispatchKernelArgs {
 // kReceive launch with the same arguments; both use the same epoch (only kReceive advances it).
 
 // copyTokens / copyWeights of an IntraNode pull combine whose EpCombinePrecopyKernel, launched just
-// before it, did the copy and signalled ready (both nonzero flags take it; our own rows are still
-// read in inTokens / inWeights).
+// before it, signals ready and copies the rows, tagging them chunk by chunk (combineRowsReady),
+// possibly while the combine runs (both nonzero flags take it; our own rows are still read in
+// inTokens / inWeights).
 constexpr int32_t kEpCopiedBefore = 2;
 
 struct EpCombineKernelArgs {
@@ -192,10 +193,12 @@ EpCombineKernelArgs LaunchEpCombineCast(const EpCombineKernelArgs& args, EpDataT
                                         int p0, int p1, int blocks, int threads,
                                         gpuStream_t stream);
 // IntraNode pull combine of an external input (args.copyTokens or copyWeights, no fp8 wire),
-// MORI_EP_COMBINE_PRECOPY: launches EpCombinePrecopyKernel (`blocks` blocks, every SM) and returns
-// the combine kernel's arguments (copy flags kEpCopiedBefore: it neither copies nor signals ready).
+// MORI_EP_COMBINE_PRECOPY: launches EpCombinePrecopyKernel (`blocks` blocks; `overlapped`: the
+// combine kernel is a programmatic launch, run beside it) and returns the combine kernel's
+// arguments (copy flags kEpCopiedBefore: it neither copies nor signals ready, and waits for the
+// copied rows' tags).
 EpCombineKernelArgs LaunchEpCombinePrecopy(const EpCombineKernelArgs& args, int blocks,
-                                           gpuStream_t stream);
+                                           bool overlapped, gpuStream_t stream);
 // Whether the kernels' code for this device waits in EpKernelEnter (then they may be launched
 // programmatically: EpKernelCommon::programmatic).
 bool EpKernelsHaveGridDependency();

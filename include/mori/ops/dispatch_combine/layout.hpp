@@ -109,6 +109,14 @@ struct EpDeviceState {
   uint32_t combinePrecopyFailed;
 };
 
+// EpCombinePrecopyKernel copies an external combine input in chunks of this many rows (aligned in
+// the receive buffer) and tags each chunk on the PE whose tokens its rows belong to
+// (combineRowsReady), so that PE's combine may read those rows while the rest are copied.
+constexpr size_t kEpCombineCopyRows = 8;
+MORI_HD constexpr size_t EpCombineCopyChunks(size_t rmax) {
+  return (rmax + kEpCombineCopyRows - 1) / kEpCombineCopyRows;
+}
+
 // The sizes regions are computed from (EpLayoutDims(config)).
 struct EpLayoutDims {
   size_t w, k, m, epr;
@@ -162,6 +170,10 @@ const char* EpRegionRoleName(EpRegionRole role);
   X(dispatchOutSrcPos, "dispatch_out_src_pos", d.rmax * sizeof(int32_t), kOutput)                \
   X(combineInTokens, "combine_in_tokens", d.rmax * d.row, kInput)                                \
   X(combineInWeights, "combine_in_weights", d.rmax * d.k * sizeof(float), kInput)                \
+  /* [src][c] tag (combine epoch): src copied the rows of our tokens among its input rows */    \
+  /* c * kEpCombineCopyRows .. + kEpCombineCopyRows - 1 into its registered buffer (precopy)   */ \
+  X(combineRowsReady, "combine_rows_ready", d.w * EpCombineCopyChunks(d.rmax) * sizeof(uint64_t), \
+    kControl)                                                                                     \
   /* [parity][src] 16-byte vectors src pushed to us */                                             \
   X(pushArrived, "push_arrived", d.push * 2 * d.w * sizeof(uint64_t), kControl)                  \
   /* [parity][t][j] row of our token t from the PE of local index j on our node */                \
@@ -432,21 +444,26 @@ enum class EpCombineSource : uint32_t {
 // codes in one of the two encodings (core::Fp8Format + 1).
 enum class EpCombineWire : uint32_t { kInput = 0, kFp8E4M3Fn = 1, kFp8E4M3Fnuz = 2 };
 // readyInbox value: token source bits 0..3, weight source bits 4..7, dtype bits 8..11, wire
-// bits 13..14, row bytes (of the input dtype) bits 16..47.
+// bits 13..14, bit 15 = rows still being copied (EpCombinePrecopyKernel: read a row once its chunk
+// is tagged in combineRowsReady), row bytes (of the input dtype) bits 16..47.
+constexpr uint64_t kEpReadyCopying = uint64_t{1} << 15;
 MORI_HD inline uint64_t EpPackReady(EpCombineSource tokens, EpCombineSource weights, int dataType,
-                                    uint32_t rowBytes, EpCombineWire wire = EpCombineWire::kInput) {
+                                    uint32_t rowBytes, EpCombineWire wire = EpCombineWire::kInput,
+                                    bool copying = false) {
   return static_cast<uint64_t>(tokens) | (static_cast<uint64_t>(weights) << 4) |
          (static_cast<uint64_t>(dataType & 0xF) << 8) |
          (static_cast<uint64_t>(static_cast<uint32_t>(wire) & 0x3) << 13) |
-         (static_cast<uint64_t>(rowBytes) << 16);
+         (copying ? kEpReadyCopying : 0) | (static_cast<uint64_t>(rowBytes) << 16);
 }
+MORI_HD inline bool EpReadyCopying(uint64_t v) { return (v & kEpReadyCopying) != 0; }
 MORI_HD inline EpCombineSource EpReadyTokens(uint64_t v) {
   return static_cast<EpCombineSource>(v & 0xF);
 }
 MORI_HD inline EpCombineSource EpReadyWeights(uint64_t v) {
   return static_cast<EpCombineSource>((v >> 4) & 0xF);
 }
-MORI_HD inline uint64_t EpReadyFormat(uint64_t v) { return v >> 8; }
+// What PEs must agree on (dtype, wire, row bytes), whether or not their rows are still copied.
+MORI_HD inline uint64_t EpReadyFormat(uint64_t v) { return (v & ~kEpReadyCopying) >> 8; }
 
 // --- tagged words (inter-node signals) -------------------------------------------------------
 // A signal a NIC writes must be ONE aligned 8-byte word: an RDMA WRITE gives the reader no order
