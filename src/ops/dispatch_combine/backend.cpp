@@ -46,7 +46,7 @@ void ReadInPlaceForPush(EpCombineKernelArgs& k, const EpCombineArgs& args, int64
 
 class IntraNodeBackend final : public EpBackend {
  public:
-  IntraNodeBackend(const EpDispatchCombineConfig& c, int device) : config(c) {
+  IntraNodeBackend(const EpDispatchCombineConfig& c, int device, int gridSms) : config(c) {
     for (int p = 0; p < c.worldSize; p++) {
       const shmem::TransportType t = shmem::ShmemTransportType(p);
       MORI_ENSURE(LoadStore(t), InvalidUsageError,
@@ -70,7 +70,7 @@ class IntraNodeBackend final : public EpBackend {
     programmatic = ProgrammaticAllowed(prop);
     push = EpPushCombineFits(c) && core::Env().epCombinePush;
     precopy = core::Env().epCombinePrecopy && c.worldSize > 1;
-    smCount = prop.multiProcessorCount;
+    smCount = std::max(1, gridSms);
   }
   bool PushCombine() const override { return push; }
   size_t DispatchSmemBytes() const override { return EpDispatchSmemBytes(config, core::kWarpSize); }
@@ -113,7 +113,7 @@ class IntraNodeBackend final : public EpBackend {
   bool staged = false;   // large-batch combine may use the staged (bulk-copy) kernel
   bool push = false;     // small-batch config: combine pushes rows (EpPushCombineFits)
   bool precopy = false;  // external input: copied by a kernel before (or beside) the combine
-  int smCount = 1;       // the device's SMs (the precopy kernel's grid is derived from them)
+  int smCount = 1;       // SMs the op's grids may take (the precopy kernel's grid: from them)
 };
 
 // Nodes of gpu_per_node consecutive PEs, load/store within a node and RDMA across nodes, as the
@@ -238,14 +238,15 @@ int DeviceFp8Format(int device) {
 
 }  // namespace
 
-std::unique_ptr<EpBackend> MakeEpBackend(const EpDispatchCombineConfig& config, int device) {
+std::unique_ptr<EpBackend> MakeEpBackend(const EpDispatchCombineConfig& config, int device,
+                                         int gridSms) {
   std::unique_ptr<EpBackend> b;
   if (config.IsV1()) {
     b = std::make_unique<InterNodeV1Backend>(config, device);  // InterNodeV1, InterNodeV1LL
   } else if (config.RunsAs() == EpDispatchCombineKernelType::kInterNode) {
     b = std::make_unique<InterNodeBackend>(config, device);
   } else {
-    b = std::make_unique<IntraNodeBackend>(config, device);
+    b = std::make_unique<IntraNodeBackend>(config, device, gridSms);
   }
   b->SetCombineFp8Format(DeviceFp8Format(device));
   return b;

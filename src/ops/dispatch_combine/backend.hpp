@@ -55,7 +55,9 @@ class EpBackend {
 // IntraNode, InterNode, or InterNodeV1 (which also runs InterNodeV1LL, its low-latency mode).
 // Raises InvalidUsageError when shmem's topology does not fit the family (IntraNode: every PE by
 // load/store; InterNode and InterNodeV1: shmem's nodes are gpu_per_node consecutive PEs,
-// load/store within a node, RDMA across nodes).
-std::unique_ptr<EpBackend> MakeEpBackend(const EpDispatchCombineConfig& config, int device);
+// load/store within a node, RDMA across nodes). gridSms: the SMs the op's grids may take (the
+// device's, or fewer where PEs share it under MPS: docs/ep.md, "Residency").
+std::unique_ptr<EpBackend> MakeEpBackend(const EpDispatchCombineConfig& config, int device,
+                                         int gridSms);
 
 }  // namespace mori::ops

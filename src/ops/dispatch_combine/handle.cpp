@@ -125,7 +125,7 @@ EpDispatchCombineHandle::EpDispatchCombineHandle(const EpDispatchCombineConfig& 
             numSms = std::max(resident, std::min(numSms, config.worldSize));
           }
         }
-        backend = MakeEpBackend(config, device);  // checks shmem's topology for the family
+        backend = MakeEpBackend(config, device, numSms);  // checks shmem's topology
         symmLayout = MakeEpSymmetricLayout(config);
         localLayout = MakeEpLocalLayout(config);
         // Whatever used the heap range before (an earlier op) is done on this PE once this
