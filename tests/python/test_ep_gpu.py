@@ -56,8 +56,9 @@ if os.path.exists(INTERNODE):
 ONE_RANK_RUNS = [(INTRANODE, 1, None, None), (INTRANODE, 1, None, ("AsyncLL",))]
 ONE_RANK_CASES = ("push_combine_beside_full_gpu",)
 # The pull combine's two ways to take an external input (every op on the pull combine,
-# MORI_EP_COMBINE_PUSH=0: the small configs of these cases would push): a kernel on every SM copies
-# it first (MORI_EP_COMBINE_PRECOPY=1, the default) or the combine's own blocks do (0). Cases:
+# MORI_EP_COMBINE_PUSH=0: the small configs of these cases would push): a copy kernel of its own,
+# beside the combine kernel with programmatic launches (MORI_EP_COMBINE_PRECOPY=1, the default), or
+# the combine's own blocks (0). Cases:
 # external inputs of every dtype and weights mode, the too-short input (the copy's check, no wait),
 # combines back to back (no dispatch between), graph replays.
 PRECOPY_RUN = (INTRANODE, 2, None, ("IntraNode",))
@@ -148,8 +149,8 @@ def test_ep_one_rank_cases(case, suite_case):
 @pytest.mark.quick
 @pytest.mark.parametrize("case", suite_cases.params(PRECOPY))
 def test_ep_suite_precopy(case, suite_case):
-    """External combine inputs of the pull combine, copied before the combine kernel or by it
-    (MORI_EP_COMBINE_PRECOPY 1 and 0)."""
+    """External combine inputs of the pull combine, copied by a kernel of their own or by the
+    combine kernel (MORI_EP_COMBINE_PRECOPY 1 and 0)."""
     suite_case()
 
 
