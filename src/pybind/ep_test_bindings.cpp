@@ -322,6 +322,31 @@ void RegisterEpTestBindings(py::module_& m) {
         "EpCallFormat: the format PEs compare (the input-error flag masked)");
   t.def("ep_pack_input_error", &ops::EpPackInputError, py::arg("pe"), py::arg("token"),
         py::arg("k"), py::arg("id"));
+  // The combine's ready value (layout.hpp): where a PE's rows are, their format, "copying".
+  t.def(
+      "ep_pack_ready",
+      [](uint32_t tokens, uint32_t weights, int dataType, uint32_t rowBytes, uint32_t wire,
+         bool copying) {
+        return ops::EpPackReady(static_cast<ops::EpCombineSource>(tokens),
+                                static_cast<ops::EpCombineSource>(weights), dataType, rowBytes,
+                                static_cast<ops::EpCombineWire>(wire), copying);
+      },
+      py::arg("tokens"), py::arg("weights"), py::arg("data_type"), py::arg("row_bytes"),
+      py::arg("wire"), py::arg("copying"));
+  t.def("ep_ready_format", &ops::EpReadyFormat, py::arg("ready"),
+        "EpReadyFormat: what PEs must agree on (the copying bit masked)");
+  t.def("ep_ready_copying", &ops::EpReadyCopying, py::arg("ready"));
+  t.def(
+      "ep_ready_sources",
+      [](uint64_t v) {
+        return std::make_tuple(static_cast<uint32_t>(ops::EpReadyTokens(v)),
+                               static_cast<uint32_t>(ops::EpReadyWeights(v)));
+      },
+      py::arg("ready"));
+  t.def("ep_landing_value", &ops::EpLandingValue, py::arg("ready"), py::arg("weights"));
+  t.def("ep_combine_copy_chunks", &ops::EpCombineCopyChunks, py::arg("rmax"),
+        "EpCombineCopyChunks: chunk tags per source PE in combineRowsReady");
+  t.attr("EP_COMBINE_COPY_ROWS") = ops::kEpCombineCopyRows;
   t.def(
       "ep_unpack_input_error",
       [](uint64_t w) {

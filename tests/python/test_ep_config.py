@@ -113,6 +113,17 @@ def test_async_ll_validates_any_token_count(m):
         make(kernel_type="AsyncLL", max_num_inp_token_per_rank=65537).validate()
 
 
+@pytest.mark.parametrize("kw", [dict(), dict(world_size=8), dict(max_total_recv_tokens=1001)])
+def test_combine_rows_ready_has_a_tag_per_chunk_of_every_source(kw):
+    # [src][chunk] epoch tags of the external-input copy beside the combine (layout.hpp)
+    c = make(**kw)
+    regs = {name: (nbytes, role) for _b, name, _o, nbytes, role in ops.ep_layout(c)["regions"]}
+    R = _C._testing.EP_COMBINE_COPY_ROWS
+    chunks = -(-c.max_num_recv_tokens // R)
+    assert regs["combine_rows_ready"][0] == c.world_size * chunks * 8
+    assert "control" in str(regs["combine_rows_ready"][1]).lower()
+
+
 @pytest.mark.parametrize("world,gpn", [(4, 8), (16, 8)])
 def test_async_ll_above_256_tokens_keeps_its_split_phase_buffers(world, gpn):
     # SGLang's low-latency mode: AsyncLL with 4096 tokens per rank. The split-phase staging and the

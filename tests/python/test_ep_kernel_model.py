@@ -430,6 +430,40 @@ def test_input_error_report_round_trips():
         assert t.ep_unpack_input_error(t.ep_pack_input_error(1, 2, 3, v)) == (1, 2, 3, clipped)
 
 
+def test_ready_value_copying_bit_is_not_part_of_the_format():
+    """The combine's ready value (layout.hpp): a PE that copies its input beside the combine sets
+    the "copying" bit, its peers gate their reads on it; PEs mixing inputs in one call (zero-copy,
+    copied first, copied beside) must still agree on the format, and an InterNode landing word
+    must not depend on it."""
+    t = _testing()
+    for tokens, weights, dtype, row, wire in [(1, 1, 0, 14336, 0), (2, 0, 3, 4096, 0), (3, 1, 0, 7168, 1),
+                                              (1, 2, 7, 16 << 20, 2)]:
+        plain = t.ep_pack_ready(tokens, weights, dtype, row, wire, False)
+        copying = t.ep_pack_ready(tokens, weights, dtype, row, wire, True)
+        assert plain != copying
+        assert t.ep_ready_copying(copying) and not t.ep_ready_copying(plain)
+        assert t.ep_ready_format(copying) == t.ep_ready_format(plain)
+        assert t.ep_ready_sources(copying) == t.ep_ready_sources(plain) == (tokens, weights)
+        for w in (False, True):
+            assert t.ep_landing_value(copying, w) == t.ep_landing_value(plain, w)
+        # what the format does compare: dtype, wire, row bytes
+        assert t.ep_ready_format(t.ep_pack_ready(tokens, weights, (dtype + 1) % 16, row, wire, True)) != \
+            t.ep_ready_format(plain)
+        assert t.ep_ready_format(t.ep_pack_ready(tokens, weights, dtype, row + 16, wire, True)) != \
+            t.ep_ready_format(plain)
+        assert t.ep_ready_format(t.ep_pack_ready(tokens, weights, dtype, row, (wire + 1) % 3, False)) != \
+            t.ep_ready_format(plain)
+
+
+def test_combine_copy_chunk_tags_cover_the_receive_buffer():
+    """combineRowsReady holds one tag per kEpCombineCopyRows rows of a source's receive buffer."""
+    t = _testing()
+    R = t.EP_COMBINE_COPY_ROWS
+    for rmax in (1, R - 1, R, R + 1, 4096, 32768, 32769):
+        n = t.ep_combine_copy_chunks(rmax)
+        assert (n - 1) * R < rmax <= n * R
+
+
 def test_every_rank_records_the_same_report():
     """What the kernels compute, modelled: each announcing block (every leader, each with its own
     scan of all T x K ids) keeps the smallest key token * K + slot of a bad id, so every count a
