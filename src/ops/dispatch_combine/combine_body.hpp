@@ -219,8 +219,7 @@ MORI_DEVICE_INLINE void EpCombineBody(const EpCombineKernelArgs& a) {
   // EpCombinePrecopyKernel ran just before on this stream and may still be copying: it let this
   // kernel start (after everything before it had completed) and gates its rows by tags, so this
   // kernel does not wait for it here (it does before its end).
-  const bool gated =
-      !kInter && (a.copyTokens == kEpCopiedBefore || a.copyWeights == kEpCopiedBefore);
+  const bool gated = !kInter && EpCopiedBefore(a);
   const EpKernelFrame f = EpEnterKernel(c, EpTraceKind::kCombine, a.partsPerToken, !gated);
   const core::WaitContext wait = c.shmem.wait;  // private copy (see EpKernelFrame)
   const int W = f.W, me = f.me, K = f.K, T = a.numTokens;
@@ -449,10 +448,9 @@ MORI_DEVICE_INLINE void EpCombineBody(const EpCombineKernelArgs& a) {
     // counter and failure flag, and before this kernel completes (the stream's next kernels wait
     // for this one only).
     // (Re-evaluated from the arguments: a register kept for it spills in the staged kernel.)
-    if (!kInter && (a.copyTokens == kEpCopiedBefore || a.copyWeights == kEpCopiedBefore))
-      core::GridDependencyWait();
+    if (!kInter && EpCopiedBefore(a)) core::GridDependencyWait();
     if (EpCombineCountBlockDone(c, tr)) {
-      if constexpr (!kInter) c.state->combinePrecopyFailed = 0;  // read by every block, at entry
+      if constexpr (!kInter) c.state->combinePrecopyFailed = 0;  // read in step 2 (own ready)
       // The abort flag is a PCIe read: issued before the fence, its latency overlaps the fence's.
       const bool aborted = core::DeviceAborted(wait);
       // Acquire every block's peer loads (through the counter) and release them to the done

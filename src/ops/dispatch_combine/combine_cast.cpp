@@ -98,32 +98,11 @@ __global__ void __launch_bounds__(kEpMaxThreadsPerBlock)
   const int parity = static_cast<int>(epoch & 1);
   const int W = c.worldSize, me = c.rank;
   const int tid = static_cast<int>(threadIdx.x), nThreads = static_cast<int>(blockDim.x);
-  const int rows = *reinterpret_cast<volatile int32_t*>(c.totalRecv);
   const uint64_t ready = EpPackReady(a.tokenSource, a.weightSource, a.dataType, a.rowBytes,
                                      EpCombineWire::kInput, true);
   if (tid == 0) sFailed = 0;
   __syncthreads();
-  EpSignal* done = At<EpSignal>(c.symmLocal, c.symm.doneInbox);
-  for (int p = tid; p < W; p += nThreads) {
-    if (!core::WaitUntil(wait, &done[p].tag, CmpOp::kGe, epoch - 1, p,
-                         "EP combine: peer done reading (last combine)"))
-      sFailed = 1;
-  }
-  if (tid == 0) {
-    const bool report = blockIdx.x == 0;
-    if (a.copyTokens != 0 && rows > a.inRows) {
-      if (report)
-        ReportError(wait, -1, "EP combine: input has fewer rows than dispatch received", CmpOp::kGe,
-                    static_cast<uint64_t>(rows), static_cast<uint64_t>(a.inRows));
-      sFailed = 1;
-    }
-    if (a.copyWeights != 0 && rows > a.inWeightRows) {
-      if (report)
-        ReportError(wait, -1, "EP combine: weights have fewer rows than dispatch received",
-                    CmpOp::kGe, static_cast<uint64_t>(rows), static_cast<uint64_t>(a.inWeightRows));
-      sFailed = 1;
-    }
-  }
+  EpCombineCopyChecks(a, wait, epoch, 0, W, blockIdx.x == 0, sFailed);  // block 0 reports
   __syncthreads();
   const bool failed = sFailed != 0;
   if (blockIdx.x == 0 && tid == 0) {

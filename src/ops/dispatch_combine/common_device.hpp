@@ -788,34 +788,49 @@ MORI_DEVICE_INLINE void WarpQuantizeVectors(uint8_t* codes, uint8_t* scales, con
 // words. Every thread of every block calls. skipOwn: the rows this PE received from itself (and
 // their weights) are left out of the copy; only this PE reads them, and it reads them from the
 // caller's tensors (EpCombineOwnRowsInPlace).
-template <typename OnLast>
-MORI_DEVICE_INLINE void EpCombineCopyInput(const EpCombineKernelArgs& a,
-                                           const core::WaitContext& wait, uint64_t epoch, int p0,
-                                           int p1, bool skipOwn, int& sFailed, unsigned& sClaim,
-                                           OnLast onLast) {
+// The checks before an external input is copied into the registered buffer, in every block: PEs
+// p0..p1 - 1 finished reading that buffer in the last combine (done tag >= epoch - 1), and the
+// input (and weights) hold the rows dispatch received (thread 0; recorded when `report`). Sets
+// sFailed on a failure; the caller synchronises the block before reading it.
+MORI_DEVICE_INLINE void EpCombineCopyChecks(const EpCombineKernelArgs& a,
+                                            const core::WaitContext& wait, uint64_t epoch, int p0,
+                                            int p1, bool report, int& sFailed) {
   using core::CmpOp;
   const EpKernelCommon& c = a.c;
   const int tid = static_cast<int>(threadIdx.x);
-  const int nThreads = static_cast<int>(blockDim.x);
   const int rows = *reinterpret_cast<volatile int32_t*>(c.totalRecv);
   EpSignal* done = At<EpSignal>(c.symmLocal, c.symm.doneInbox);
-  for (int p = p0 + tid; p < p1; p += nThreads) {
+  for (int p = p0 + tid; p < p1; p += static_cast<int>(blockDim.x)) {
     if (!core::WaitUntil(wait, &done[p].tag, CmpOp::kGe, epoch - 1, p,
                          "EP combine: peer done reading (last combine)"))
       sFailed = 1;
   }
   if (tid == 0) {
     if (a.copyTokens != 0 && rows > a.inRows) {
-      ReportError(wait, -1, "EP combine: input has fewer rows than dispatch received", CmpOp::kGe,
-                  static_cast<uint64_t>(rows), static_cast<uint64_t>(a.inRows));
+      if (report)
+        ReportError(wait, -1, "EP combine: input has fewer rows than dispatch received", CmpOp::kGe,
+                    static_cast<uint64_t>(rows), static_cast<uint64_t>(a.inRows));
       sFailed = 1;
     }
     if (a.copyWeights != 0 && rows > a.inWeightRows) {
-      ReportError(wait, -1, "EP combine: weights have fewer rows than dispatch received",
-                  CmpOp::kGe, static_cast<uint64_t>(rows), static_cast<uint64_t>(a.inWeightRows));
+      if (report)
+        ReportError(wait, -1, "EP combine: weights have fewer rows than dispatch received",
+                    CmpOp::kGe, static_cast<uint64_t>(rows), static_cast<uint64_t>(a.inWeightRows));
       sFailed = 1;
     }
   }
+}
+
+template <typename OnLast>
+MORI_DEVICE_INLINE void EpCombineCopyInput(const EpCombineKernelArgs& a,
+                                           const core::WaitContext& wait, uint64_t epoch, int p0,
+                                           int p1, bool skipOwn, int& sFailed, unsigned& sClaim,
+                                           OnLast onLast) {
+  const EpKernelCommon& c = a.c;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int nThreads = static_cast<int>(blockDim.x);
+  const int rows = *reinterpret_cast<volatile int32_t*>(c.totalRecv);
+  EpCombineCopyChecks(a, wait, epoch, p0, p1, true, sFailed);
   __syncthreads();
   // Own rows [ownBegin, ownBegin + ownRows) left out: a copied offset o (bytes or words) below
   // the cut is o in the buffers, one at or past it is o + the own rows' size.

@@ -139,6 +139,11 @@ struct EpCombineKernelArgs {
   int32_t wireFp8;
   int32_t fp8Format;
 };
+
+// Whether EpCombinePrecopyKernel, launched just before, takes this combine's external input.
+MORI_HD inline bool EpCopiedBefore(const EpCombineKernelArgs& a) {
+  return a.copyTokens == kEpCopiedBefore || a.copyWeights == kEpCopiedBefore;
+}
 // The push combine (combine_push_body.hpp) reads its input in place: inTokens/inWeights are
 // this PE's rows (registered buffer, dispatch output or the caller's tensor; inWeights nullptr:
 // none) with inRows/inWeightRows readable rows; copyTokens/copyWeights/staged are unused.

@@ -104,8 +104,8 @@ struct EpDeviceState {
   // (EpKeepCapOverflow); the grid's last block records it once the call's signals are out and
   // clears it.
   uint64_t v1CapOverflow;
-  // EpCombinePrecopyKernel: a block failed (no ready signal was sent); the IntraNode combine
-  // kernel after it reads it at entry, its last block resets it.
+  // EpCombinePrecopyKernel: its checks failed (it signalled ready to this PE only); the IntraNode
+  // combine kernel beside it reads it after that ready, its last block resets it.
   uint32_t combinePrecopyFailed;
 };
 
