@@ -86,7 +86,7 @@ def test_run_facts(monkeypatch):
     assert BJ.machine_kind("NVIDIA H100 80GB HBM3", 2) == "2x H100"
     assert BJ.machine_kind("NVIDIA H200", 4) == "4x H200"
     assert BJ.machine_kind("AMD Instinct MI300X", 8) == "8x Instinct"
-    for name in [k for k in os.environ if k.startswith(("MORI_", "CUDA_"))]:  # the caller's own
+    for name in [k for k in os.environ if k.startswith(("MORI_", "CUDA_", "NVSHMEM_"))]:  # the caller's own
         monkeypatch.delenv(name)
     monkeypatch.setenv("MORI_EP_PDL", "0")
     monkeypatch.setenv("MORI_BUILD_DIR", "/somewhere")
@@ -97,6 +97,9 @@ def test_run_facts(monkeypatch):
     cmd = BJ.command_line([os.path.join(REPO, "tools", "bench", "ep_bench.py"), "--nproc", "2"])
     assert cmd == "MORI_EP_PDL=0 python3 tools/bench/ep_bench.py --nproc 2", cmd
     assert "MORI_EP_PDL=0 torchrun --nproc-per-node=4 x.py" == BJ.command_line(["x.py"], "torchrun --nproc-per-node=4")
+    monkeypatch.setenv("NVSHMEM_REMOTE_TRANSPORT", "none")  # DeepEP's LL mode on one node: kept
+    monkeypatch.setenv("NVSHMEM_DISABLE_NVLS", "1")  # machine policy, not what the run compares: left out
+    assert BJ.command_line(["x.py"]) == "MORI_EP_PDL=0 NVSHMEM_REMOTE_TRANSPORT=none python3 x.py"
     commit = BJ.git_commit(REPO)
     assert commit is None or (4 <= len(commit) <= 40 and all(c in "0123456789abcdef" for c in commit))
     assert BJ.git_commit("/") is None  # not a repository

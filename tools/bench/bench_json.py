@@ -210,7 +210,8 @@ def git_commit(repo=None):
 
 
 def command_line(argv=None, launcher="python3"):
-    """The command as typed: the environment variables that change what runs (MORI_*, CUDA_*), then
+    """The command as typed: the environment variables that change what runs (MORI_*, CUDA_*, and
+    NVSHMEM_REMOTE_TRANSPORT, which DeepEP's low-latency mode needs on one node), then
     the launcher (python3, or e.g. torchrun --nproc-per-node=4) and the arguments, shell-quoted."""
     argv = list(sys.argv if argv is None else argv)
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -219,7 +220,8 @@ def command_line(argv=None, launcher="python3"):
     # Not what a user sets: where the build is, and the file store the spawned ranks meet through.
     internal = ("MORI_BUILD_DIR", "MORI_TEST_STORE_FILE")
     env = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items())
-           if k.startswith(("MORI_", "CUDA_VISIBLE_DEVICES", "CUDA_MODULE_LOADING", "CUDA_DEVICE_MAX_CONNECTIONS"))
+           if k.startswith(("MORI_", "CUDA_VISIBLE_DEVICES", "CUDA_MODULE_LOADING", "CUDA_DEVICE_MAX_CONNECTIONS",
+                                  "NVSHMEM_REMOTE_TRANSPORT"))
            and k not in internal]
     return " ".join(env + [launcher] + [shlex.quote(a) for a in argv])
 
