@@ -164,11 +164,11 @@ void LaunchBaseline(bool copy, uintptr_t dst, uintptr_t src, size_t bytes, int b
   MORI_CHECK_GPU(err);
 }
 
-Role BlockRole(int b, int nb, int world, int me) {
+Role BlockRole(int b, int nb, int world, int me, int localBlocks) {
   Require(world >= 1 && me >= 0 && me < world, "need world >= 1 and 0 <= me < world");
   Require(nb >= 1 && b >= 0 && b < nb, "need nb >= 1 and 0 <= b < nb");
   int dest = 0, g = 0, G = 0;
-  ep::EpDispatchBlockRole(b, nb, world, me, &dest, &g, &G);
+  ep::EpDispatchBlockRole(b, nb, world, me, localBlocks, &dest, &g, &G);
   return {dest, g, G};
 }
 
@@ -183,15 +183,17 @@ void RegisterEpTestBindings(py::module_& m) {
   t.attr("EP_COMBINE_STAGE_ROWS") = ops::kEpCombineStageRows;
 
   t.def("ep_dispatch_block_role", &BlockRole, py::arg("b"), py::arg("nb"), py::arg("world"),
-        py::arg("me"), "EpDispatchBlockRole: (dest, g, G) of dispatch block b of nb on PE me");
+        py::arg("me"), py::arg("local_blocks") = 0,
+        "EpDispatchBlockRole: (dest, g, G) of dispatch block b of nb on PE me "
+        "(local_blocks: MORI_EP_DISPATCH_LOCAL_BLOCKS, 0 = unset)");
   t.def(
       "ep_dispatch_block_roles",
-      [](int nb, int world, int me) {
+      [](int nb, int world, int me, int localBlocks) {
         std::vector<Role> roles;
-        for (int b = 0; b < nb; b++) roles.push_back(BlockRole(b, nb, world, me));
+        for (int b = 0; b < nb; b++) roles.push_back(BlockRole(b, nb, world, me, localBlocks));
         return roles;
       },
-      py::arg("nb"), py::arg("world"), py::arg("me"),
+      py::arg("nb"), py::arg("world"), py::arg("me"), py::arg("local_blocks") = 0,
       "[EpDispatchBlockRole(b) for b in range(nb)]");
   t.def(
       "ep_resident_sms",

@@ -107,6 +107,27 @@ def test_peer_groups_are_about_twice_the_local_group():
                         assert 2 * local <= n <= 2 * local + 2, (W, nb, me, d, local, n)
 
 
+def test_local_blocks_requested_are_kept_within_every_peer_keeping_three():
+    # MORI_EP_DISPATCH_LOCAL_BLOCKS: the local group's size, at most the blocks less 3 per peer;
+    # every destination keeps one leader and peers share the rest evenly; 0 is the default split.
+    for W in range(2, 9):
+        for nb in range(3 * W, 80):
+            default = _group_sizes(nb, W, 0)
+            assert _testing().ep_dispatch_block_roles(nb, W, 0, 0) == _testing().ep_dispatch_block_roles(nb, W, 0)
+            for want in range(1, nb + 2):
+                roles = _testing().ep_dispatch_block_roles(nb, W, 0, want)
+                sizes = {}
+                for d, g, G in roles:
+                    sizes[d] = sizes.get(d, 0) + 1
+                assert sizes[0] == min(want, nb - 3 * (W - 1)), (W, nb, want, sizes)
+                peers = sorted(n for d, n in sizes.items() if d != 0)
+                assert len(peers) == W - 1 and peers[0] >= 3 and peers[-1] - peers[0] <= 1, (W, nb, want)
+                assert roles[0][:2] == (0, 0)
+            assert default[0] == max(1, nb // (2 * W - 1))
+    # Below 3 blocks per destination the request is ignored (round-robin).
+    assert _testing().ep_dispatch_block_roles(5, 2, 0, 4) == _testing().ep_dispatch_block_roles(5, 2, 0)
+
+
 def test_block_roles_round_robin_below_three_blocks_per_destination():
     for W in range(1, 17):
         for nb in range(W, 3 * W):

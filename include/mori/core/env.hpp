@@ -70,6 +70,10 @@ namespace mori::core {
     "Large-batch EP combine streams the peers' rows into shared memory with bulk copies "         \
     "(NVIDIA sm_90+): auto = where measured faster (at most 2 PEs in the op); 1 = always; "       \
     "0 = register loads only.")                                                                  \
+  X(epDispatchLocalBlocks, MORI_EP_DISPATCH_LOCAL_BLOCKS, Int, "0",                              \
+    "IntraNode and InterNode dispatch with at least 3 blocks per PE of the op: blocks copying "   \
+    "the rows a PE keeps (at most the blocks less 3 per peer); the rest stream to the peers. "    \
+    "0 = blocks / (2 x PEs - 1), at least 1. Read when an op is created.")                        \
   X(epCombinePrecopy, MORI_EP_COMBINE_PRECOPY, Bool, "1",                                         \
     "IntraNode pull combine of an external input (more than one PE): a kernel of its own copies " \
     "the input into the registered buffer, beside the combine kernel on the SMs it leaves free "  \

@@ -249,6 +249,8 @@ std::unique_ptr<EpBackend> MakeEpBackend(const EpDispatchCombineConfig& config, 
     b = std::make_unique<IntraNodeBackend>(config, device, gridSms);
   }
   b->SetCombineFp8Format(DeviceFp8Format(device));
+  b->SetDispatchLocalBlocks(
+      static_cast<int>(std::clamp<int64_t>(core::Env().epDispatchLocalBlocks, 0, 1 << 20)));
   return b;
 }
 

@@ -41,14 +41,20 @@ class EpBackend {
   virtual void LaunchCombine(EpCombineKernelArgs& k, const EpCombineArgs& args, int64_t bufferRows,
                              int blocks, int threads, gpuStream_t stream) = 0;
 
+  // MORI_EP_DISPATCH_LOCAL_BLOCKS as the dispatch kernels take it
+  // (EpDispatchKernelArgs::localBlocks; 0: unset).
+  int DispatchLocalBlocks() const { return dispatchLocalBlocks; }
+
   // Called once by MakeEpBackend.
   void SetCombineFp8Format(int format) { combineFp8Format = format; }
+  void SetDispatchLocalBlocks(int blocks) { dispatchLocalBlocks = blocks; }
 
  protected:
   bool programmatic = false;
 
  private:
   int combineFp8Format = 0;
+  int dispatchLocalBlocks = 0;
 };
 
 // The backend of config.RunsAs() on the current device (decides from MORI_EP_* and the device):

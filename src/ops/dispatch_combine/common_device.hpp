@@ -471,22 +471,30 @@ MORI_DEVICE_INLINE void EpDispatchReceive(const EpKernelCommon& c, const core::W
 // Dispatch block roles. Block b serves destination *dest as member *g of a group of *G blocks;
 // block 0 always leads the local destination (dest == rank), every destination has exactly one
 // leader (g == 0). With at least 3 blocks per destination the local destination gets
-// nb / (2W - 1) blocks (at least 1) and the rest are dealt round-robin over the W - 1 peers: a
-// block copies local rows (inside our own HBM) about twice as fast as it streams rows to a peer
+// EpDispatchLocalBlocks blocks and the rest are dealt round-robin over the W - 1 peers: a block
+// copies local rows (inside our own HBM) about twice as fast as it streams rows to a peer
 // (docs/performance.md, "Dispatch block split and scan"), and every destination gets about the
 // same number of rows, so each local block should carry about twice a peer block's rows, and the
 // local copy must not be the last to finish.
 // Tested through mori._C._testing (src/pybind/ep_test_bindings.cpp), as the work splits below.
 // ---------------------------------------------------------------------------------------------
-MORI_HD inline void EpDispatchBlockRole(int b, int nb, int W, int me, int* dest, int* g, int* G) {
+// Blocks of nb (>= 3W) on the local copy: `requested` (MORI_EP_DISPATCH_LOCAL_BLOCKS, 0 = unset)
+// kept within [1, nb - 3(W - 1)] (every peer keeps 3 blocks), else nb / (2W - 1), at least 1.
+MORI_HD inline int EpDispatchLocalBlocks(int nb, int W, int requested) {
+  if (requested <= 0) return nb / (2 * W - 1) > 1 ? nb / (2 * W - 1) : 1;
+  const int most = nb - 3 * (W - 1);
+  return requested < most ? requested : most;
+}
+
+MORI_HD inline void EpDispatchBlockRole(int b, int nb, int W, int me, int localBlocks, int* dest,
+                                        int* g, int* G) {
   if (W <= 1 || nb < 3 * W) {
     *dest = (b + me) % W;
     *g = b / W;
     *G = (nb - 1 - (b % W)) / W + 1;
     return;
   }
-  int nLocal = nb / (2 * W - 1);
-  if (nLocal < 1) nLocal = 1;
+  const int nLocal = EpDispatchLocalBlocks(nb, W, localBlocks);
   if (b < nLocal) {
     *dest = me;
     *g = b;

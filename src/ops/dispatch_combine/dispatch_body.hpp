@@ -308,7 +308,7 @@ MORI_DEVICE_INLINE void EpDispatchBody(const EpDispatchKernelArgs& a) {
   const int nWarps = f.nWarps;
   const int b = static_cast<int>(blockIdx.x);
   int dest = 0, g = 0, G = 1;
-  EpDispatchBlockRole(b, static_cast<int>(gridDim.x), W, me, &dest, &g, &G);
+  EpDispatchBlockRole(b, static_cast<int>(gridDim.x), W, me, a.localBlocks, &dest, &g, &G);
   const bool leader = g == 0;
   // InterNode: `dest` is on another node. Its rows are staged in our block (stage*[dest], list
   // order) and the group's last block WRITEs them to their final rows on dest by RDMA.

@@ -673,6 +673,7 @@ void EpDispatchCombineHandle::LaunchDispatchCall(const EpDispatchArgs& args, EpD
   // The senders check the ids; the receive step (fused, or the receive half) records the report
   // every PE of the call agrees on. A report never stops a launch (docs/ep.md, "Errors").
   k.checkIds = args.checkExpertIds && !receive ? 1 : 0;
+  k.localBlocks = backend->DispatchLocalBlocks();
   k.inputErrorRecord = badExpertIdDev;
   k.phase = phase;
   if (phase != EpDispatchPhase::kBoth) k.format |= kEpDispatchFormatSplit;

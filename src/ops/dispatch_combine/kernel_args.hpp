@@ -97,6 +97,8 @@ struct EpDispatchKernelArgs {
   // (kEpDispatchFormatInputError) and sends its report (the first offender: lowest token, then
   // top-k slot) with them.
   int32_t checkIds;
+  // MORI_EP_DISPATCH_LOCAL_BLOCKS (0: unset): blocks on the local copy (EpDispatchLocalBlocks).
+  int32_t localBlocks;
   // Host-mapped word (the handle's) where the receive step records the report of the lowest PE
   // that flagged its count for this PE, if the word is 0 (every PE of the call records the same
   // report). nullptr: nothing is recorded.
