@@ -396,11 +396,13 @@ void RegisterOpsBindings(py::module_& m) {
           "agreed on; no synchronisation. after_launch: the caller's call has launched")
       .def(
           "input_error_pending",
-          [](const EpDispatchCombineHandle& h, uintptr_t stream) {
+          [](EpDispatchCombineHandle& h, uintptr_t stream) {
             return h.InputErrorPending(reinterpret_cast<gpuStream_t>(stream));
           },
           py::arg("stream"),
-          "Whether an input-error report is here (False while `stream` captures a graph)")
+          "Before a call launches: whether an input-error report is here to raise after it "
+          "launched (False while `stream` captures a graph); moves it out of the word the "
+          "call's own dispatch records into")
       .def("check_device_error", &EpDispatchCombineHandle::CheckDeviceError,
            "shmem's device error and this op's input-error report, both read and cleared; raises "
            "the device error (the report appended), else the report")

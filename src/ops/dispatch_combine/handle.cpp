@@ -8,6 +8,7 @@
 #include <exception>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "backend.hpp"
@@ -468,18 +469,23 @@ std::string DescribeInputError(uint64_t report, int numExperts) {
 }  // namespace
 
 uint64_t EpDispatchCombineHandle::TakeInputErrorReport() {
+  if (heldInputError != 0) return std::exchange(heldInputError, uint64_t{0});
   if (badExpertIdHost == nullptr) return 0;
   if (__atomic_load_n(badExpertIdHost, __ATOMIC_ACQUIRE) == 0) return 0;
   return __atomic_exchange_n(badExpertIdHost, 0, __ATOMIC_ACQ_REL);
 }
 
-bool EpDispatchCombineHandle::InputErrorPending(gpuStream_t stream) const {
-  if (badExpertIdHost == nullptr || __atomic_load_n(badExpertIdHost, __ATOMIC_ACQUIRE) == 0)
+bool EpDispatchCombineHandle::InputErrorPending(gpuStream_t stream) {
+  if (heldInputError == 0 &&
+      (badExpertIdHost == nullptr || __atomic_load_n(badExpertIdHost, __ATOMIC_ACQUIRE) == 0))
     return false;
   // Inside a capture nothing runs now: the report (of earlier work) stays for a later check.
   gpuStreamCaptureStatus capture = gpuStreamCaptureStatusNone;
   MORI_CHECK_GPU(gpuStreamIsCapturing(stream, &capture));
-  return capture == gpuStreamCaptureStatusNone;
+  if (capture != gpuStreamCaptureStatusNone) return false;
+  if (heldInputError == 0)
+    heldInputError = __atomic_exchange_n(badExpertIdHost, 0, __ATOMIC_ACQ_REL);
+  return heldInputError != 0;
 }
 
 void EpDispatchCombineHandle::TakeExpertIdError(const char* what, bool afterLaunch) {

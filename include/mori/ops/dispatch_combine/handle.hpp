@@ -238,9 +238,12 @@ class EpDispatchCombineHandle {
   // skip a launch its peers wait for): the Python calls ask InputErrorPending before they launch
   // and raise the report it saw after they launched.
   void TakeExpertIdError(const char* what, bool afterLaunch = false);
-  // Whether a report is here to be taken; false while `stream` captures a graph (nothing would
-  // run now, so the report stays for a later check). A report stays until it is taken.
-  bool InputErrorPending(gpuStream_t stream) const;
+  // Before a call launches: whether a report is here to be raised once it has launched; false
+  // while `stream` captures a graph (nothing would run now, so the report stays for a later
+  // check). A report it finds is moved out of the word the dispatch kernels record into (held
+  // until TakeExpertIdError or CheckDeviceError takes it), so that the call about to launch can
+  // record its own report there: a kernel records only into an empty word.
+  bool InputErrorPending(gpuStream_t stream);
   // shmem's device error record (ShmemCheckDeviceError) and this op's input-error report, both
   // read and cleared: raises the device error (with the report appended when there is one), else
   // the report.
@@ -309,7 +312,8 @@ class EpDispatchCombineHandle {
   // (EpPackInputError; 0: none).
   uint64_t* badExpertIdHost = nullptr;
   uint64_t* badExpertIdDev = nullptr;
-  uint64_t TakeInputErrorReport();  // the report, cleared (0: none)
+  uint64_t heldInputError = 0;      // a report InputErrorPending moved out of the word (0: none)
+  uint64_t TakeInputErrorReport();  // the held report, else the word's, cleared (0: none)
   EpIndexType lastIndexType = EpIndexType::kInt32;
   uint64_t dispatchCalls = 0;          // Dispatch calls launched
   uint64_t convertedCall = 0;          // dispatchCalls at the last ConvertDispatchOutput (0: none)
