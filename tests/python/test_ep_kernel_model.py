@@ -63,9 +63,10 @@ def position_to_token(words, prefix, p, warp):
     return w * warp + nth_set_bit(words[w], p - prefix[w], warp)
 
 
-def block_role(b, nb, W, me):
-    """EpDispatchBlockRole: (dest, g, G) of dispatch block b of nb on PE me."""
-    return _testing().ep_dispatch_block_role(b, nb, W, me)
+def block_role(b, nb, W, me, local_blocks=0):
+    """EpDispatchBlockRole: (dest, g, G) of dispatch block b of nb on PE me (local_blocks:
+    MORI_EP_DISPATCH_LOCAL_BLOCKS, 0 = unset)."""
+    return _testing().ep_dispatch_block_role(b, nb, W, me, local_blocks)
 
 
 def share(n, i, parts):

@@ -166,7 +166,8 @@ def analyse_launch(recs, W, kind, me=0):
         # local-copy blocks vs blocks streaming to peers: copy time and when their rows were published
         nb = len(recs)
         for grp, want in (("L", True), ("R", False)):
-            g = [r for r in recs if (block_role(r[BLOCK], nb, W, me)[0] == me) == want]
+            local = int(os.environ.get("MORI_EP_DISPATCH_LOCAL_BLOCKS", "0") or 0)  # as the op read it
+            g = [r for r in recs if (block_role(r[BLOCK], nb, W, me, local)[0] == me) == want]
             d = [dur(r, st("count_wait"), st("copy")) for r in g]
             m["copy" + grp] = (med(d), mx(d))
             pub = st("publish")
