@@ -62,9 +62,10 @@ def safe_ref(ref):
 
 def build_commands(src, build, backend, jobs, python):
     """The configure and build commands of the Python module of tree `src` in `build`."""
-    archs = os.environ.get("MORI_GPU_ARCHS") or ("90" if backend == "CUDA" else "gfx942")
     configure = ["cmake", "-S", src, "-B", build, "-DCMAKE_BUILD_TYPE=Release", f"-DMORI_GPU_BACKEND={backend}",
-                 f"-DMORI_GPU_ARCHS={archs}", "-DMORI_BUILD_TESTS=OFF", f"-DPython_EXECUTABLE={python}"]
+                 "-DMORI_BUILD_TESTS=OFF", f"-DPython_EXECUTABLE={python}"]
+    if os.environ.get("MORI_GPU_ARCHS"):  # else CMake's default for the backend
+        configure.append(f"-DMORI_GPU_ARCHS={os.environ['MORI_GPU_ARCHS']}")
     if shutil.which("ninja"):
         configure += ["-G", "Ninja"]
     try:
