@@ -4,6 +4,7 @@ their records, and the commands of a dry run."""
 import contextlib
 import io
 import os
+import subprocess
 import sys
 
 import pytest
@@ -14,9 +15,13 @@ import ab_bench as AB  # noqa: E402
 
 
 def test_variants_parse_and_bad_ones_raise():
-    assert AB.parse_variant("lb10:MORI_EP_DISPATCH_LOCAL_BLOCKS=10") == ("lb10", {"MORI_EP_DISPATCH_LOCAL_BLOCKS": "10"})
-    assert AB.parse_variant("x.1:A=,B_2=y=z") == ("x.1", {"A": "", "B_2": "y=z"})
-    for bad in ("lb10", "lb10:", ":A=1", "base:A=1", "head:A=1", "a b:A=1", "v:a=1", "v:A", "v:A=1,"):
+    assert AB.parse_variant("lb10:MORI_EP_DISPATCH_LOCAL_BLOCKS=10") == \
+        ("lb10", "head", {"MORI_EP_DISPATCH_LOCAL_BLOCKS": "10"})
+    assert AB.parse_variant("x.1:A=,B_2=y=z") == ("x.1", "head", {"A": "", "B_2": "y=z"})
+    assert AB.parse_variant("b10@base:A=1") == ("b10", "base", {"A": "1"})
+    assert AB.parse_variant("h@head:A=1") == ("h", "head", {"A": "1"})
+    for bad in ("lb10", "lb10:", ":A=1", "base:A=1", "head:A=1", "a b:A=1", "v:a=1", "v:A", "v:A=1,",
+                "v@:A=1", "v@main:A=1", "base@base:A=1", "@base:A=1"):
         with pytest.raises(ValueError):
             AB.parse_variant(bad)
 
@@ -62,7 +67,7 @@ def test_dry_run_prints_the_builds_and_the_alternated_runs():
                       "--jobs", "4", "--dry-run", "--", "--nproc", "2", "--configs", "ht"])
     assert rc == 0
     lines = out.getvalue().splitlines()
-    assert "archive HEAD" in lines[0]
+    assert "rev-parse --verify 'HEAD^{commit}'" in lines[0] and "archive" in lines[0]
     builds = [line for line in lines if line.startswith("[base]") or line.startswith("[head]")]
     assert len(builds) == 4 and all("-j2" in line for line in builds if "--build" in line)
     runs = [line for line in lines if line.startswith("[round")]
@@ -71,6 +76,14 @@ def test_dry_run_prints_the_builds_and_the_alternated_runs():
         [(True, False), (False, False), (False, True)]
     assert all(r.endswith("--nproc 2 --configs ht --json '<%s-%d.json>'" % (n, i))
                for r, (i, n) in zip(runs, AB.run_plan([("base", {}), ("head", {}), ("lb10", {})], 2)))
+    # a variant of the base runs the base tree's bench with the base build and its settings
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        AB.main(["--base", "HEAD", "--rounds", "1", "--variant", "b8@base:MORI_EP_DISPATCH_LOCAL_BLOCKS=8",
+                 "--dry-run", "--", "--nproc", "2"])
+    runs = [line for line in out.getvalue().splitlines() if line.startswith("[round")]
+    assert len(runs) == 3
+    assert "MORI_EP_DISPATCH_LOCAL_BLOCKS=8" in runs[2] and "ab/HEAD/build" in runs[2] and "ab/HEAD/src" in runs[2]
     # an existing build of the working tree is taken as it is
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -84,3 +97,26 @@ def test_json_is_the_scripts_own_argument():
         AB.main(["--base", "HEAD", "--dry-run", "--", "--json", "x.json"])
     with pytest.raises(SystemExit):
         AB.main(["--base", "HEAD", "--variant", "a:X=1", "--variant", "a:X=2", "--dry-run"])
+
+
+def test_the_base_tree_is_extracted_again_only_for_another_commit(tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / "f.txt").write_text("one\n")
+    subprocess.run(git + ["add", "f.txt"], check=True)
+    subprocess.run(git + ["commit", "-q", "-m", "one"], check=True)
+    dest = tmp_path / "ab" / "src"
+    cmd = AB.archive_command(str(repo), "HEAD", str(dest))
+    subprocess.run(["bash", "-c", cmd], check=True)
+    assert (dest / "f.txt").read_text() == "one\n"
+    os.utime(dest / "f.txt", (1, 1))  # a time the extraction would not give
+    subprocess.run(["bash", "-c", cmd], check=True)
+    assert os.stat(dest / "f.txt").st_mtime == 1  # same commit: kept as it was
+    (repo / "f.txt").write_text("two\n")
+    subprocess.run(git + ["commit", "-q", "-am", "two"], check=True)
+    subprocess.run(["bash", "-c", cmd], check=True)
+    assert (dest / "f.txt").read_text() == "two\n" and os.stat(dest / "f.txt").st_mtime != 1
+    assert subprocess.run(["bash", "-c", AB.archive_command(str(repo), "no-such-ref", str(dest))],
+                          capture_output=True).returncode != 0

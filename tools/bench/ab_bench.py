@@ -6,14 +6,18 @@ machine.
     python3 tools/bench/ab_bench.py --base HEAD~1 -- --nproc 2 --configs ht --ht-grid 24:16 --no-baseline
     python3 tools/bench/ab_bench.py --base main --rounds 3 \\
         --variant lb10:MORI_EP_DISPATCH_LOCAL_BLOCKS=10 -- --nproc 2 --configs ht --no-baseline
+    python3 tools/bench/ab_bench.py --base main --variant lb10@base:MORI_EP_DISPATCH_LOCAL_BLOCKS=10 \\
+        --variant lb10:MORI_EP_DISPATCH_LOCAL_BLOCKS=10 -- --nproc 2 --configs ht --no-baseline
 
 Figures of one run vary by up to +-5 % on these machines (docs/performance.md), so a change is
 judged on rounds of every variant in turn, never on one run of each:
   1. builds, at once, each with half the cores: the base ref (`git archive`) in .ab/<ref>/ and the
      working tree in build-ab/ (the Python module, tests off; --head-build DIR takes a build that
-     exists instead);
+     exists instead). A base tree of the same commit as the last run's is kept, so its build is
+     incremental;
   2. rounds: each variant runs its own tree's tools/bench/ep_bench.py once per round, in turn (base,
-     head, then every --variant: head with those settings), each writing --json;
+     head, then every --variant: head with those settings, or base with them for NAME@base),
+     each writing --json;
   3. the table: per phase (config, phase, dtype, input) and variant, every round's µs (slowest
      rank) and their median; after the base column, each median's ratio to the base median.
 A run that fails is reported with its last lines and left out of the table (its cells say so;
@@ -42,10 +46,14 @@ ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
 
 
 def parse_variant(text):
-    """"name:VAR=value,VAR2=value" -> (name, {VAR: value, ...}); ValueError when malformed."""
-    name, sep, settings = text.partition(":")
-    if not NAME.fullmatch(name) or name in ("base", "head") or not sep or not settings:
-        raise ValueError(f"variant {text!r}: expected NAME:VAR=VALUE[,VAR=VALUE...] "
+    """"name[@tree]:VAR=value,VAR2=value" -> (name, tree, {VAR: value, ...}); tree is "head" (the
+    working tree, the default) or "base". ValueError when malformed."""
+    spec, sep, settings = text.partition(":")
+    name, at, tree = spec.partition("@")
+    tree = tree if at else "head"
+    if not NAME.fullmatch(name) or name in ("base", "head") or tree not in ("base", "head") or not sep \
+            or not settings:
+        raise ValueError(f"variant {text!r}: expected NAME[@base]:VAR=VALUE[,VAR=VALUE...] "
                          "(NAME of letters, digits, '_', '.', '-'; not base or head)")
     env = {}
     for item in settings.split(","):
@@ -53,11 +61,22 @@ def parse_variant(text):
         if not eq or not ENV_NAME.fullmatch(var):
             raise ValueError(f"variant {text!r}: {item!r} is not VAR=VALUE")
         env[var] = value
-    return name, env
+    return name, tree, env
 
 
 def safe_ref(ref):
     return re.sub(r"[^A-Za-z0-9._-]", "_", ref)
+
+
+def archive_command(repo, ref, dest):
+    """The shell command that extracts commit `ref` of `repo` into `dest`, unless `dest` already
+    holds that commit (a stamp file says which): files of the same commit keep their times, so a
+    build of them is incremental."""
+    q = shlex.quote
+    stamp = os.path.join(dest, ".ab-commit")
+    return (f"c=$(git -C {q(repo)} rev-parse --verify {q(ref + '^{commit}')}) && "
+            f"{{ [ \"$(cat {q(stamp)} 2>/dev/null)\" = \"$c\" ] || {{ rm -rf {q(dest)} && mkdir -p {q(dest)} && "
+            f"git -C {q(repo)} archive \"$c\" | tar -x -C {q(dest)} && echo \"$c\" > {q(stamp)}; }}; }}")
 
 
 def build_commands(src, build, backend, jobs, python):
@@ -128,8 +147,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", required=True, help="git ref of the base build")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--variant", action="append", default=[], metavar="NAME:VAR=VALUE[,...]",
-                   help="the working tree with these settings (repeatable)")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME[@base]:VAR=VALUE[,...]",
+                   help="the working tree (NAME@base: the base) with these settings (repeatable)")
     p.add_argument("--head-build", help="an existing build of the working tree (default: build it in build-ab)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 2, help="build jobs in all (default: the cores)")
     p.add_argument("--timeout", type=float, default=600, help="seconds one ep_bench.py run may take")
@@ -143,7 +162,7 @@ def main(argv=None):
         extra = [parse_variant(v) for v in args.variant]
     except ValueError as e:
         p.error(str(e))
-    if len({n for n, _ in extra}) != len(extra):
+    if len({n for n, _, _ in extra}) != len(extra):
         p.error("variant names must differ")
 
     python = sys.executable
@@ -156,12 +175,11 @@ def main(argv=None):
     builds = [("base", build_commands(base_src, base_build, backend, half, python))]
     if not args.head_build:
         builds.append(("head", build_commands(REPO, head_build, backend, half, python)))
-    variants = [("base", {}), ("head", {})] + extra
-    tree = {"base": (base_src, base_build)}
-    for name, _ in variants[1:]:
-        tree[name] = (REPO, head_build)
-    archive = f"rm -rf {shlex.quote(base_src)} && mkdir -p {shlex.quote(base_src)} && " \
-              f"git -C {shlex.quote(REPO)} archive {shlex.quote(args.base)} | tar -x -C {shlex.quote(base_src)}"
+    variants = [("base", {}), ("head", {})] + [(name, env) for name, _, env in extra]
+    tree = {"base": (base_src, base_build), "head": (REPO, head_build)}
+    for name, which, _ in extra:
+        tree[name] = tree[which]
+    archive = archive_command(REPO, args.base, base_src)
 
     def bench_command(name, json_path):
         src, build = tree[name]
