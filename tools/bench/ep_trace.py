@@ -50,6 +50,7 @@ SLOTS = 64
 # The record layout (word indices, stamps) is the library's: mori.ops.trace.layout(), from the C++
 # constants of include/mori/ops/dispatch_combine/trace.hpp; load_layout() fills these.
 WORDS = MAGIC = NPEER = G0 = C0 = EPOCH = BLOCK = SMID = ORDER = GRID = PARTS = MAGW = SEEN = ENTRY = None
+LOCAL_BLOCKS = 0  # MORI_EP_DISPATCH_LOCAL_BLOCKS as the library reads it (load_layout)
 STAMP = {}  # (kind code: 0 combine, 1 dispatch; phase name) -> the stamp that ends the phase
 PHASES = {}  # kind code -> [(stamp, phase name)] in the order a block passes them
 # this tool's short names of the phases
@@ -59,7 +60,8 @@ LABELS = {0: {"send": "P1", "wait_peers": "P2", "reduce": "P3", "fence": "F", "g
 
 
 def load_layout(mori):
-    global WORDS, MAGIC, NPEER, G0, C0, EPOCH, BLOCK, SMID, ORDER, GRID, PARTS, MAGW, SEEN, ENTRY
+    global WORDS, MAGIC, NPEER, G0, C0, EPOCH, BLOCK, SMID, ORDER, GRID, PARTS, MAGW, SEEN, ENTRY, LOCAL_BLOCKS
+    LOCAL_BLOCKS = next(int(e["value"]) for e in mori._C.env_entries() if e["name"] == "MORI_EP_DISPATCH_LOCAL_BLOCKS")
     L = mori.ops.trace.layout()
     WORDS, MAGIC, NPEER, ENTRY = L["words"], L["magic"], L["peers"], L["entry_stamp"]
     G0, C0, SEEN = L["word_time"], L["word_cycles"], L["word_peer_ready"]
@@ -166,8 +168,7 @@ def analyse_launch(recs, W, kind, me=0):
         # local-copy blocks vs blocks streaming to peers: copy time and when their rows were published
         nb = len(recs)
         for grp, want in (("L", True), ("R", False)):
-            local = int(os.environ.get("MORI_EP_DISPATCH_LOCAL_BLOCKS", "0") or 0)  # as the op read it
-            g = [r for r in recs if (block_role(r[BLOCK], nb, W, me, local)[0] == me) == want]
+            g = [r for r in recs if (block_role(r[BLOCK], nb, W, me, LOCAL_BLOCKS)[0] == me) == want]
             d = [dur(r, st("count_wait"), st("copy")) for r in g]
             m["copy" + grp] = (med(d), mx(d))
             pub = st("publish")
